@@ -1,0 +1,746 @@
+#include "common/job_spec.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
+#include "common/file_util.h"
+#include "common/model_config.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+
+absl::string_view MethodName(Method method) {
+  switch (method) {
+    case Method::kLora:
+      return "lora";
+    case Method::kFull:
+      return "full";
+    case Method::kQLora:
+      return "qlora";
+  }
+  return "unknown";
+}
+
+absl::string_view ScheduleKindName(ScheduleKind kind) {
+  switch (kind) {
+    case ScheduleKind::kCosine:
+      return "cosine";
+    case ScheduleKind::kLinear:
+      return "linear";
+    case ScheduleKind::kConstant:
+      return "constant";
+  }
+  return "unknown";
+}
+
+absl::string_view OptimizerKindName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kAdamW8bit:
+      return "adamw8bit";
+    case OptimizerKind::kAdafactor:
+      return "adafactor";
+    case OptimizerKind::kSgd:
+      return "sgd";
+  }
+  return "unknown";
+}
+
+absl::string_view PrecisionName(Precision precision) {
+  switch (precision) {
+    case Precision::kFp32:
+      return "fp32";
+    case Precision::kBf16:
+      return "bf16";
+    case Precision::kFp16:
+      return "fp16";
+  }
+  return "unknown";
+}
+
+absl::string_view DeviceKindName(DeviceKind device) {
+  switch (device) {
+    case DeviceKind::kCpu:
+      return "cpu";
+    case DeviceKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// True for a scalar the author quoted (or tagged !!str): a string even when it reads like
+// a number. JSON strings arrive this way, so "lr": "2e-4" is refused like lr: "2e-4".
+bool IsStringScalar(const YAML::Node& node) {
+  return node.Tag() == "!" || node.Tag() == "tag:yaml.org,2002:str";
+}
+
+bool IsDigits(absl::string_view text) {
+  if (text.empty()) return false;
+  for (char c : text) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
+// YAML 1.2 core-schema integer (decimal only): [-+]?[0-9]+.
+bool LooksLikeInteger(absl::string_view text) {
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) text.remove_prefix(1);
+  return IsDigits(text);
+}
+
+// YAML 1.2 core-schema float without the special values:
+// [-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?
+bool LooksLikeFiniteNumber(absl::string_view text) {
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) text.remove_prefix(1);
+  size_t exponent = text.find_first_of("eE");
+  absl::string_view mantissa = text.substr(0, exponent);
+  if (exponent != absl::string_view::npos) {
+    absl::string_view power = text.substr(exponent + 1);
+    if (!power.empty() && (power[0] == '-' || power[0] == '+')) power.remove_prefix(1);
+    if (!IsDigits(power)) return false;
+  }
+  size_t dot = mantissa.find('.');
+  if (dot == absl::string_view::npos) return IsDigits(mantissa);
+  absl::string_view whole = mantissa.substr(0, dot);
+  absl::string_view fraction = mantissa.substr(dot + 1);
+  if (whole.empty()) return IsDigits(fraction);
+  return IsDigits(whole) && (fraction.empty() || IsDigits(fraction));
+}
+
+bool LooksLikeSpecialFloat(absl::string_view text) {
+  if (!text.empty() && (text[0] == '-' || text[0] == '+')) text.remove_prefix(1);
+  for (absl::string_view special : {".inf", ".Inf", ".INF", ".nan", ".NaN", ".NAN"}) {
+    if (text == special) return true;
+  }
+  return false;
+}
+
+bool IsBoolText(absl::string_view text) {
+  for (absl::string_view word : {"true", "True", "TRUE", "false", "False", "FALSE"}) {
+    if (text == word) return true;
+  }
+  return false;
+}
+
+// Renders a value for an error message, kept to one short line.
+std::string Describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Undefined:
+    case YAML::NodeType::Null:
+      return "null";
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a map";
+    case YAML::NodeType::Scalar:
+      break;
+  }
+  std::string text = node.Scalar();
+  constexpr size_t kMaxChars = 40;
+  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
+  text = absl::CHexEscape(text);
+  const std::string& raw = node.Scalar();
+  if (!IsStringScalar(node) &&
+      (LooksLikeFiniteNumber(raw) || LooksLikeSpecialFloat(raw) || IsBoolText(raw))) {
+    return text;
+  }
+  return absl::StrCat("\"", text, "\"");
+}
+
+template <typename T>
+struct EnumValue {
+  absl::string_view name;
+  T value;
+};
+
+// Reads the fields of one spec. Every error is INVALID_ARGUMENT
+// "<source>: <field>: <problem>".
+class SpecReader {
+ public:
+  explicit SpecReader(absl::string_view source) : source_(source) {}
+
+  // An empty `field` is the document itself.
+  absl::Status Error(absl::string_view field, absl::string_view problem) const {
+    if (field.empty()) return absl::InvalidArgumentError(absl::StrCat(source_, ": ", problem));
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, ": ", problem));
+  }
+
+  absl::Status Missing(absl::string_view field) const {
+    return Error(field, "required field is missing");
+  }
+
+  // Checks that `node` is a map whose keys are scalars, unique and among `known`, so that
+  // the caller can then look values up by key.
+  absl::Status ExpectMap(const YAML::Node& node, absl::string_view field,
+                         std::initializer_list<absl::string_view> known) const {
+    if (!node.IsMap()) return Error(field, absl::StrCat("expected a map, got ", Describe(node)));
+    std::set<std::string> seen;
+    for (const auto& entry : node) {
+      if (!entry.first.IsScalar()) {
+        return Error(field,
+                     absl::StrCat("field names must be strings, got ", Describe(entry.first)));
+      }
+      const std::string& key = entry.first.Scalar();
+      const std::string path = Join(field, key.empty() ? "\"\"" : key);
+      bool is_known = false;
+      for (absl::string_view name : known) is_known = is_known || name == key;
+      if (!is_known) return Error(path, "unknown field");
+      if (!seen.insert(key).second) return Error(path, "given more than once");
+    }
+    return absl::OkStatus();
+  }
+
+  static std::string Join(absl::string_view parent, absl::string_view key) {
+    return parent.empty() ? std::string(key) : absl::StrCat(parent, ".", key);
+  }
+
+  absl::Status ReadString(const YAML::Node& node, absl::string_view field, std::string* out) const {
+    if (!node.IsScalar()) {
+      return Error(field, absl::StrCat("expected a string, got ", Describe(node)));
+    }
+    *out = node.Scalar();
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadNonEmptyString(const YAML::Node& node, absl::string_view field,
+                                  std::string* out) const {
+    LATHE_RETURN_IF_ERROR(ReadString(node, field, out));
+    if (out->empty()) return Error(field, "must not be empty");
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadInt(const YAML::Node& node, absl::string_view field, int64_t* out) const {
+    if (!node.IsScalar() || IsStringScalar(node) || !LooksLikeInteger(node.Scalar())) {
+      return Error(field, absl::StrCat("expected an integer, got ", Describe(node)));
+    }
+    if (!absl::SimpleAtoi(node.Scalar(), out)) {
+      return Error(field, absl::StrCat(node.Scalar(), " is out of range"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadIntAtLeast(const YAML::Node& node, absl::string_view field, int64_t min,
+                              int64_t* out) const {
+    LATHE_RETURN_IF_ERROR(ReadInt(node, field, out));
+    if (*out < min) return Error(field, absl::StrCat("must be >= ", min, ", got ", *out));
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadUint(const YAML::Node& node, absl::string_view field, uint64_t* out) const {
+    if (!node.IsScalar() || IsStringScalar(node) || !LooksLikeInteger(node.Scalar())) {
+      return Error(field, absl::StrCat("expected a non-negative integer, got ", Describe(node)));
+    }
+    if (node.Scalar()[0] == '-') {
+      return Error(field, absl::StrCat("must be a non-negative integer, got ", node.Scalar()));
+    }
+    if (!absl::SimpleAtoi(node.Scalar(), out)) {
+      return Error(field, absl::StrCat(node.Scalar(), " is out of range"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadDouble(const YAML::Node& node, absl::string_view field, double* out) const {
+    if (node.IsScalar() && !IsStringScalar(node) && LooksLikeSpecialFloat(node.Scalar())) {
+      return Error(field, absl::StrCat("must be finite, got ", node.Scalar()));
+    }
+    if (!node.IsScalar() || IsStringScalar(node) || !LooksLikeFiniteNumber(node.Scalar()) ||
+        !absl::SimpleAtod(node.Scalar(), out)) {
+      return Error(field, absl::StrCat("expected a number, got ", Describe(node)));
+    }
+    if (!std::isfinite(*out)) {
+      return Error(field, absl::StrCat(node.Scalar(), " is out of range"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads a number > `min` (or >= `min` when `inclusive`) and < `max` when given.
+  absl::Status ReadDoubleInRange(const YAML::Node& node, absl::string_view field, double min,
+                                 bool inclusive, std::optional<double> max, double* out) const {
+    LATHE_RETURN_IF_ERROR(ReadDouble(node, field, out));
+    const bool above = inclusive ? *out >= min : *out > min;
+    const bool below = !max.has_value() || *out < *max;
+    if (above && below) return absl::OkStatus();
+    if (max.has_value()) {
+      return Error(field, absl::StrCat("must be in ", inclusive ? "[" : "(", min, ", ", *max,
+                                       "), got ", node.Scalar()));
+    }
+    return Error(field,
+                 absl::StrCat("must be ", inclusive ? ">= " : "> ", min, ", got ", node.Scalar()));
+  }
+
+  absl::Status ReadBool(const YAML::Node& node, absl::string_view field, bool* out) const {
+    if (node.IsScalar() && !IsStringScalar(node)) {
+      const std::string& text = node.Scalar();
+      if (text == "true" || text == "True" || text == "TRUE") {
+        *out = true;
+        return absl::OkStatus();
+      }
+      if (text == "false" || text == "False" || text == "FALSE") {
+        *out = false;
+        return absl::OkStatus();
+      }
+    }
+    return Error(field, absl::StrCat("expected true or false, got ", Describe(node)));
+  }
+
+  template <typename T>
+  absl::Status ReadEnum(const YAML::Node& node, absl::string_view field,
+                        std::initializer_list<EnumValue<T>> values, T* out) const {
+    std::vector<absl::string_view> names;
+    for (const EnumValue<T>& value : values) {
+      if (node.IsScalar() && node.Scalar() == value.name) {
+        *out = value.value;
+        return absl::OkStatus();
+      }
+      names.push_back(value.name);
+    }
+    return Error(field, absl::StrCat("unknown value ", Describe(node),
+                                     " (expected one of: ", absl::StrJoin(names, ", "), ")"));
+  }
+
+ private:
+  absl::string_view source_;
+};
+
+absl::Status ParseModel(const SpecReader& r, const YAML::Node& node, ModelSpec* model) {
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "model", {"path"}));
+  if (const YAML::Node v = node["path"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "model.path", &model->path));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseData(const SpecReader& r, const YAML::Node& node, DataSpec* data) {
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "data", {"train", "eval", "seq_len", "pack"}));
+  if (const YAML::Node v = node["train"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "data.train", &data->train));
+  }
+  if (const YAML::Node v = node["eval"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadString(v, "data.eval", &data->eval));
+  }
+  if (const YAML::Node v = node["seq_len"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "data.seq_len", 2, &data->seq_len));
+  }
+  if (const YAML::Node v = node["pack"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "data.pack", &data->pack));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node,
+                              std::vector<std::string>* targets) {
+  constexpr absl::string_view kField = "lora.targets";
+  if (!node.IsSequence()) {
+    return r.Error(kField, absl::StrCat("expected a list, got ", Describe(node)));
+  }
+  if (node.size() == 0) return r.Error(kField, "must not be empty");
+  targets->clear();
+  for (size_t i = 0; i < node.size(); ++i) {
+    const std::string field = absl::StrCat(kField, "[", i, "]");
+    std::string target;
+    LATHE_RETURN_IF_ERROR(r.ReadString(node[i], field, &target));
+    if (!IsLoraTargetModule(target)) {
+      return r.Error(field,
+                     absl::StrCat("unknown module ", Describe(node[i]), " (expected one of: ",
+                                  absl::StrJoin(LoraTargetModules(), ", "), ")"));
+    }
+    for (const std::string& earlier : *targets) {
+      if (earlier == target) return r.Error(field, absl::StrCat("duplicate \"", target, "\""));
+    }
+    targets->push_back(std::move(target));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseLora(const SpecReader& r, const YAML::Node& node, LoraSpec* lora) {
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(
+      node, "lora", {"rank", "alpha", "dropout", "targets", "use_rslora", "init_from"}));
+  if (const YAML::Node v = node["rank"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "lora.rank", 1, &lora->rank));
+  }
+  if (const YAML::Node v = node["alpha"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "lora.alpha", 0, false, {}, &lora->alpha));
+  }
+  if (const YAML::Node v = node["dropout"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "lora.dropout", 0, true, 1.0, &lora->dropout));
+  }
+  if (const YAML::Node v = node["targets"]) {
+    LATHE_RETURN_IF_ERROR(ParseLoraTargets(r, v, &lora->targets));
+  }
+  if (const YAML::Node v = node["use_rslora"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "lora.use_rslora", &lora->use_rslora));
+  }
+  if (const YAML::Node v = node["init_from"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "lora.init_from", &lora->init_from));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseSchedule(const SpecReader& r, const YAML::Node& node, ScheduleSpec* schedule) {
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "train.schedule", {"kind", "warmup_steps"}));
+  if (const YAML::Node v = node["kind"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<ScheduleKind>(v, "train.schedule.kind",
+                                                   {{"cosine", ScheduleKind::kCosine},
+                                                    {"linear", ScheduleKind::kLinear},
+                                                    {"constant", ScheduleKind::kConstant}},
+                                                   &schedule->kind));
+  }
+  if (const YAML::Node v = node["warmup_steps"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadIntAtLeast(v, "train.schedule.warmup_steps", 0, &schedule->warmup_steps));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* train) {
+  LATHE_RETURN_IF_ERROR(
+      r.ExpectMap(node, "train",
+                  {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
+                   "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm",
+                   "precision", "seed", "checkpoint_every"}));
+  if (const YAML::Node v = node["steps"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.steps", 0, &train->steps));
+  }
+  if (const YAML::Node v = node["epochs"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.epochs", 0, &train->epochs));
+  }
+  if (const YAML::Node v = node["global_batch"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.global_batch", 1, &train->global_batch));
+  }
+  if (const YAML::Node v = node["micro_batch"]) {
+    if (v.IsScalar() && v.Scalar() == "auto") {
+      train->micro_batch = 0;
+    } else if (!v.IsScalar() || IsStringScalar(v) || !LooksLikeInteger(v.Scalar())) {
+      return r.Error("train.micro_batch",
+                     absl::StrCat("expected an integer or \"auto\", got ", Describe(v)));
+    } else {
+      LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.micro_batch", 1, &train->micro_batch));
+    }
+  }
+  if (const YAML::Node v = node["lr"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "train.lr", 0, false, {}, &train->lr));
+  }
+  if (const YAML::Node v = node["schedule"]) {
+    LATHE_RETURN_IF_ERROR(ParseSchedule(r, v, &train->schedule));
+  }
+  if (const YAML::Node v = node["optimizer"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<OptimizerKind>(v, "train.optimizer",
+                                                    {{"adamw", OptimizerKind::kAdamW},
+                                                     {"adamw8bit", OptimizerKind::kAdamW8bit},
+                                                     {"adafactor", OptimizerKind::kAdafactor},
+                                                     {"sgd", OptimizerKind::kSgd}},
+                                                    &train->optimizer));
+  }
+  if (const YAML::Node v = node["adam_beta1"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDoubleInRange(v, "train.adam_beta1", 0, true, 1.0, &train->adam_beta1));
+  }
+  if (const YAML::Node v = node["adam_beta2"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDoubleInRange(v, "train.adam_beta2", 0, true, 1.0, &train->adam_beta2));
+  }
+  if (const YAML::Node v = node["adam_eps"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "train.adam_eps", 0, false, {}, &train->adam_eps));
+  }
+  if (const YAML::Node v = node["weight_decay"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDoubleInRange(v, "train.weight_decay", 0, true, {}, &train->weight_decay));
+  }
+  if (const YAML::Node v = node["max_grad_norm"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDoubleInRange(v, "train.max_grad_norm", 0, true, {}, &train->max_grad_norm));
+  }
+  if (const YAML::Node v = node["precision"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<Precision>(
+        v, "train.precision",
+        {{"fp32", Precision::kFp32}, {"bf16", Precision::kBf16}, {"fp16", Precision::kFp16}},
+        &train->precision));
+  }
+  if (const YAML::Node v = node["seed"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadUint(v, "train.seed", &train->seed));
+  }
+  if (const YAML::Node v = node["checkpoint_every"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadIntAtLeast(v, "train.checkpoint_every", 0, &train->checkpoint_every));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseResources(const SpecReader& r, const YAML::Node& node, ResourcesSpec* resources) {
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "resources", {"ranks", "device", "memory_per_rank"}));
+  if (const YAML::Node v = node["ranks"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "resources.ranks", 1, &resources->ranks));
+  }
+  if (const YAML::Node v = node["device"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<DeviceKind>(
+        v, "resources.device", {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}},
+        &resources->device));
+  }
+  if (const YAML::Node v = node["memory_per_rank"]) {
+    constexpr absl::string_view kField = "resources.memory_per_rank";
+    if (!v.IsScalar()) {
+      return r.Error(kField, absl::StrCat("expected a byte size such as 80GiB, got ", Describe(v)));
+    }
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(v.Scalar());
+    if (!bytes.ok()) return r.Error(kField, bytes.status().message());
+    if (*bytes == 0) return r.Error(kField, "must be > 0");
+    resources->memory_per_rank = *bytes;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, StrategySpec* strategy) {
+  if (node.IsScalar() && node.Scalar() == "auto") {
+    *strategy = StrategySpec();
+    return absl::OkStatus();
+  }
+  if (!node.IsMap()) {
+    return r.Error("strategy", absl::StrCat("expected \"auto\" or a map, got ", Describe(node)));
+  }
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "strategy",
+                                    {"zero_stage", "offload_optimizer", "offload_params",
+                                     "activation_checkpointing", "chunked_loss"}));
+  strategy->automatic = false;
+  if (const YAML::Node v = node["zero_stage"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "strategy.zero_stage", &strategy->zero_stage));
+    if (strategy->zero_stage < 0 || strategy->zero_stage > 3) {
+      return r.Error("strategy.zero_stage",
+                     absl::StrCat("must be 0, 1, 2 or 3, got ", strategy->zero_stage));
+    }
+  }
+  if (const YAML::Node v = node["offload_optimizer"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadBool(v, "strategy.offload_optimizer", &strategy->offload_optimizer));
+  }
+  if (const YAML::Node v = node["offload_params"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.offload_params", &strategy->offload_params));
+  }
+  if (const YAML::Node v = node["activation_checkpointing"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadBool(v, "strategy.activation_checkpointing", &strategy->activation_checkpointing));
+  }
+  if (const YAML::Node v = node["chunked_loss"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.chunked_loss", &strategy->chunked_loss));
+  }
+  // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
+  if (strategy->offload_params && strategy->zero_stage != 3) {
+    return r.Error("strategy.offload_params",
+                   absl::StrCat("requires zero_stage 3, got zero_stage ", strategy->zero_stage));
+  }
+  return absl::OkStatus();
+}
+
+bool IsValidJobName(absl::string_view name) {
+  if (name.empty() || name.size() > 63) return false;
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Checks that involve more than one field.
+absl::Status ValidateSpec(const SpecReader& r, const JobSpec& spec) {
+  const TrainSpec& train = spec.train;
+  if ((train.steps > 0) == (train.epochs > 0)) {
+    return r.Error("train.steps",
+                   absl::StrCat("exactly one of train.steps and train.epochs must be > 0, got ",
+                                train.steps > 0 ? "both" : "neither"));
+  }
+  if (train.steps > 0 && train.schedule.warmup_steps >= train.steps) {
+    return r.Error(
+        "train.schedule.warmup_steps",
+        absl::StrCat("must be < train.steps ", train.steps, ", got ", train.schedule.warmup_steps));
+  }
+  const int64_t ranks = spec.resources.ranks;
+  if (train.micro_batch > 0) {
+    // micro_batch * ranks fits: both are bounded by global_batch in any sane spec, and an
+    // overflowing product is reported rather than wrapped.
+    if (train.micro_batch > train.global_batch / ranks ||
+        train.global_batch % (train.micro_batch * ranks) != 0) {
+      return r.Error("train.global_batch",
+                     absl::StrCat(train.global_batch, " is not divisible by train.micro_batch ",
+                                  train.micro_batch, " x resources.ranks ", ranks));
+    }
+  } else if (train.global_batch % ranks != 0) {
+    // With micro_batch: auto the planner still splits the batch evenly over the ranks.
+    return r.Error(
+        "train.global_batch",
+        absl::StrCat(train.global_batch, " is not divisible by resources.ranks ", ranks));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
+                                  absl::string_view source) {
+  if (root.IsNull()) return absl::InvalidArgumentError(absl::StrCat(source, ": empty job spec"));
+  if (!root.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": expected a map at the top level, got ", Describe(root)));
+  }
+  LATHE_RETURN_IF_ERROR(
+      r.ExpectMap(root, "",
+                  {"name", "model", "data", "method", "lora", "train", "resources", "strategy",
+                   "priority", "max_restarts", "output"}));
+  JobSpec spec;
+  if (const YAML::Node v = root["name"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadString(v, "name", &spec.name));
+    if (!IsValidJobName(spec.name)) {
+      return r.Error(
+          "name", absl::StrCat(Describe(v), " must be 1 to 63 characters from A-Z a-z 0-9 . _ -"));
+    }
+  } else {
+    return r.Missing("name");
+  }
+  if (const YAML::Node v = root["model"]) {
+    LATHE_RETURN_IF_ERROR(ParseModel(r, v, &spec.model));
+  }
+  if (spec.model.path.empty()) return r.Missing("model.path");
+  if (const YAML::Node v = root["data"]) {
+    LATHE_RETURN_IF_ERROR(ParseData(r, v, &spec.data));
+  }
+  if (spec.data.train.empty()) return r.Missing("data.train");
+  if (const YAML::Node v = root["method"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<Method>(
+        v, "method", {{"lora", Method::kLora}, {"full", Method::kFull}, {"qlora", Method::kQLora}},
+        &spec.method));
+  }
+  if (const YAML::Node v = root["lora"]) {
+    LATHE_RETURN_IF_ERROR(ParseLora(r, v, &spec.lora));
+  }
+  if (const YAML::Node v = root["train"]) {
+    LATHE_RETURN_IF_ERROR(ParseTrain(r, v, &spec.train));
+  }
+  if (const YAML::Node v = root["resources"]) {
+    LATHE_RETURN_IF_ERROR(ParseResources(r, v, &spec.resources));
+  }
+  if (const YAML::Node v = root["strategy"]) {
+    LATHE_RETURN_IF_ERROR(ParseStrategy(r, v, &spec.strategy));
+  }
+  if (const YAML::Node v = root["priority"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "priority", &spec.priority));
+  }
+  if (const YAML::Node v = root["max_restarts"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "max_restarts", 0, &spec.max_restarts));
+  }
+  if (const YAML::Node v = root["output"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "output", &spec.output));
+  } else {
+    return r.Missing("output");
+  }
+  LATHE_RETURN_IF_ERROR(ValidateSpec(r, spec));
+  return spec;
+}
+
+}  // namespace
+
+absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source) {
+  // yaml-cpp reports errors only by exception; they are caught here, at the boundary.
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(text));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": line ", e.mark.line + 1, ", column ",
+                                                   e.mark.column + 1, ": invalid YAML: ", e.msg));
+  }
+  SpecReader reader(source);
+  try {
+    return ParseRoot(reader, root, source);
+  } catch (const YAML::Exception& e) {
+    // Not expected: the reader checks node types before every access.
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+  }
+}
+
+absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
+  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseJobSpec(text, path);
+}
+
+absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
+  auto invalid = [text](absl::string_view problem) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid byte size \"", absl::CHexEscape(text), "\": ", problem));
+  };
+  absl::string_view rest = absl::StripAsciiWhitespace(text);
+  if (rest.empty()) return invalid("empty");
+  if (rest[0] == '-') return invalid("negative");
+
+  // Exact arithmetic: 128 bits hold any 64-bit value times a unit.
+  using Wide = unsigned __int128;
+  constexpr Wide kMax = std::numeric_limits<uint64_t>::max();
+  Wide whole = 0;
+  size_t i = 0;
+  for (; i < rest.size() && absl::ascii_isdigit(static_cast<unsigned char>(rest[i])); ++i) {
+    whole = whole * 10 + static_cast<Wide>(rest[i] - '0');
+    if (whole > kMax) return invalid("overflows 64 bits");
+  }
+  const size_t whole_digits = i;
+  Wide fraction = 0;
+  Wide fraction_scale = 1;
+  size_t fraction_digits = 0;
+  if (i < rest.size() && rest[i] == '.') {
+    for (++i; i < rest.size() && absl::ascii_isdigit(static_cast<unsigned char>(rest[i])); ++i) {
+      if (++fraction_digits > 18) return invalid("too many decimal places");
+      fraction = fraction * 10 + static_cast<Wide>(rest[i] - '0');
+      fraction_scale *= 10;
+    }
+    if (fraction_digits == 0) return invalid("expected digits after the decimal point");
+  }
+  if (whole_digits == 0 && fraction_digits == 0) return invalid("expected a number");
+
+  const absl::string_view unit = absl::StripLeadingAsciiWhitespace(rest.substr(i));
+  struct Unit {
+    absl::string_view name;
+    uint64_t bytes;
+  };
+  static constexpr Unit kUnits[] = {
+      {"", 1},
+      {"B", 1},
+      {"KB", 1000},
+      {"kB", 1000},
+      {"MB", 1000 * 1000},
+      {"GB", uint64_t{1000} * 1000 * 1000},
+      {"TB", uint64_t{1000} * 1000 * 1000 * 1000},
+      {"KiB", uint64_t{1} << 10},
+      {"MiB", uint64_t{1} << 20},
+      {"GiB", uint64_t{1} << 30},
+      {"TiB", uint64_t{1} << 40},
+  };
+  const Unit* found = nullptr;
+  for (const Unit& candidate : kUnits) {
+    if (candidate.name == unit) found = &candidate;
+  }
+  if (found == nullptr) {
+    return invalid(absl::StrCat("unknown unit \"", absl::CHexEscape(unit),
+                                "\" (expected B, KB, MB, GB, TB, KiB, MiB, GiB or TiB)"));
+  }
+  const Wide fraction_bytes = fraction * found->bytes;
+  if (fraction_bytes % fraction_scale != 0) return invalid("not a whole number of bytes");
+  const Wide total = whole * found->bytes + fraction_bytes / fraction_scale;
+  if (total > kMax) return invalid("overflows 64 bits");
+  return static_cast<uint64_t>(total);
+}
+
+}  // namespace lathe

@@ -1,0 +1,126 @@
+// The job spec: what a user asks Lathe to do (DESIGN.md, "Job spec"). Written in YAML or
+// JSON; the proto JobSpec mirrors it. This module parses and validates the spec on its own
+// (field types, ranges, required fields, unknown fields). Checks that need the model or
+// the data (targets present, seq_len within max_position_embeddings, token ids within the
+// vocabulary) belong to whoever opens those.
+//
+// Thread-safety: plain values and pure functions.
+#ifndef LATHE_COMMON_JOB_SPEC_H_
+#define LATHE_COMMON_JOB_SPEC_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace lathe {
+
+enum class Method { kLora, kFull, kQLora };
+enum class ScheduleKind { kCosine, kLinear, kConstant };
+enum class OptimizerKind { kAdamW, kAdamW8bit, kAdafactor, kSgd };
+enum class Precision { kFp32, kBf16, kFp16 };
+enum class DeviceKind { kCpu, kCuda };
+
+absl::string_view MethodName(Method method);
+absl::string_view ScheduleKindName(ScheduleKind kind);
+absl::string_view OptimizerKindName(OptimizerKind kind);
+absl::string_view PrecisionName(Precision precision);
+absl::string_view DeviceKindName(DeviceKind device);
+
+struct ModelSpec {
+  std::string path;  // Hugging Face model directory; required
+};
+
+struct DataSpec {
+  std::string train;  // JSONL file; required
+  std::string eval;   // optional JSONL file
+  int64_t seq_len = 1024;
+  bool pack = true;
+};
+
+struct LoraSpec {
+  int64_t rank = 16;
+  double alpha = 32.0;
+  double dropout = 0.0;
+  // Default: all seven projections (LoraTargetModules()).
+  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
+                                      "gate_proj", "up_proj", "down_proj"};
+  bool use_rslora = false;  // scaling alpha/sqrt(rank) instead of alpha/rank
+  // Optional PEFT adapter directory to start from instead of the random/zero init.
+  std::string init_from;
+};
+
+struct ScheduleSpec {
+  ScheduleKind kind = ScheduleKind::kCosine;
+  int64_t warmup_steps = 0;
+};
+
+struct TrainSpec {
+  int64_t steps = 0;  // optimizer steps; exactly one of steps and epochs is > 0
+  int64_t epochs = 0;
+  int64_t global_batch = 8;  // sequences per optimizer step, over all ranks
+  int64_t micro_batch = 0;   // sequences per forward/backward per rank; 0 = auto
+  double lr = 2.0e-4;
+  ScheduleSpec schedule;
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double weight_decay = 0.0;
+  double max_grad_norm = 1.0;  // 0 disables clipping
+  Precision precision = Precision::kFp32;
+  uint64_t seed = 0;
+  int64_t checkpoint_every = 0;  // 0 = only at the end
+};
+
+struct ResourcesSpec {
+  int64_t ranks = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  uint64_t memory_per_rank = 0;  // bytes; 0 = not given
+};
+
+struct StrategySpec {
+  bool automatic = true;  // "strategy: auto"; the fields below are then chosen by the planner
+  int64_t zero_stage = 0;
+  bool offload_optimizer = false;
+  bool offload_params = false;
+  bool activation_checkpointing = false;
+  bool chunked_loss = false;
+};
+
+struct JobSpec {
+  std::string name;  // required; [A-Za-z0-9._-]{1,63}
+  ModelSpec model;
+  DataSpec data;
+  Method method = Method::kLora;
+  LoraSpec lora;
+  TrainSpec train;
+  ResourcesSpec resources;
+  StrategySpec strategy;
+  int64_t priority = 0;
+  int64_t max_restarts = 3;
+  std::string output;  // required; directory for checkpoints and the adapter
+};
+
+// Parses and validates a spec in YAML or JSON. `source` names the file in messages.
+// INVALID_ARGUMENT with a one-line message "<source>: <field.path>: <problem>" for:
+// malformed YAML/JSON, a missing required field, a value of the wrong type, an unknown
+// field (typos must not pass silently), an unknown enum value, and out-of-range values
+// (rank <= 0, lr <= 0, seq_len < 2, ranks < 1, dropout outside [0, 1), global_batch not
+// divisible by micro_batch x ranks, both or neither of steps/epochs, ...).
+absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source);
+
+// Reads and parses the file at `path`. NOT_FOUND naming the file when it is missing.
+absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);
+
+// Parses a byte size: a plain integer, or a number with a unit B, KB, MB, GB, TB (powers of
+// 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "80GiB", "1.5GB". INVALID_ARGUMENT
+// otherwise.
+absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
+
+}  // namespace lathe
+
+#endif  // LATHE_COMMON_JOB_SPEC_H_

@@ -1,0 +1,473 @@
+#include "common/model_config.h"
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "common/file_util.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+namespace {
+
+using Json = nlohmann::json;
+
+// Renders a JSON value for an error message, kept to one short line.
+std::string Describe(const Json& value) {
+  std::string text = value.dump();
+  constexpr size_t kMaxChars = 40;
+  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
+  return text;
+}
+
+// Typed access to the keys of one JSON object. Absent and null keys read as std::nullopt
+// (Hugging Face writes null for "use the default"). Errors read
+// "<source>: <prefix><key>: <problem>".
+class ConfigFields {
+ public:
+  ConfigFields(const Json& object, absl::string_view source, std::string prefix)
+      : object_(object), source_(source), prefix_(std::move(prefix)) {}
+
+  absl::Status Error(absl::string_view key, absl::string_view problem) const {
+    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", prefix_, key, ": ", problem));
+  }
+
+  const Json* Find(absl::string_view key) const {
+    auto it = object_.find(std::string(key));
+    if (it == object_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+
+  absl::StatusOr<std::optional<int64_t>> Int(absl::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (value->is_number_unsigned()) {
+      uint64_t v = value->get<uint64_t>();
+      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Error(key, absl::StrCat(Describe(*value), " is out of range"));
+      }
+      return static_cast<int64_t>(v);
+    }
+    if (value->is_number_integer()) return value->get<int64_t>();
+    if (value->is_number_float()) {
+      // Some exporters write integral sizes as floats ("hidden_size": 4096.0).
+      double v = value->get<double>();
+      if (std::isfinite(v) && std::floor(v) == v && std::fabs(v) < 9.0e18) {
+        return static_cast<int64_t>(v);
+      }
+    }
+    return Error(key, absl::StrCat("expected an integer, got ", Describe(*value)));
+  }
+
+  absl::StatusOr<std::optional<double>> Double(absl::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_number()) {
+      return Error(key, absl::StrCat("expected a number, got ", Describe(*value)));
+    }
+    return value->get<double>();
+  }
+
+  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_boolean()) {
+      return Error(key, absl::StrCat("expected true or false, got ", Describe(*value)));
+    }
+    return value->get<bool>();
+  }
+
+  absl::StatusOr<std::optional<std::string>> String(absl::string_view key) const {
+    const Json* value = Find(key);
+    if (value == nullptr) return std::nullopt;
+    if (!value->is_string()) {
+      return Error(key, absl::StrCat("expected a string, got ", Describe(*value)));
+    }
+    return value->get<std::string>();
+  }
+
+  // A size that must be present and > 0.
+  absl::StatusOr<int64_t> RequiredPositive(absl::string_view key) const {
+    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
+    if (!value.has_value()) return Error(key, "required field is missing");
+    return CheckPositive(key, *value);
+  }
+
+  // A size that defaults to `fallback` when absent or null, and must be > 0 when given.
+  absl::StatusOr<int64_t> OptionalPositive(absl::string_view key, int64_t fallback) const {
+    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
+    if (!value.has_value()) return fallback;
+    return CheckPositive(key, *value);
+  }
+
+  // A real number that defaults to `fallback` and must be finite and > 0.
+  absl::StatusOr<double> PositiveDouble(absl::string_view key, double fallback) const {
+    LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
+    if (!value.has_value()) return fallback;
+    if (!std::isfinite(*value) || *value <= 0) {
+      return Error(key, absl::StrCat("must be > 0, got ", *value));
+    }
+    return *value;
+  }
+
+  absl::StatusOr<double> RequiredDouble(absl::string_view key) const {
+    LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
+    if (!value.has_value()) return Error(key, "required field is missing");
+    return *value;
+  }
+
+  absl::StatusOr<bool> BoolOr(absl::string_view key, bool fallback) const {
+    LATHE_ASSIGN_OR_RETURN(std::optional<bool> value, Bool(key));
+    return value.value_or(fallback);
+  }
+
+ private:
+  absl::StatusOr<int64_t> CheckPositive(absl::string_view key, int64_t value) const {
+    if (value <= 0) return Error(key, absl::StrCat("must be > 0, got ", value));
+    return value;
+  }
+
+  const Json& object_;
+  absl::string_view source_;
+  std::string prefix_;
+};
+
+absl::string_view DefaultArchitecture(absl::string_view model_type) {
+  if (model_type == "mistral") return "MistralForCausalLM";
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  return "LlamaForCausalLM";
+}
+
+// The "rope_scaling" object; `top` reads the top-level keys.
+absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::string_view source) {
+  RopeScaling scaling;
+  const Json* value = top.Find("rope_scaling");
+  if (value == nullptr) return scaling;
+  if (!value->is_object()) {
+    return top.Error("rope_scaling",
+                     absl::StrCat("expected an object or null, got ", Describe(*value)));
+  }
+  ConfigFields fields(*value, source, "rope_scaling.");
+  // Transformers >= 4.43 writes "rope_type"; older configs write "type".
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::string> type, fields.String("rope_type"));
+  if (!type.has_value()) {
+    LATHE_ASSIGN_OR_RETURN(type, fields.String("type"));
+  }
+  if (!type.has_value()) return fields.Error("rope_type", "required field is missing");
+  if (*type == "default") return scaling;
+
+  if (*type == "linear") {
+    scaling.kind = RopeScaling::Kind::kLinear;
+  } else if (*type == "llama3") {
+    scaling.kind = RopeScaling::Kind::kLlama3;
+  } else {
+    return fields.Error("rope_type", absl::StrCat("unsupported \"", *type,
+                                                  "\" (supported: default, linear, llama3)"));
+  }
+  LATHE_ASSIGN_OR_RETURN(scaling.factor, fields.RequiredDouble("factor"));
+  if (!std::isfinite(scaling.factor) || scaling.factor < 1.0) {
+    return fields.Error("factor", absl::StrCat("must be >= 1, got ", scaling.factor));
+  }
+  if (scaling.kind == RopeScaling::Kind::kLinear) return scaling;
+
+  LATHE_ASSIGN_OR_RETURN(scaling.low_freq_factor, fields.RequiredDouble("low_freq_factor"));
+  LATHE_ASSIGN_OR_RETURN(scaling.high_freq_factor, fields.RequiredDouble("high_freq_factor"));
+  if (!std::isfinite(scaling.low_freq_factor) || scaling.low_freq_factor <= 0) {
+    return fields.Error("low_freq_factor",
+                        absl::StrCat("must be > 0, got ", scaling.low_freq_factor));
+  }
+  if (!std::isfinite(scaling.high_freq_factor) ||
+      scaling.high_freq_factor <= scaling.low_freq_factor) {
+    return fields.Error("high_freq_factor",
+                        absl::StrCat("must be > low_freq_factor ", scaling.low_freq_factor,
+                                     ", got ", scaling.high_freq_factor));
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> original,
+                         fields.Int("original_max_position_embeddings"));
+  if (!original.has_value()) {
+    return fields.Error("original_max_position_embeddings", "required field is missing");
+  }
+  if (*original <= 0) {
+    return fields.Error("original_max_position_embeddings",
+                        absl::StrCat("must be > 0, got ", *original));
+  }
+  scaling.original_max_position_embeddings = *original;
+  return scaling;
+}
+
+// The window each position attends within, by the rules of each model type's
+// transformers implementation.
+absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fields,
+                                                          const ModelConfig& config) {
+  if (config.model_type == "llama") return std::nullopt;
+  if (config.model_type == "qwen2") {
+    LATHE_ASSIGN_OR_RETURN(bool use, fields.BoolOr("use_sliding_window", false));
+    if (!use) return std::nullopt;
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> window, fields.Int("sliding_window"));
+  if (!window.has_value()) return std::nullopt;
+  if (*window <= 0)
+    return fields.Error("sliding_window", absl::StrCat("must be > 0, got ", *window));
+  if (config.model_type == "qwen2") {
+    // Qwen2 slides only in layers >= max_window_layers (transformers' default 28). A window
+    // on some layers but not others is not representable here, so refuse it rather than
+    // train a different model.
+    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> max_window_layers,
+                           fields.Int("max_window_layers"));
+    int64_t first_sliding = max_window_layers.value_or(28);
+    if (first_sliding >= config.num_hidden_layers) return std::nullopt;
+    if (first_sliding > 0) {
+      return fields.Error("max_window_layers",
+                          absl::StrCat("sliding window on layers ", first_sliding, "..",
+                                       config.num_hidden_layers - 1,
+                                       " only is not supported (use 0 for every layer)"));
+    }
+  }
+  return window;
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
+                                             absl::string_view source) {
+  Json root;
+  // nlohmann/json reports syntax errors only by exception; catch it here, at the boundary.
+  try {
+    root = Json::parse(json_text);
+  } catch (const Json::parse_error& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON: ", e.what()));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": expected a JSON object at the top level, got ", Describe(root)));
+  }
+  ConfigFields fields(root, source, "");
+  ModelConfig config;
+
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::string> model_type, fields.String("model_type"));
+  if (!model_type.has_value()) return fields.Error("model_type", "required field is missing");
+  if (*model_type != "llama" && *model_type != "mistral" && *model_type != "qwen2") {
+    return fields.Error("model_type", absl::StrCat("unsupported \"", *model_type,
+                                                   "\" (supported: llama, mistral, qwen2)"));
+  }
+  config.model_type = *model_type;
+
+  config.architecture = std::string(DefaultArchitecture(config.model_type));
+  if (const Json* architectures = fields.Find("architectures"); architectures != nullptr) {
+    if (!architectures->is_array() ||
+        (!architectures->empty() && !(*architectures)[0].is_string())) {
+      return fields.Error("architectures", absl::StrCat("expected a list of strings, got ",
+                                                        Describe(*architectures)));
+    }
+    if (!architectures->empty()) config.architecture = (*architectures)[0].get<std::string>();
+  }
+
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::string> hidden_act, fields.String("hidden_act"));
+  if (hidden_act.has_value() && *hidden_act != "silu") {
+    return fields.Error("hidden_act",
+                        absl::StrCat("unsupported \"", *hidden_act, "\" (only silu)"));
+  }
+
+  LATHE_ASSIGN_OR_RETURN(config.vocab_size, fields.RequiredPositive("vocab_size"));
+  LATHE_ASSIGN_OR_RETURN(config.hidden_size, fields.RequiredPositive("hidden_size"));
+  LATHE_ASSIGN_OR_RETURN(config.intermediate_size, fields.RequiredPositive("intermediate_size"));
+  LATHE_ASSIGN_OR_RETURN(config.num_hidden_layers, fields.RequiredPositive("num_hidden_layers"));
+  LATHE_ASSIGN_OR_RETURN(config.num_attention_heads,
+                         fields.RequiredPositive("num_attention_heads"));
+  LATHE_ASSIGN_OR_RETURN(
+      config.num_key_value_heads,
+      fields.OptionalPositive("num_key_value_heads", config.num_attention_heads));
+  if (config.num_attention_heads % config.num_key_value_heads != 0) {
+    return fields.Error("num_key_value_heads", absl::StrCat(config.num_key_value_heads,
+                                                            " does not divide num_attention_heads ",
+                                                            config.num_attention_heads));
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> head_dim, fields.Int("head_dim"));
+  if (head_dim.has_value()) {
+    if (*head_dim <= 0)
+      return fields.Error("head_dim", absl::StrCat("must be > 0, got ", *head_dim));
+    config.head_dim = *head_dim;
+  } else {
+    if (config.hidden_size % config.num_attention_heads != 0) {
+      return fields.Error(
+          "hidden_size",
+          absl::StrCat(config.hidden_size, " is not divisible by num_attention_heads ",
+                       config.num_attention_heads, " and head_dim is not given"));
+    }
+    config.head_dim = config.hidden_size / config.num_attention_heads;
+  }
+  if (config.head_dim % 2 != 0) {
+    return fields.Error("head_dim", absl::StrCat(config.head_dim,
+                                                 " must be even (RoPE rotates pairs of features)"));
+  }
+  LATHE_ASSIGN_OR_RETURN(config.max_position_embeddings,
+                         fields.RequiredPositive("max_position_embeddings"));
+  LATHE_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.PositiveDouble("rms_norm_eps", 1e-6));
+  LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 10000.0));
+  LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source));
+  LATHE_ASSIGN_OR_RETURN(config.tie_word_embeddings, fields.BoolOr("tie_word_embeddings", false));
+
+  if (config.model_type == "qwen2") {
+    config.qkv_bias = true;
+  } else if (config.model_type == "llama") {
+    LATHE_ASSIGN_OR_RETURN(bool attention_bias, fields.BoolOr("attention_bias", false));
+    LATHE_ASSIGN_OR_RETURN(config.mlp_bias, fields.BoolOr("mlp_bias", false));
+    config.qkv_bias = attention_bias;
+    config.o_bias = attention_bias;
+  }
+  LATHE_ASSIGN_OR_RETURN(config.sliding_window, ParseSlidingWindow(fields, config));
+
+  // Transformers >= 4.56 writes "dtype" in place of "torch_dtype".
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::string> dtype, fields.String("torch_dtype"));
+  if (!dtype.has_value()) {
+    LATHE_ASSIGN_OR_RETURN(dtype, fields.String("dtype"));
+  }
+  config.torch_dtype = dtype.value_or("");
+  return config;
+}
+
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
+  std::string path = dir;
+  if (!path.empty() && path.back() != '/') path += '/';
+  path += "config.json";
+  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseModelConfig(text, path);
+}
+
+const std::vector<std::string>& LoraTargetModules() {
+  static const auto* const kModules = new std::vector<std::string>{
+      "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  return *kModules;
+}
+
+bool IsLoraTargetModule(absl::string_view module) {
+  for (const std::string& target : LoraTargetModules()) {
+    if (target == module) return true;
+  }
+  return false;
+}
+
+ProjectionShape ProjectionShapeOf(const ModelConfig& config, absl::string_view module) {
+  const int64_t hidden = config.hidden_size;
+  const int64_t q_features = config.num_attention_heads * config.head_dim;
+  const int64_t kv_features = config.num_key_value_heads * config.head_dim;
+  if (module == "q_proj") return {hidden, q_features};
+  if (module == "k_proj" || module == "v_proj") return {hidden, kv_features};
+  if (module == "o_proj") return {q_features, hidden};
+  if (module == "down_proj") return {config.intermediate_size, hidden};
+  // gate_proj, up_proj.
+  return {hidden, config.intermediate_size};
+}
+
+std::string ProjectionName(int64_t layer, absl::string_view module) {
+  const bool attention =
+      module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
+  return absl::StrCat("model.layers.", layer, attention ? ".self_attn." : ".mlp.", module);
+}
+
+std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
+  const int64_t hidden = config.hidden_size;
+  std::vector<WeightSpec> weights;
+  weights.push_back({"model.embed_tokens.weight", {config.vocab_size, hidden}});
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    const std::string prefix = absl::StrCat("model.layers.", layer, ".");
+    weights.push_back({prefix + "input_layernorm.weight", {hidden}});
+    for (const std::string& module : LoraTargetModules()) {
+      if (module == "gate_proj") {
+        weights.push_back({prefix + "post_attention_layernorm.weight", {hidden}});
+      }
+      const std::string name = ProjectionName(layer, module);
+      const ProjectionShape shape = ProjectionShapeOf(config, module);
+      weights.push_back({name + ".weight", {shape.out_features, shape.in_features}});
+      const bool attention =
+          module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
+      const bool bias = module == "o_proj" ? config.o_bias
+                        : attention        ? config.qkv_bias
+                                           : config.mlp_bias;
+      if (bias) weights.push_back({name + ".bias", {shape.out_features}});
+    }
+  }
+  weights.push_back({"model.norm.weight", {hidden}});
+  if (!config.tie_word_embeddings) {
+    weights.push_back({"lm_head.weight", {config.vocab_size, hidden}});
+  }
+  return weights;
+}
+
+int64_t ParameterCount(const ModelConfig& config) {
+  int64_t total = 0;
+  for (const WeightSpec& weight : ExpectedWeights(config)) {
+    int64_t count = 1;
+    for (int64_t dim : weight.shape) count *= dim;
+    total += count;
+  }
+  return total;
+}
+
+std::string ModelConfigToJson(const ModelConfig& config) {
+  nlohmann::ordered_json json;
+  json["architectures"] = {config.architecture.empty()
+                               ? std::string(DefaultArchitecture(config.model_type))
+                               : config.architecture};
+  json["model_type"] = config.model_type;
+  json["vocab_size"] = config.vocab_size;
+  json["hidden_size"] = config.hidden_size;
+  json["intermediate_size"] = config.intermediate_size;
+  json["num_hidden_layers"] = config.num_hidden_layers;
+  json["num_attention_heads"] = config.num_attention_heads;
+  json["num_key_value_heads"] = config.num_key_value_heads;
+  json["head_dim"] = config.head_dim;
+  json["max_position_embeddings"] = config.max_position_embeddings;
+  json["hidden_act"] = "silu";
+  json["rms_norm_eps"] = config.rms_norm_eps;
+  json["rope_theta"] = config.rope_theta;
+  const RopeScaling& rope = config.rope_scaling;
+  switch (rope.kind) {
+    case RopeScaling::Kind::kNone:
+      json["rope_scaling"] = nullptr;
+      break;
+    case RopeScaling::Kind::kLinear:
+      json["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope.factor}};
+      break;
+    case RopeScaling::Kind::kLlama3:
+      json["rope_scaling"] = {
+          {"rope_type", "llama3"},
+          {"factor", rope.factor},
+          {"low_freq_factor", rope.low_freq_factor},
+          {"high_freq_factor", rope.high_freq_factor},
+          {"original_max_position_embeddings", rope.original_max_position_embeddings}};
+      break;
+  }
+  json["tie_word_embeddings"] = config.tie_word_embeddings;
+  if (config.model_type == "llama") {
+    // Llama has one switch for all four attention biases.
+    json["attention_bias"] = config.qkv_bias || config.o_bias;
+    json["mlp_bias"] = config.mlp_bias;
+  }
+  if (config.model_type != "llama") {
+    if (config.sliding_window.has_value()) {
+      json["sliding_window"] = *config.sliding_window;
+    } else {
+      json["sliding_window"] = nullptr;
+    }
+  }
+  if (config.model_type == "qwen2") {
+    json["use_sliding_window"] = config.sliding_window.has_value();
+    // Every layer slides when the window is on (see ParseSlidingWindow).
+    json["max_window_layers"] =
+        config.sliding_window.has_value() ? int64_t{0} : config.num_hidden_layers;
+  }
+  if (!config.torch_dtype.empty()) json["torch_dtype"] = config.torch_dtype;
+  return json.dump(2) + "\n";
+}
+
+}  // namespace lathe

@@ -1,0 +1,97 @@
+// The architecture of a Hugging Face Llama-family model, read from its config.json, and
+// the weight names and shapes that follow from it. Llama (1-3.x), Mistral and Qwen2 share
+// one decoder: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, LM head.
+// They differ in biases (Qwen2: q/k/v; Llama: `attention_bias`, `mlp_bias`), sliding
+// windows (Mistral, Qwen2 with `use_sliding_window`), RoPE scaling and tied embeddings.
+//
+// Thread-safety: plain values and pure functions.
+#ifndef LATHE_COMMON_MODEL_CONFIG_H_
+#define LATHE_COMMON_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace lathe {
+
+struct RopeScaling {
+  enum class Kind { kNone, kLinear, kLlama3 };
+  Kind kind = Kind::kNone;
+  double factor = 1.0;
+  // Llama 3.1 ("rope_type": "llama3") only.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
+
+struct ModelConfig {
+  std::string model_type;    // "llama", "mistral", "qwen2"
+  std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;  // defaults to num_attention_heads
+  int64_t head_dim = 0;             // defaults to hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  bool qkv_bias = false;  // Qwen2 always; Llama when attention_bias
+  bool o_bias = false;    // Llama when attention_bias
+  bool mlp_bias = false;  // Llama when mlp_bias
+  // Tokens a position may attend back to (itself included); unset means unlimited.
+  std::optional<int64_t> sliding_window;
+  std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
+};
+
+// Parses the text of a config.json. `source` names the file in error messages.
+// INVALID_ARGUMENT naming the field for: malformed JSON, a missing or non-positive size,
+// an unsupported model_type (supported: llama, mistral, qwen2), hidden_act other than
+// silu, num_attention_heads not divisible by num_key_value_heads, an unknown rope_scaling
+// type.
+absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source);
+
+// Reads `dir`/config.json. NOT_FOUND when missing; otherwise as ParseModelConfig.
+absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);
+
+// The projections LoRA can target, in model order.
+const std::vector<std::string>& LoraTargetModules();
+// True when `module` is in LoraTargetModules().
+bool IsLoraTargetModule(absl::string_view module);
+
+// Input and output features of projection `module` ("q_proj", ..., "down_proj").
+// REQUIRES: IsLoraTargetModule(module).
+struct ProjectionShape {
+  int64_t in_features;
+  int64_t out_features;
+};
+ProjectionShape ProjectionShapeOf(const ModelConfig& config, absl::string_view module);
+
+// Hugging Face parameter name of projection `module` in layer `layer`, without the
+// ".weight" suffix: "model.layers.3.self_attn.q_proj" or "model.layers.3.mlp.up_proj".
+std::string ProjectionName(int64_t layer, absl::string_view module);
+
+// Every weight the model's safetensors must hold, in model order, with its shape.
+// lm_head.weight is absent when embeddings are tied.
+struct WeightSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config);
+
+// Parameter count of the model (tied embeddings counted once).
+int64_t ParameterCount(const ModelConfig& config);
+
+// Serialises `config` back to config.json text (used to write generated models).
+std::string ModelConfigToJson(const ModelConfig& config);
+
+}  // namespace lathe
+
+#endif  // LATHE_COMMON_MODEL_CONFIG_H_

@@ -1,0 +1,611 @@
+#include "common/job_spec.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr char kSource[] = "job.yaml";
+
+// Every field given, none at its default.
+constexpr char kFullYaml[] = R"yaml(
+name: demo-lora
+model: {path: /models/qwen2.5-0.5b}
+data: {train: /data/train.jsonl, eval: /data/eval.jsonl, seq_len: 512, pack: false}
+method: qlora
+lora:
+  rank: 8
+  alpha: 16
+  dropout: 0.05
+  targets: [q_proj, v_proj, down_proj]
+  use_rslora: true
+  init_from: /adapters/start
+train:
+  steps: 1000
+  global_batch: 64
+  micro_batch: 4
+  lr: 2.0e-4
+  schedule: {kind: linear, warmup_steps: 50}
+  optimizer: adamw8bit
+  adam_beta1: 0.8
+  adam_beta2: 0.95
+  adam_eps: 1.0e-6
+  weight_decay: 0.01
+  max_grad_norm: 0.5
+  precision: bf16
+  seed: 1234
+  checkpoint_every: 100
+resources: {ranks: 8, device: cuda, memory_per_rank: 80GiB}
+strategy:
+  zero_stage: 3
+  offload_optimizer: true
+  offload_params: true
+  activation_checkpointing: true
+  chunked_loss: true
+priority: -2
+max_restarts: 5
+output: /runs/demo-lora
+)yaml";
+
+// The same spec in JSON, tab-indented.
+constexpr char kFullJson[] = R"json({
+	"name": "demo-lora",
+	"model": {"path": "/models/qwen2.5-0.5b"},
+	"data": {"train": "/data/train.jsonl", "eval": "/data/eval.jsonl", "seq_len": 512,
+	         "pack": false},
+	"method": "qlora",
+	"lora": {"rank": 8, "alpha": 16, "dropout": 0.05,
+	         "targets": ["q_proj", "v_proj", "down_proj"], "use_rslora": true,
+	         "init_from": "/adapters/start"},
+	"train": {
+		"steps": 1000, "global_batch": 64, "micro_batch": 4, "lr": 2.0e-4,
+		"schedule": {"kind": "linear", "warmup_steps": 50},
+		"optimizer": "adamw8bit", "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1.0e-6,
+		"weight_decay": 0.01, "max_grad_norm": 0.5, "precision": "bf16", "seed": 1234,
+		"checkpoint_every": 100
+	},
+	"resources": {"ranks": 8, "device": "cuda", "memory_per_rank": "80GiB"},
+	"strategy": {"zero_stage": 3, "offload_optimizer": true, "offload_params": true,
+	             "activation_checkpointing": true, "chunked_loss": true},
+	"priority": -2,
+	"max_restarts": 5,
+	"output": "/runs/demo-lora"
+}
+)json";
+
+// The example in DESIGN.md, comments included.
+constexpr char kDesignExample[] = R"yaml(
+name: demo-lora
+model: {path: /models/qwen2.5-0.5b}          # HF dir: config.json + *.safetensors (+ index)
+data:  {train: /data/train.jsonl, seq_len: 1024, pack: true}  # lines {"input_ids": [...]} or {"text": "..."}
+method: lora                                 # lora | full | qlora
+lora:  {rank: 16, alpha: 32, dropout: 0.0, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]}
+train:
+  steps: 1000              # or epochs
+  global_batch: 64         # sequences per optimizer step
+  micro_batch: auto        # or a number
+  lr: 2.0e-4
+  schedule: {kind: cosine, warmup_steps: 50}   # cosine | linear | constant
+  optimizer: adamw         # adamw | adamw8bit | adafactor | sgd
+  weight_decay: 0.0
+  max_grad_norm: 1.0
+  precision: bf16          # fp32 | bf16 | fp16 (dynamic loss scaling)
+  seed: 0
+  checkpoint_every: 100
+resources: {ranks: 8, device: cuda, memory_per_rank: 80GiB}   # device: cpu | cuda
+strategy: auto             # or {zero_stage: 3, offload_optimizer: true, offload_params: false,
+                           #     activation_checkpointing: true, chunked_loss: true}
+priority: 0
+max_restarts: 3
+output: /runs/demo-lora
+)yaml";
+
+JobSpec MustParse(const std::string& text) {
+  absl::StatusOr<JobSpec> spec = ParseJobSpec(text, kSource);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? *spec : JobSpec();
+}
+
+void ExpectFullSpec(const JobSpec& spec) {
+  EXPECT_EQ(spec.name, "demo-lora");
+  EXPECT_EQ(spec.model.path, "/models/qwen2.5-0.5b");
+  EXPECT_EQ(spec.data.train, "/data/train.jsonl");
+  EXPECT_EQ(spec.data.eval, "/data/eval.jsonl");
+  EXPECT_EQ(spec.data.seq_len, 512);
+  EXPECT_FALSE(spec.data.pack);
+  EXPECT_EQ(spec.method, Method::kQLora);
+  EXPECT_EQ(spec.lora.rank, 8);
+  EXPECT_EQ(spec.lora.alpha, 16.0);
+  EXPECT_EQ(spec.lora.dropout, 0.05);
+  EXPECT_THAT(spec.lora.targets, ElementsAre("q_proj", "v_proj", "down_proj"));
+  EXPECT_TRUE(spec.lora.use_rslora);
+  EXPECT_EQ(spec.lora.init_from, "/adapters/start");
+  EXPECT_EQ(spec.train.steps, 1000);
+  EXPECT_EQ(spec.train.epochs, 0);
+  EXPECT_EQ(spec.train.global_batch, 64);
+  EXPECT_EQ(spec.train.micro_batch, 4);
+  EXPECT_EQ(spec.train.lr, 2.0e-4);
+  EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kLinear);
+  EXPECT_EQ(spec.train.schedule.warmup_steps, 50);
+  EXPECT_EQ(spec.train.optimizer, OptimizerKind::kAdamW8bit);
+  EXPECT_EQ(spec.train.adam_beta1, 0.8);
+  EXPECT_EQ(spec.train.adam_beta2, 0.95);
+  EXPECT_EQ(spec.train.adam_eps, 1.0e-6);
+  EXPECT_EQ(spec.train.weight_decay, 0.01);
+  EXPECT_EQ(spec.train.max_grad_norm, 0.5);
+  EXPECT_EQ(spec.train.precision, Precision::kBf16);
+  EXPECT_EQ(spec.train.seed, 1234u);
+  EXPECT_EQ(spec.train.checkpoint_every, 100);
+  EXPECT_EQ(spec.resources.ranks, 8);
+  EXPECT_EQ(spec.resources.device, DeviceKind::kCuda);
+  EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{80} << 30);
+  EXPECT_FALSE(spec.strategy.automatic);
+  EXPECT_EQ(spec.strategy.zero_stage, 3);
+  EXPECT_TRUE(spec.strategy.offload_optimizer);
+  EXPECT_TRUE(spec.strategy.offload_params);
+  EXPECT_TRUE(spec.strategy.activation_checkpointing);
+  EXPECT_TRUE(spec.strategy.chunked_loss);
+  EXPECT_EQ(spec.priority, -2);
+  EXPECT_EQ(spec.max_restarts, 5);
+  EXPECT_EQ(spec.output, "/runs/demo-lora");
+}
+
+TEST(JobSpecTest, ParsesFullYaml) { ExpectFullSpec(MustParse(kFullYaml)); }
+
+TEST(JobSpecTest, ParsesFullJson) { ExpectFullSpec(MustParse(kFullJson)); }
+
+TEST(JobSpecTest, ParsesDesignExample) {
+  JobSpec spec = MustParse(kDesignExample);
+  EXPECT_EQ(spec.method, Method::kLora);
+  EXPECT_EQ(spec.lora.targets.size(), 7u);
+  EXPECT_EQ(spec.train.micro_batch, 0);  // auto
+  EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kCosine);
+  EXPECT_EQ(spec.train.precision, Precision::kBf16);
+  EXPECT_TRUE(spec.strategy.automatic);
+  EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{80} << 30);
+}
+
+TEST(JobSpecTest, Defaults) {
+  JobSpec spec = MustParse(R"(
+name: minimal
+model: {path: /m}
+data: {train: /d.jsonl}
+train: {epochs: 2}
+output: /out
+)");
+  const JobSpec defaults;
+  EXPECT_EQ(spec.data.eval, "");
+  EXPECT_EQ(spec.data.seq_len, 1024);
+  EXPECT_TRUE(spec.data.pack);
+  EXPECT_EQ(spec.method, Method::kLora);
+  EXPECT_EQ(spec.lora.rank, 16);
+  EXPECT_EQ(spec.lora.alpha, 32.0);
+  EXPECT_EQ(spec.lora.dropout, 0.0);
+  EXPECT_THAT(spec.lora.targets, ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                             "up_proj", "down_proj"));
+  EXPECT_FALSE(spec.lora.use_rslora);
+  EXPECT_EQ(spec.lora.init_from, "");
+  EXPECT_EQ(spec.train.steps, 0);
+  EXPECT_EQ(spec.train.epochs, 2);
+  EXPECT_EQ(spec.train.global_batch, 8);
+  EXPECT_EQ(spec.train.micro_batch, 0);
+  EXPECT_EQ(spec.train.lr, 2.0e-4);
+  EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kCosine);
+  EXPECT_EQ(spec.train.schedule.warmup_steps, 0);
+  EXPECT_EQ(spec.train.optimizer, OptimizerKind::kAdamW);
+  EXPECT_EQ(spec.train.adam_beta1, 0.9);
+  EXPECT_EQ(spec.train.adam_beta2, 0.999);
+  EXPECT_EQ(spec.train.adam_eps, 1e-8);
+  EXPECT_EQ(spec.train.weight_decay, 0.0);
+  EXPECT_EQ(spec.train.max_grad_norm, 1.0);
+  EXPECT_EQ(spec.train.precision, Precision::kFp32);
+  EXPECT_EQ(spec.train.seed, 0u);
+  EXPECT_EQ(spec.train.checkpoint_every, 0);
+  EXPECT_EQ(spec.resources.ranks, 1);
+  EXPECT_EQ(spec.resources.device, DeviceKind::kCpu);
+  EXPECT_EQ(spec.resources.memory_per_rank, 0u);
+  EXPECT_TRUE(spec.strategy.automatic);
+  EXPECT_EQ(spec.strategy.zero_stage, defaults.strategy.zero_stage);
+  EXPECT_EQ(spec.priority, 0);
+  EXPECT_EQ(spec.max_restarts, 3);
+}
+
+constexpr char kMinimalPrefix[] = "name: t\nmodel: {path: /m}\ndata: {train: /d}\noutput: /o\n";
+
+TEST(JobSpecTest, StrategyAutoVersusMap) {
+  JobSpec automatic =
+      MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: auto\n");
+  EXPECT_TRUE(automatic.strategy.automatic);
+
+  JobSpec quoted =
+      MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: \"auto\"\n");
+  EXPECT_TRUE(quoted.strategy.automatic);
+
+  JobSpec map = MustParse(std::string(kMinimalPrefix) +
+                          "train: {steps: 1}\nstrategy: {zero_stage: 2, chunked_loss: true}\n");
+  EXPECT_FALSE(map.strategy.automatic);
+  EXPECT_EQ(map.strategy.zero_stage, 2);
+  EXPECT_TRUE(map.strategy.chunked_loss);
+  EXPECT_FALSE(map.strategy.offload_optimizer);
+  EXPECT_FALSE(map.strategy.offload_params);
+  EXPECT_FALSE(map.strategy.activation_checkpointing);
+
+  // An empty map still fixes the strategy: ZeRO-0, nothing offloaded.
+  JobSpec empty = MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: {}\n");
+  EXPECT_FALSE(empty.strategy.automatic);
+  EXPECT_EQ(empty.strategy.zero_stage, 0);
+}
+
+TEST(JobSpecTest, MicroBatchAndMemoryForms) {
+  JobSpec spec = MustParse(std::string(kMinimalPrefix) +
+                           "train: {steps: 1, global_batch: 12, micro_batch: 3}\n"
+                           "resources: {ranks: 2, memory_per_rank: 1073741824}\n");
+  EXPECT_EQ(spec.train.micro_batch, 3);
+  EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{1} << 30);
+
+  spec = MustParse(std::string(kMinimalPrefix) +
+                   "train: {steps: 1, micro_batch: auto}\nresources: {memory_per_rank: 1.5GB}\n");
+  EXPECT_EQ(spec.train.micro_batch, 0);
+  EXPECT_EQ(spec.resources.memory_per_rank, 1500000000u);
+}
+
+TEST(JobSpecTest, SeedTakesTheFullUnsignedRange) {
+  JobSpec spec =
+      MustParse(std::string(kMinimalPrefix) + "train: {steps: 1, seed: 18446744073709551615}\n");
+  EXPECT_EQ(spec.train.seed, 18446744073709551615u);
+}
+
+TEST(JobSpecTest, EnumNames) {
+  EXPECT_EQ(MethodName(Method::kLora), "lora");
+  EXPECT_EQ(MethodName(Method::kFull), "full");
+  EXPECT_EQ(MethodName(Method::kQLora), "qlora");
+  EXPECT_EQ(ScheduleKindName(ScheduleKind::kCosine), "cosine");
+  EXPECT_EQ(ScheduleKindName(ScheduleKind::kLinear), "linear");
+  EXPECT_EQ(ScheduleKindName(ScheduleKind::kConstant), "constant");
+  EXPECT_EQ(OptimizerKindName(OptimizerKind::kAdamW), "adamw");
+  EXPECT_EQ(OptimizerKindName(OptimizerKind::kAdamW8bit), "adamw8bit");
+  EXPECT_EQ(OptimizerKindName(OptimizerKind::kAdafactor), "adafactor");
+  EXPECT_EQ(OptimizerKindName(OptimizerKind::kSgd), "sgd");
+  EXPECT_EQ(PrecisionName(Precision::kFp32), "fp32");
+  EXPECT_EQ(PrecisionName(Precision::kBf16), "bf16");
+  EXPECT_EQ(PrecisionName(Precision::kFp16), "fp16");
+  EXPECT_EQ(DeviceKindName(DeviceKind::kCpu), "cpu");
+  EXPECT_EQ(DeviceKindName(DeviceKind::kCuda), "cuda");
+}
+
+// A valid spec with the top-level sections in `overrides` replaced (an empty value removes
+// the section).
+std::string SpecWith(const std::map<std::string, std::string>& overrides) {
+  std::map<std::string, std::string> sections = {
+      {"name", "t"},    {"model", "{path: /m}"},  {"data", "{train: /d}"},
+      {"output", "/o"}, {"train", "{steps: 10}"},
+  };
+  for (const auto& [key, value] : overrides) sections[key] = value;
+  std::string text;
+  for (const auto& [key, value] : sections) {
+    if (!value.empty()) text += key + ": " + value + "\n";
+  }
+  return text;
+}
+
+struct ErrorCase {
+  std::map<std::string, std::string> overrides;
+  std::string message;  // a fragment of the expected message
+};
+
+TEST(JobSpecTest, RejectsBadFields) {
+  const std::vector<ErrorCase> cases = {
+      // Required fields.
+      {{{"name", ""}}, "job.yaml: name: required field is missing"},
+      {{{"model", ""}}, "job.yaml: model.path: required field is missing"},
+      {{{"model", "{}"}}, "job.yaml: model.path: required field is missing"},
+      {{{"model", "{path: ''}"}}, "job.yaml: model.path: must not be empty"},
+      {{{"data", ""}}, "job.yaml: data.train: required field is missing"},
+      {{{"data", "{seq_len: 8}"}}, "job.yaml: data.train: required field is missing"},
+      {{{"output", ""}}, "job.yaml: output: required field is missing"},
+      {{{"output", "~"}}, "job.yaml: output: expected a string, got null"},
+      // Unknown fields, at every level.
+      {{{"outptu", "/x"}}, "job.yaml: outptu: unknown field"},
+      {{{"model", "{path: /m, revision: main}"}}, "job.yaml: model.revision: unknown field"},
+      {{{"data", "{train: /d, seqlen: 8}"}}, "job.yaml: data.seqlen: unknown field"},
+      {{{"lora", "{rnak: 8}"}}, "job.yaml: lora.rnak: unknown field"},
+      {{{"train", "{steps: 10, lrr: 0.1}"}}, "job.yaml: train.lrr: unknown field"},
+      {{{"train", "{steps: 10, schedule: {kind: cosine, warmup: 5}}"}},
+       "job.yaml: train.schedule.warmup: unknown field"},
+      {{{"resources", "{gpus: 8}"}}, "job.yaml: resources.gpus: unknown field"},
+      {{{"strategy", "{zero: 3}"}}, "job.yaml: strategy.zero: unknown field"},
+      {{{"train", "{steps: 10, steps: 20}"}}, "job.yaml: train.steps: given more than once"},
+      // Wrong types.
+      {{{"train", "{steps: 10, lr: abc}"}}, "job.yaml: train.lr: expected a number, got \"abc\""},
+      {{{"train", "{steps: 10, lr: '2e-4'}"}},
+       "job.yaml: train.lr: expected a number, got \"2e-4\""},
+      {{{"train", "{steps: 10, lr: [1]}"}}, "job.yaml: train.lr: expected a number, got a list"},
+      {{{"train", "{steps: 1.5}"}}, "job.yaml: train.steps: expected an integer, got 1.5"},
+      {{{"train", "{steps: 99999999999999999999}"}},
+       "job.yaml: train.steps: 99999999999999999999 is out of range"},
+      {{{"train", "{steps: 10, micro_batch: fast}"}},
+       "job.yaml: train.micro_batch: expected an integer or \"auto\", got \"fast\""},
+      {{{"data", "{train: /d, pack: yes}"}},
+       "job.yaml: data.pack: expected true or false, got \"yes\""},
+      {{{"data", "{train: [a, b]}"}}, "job.yaml: data.train: expected a string, got a list"},
+      {{{"data", "/d"}}, "job.yaml: data: expected a map, got \"/d\""},
+      {{{"lora", "{targets: q_proj}"}}, "job.yaml: lora.targets: expected a list, got \"q_proj\""},
+      {{{"lora", "{targets: [q_proj, {a: 1}]}"}},
+       "job.yaml: lora.targets[1]: expected a string, got a map"},
+      {{{"strategy", "manual"}}, "job.yaml: strategy: expected \"auto\" or a map, got \"manual\""},
+      {{{"strategy", "{offload_optimizer: 1}"}},
+       "job.yaml: strategy.offload_optimizer: expected true or false, got 1"},
+      {{{"priority", "high"}}, "job.yaml: priority: expected an integer, got \"high\""},
+      {{{"resources", "{memory_per_rank: [1]}"}},
+       "job.yaml: resources.memory_per_rank: expected a byte size such as 80GiB, got a list"},
+      // Unknown enum values.
+      {{{"method", "prefix"}},
+       "job.yaml: method: unknown value \"prefix\" (expected one of: lora, full, qlora)"},
+      {{{"train", "{steps: 10, schedule: {kind: step}}"}},
+       "job.yaml: train.schedule.kind: unknown value \"step\" (expected one of: cosine, linear, "
+       "constant)"},
+      {{{"train", "{steps: 10, optimizer: adam}"}},
+       "job.yaml: train.optimizer: unknown value \"adam\" (expected one of: adamw, adamw8bit, "
+       "adafactor, sgd)"},
+      {{{"train", "{steps: 10, precision: fp8}"}},
+       "job.yaml: train.precision: unknown value \"fp8\" (expected one of: fp32, bf16, fp16)"},
+      {{{"resources", "{device: tpu}"}},
+       "job.yaml: resources.device: unknown value \"tpu\" (expected one of: cpu, cuda)"},
+      // Ranges.
+      {{{"name", "\"has space\""}},
+       "job.yaml: name: \"has space\" must be 1 to 63 characters from A-Z a-z 0-9 . _ -"},
+      {{{"name", std::string(64, 'a')}}, "job.yaml: name: "},
+      {{{"name", "a/b"}}, "job.yaml: name: \"a/b\" must be 1 to 63 characters"},
+      {{{"lora", "{rank: 0}"}}, "job.yaml: lora.rank: must be >= 1, got 0"},
+      {{{"lora", "{alpha: 0}"}}, "job.yaml: lora.alpha: must be > 0, got 0"},
+      {{{"lora", "{alpha: -1.5}"}}, "job.yaml: lora.alpha: must be > 0, got -1.5"},
+      {{{"lora", "{dropout: 1.0}"}}, "job.yaml: lora.dropout: must be in [0, 1), got 1.0"},
+      {{{"lora", "{dropout: -0.1}"}}, "job.yaml: lora.dropout: must be in [0, 1), got -0.1"},
+      {{{"lora", "{targets: []}"}}, "job.yaml: lora.targets: must not be empty"},
+      {{{"lora", "{targets: [q_proj, k_proj, qproj]}"}},
+       "job.yaml: lora.targets[2]: unknown module \"qproj\" (expected one of: q_proj, k_proj, "
+       "v_proj, o_proj, gate_proj, up_proj, down_proj)"},
+      {{{"lora", "{targets: [q_proj, v_proj, q_proj]}"}},
+       "job.yaml: lora.targets[2]: duplicate \"q_proj\""},
+      {{{"lora", "{init_from: ''}"}}, "job.yaml: lora.init_from: must not be empty"},
+      {{{"data", "{train: /d, seq_len: 1}"}}, "job.yaml: data.seq_len: must be >= 2, got 1"},
+      {{{"train", "{steps: 10, lr: 0}"}}, "job.yaml: train.lr: must be > 0, got 0"},
+      {{{"train", "{steps: 10, lr: -1e-4}"}}, "job.yaml: train.lr: must be > 0, got -1e-4"},
+      {{{"train", "{steps: 10, lr: .inf}"}}, "job.yaml: train.lr: must be finite, got .inf"},
+      {{{"train", "{steps: 10, lr: .nan}"}}, "job.yaml: train.lr: must be finite, got .nan"},
+      {{{"train", "{steps: 10, lr: 1e999}"}}, "job.yaml: train.lr: 1e999 is out of range"},
+      {{{"train", "{steps: 10, schedule: {warmup_steps: -1}}"}},
+       "job.yaml: train.schedule.warmup_steps: must be >= 0, got -1"},
+      {{{"train", "{steps: 10, schedule: {warmup_steps: 10}}"}},
+       "job.yaml: train.schedule.warmup_steps: must be < train.steps 10, got 10"},
+      {{{"train", "{steps: 10, weight_decay: -0.1}"}},
+       "job.yaml: train.weight_decay: must be >= 0, got -0.1"},
+      {{{"train", "{steps: 10, max_grad_norm: -1}"}},
+       "job.yaml: train.max_grad_norm: must be >= 0, got -1"},
+      {{{"train", "{steps: 10, global_batch: 0}"}},
+       "job.yaml: train.global_batch: must be >= 1, got 0"},
+      {{{"train", "{steps: 10, micro_batch: 0}"}},
+       "job.yaml: train.micro_batch: must be >= 1, got 0"},
+      {{{"train", "{steps: 10, global_batch: 12, micro_batch: 4}"}, {"resources", "{ranks: 2}"}},
+       "job.yaml: train.global_batch: 12 is not divisible by train.micro_batch 4 x "
+       "resources.ranks 2"},
+      {{{"train", "{steps: 10, global_batch: 4, micro_batch: 8}"}},
+       "job.yaml: train.global_batch: 4 is not divisible by train.micro_batch 8 x "
+       "resources.ranks 1"},
+      {{{"train", "{steps: 10, global_batch: 6}"}, {"resources", "{ranks: 4}"}},
+       "job.yaml: train.global_batch: 6 is not divisible by resources.ranks 4"},
+      {{{"train", "{global_batch: 8}"}},
+       "job.yaml: train.steps: exactly one of train.steps and train.epochs must be > 0, got "
+       "neither"},
+      {{{"train", ""}}, "job.yaml: train.steps: exactly one of train.steps and train.epochs"},
+      {{{"train", "{steps: 10, epochs: 1}"}},
+       "job.yaml: train.steps: exactly one of train.steps and train.epochs must be > 0, got both"},
+      {{{"train", "{steps: -5}"}}, "job.yaml: train.steps: must be >= 0, got -5"},
+      {{{"train", "{epochs: -1}"}}, "job.yaml: train.epochs: must be >= 0, got -1"},
+      {{{"train", "{steps: 10, adam_beta1: 1}"}},
+       "job.yaml: train.adam_beta1: must be in [0, 1), got 1"},
+      {{{"train", "{steps: 10, adam_beta2: -0.5}"}},
+       "job.yaml: train.adam_beta2: must be in [0, 1), got -0.5"},
+      {{{"train", "{steps: 10, adam_eps: 0}"}}, "job.yaml: train.adam_eps: must be > 0, got 0"},
+      {{{"train", "{steps: 10, checkpoint_every: -1}"}},
+       "job.yaml: train.checkpoint_every: must be >= 0, got -1"},
+      {{{"train", "{steps: 10, seed: -1}"}},
+       "job.yaml: train.seed: must be a non-negative integer, got -1"},
+      {{{"train", "{steps: 10, seed: 0.5}"}},
+       "job.yaml: train.seed: expected a non-negative integer, got 0.5"},
+      {{{"resources", "{ranks: 0}"}}, "job.yaml: resources.ranks: must be >= 1, got 0"},
+      {{{"resources", "{memory_per_rank: 80GB/s}"}},
+       "job.yaml: resources.memory_per_rank: invalid byte size \"80GB/s\": unknown unit"},
+      {{{"resources", "{memory_per_rank: -1GiB}"}},
+       "job.yaml: resources.memory_per_rank: invalid byte size \"-1GiB\": negative"},
+      {{{"resources", "{memory_per_rank: 0}"}}, "job.yaml: resources.memory_per_rank: must be > 0"},
+      {{{"strategy", "{zero_stage: 4}"}},
+       "job.yaml: strategy.zero_stage: must be 0, 1, 2 or 3, got 4"},
+      {{{"strategy", "{zero_stage: -1}"}},
+       "job.yaml: strategy.zero_stage: must be 0, 1, 2 or 3, got -1"},
+      {{{"strategy", "{zero_stage: 2, offload_params: true}"}},
+       "job.yaml: strategy.offload_params: requires zero_stage 3, got zero_stage 2"},
+      {{{"max_restarts", "-1"}}, "job.yaml: max_restarts: must be >= 0, got -1"},
+  };
+  for (const ErrorCase& c : cases) {
+    const std::string text = SpecWith(c.overrides);
+    SCOPED_TRACE(text);
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(text, kSource);
+    ASSERT_FALSE(spec.ok());
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(spec.status().message()), HasSubstr(c.message));
+    EXPECT_THAT(std::string(spec.status().message()), Not(HasSubstr("\n")));
+  }
+}
+
+TEST(JobSpecTest, RejectsBadJson) {
+  absl::StatusOr<JobSpec> spec = ParseJobSpec(
+      R"({"name": "t", "model": {"path": "/m"}, "data": {"train": "/d"}, "output": "/o",
+          "train": {"steps": "10"}})",
+      "job.json");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(spec.status().message()),
+              HasSubstr("job.json: train.steps: expected an integer, got \"10\""));
+
+  spec = ParseJobSpec(
+      R"({"name": "t", "model": {"path": "/m"}, "data": {"train": "/d"}, "output": "/o",
+          "train": {"steps": 10, "lrr": 0.1}})",
+      "job.json");
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(spec.status().message()),
+              HasSubstr("job.json: train.lrr: unknown field"));
+}
+
+TEST(JobSpecTest, RejectsMalformedDocuments) {
+  struct Case {
+    std::string text;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"", "job.yaml: empty job spec"},
+      {"# only a comment\n", "job.yaml: empty job spec"},
+      {"- a\n- b\n", "job.yaml: expected a map at the top level, got a list"},
+      {"just text\n", "job.yaml: expected a map at the top level, got \"just text\""},
+      {"name: t\ntrain: {steps: [1\n", "job.yaml: line 3, column 1: invalid YAML: "},
+      {"name: a: b\n", "job.yaml: line 1, column 8: invalid YAML: illegal map value"},
+      // yaml-cpp reads the empty entry as a null key.
+      {"{\"name\": \"t\",, }", "job.yaml: field names must be strings, got null"},
+      {"\"\": 1\n", "job.yaml: \"\": unknown field"},
+      {"name: t\nname: u\n", "job.yaml: name: given more than once"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    absl::StatusOr<JobSpec> spec = ParseJobSpec(c.text, kSource);
+    ASSERT_FALSE(spec.ok());
+    EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(spec.status().message()), HasSubstr(c.message));
+    EXPECT_THAT(std::string(spec.status().message()), Not(HasSubstr("\n")));
+  }
+}
+
+TEST(JobSpecTest, MultiLineValueStaysOnOneLineInMessage) {
+  absl::StatusOr<JobSpec> spec = ParseJobSpec(
+      std::string(kMinimalPrefix) + "train:\n  steps: 10\n  lr: |\n    two\n    lines\n", kSource);
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(spec.status().message()),
+            "job.yaml: train.lr: expected a number, got \"two\\nlines\\n\"");
+}
+
+TEST(JobSpecTest, LoadsFromFile) {
+  const std::filesystem::path path =
+      std::filesystem::path(::testing::TempDir()) / "job_spec_test_load.yaml";
+  {
+    std::ofstream out(path);
+    out << kFullYaml;
+  }
+  absl::StatusOr<JobSpec> spec = LoadJobSpec(path.string());
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ExpectFullSpec(*spec);
+
+  {
+    std::ofstream out(path);
+    out << "name: t\n";
+  }
+  spec = LoadJobSpec(path.string());
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(spec.status().message()),
+              HasSubstr(path.string() + ": model.path: required field is missing"));
+  std::filesystem::remove(path);
+}
+
+TEST(JobSpecTest, LoadReportsMissingFile) {
+  const std::string path = ::testing::TempDir() + "/job_spec_test_no_such_file.yaml";
+  absl::StatusOr<JobSpec> spec = LoadJobSpec(path);
+  ASSERT_FALSE(spec.ok());
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(spec.status().message()), HasSubstr("job_spec_test_no_such_file.yaml"));
+}
+
+TEST(ByteSizeTest, ParsesUnits) {
+  struct Case {
+    std::string text;
+    uint64_t bytes;
+  };
+  const std::vector<Case> cases = {
+      {"0", 0},
+      {"1024", 1024},
+      {"512B", 512},
+      {"2KB", 2000},
+      {"2kB", 2000},
+      {"3MB", 3000000},
+      {"1.5GB", 1500000000},
+      {"2TB", 2000000000000},
+      {"4KiB", 4096},
+      {"0.5KiB", 512},
+      {"1MiB", 1048576},
+      {"80GiB", uint64_t{80} << 30},
+      {"1.25GiB", (uint64_t{5} << 30) / 4},
+      {"2TiB", uint64_t{2} << 40},
+      {" 80 GiB ", uint64_t{80} << 30},
+      {".5KB", 500},
+      {"18446744073709551615", 18446744073709551615u},
+      {"16777215TiB", uint64_t{16777215} << 40},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(c.text);
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, c.bytes);
+  }
+}
+
+TEST(ByteSizeTest, RejectsBadSizes) {
+  struct Case {
+    std::string text;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"", "invalid byte size \"\": empty"},
+      {"   ", "empty"},
+      {"-1", "invalid byte size \"-1\": negative"},
+      {"-1GiB", "negative"},
+      {"GiB", "expected a number"},
+      {"80XB",
+       "invalid byte size \"80XB\": unknown unit \"XB\" (expected B, KB, MB, GB, TB, "
+       "KiB, MiB, GiB or TiB)"},
+      {"80gib", "unknown unit \"gib\""},
+      {"80 GiB extra", "unknown unit"},
+      {"1.GiB", "expected digits after the decimal point"},
+      {"1e9", "unknown unit \"e9\""},
+      {"1.5B", "not a whole number of bytes"},
+      {"0.3", "not a whole number of bytes"},
+      {"18446744073709551616", "overflows 64 bits"},
+      {"16777216TiB", "overflows 64 bits"},
+      {"99999999999999999999999", "overflows 64 bits"},
+      {"1.0000000000000000001KB", "too many decimal places"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(c.text);
+    ASSERT_FALSE(bytes.ok());
+    EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(bytes.status().message()), HasSubstr(c.message));
+  }
+}
+
+}  // namespace
+}  // namespace lathe

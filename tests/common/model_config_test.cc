@@ -1,0 +1,623 @@
+#include "common/model_config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr char kSource[] = "/m/config.json";
+
+// config.json of meta-llama/Llama-3.2-1B.
+constexpr char kLlama32_1B[] = R"json({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": 128001,
+  "head_dim": 64,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 16,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0",
+  "use_cache": true,
+  "vocab_size": 128256
+})json";
+
+// config.json of mistralai/Mistral-7B-v0.1.
+constexpr char kMistral7B[] = R"json({
+  "architectures": ["MistralForCausalLM"],
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 32768,
+  "model_type": "mistral",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.34.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+})json";
+
+// config.json of Qwen/Qwen2.5-0.5B.
+constexpr char kQwen25_05B[] = R"json({
+  "architectures": ["Qwen2ForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151643,
+  "hidden_act": "silu",
+  "hidden_size": 896,
+  "initializer_range": 0.02,
+  "intermediate_size": 4864,
+  "max_position_embeddings": 32768,
+  "max_window_layers": 24,
+  "model_type": "qwen2",
+  "num_attention_heads": 14,
+  "num_hidden_layers": 24,
+  "num_key_value_heads": 2,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0,
+  "sliding_window": 32768,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.1",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})json";
+
+// A tiny Llama with grouped-query attention (4 heads over 2 KV heads) and every bias on.
+nlohmann::json TinyLlama() {
+  return {{"model_type", "llama"},    {"vocab_size", 10},
+          {"hidden_size", 8},         {"intermediate_size", 12},
+          {"num_hidden_layers", 2},   {"num_attention_heads", 4},
+          {"num_key_value_heads", 2}, {"max_position_embeddings", 64},
+          {"rms_norm_eps", 1e-6},     {"hidden_act", "silu"},
+          {"attention_bias", true},   {"mlp_bias", true}};
+}
+
+ModelConfig MustParse(const std::string& text) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(text, kSource);
+  EXPECT_TRUE(config.ok()) << config.status();
+  return config.ok() ? *config : ModelConfig();
+}
+
+void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
+  EXPECT_EQ(a.model_type, b.model_type);
+  EXPECT_EQ(a.architecture, b.architecture);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.num_key_value_heads, b.num_key_value_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.rope_scaling.kind, b.rope_scaling.kind);
+  EXPECT_EQ(a.rope_scaling.factor, b.rope_scaling.factor);
+  EXPECT_EQ(a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
+  EXPECT_EQ(a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
+  EXPECT_EQ(a.rope_scaling.original_max_position_embeddings,
+            b.rope_scaling.original_max_position_embeddings);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.qkv_bias, b.qkv_bias);
+  EXPECT_EQ(a.o_bias, b.o_bias);
+  EXPECT_EQ(a.mlp_bias, b.mlp_bias);
+  EXPECT_EQ(a.sliding_window, b.sliding_window);
+  EXPECT_EQ(a.torch_dtype, b.torch_dtype);
+}
+
+TEST(ModelConfigTest, ParsesLlama32_1B) {
+  ModelConfig config = MustParse(kLlama32_1B);
+  EXPECT_EQ(config.model_type, "llama");
+  EXPECT_EQ(config.architecture, "LlamaForCausalLM");
+  EXPECT_EQ(config.vocab_size, 128256);
+  EXPECT_EQ(config.hidden_size, 2048);
+  EXPECT_EQ(config.intermediate_size, 8192);
+  EXPECT_EQ(config.num_hidden_layers, 16);
+  EXPECT_EQ(config.num_attention_heads, 32);
+  EXPECT_EQ(config.num_key_value_heads, 8);
+  EXPECT_EQ(config.head_dim, 64);
+  EXPECT_EQ(config.max_position_embeddings, 131072);
+  EXPECT_EQ(config.rms_norm_eps, 1e-5);
+  EXPECT_EQ(config.rope_theta, 500000.0);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kLlama3);
+  EXPECT_EQ(config.rope_scaling.factor, 32.0);
+  EXPECT_EQ(config.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(config.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(config.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_TRUE(config.tie_word_embeddings);
+  EXPECT_FALSE(config.qkv_bias);
+  EXPECT_FALSE(config.o_bias);
+  EXPECT_FALSE(config.mlp_bias);
+  EXPECT_EQ(config.sliding_window, std::nullopt);
+  EXPECT_EQ(config.torch_dtype, "bfloat16");
+
+  // Published size: 1.24B. Tied, so no lm_head.weight.
+  EXPECT_EQ(ParameterCount(config), 1235814400);
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  ASSERT_EQ(weights.size(), 1u + 16 * 9 + 1);
+  EXPECT_EQ(weights.back().name, "model.norm.weight");
+  EXPECT_EQ(weights[3].name, "model.layers.0.self_attn.k_proj.weight");
+  EXPECT_THAT(weights[3].shape, ElementsAre(8 * 64, 2048));
+}
+
+TEST(ModelConfigTest, ParsesMistral7B) {
+  ModelConfig config = MustParse(kMistral7B);
+  EXPECT_EQ(config.model_type, "mistral");
+  EXPECT_EQ(config.architecture, "MistralForCausalLM");
+  EXPECT_EQ(config.num_key_value_heads, 8);
+  EXPECT_EQ(config.head_dim, 128);  // 4096 / 32
+  EXPECT_EQ(config.sliding_window, 4096);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kNone);
+  EXPECT_EQ(config.rope_theta, 10000.0);
+  EXPECT_FALSE(config.tie_word_embeddings);
+  EXPECT_FALSE(config.qkv_bias);
+  EXPECT_FALSE(config.o_bias);
+  EXPECT_FALSE(config.mlp_bias);
+
+  EXPECT_EQ(ParameterCount(config), 7241732096);  // published: 7.24B
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  ASSERT_EQ(weights.size(), 1u + 32 * 9 + 2);
+  EXPECT_EQ(weights.back().name, "lm_head.weight");
+  EXPECT_THAT(weights.back().shape, ElementsAre(32000, 4096));
+}
+
+TEST(ModelConfigTest, ParsesQwen25_05B) {
+  ModelConfig config = MustParse(kQwen25_05B);
+  EXPECT_EQ(config.model_type, "qwen2");
+  EXPECT_EQ(config.architecture, "Qwen2ForCausalLM");
+  EXPECT_EQ(config.head_dim, 64);  // 896 / 14
+  EXPECT_EQ(config.num_key_value_heads, 2);
+  EXPECT_TRUE(config.tie_word_embeddings);
+  EXPECT_TRUE(config.qkv_bias);
+  EXPECT_FALSE(config.o_bias);
+  EXPECT_FALSE(config.mlp_bias);
+  EXPECT_EQ(config.sliding_window, std::nullopt);  // use_sliding_window: false
+  EXPECT_EQ(config.rms_norm_eps, 1e-6);
+  EXPECT_EQ(config.rope_theta, 1e6);
+
+  EXPECT_EQ(ParameterCount(config), 494032768);  // published: 0.49B
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  // q, k, v carry biases: 12 tensors per layer.
+  ASSERT_EQ(weights.size(), 1u + 24 * 12 + 1);
+  EXPECT_EQ(weights[3].name, "model.layers.0.self_attn.q_proj.bias");
+  EXPECT_THAT(weights[3].shape, ElementsAre(896));
+}
+
+TEST(ModelConfigTest, Defaults) {
+  nlohmann::json json = {{"model_type", "llama"},  {"vocab_size", 10},
+                         {"hidden_size", 8},       {"intermediate_size", 12},
+                         {"num_hidden_layers", 1}, {"num_attention_heads", 4},
+                         {"head_dim", nullptr},    {"max_position_embeddings", 64}};
+  ModelConfig config = MustParse(json.dump());
+  EXPECT_EQ(config.architecture, "LlamaForCausalLM");
+  EXPECT_EQ(config.num_key_value_heads, 4);
+  EXPECT_EQ(config.head_dim, 2);
+  EXPECT_EQ(config.rms_norm_eps, 1e-6);
+  EXPECT_EQ(config.rope_theta, 10000.0);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kNone);
+  EXPECT_FALSE(config.tie_word_embeddings);
+  EXPECT_FALSE(config.qkv_bias);
+  EXPECT_FALSE(config.o_bias);
+  EXPECT_FALSE(config.mlp_bias);
+  EXPECT_EQ(config.sliding_window, std::nullopt);
+  EXPECT_EQ(config.torch_dtype, "");
+}
+
+TEST(ModelConfigTest, RopeScalingVariants) {
+  nlohmann::json json = TinyLlama();
+  json["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  ModelConfig config = MustParse(json.dump());
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kLinear);
+  EXPECT_EQ(config.rope_scaling.factor, 2.0);
+
+  json["rope_scaling"] = {{"rope_type", "default"}};
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.kind, RopeScaling::Kind::kNone);
+
+  json["rope_scaling"] = nullptr;
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.kind, RopeScaling::Kind::kNone);
+}
+
+TEST(ModelConfigTest, SlidingWindowRules) {
+  nlohmann::json mistral = nlohmann::json::parse(kMistral7B);
+  mistral["sliding_window"] = nullptr;
+  EXPECT_EQ(MustParse(mistral.dump()).sliding_window, std::nullopt);
+
+  // Llama has no sliding window whatever the file says.
+  nlohmann::json llama = TinyLlama();
+  llama["sliding_window"] = 16;
+  EXPECT_EQ(MustParse(llama.dump()).sliding_window, std::nullopt);
+
+  nlohmann::json qwen = nlohmann::json::parse(kQwen25_05B);
+  qwen["use_sliding_window"] = true;
+  qwen["max_window_layers"] = 0;
+  qwen["sliding_window"] = 4096;
+  EXPECT_EQ(MustParse(qwen.dump()).sliding_window, 4096);
+  // Sliding starts at layer max_window_layers: at or past the last layer, no layer slides.
+  qwen["max_window_layers"] = 24;
+  EXPECT_EQ(MustParse(qwen.dump()).sliding_window, std::nullopt);
+}
+
+TEST(ModelConfigTest, MistralStyleHeadDim) {
+  // head_dim * heads need not equal hidden_size.
+  nlohmann::json json = TinyLlama();
+  json["num_attention_heads"] = 2;
+  json["num_key_value_heads"] = 1;
+  json["head_dim"] = 6;
+  json["attention_bias"] = false;
+  json["mlp_bias"] = false;
+  ModelConfig config = MustParse(json.dump());
+  EXPECT_EQ(config.head_dim, 6);
+  EXPECT_EQ(ProjectionShapeOf(config, "q_proj").out_features, 12);
+  EXPECT_EQ(ProjectionShapeOf(config, "o_proj").in_features, 12);
+  EXPECT_EQ(ProjectionShapeOf(config, "o_proj").out_features, 8);
+  EXPECT_EQ(ProjectionShapeOf(config, "k_proj").out_features, 6);
+}
+
+TEST(ModelConfigTest, ExpectedWeightsOfTinyModel) {
+  ModelConfig config = MustParse(TinyLlama().dump());
+  EXPECT_TRUE(config.qkv_bias);
+  EXPECT_TRUE(config.o_bias);
+  EXPECT_TRUE(config.mlp_bias);
+
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  std::vector<std::string> names;
+  for (const WeightSpec& weight : weights) names.push_back(weight.name);
+  const std::vector<std::string> layer0 = {
+      "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+      "model.layers.0.self_attn.q_proj.bias",  "model.layers.0.self_attn.k_proj.weight",
+      "model.layers.0.self_attn.k_proj.bias",  "model.layers.0.self_attn.v_proj.weight",
+      "model.layers.0.self_attn.v_proj.bias",  "model.layers.0.self_attn.o_proj.weight",
+      "model.layers.0.self_attn.o_proj.bias",  "model.layers.0.post_attention_layernorm.weight",
+      "model.layers.0.mlp.gate_proj.weight",   "model.layers.0.mlp.gate_proj.bias",
+      "model.layers.0.mlp.up_proj.weight",     "model.layers.0.mlp.up_proj.bias",
+      "model.layers.0.mlp.down_proj.weight",   "model.layers.0.mlp.down_proj.bias",
+  };
+  ASSERT_EQ(weights.size(), 1 + 2 * layer0.size() + 2);
+  EXPECT_EQ(names.front(), "model.embed_tokens.weight");
+  EXPECT_EQ(std::vector<std::string>(names.begin() + 1, names.begin() + 17), layer0);
+  EXPECT_EQ(names[17], "model.layers.1.input_layernorm.weight");
+  EXPECT_EQ(names[names.size() - 2], "model.norm.weight");
+  EXPECT_EQ(names.back(), "lm_head.weight");
+
+  // Shapes: V=10, H=8, I=12, 4 heads x 2 dims, 2 KV heads x 2 dims.
+  const std::vector<std::vector<int64_t>> layer0_shapes = {
+      {8}, {8, 8}, {8},     {4, 8}, {4},     {4, 8}, {4},     {8, 8},
+      {8}, {8},    {12, 8}, {12},   {12, 8}, {12},   {8, 12}, {8},
+  };
+  EXPECT_THAT(weights[0].shape, ElementsAre(10, 8));
+  for (size_t i = 0; i < layer0_shapes.size(); ++i) {
+    EXPECT_EQ(weights[1 + i].shape, layer0_shapes[i]) << weights[1 + i].name;
+  }
+  EXPECT_THAT(weights[weights.size() - 2].shape, ElementsAre(8));
+  EXPECT_THAT(weights.back().shape, ElementsAre(10, 8));
+
+  // By hand: per layer 2 norms (16) + q 64+8 + k 32+4 + v 32+4 + o 64+8
+  // + gate 96+12 + up 96+12 + down 96+8 = 552; embeddings 80, final norm 8, lm_head 80.
+  EXPECT_EQ(ParameterCount(config), 80 + 2 * 552 + 8 + 80);
+
+  // Tied embeddings: lm_head disappears and is not counted.
+  config.tie_word_embeddings = true;
+  EXPECT_EQ(ExpectedWeights(config).back().name, "model.norm.weight");
+  EXPECT_EQ(ParameterCount(config), 80 + 2 * 552 + 8);
+}
+
+TEST(ModelConfigTest, ProjectionNamesAndShapes) {
+  EXPECT_EQ(ProjectionName(3, "q_proj"), "model.layers.3.self_attn.q_proj");
+  EXPECT_EQ(ProjectionName(0, "o_proj"), "model.layers.0.self_attn.o_proj");
+  EXPECT_EQ(ProjectionName(12, "up_proj"), "model.layers.12.mlp.up_proj");
+  EXPECT_EQ(ProjectionName(1, "down_proj"), "model.layers.1.mlp.down_proj");
+
+  EXPECT_THAT(LoraTargetModules(), ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                               "up_proj", "down_proj"));
+  EXPECT_TRUE(IsLoraTargetModule("gate_proj"));
+  EXPECT_FALSE(IsLoraTargetModule("qproj"));
+  EXPECT_FALSE(IsLoraTargetModule("lm_head"));
+  EXPECT_FALSE(IsLoraTargetModule(""));
+
+  ModelConfig config = MustParse(TinyLlama().dump());
+  auto shape = [&](const char* module) {
+    ProjectionShape s = ProjectionShapeOf(config, module);
+    return std::vector<int64_t>{s.in_features, s.out_features};
+  };
+  EXPECT_THAT(shape("q_proj"), ElementsAre(8, 8));
+  EXPECT_THAT(shape("k_proj"), ElementsAre(8, 4));
+  EXPECT_THAT(shape("v_proj"), ElementsAre(8, 4));
+  EXPECT_THAT(shape("o_proj"), ElementsAre(8, 8));
+  EXPECT_THAT(shape("gate_proj"), ElementsAre(8, 12));
+  EXPECT_THAT(shape("up_proj"), ElementsAre(8, 12));
+  EXPECT_THAT(shape("down_proj"), ElementsAre(12, 8));
+}
+
+TEST(ModelConfigTest, JsonRoundTrip) {
+  nlohmann::json linear = TinyLlama();
+  linear["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 4.0}};
+  linear["torch_dtype"] = "float32";
+  nlohmann::json qwen_sliding = nlohmann::json::parse(kQwen25_05B);
+  qwen_sliding["use_sliding_window"] = true;
+  qwen_sliding["max_window_layers"] = 0;
+  qwen_sliding["sliding_window"] = 1024;
+  nlohmann::json mistral_no_window = nlohmann::json::parse(kMistral7B);
+  mistral_no_window["sliding_window"] = nullptr;
+  mistral_no_window["head_dim"] = 96;
+
+  for (const std::string& text :
+       {std::string(kLlama32_1B), std::string(kMistral7B), std::string(kQwen25_05B), linear.dump(),
+        qwen_sliding.dump(), mistral_no_window.dump()}) {
+    ModelConfig original = MustParse(text);
+    SCOPED_TRACE(original.model_type);
+    std::string written = ModelConfigToJson(original);
+    absl::StatusOr<ModelConfig> reread = ParseModelConfig(written, "written");
+    ASSERT_TRUE(reread.ok()) << reread.status() << "\n" << written;
+    ExpectSameConfig(original, *reread);
+
+    // Hugging Face keys that transformers reads.
+    nlohmann::json json = nlohmann::json::parse(written);
+    EXPECT_EQ(json["architectures"], nlohmann::json::array({original.architecture}));
+    EXPECT_EQ(json["hidden_act"], "silu");
+    EXPECT_EQ(json["num_key_value_heads"], original.num_key_value_heads);
+  }
+  // use_sliding_window is written for qwen2.
+  nlohmann::json qwen = nlohmann::json::parse(ModelConfigToJson(MustParse(qwen_sliding.dump())));
+  EXPECT_EQ(qwen["use_sliding_window"], true);
+  EXPECT_EQ(qwen["sliding_window"], 1024);
+}
+
+TEST(ModelConfigTest, ToJsonFillsArchitectureFromModelType) {
+  ModelConfig config = MustParse(kMistral7B);
+  config.architecture.clear();
+  nlohmann::json json = nlohmann::json::parse(ModelConfigToJson(config));
+  EXPECT_EQ(json["architectures"], nlohmann::json::array({"MistralForCausalLM"}));
+}
+
+struct ErrorCase {
+  std::string description;
+  std::function<void(nlohmann::json&)> mutate;
+  std::string fragment;
+};
+
+TEST(ModelConfigTest, RejectsBadConfigs) {
+  using Json = nlohmann::json;
+  const std::vector<ErrorCase> cases = {
+      {"missing model_type", [](Json& j) { j.erase("model_type"); },
+       "/m/config.json: model_type: required field is missing"},
+      {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
+       "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2)"},
+      {"model_type not a string", [](Json& j) { j["model_type"] = 7; },
+       "/m/config.json: model_type: expected a string, got 7"},
+      {"hidden_act", [](Json& j) { j["hidden_act"] = "gelu"; },
+       "/m/config.json: hidden_act: unsupported \"gelu\""},
+      {"missing vocab_size", [](Json& j) { j.erase("vocab_size"); },
+       "/m/config.json: vocab_size: required field is missing"},
+      {"zero hidden_size", [](Json& j) { j["hidden_size"] = 0; },
+       "/m/config.json: hidden_size: must be > 0, got 0"},
+      {"negative intermediate_size", [](Json& j) { j["intermediate_size"] = -12; },
+       "/m/config.json: intermediate_size: must be > 0, got -12"},
+      {"string num_hidden_layers", [](Json& j) { j["num_hidden_layers"] = "two"; },
+       "/m/config.json: num_hidden_layers: expected an integer, got \"two\""},
+      {"fractional num_attention_heads", [](Json& j) { j["num_attention_heads"] = 1.5; },
+       "/m/config.json: num_attention_heads: expected an integer, got 1.5"},
+      {"huge vocab_size", [](Json& j) { j["vocab_size"] = 18446744073709551615ull; },
+       "/m/config.json: vocab_size: 18446744073709551615 is out of range"},
+      {"kv heads do not divide",
+       [](Json& j) {
+         j["num_attention_heads"] = 8;
+         j["num_key_value_heads"] = 3;
+       },
+       "/m/config.json: num_key_value_heads: 3 does not divide num_attention_heads 8"},
+      {"zero kv heads", [](Json& j) { j["num_key_value_heads"] = 0; },
+       "/m/config.json: num_key_value_heads: must be > 0, got 0"},
+      {"zero head_dim", [](Json& j) { j["head_dim"] = 0; },
+       "/m/config.json: head_dim: must be > 0, got 0"},
+      {"odd head_dim", [](Json& j) { j["head_dim"] = 3; },
+       "/m/config.json: head_dim: 3 must be even"},
+      {"hidden not divisible by heads", [](Json& j) { j["hidden_size"] = 10; },
+       "/m/config.json: hidden_size: 10 is not divisible by num_attention_heads 4"},
+      {"missing max_position_embeddings", [](Json& j) { j.erase("max_position_embeddings"); },
+       "/m/config.json: max_position_embeddings: required field is missing"},
+      {"zero rms_norm_eps", [](Json& j) { j["rms_norm_eps"] = 0.0; },
+       "/m/config.json: rms_norm_eps: must be > 0"},
+      {"string rope_theta", [](Json& j) { j["rope_theta"] = "1e4"; },
+       "/m/config.json: rope_theta: expected a number, got \"1e4\""},
+      {"negative rope_theta", [](Json& j) { j["rope_theta"] = -1; },
+       "/m/config.json: rope_theta: must be > 0, got -1"},
+      {"rope_scaling not an object", [](Json& j) { j["rope_scaling"] = 2; },
+       "/m/config.json: rope_scaling: expected an object or null, got 2"},
+      {"unknown rope type",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
+       "/m/config.json: rope_scaling.rope_type: unsupported \"yarn\" (supported: default, "
+       "linear, llama3)"},
+      {"unknown legacy rope type",
+       [](Json& j) {
+         j["rope_scaling"] = {{"type", "dynamic"}, {"factor", 4.0}};
+       },
+       "/m/config.json: rope_scaling.rope_type: unsupported \"dynamic\""},
+      {"rope type missing",
+       [](Json& j) {
+         j["rope_scaling"] = {{"factor", 4.0}};
+       },
+       "/m/config.json: rope_scaling.rope_type: required field is missing"},
+      {"linear without factor",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "linear"}};
+       },
+       "/m/config.json: rope_scaling.factor: required field is missing"},
+      {"linear factor below 1",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 0.5}};
+       },
+       "/m/config.json: rope_scaling.factor: must be >= 1, got 0.5"},
+      {"llama3 without low_freq_factor",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", 8.0},
+                              {"high_freq_factor", 4.0},
+                              {"original_max_position_embeddings", 8192}};
+       },
+       "/m/config.json: rope_scaling.low_freq_factor: required field is missing"},
+      {"llama3 high <= low",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", 8.0},
+                              {"low_freq_factor", 4.0},
+                              {"high_freq_factor", 1.0},
+                              {"original_max_position_embeddings", 8192}};
+       },
+       "/m/config.json: rope_scaling.high_freq_factor: must be > low_freq_factor 4, got 1"},
+      {"llama3 without original length",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", 8.0},
+                              {"low_freq_factor", 1.0},
+                              {"high_freq_factor", 4.0}};
+       },
+       "/m/config.json: rope_scaling.original_max_position_embeddings: required field is missing"},
+      {"llama3 zero original length",
+       [](Json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"},
+                              {"factor", 8.0},
+                              {"low_freq_factor", 1.0},
+                              {"high_freq_factor", 4.0},
+                              {"original_max_position_embeddings", 0}};
+       },
+       "/m/config.json: rope_scaling.original_max_position_embeddings: must be > 0, got 0"},
+      {"tie_word_embeddings not bool", [](Json& j) { j["tie_word_embeddings"] = "yes"; },
+       "/m/config.json: tie_word_embeddings: expected true or false, got \"yes\""},
+      {"attention_bias not bool", [](Json& j) { j["attention_bias"] = 1; },
+       "/m/config.json: attention_bias: expected true or false, got 1"},
+      {"architectures not a list", [](Json& j) { j["architectures"] = "LlamaForCausalLM"; },
+       "/m/config.json: architectures: expected a list of strings, got \"LlamaForCausalLM\""},
+      {"torch_dtype not a string", [](Json& j) { j["torch_dtype"] = 16; },
+       "/m/config.json: torch_dtype: expected a string, got 16"},
+      {"mistral zero sliding_window",
+       [](Json& j) {
+         j["model_type"] = "mistral";
+         j["sliding_window"] = 0;
+       },
+       "/m/config.json: sliding_window: must be > 0, got 0"},
+      {"qwen2 use_sliding_window not bool",
+       [](Json& j) {
+         j["model_type"] = "qwen2";
+         j["use_sliding_window"] = "true";
+       },
+       "/m/config.json: use_sliding_window: expected true or false, got \"true\""},
+      {"qwen2 window on some layers only",
+       [](Json& j) {
+         j["model_type"] = "qwen2";
+         j["use_sliding_window"] = true;
+         j["sliding_window"] = 16;
+         j["max_window_layers"] = 1;
+       },
+       "/m/config.json: max_window_layers: sliding window on layers 1..1 only is not supported"},
+  };
+  for (const ErrorCase& c : cases) {
+    SCOPED_TRACE(c.description);
+    nlohmann::json json = TinyLlama();
+    c.mutate(json);
+    absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump(), kSource);
+    ASSERT_FALSE(config.ok());
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.fragment));
+  }
+}
+
+TEST(ModelConfigTest, RejectsMalformedJson) {
+  absl::StatusOr<ModelConfig> config = ParseModelConfig("{\"model_type\": ", kSource);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("/m/config.json: malformed JSON"));
+
+  config = ParseModelConfig("[1, 2]", kSource);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("/m/config.json: expected a JSON object at the top level, got [1,2]"));
+
+  config = ParseModelConfig("", kSource);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("/m/config.json: malformed JSON"));
+}
+
+TEST(ModelConfigTest, LoadsFromDirectory) {
+  const std::filesystem::path dir =
+      std::filesystem::path(::testing::TempDir()) / "model_config_test_load";
+  std::filesystem::create_directories(dir);
+  {
+    std::ofstream out(dir / "config.json");
+    out << kMistral7B;
+  }
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir.string());
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->sliding_window, 4096);
+
+  // Errors name the file.
+  {
+    std::ofstream out(dir / "config.json");
+    out << R"({"model_type": "bert"})";
+  }
+  config = LoadModelConfig(dir.string() + "/");
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr((dir / "config.json").string() + ": model_type: unsupported"));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ModelConfigTest, LoadReportsMissingFile) {
+  const std::string dir = ::testing::TempDir() + "/model_config_test_no_such_dir";
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir);
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(config.status().message()), HasSubstr("config.json"));
+}
+
+}  // namespace
+}  // namespace lathe

@@ -1,0 +1,184 @@
+#include "worker/engine/causal_lm.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+#include "absl/strings/match.h"
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+ModelConfig TinyConfig(const std::string& type = "llama") {
+  ModelConfig c;
+  c.model_type = type;
+  c.vocab_size = 64;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  c.max_position_embeddings = 128;
+  c.qkv_bias = type == "qwen2";
+  return c;
+}
+
+std::unique_ptr<CausalLm> LoadModel(const TempDir& dir, const ModelConfig& config,
+                                    DType dtype = DType::kF32, bool trainable = false) {
+  absl::Status written = WriteSyntheticModel(config, dtype, 1, 1, dir.Path("model"));
+  EXPECT_TRUE(written.ok()) << written;
+  absl::StatusOr<std::unique_ptr<CausalLm>> model =
+      CausalLm::Load(dir.Path("model"), config, trainable);
+  EXPECT_TRUE(model.ok()) << model.status();
+  return model.ok() ? *std::move(model) : nullptr;
+}
+
+at::Tensor Ids(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed = 0) {
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  return at::randint(vocab, {batch, seq}, generator, at::kLong);
+}
+
+TEST(CausalLm, FreshLoraLeavesTheModelUnchanged) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  auto model = LoadModel(dir, config);
+  at::Tensor ids = Ids(2, 10, config.vocab_size);
+  at::Tensor before = model->Logits(ids);
+  LoraSpec lora;
+  lora.rank = 4;
+  model->InitLora(lora, 0);
+  EXPECT_TRUE(at::equal(before, model->Logits(ids)));
+  EXPECT_EQ(model->TrainableParameters().size(), 2u * 7 * 2);
+  for (const NamedParameter& p : model->TrainableParameters()) {
+    if (absl::EndsWith(p.name, "lora_B.weight")) {
+      EXPECT_EQ(p.tensor.abs().max().item<float>(), 0.0f) << p.name;
+    } else {
+      float bound = 1.0f / std::sqrt(static_cast<float>(p.tensor.size(1)));
+      EXPECT_LE(p.tensor.abs().max().item<float>(), bound) << p.name;
+      EXPECT_GT(p.tensor.abs().max().item<float>(), bound * 0.5f) << p.name;
+    }
+  }
+}
+
+TEST(CausalLm, LoraEqualsTheMergedWeights) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("qwen2");
+  auto model = LoadModel(dir, config);
+  LoraSpec lora;
+  lora.rank = 3;
+  lora.alpha = 6;
+  model->InitLora(lora, 5);
+  std::map<std::string, at::Tensor> deltas;  // HF weight name -> s * B A
+  {
+    at::NoGradGuard no_grad;
+    std::vector<NamedParameter> params = model->TrainableParameters();
+    for (size_t i = 0; i < params.size(); i += 2) {
+      at::Tensor a = params[i].tensor, b = params[i + 1].tensor;
+      b.uniform_(-0.1, 0.1);
+      std::string name = params[i].name;  // base_model.model.<hf>.lora_A.weight
+      name = name.substr(std::string("base_model.model.").size());
+      name = name.substr(0, name.size() - std::string("lora_A.weight").size()) + "weight";
+      deltas[name] = at::matmul(b, a) * (6.0 / 3.0);
+    }
+  }
+  TempDir merged_dir;
+  auto merged = LoadModel(merged_dir, config, DType::kF32, /*trainable=*/true);
+  {
+    at::NoGradGuard no_grad;
+    for (NamedParameter& p : merged->TrainableParameters()) {
+      if (deltas.count(p.name)) p.tensor.add_(deltas[p.name]);
+    }
+  }
+  at::Tensor ids = Ids(2, 12, config.vocab_size, 3);
+  EXPECT_TRUE(at::allclose(model->Logits(ids), merged->Logits(ids), 1e-4, 1e-5));
+}
+
+TEST(CausalLm, AttentionIsCausalAndRespectsTheSlidingWindow) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("mistral");
+  config.num_hidden_layers = 1;  // one layer: the receptive field is exactly the window
+  config.sliding_window = 4;
+  auto model = LoadModel(dir, config);
+  at::Tensor ids = Ids(1, 12, config.vocab_size, 1);
+  at::Tensor changed = ids.clone();
+  changed[0][0] = (ids[0][0].item<int64_t>() + 1) % config.vocab_size;
+  changed[0][11] = (ids[0][11].item<int64_t>() + 1) % config.vocab_size;
+  at::Tensor a = model->Logits(ids)[0], b = model->Logits(changed)[0];
+  // Position 0 sees token 0; positions 1-3 see it within the window; 4-10 do not, and no
+  // position before 11 sees token 11.
+  EXPECT_FALSE(at::allclose(a[3], b[3]));
+  EXPECT_TRUE(at::equal(a.slice(0, 4, 11), b.slice(0, 4, 11)));
+}
+
+TEST(CausalLm, LoadsHalfPrecisionFilesAsFloat32) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  config.tie_word_embeddings = true;
+  auto bf16 = LoadModel(dir, config, DType::kBF16);
+  ASSERT_NE(bf16, nullptr);
+  at::Tensor logits = bf16->Logits(Ids(1, 5, config.vocab_size));
+  EXPECT_EQ(logits.scalar_type(), at::kFloat);
+  EXPECT_TRUE(logits.isfinite().all().item<bool>());
+}
+
+TEST(CausalLm, Llama3RopeScalingKeepsHighAndDividesLowFrequencies) {
+  ModelConfig config = TinyConfig();
+  config.head_dim = 128;
+  config.rope_theta = 500000;
+  at::Tensor plain = RopeInverseFrequencies(config);
+  config.rope_scaling = {RopeScaling::Kind::kLlama3, 32.0, 1.0, 4.0, 8192};
+  at::Tensor scaled = RopeInverseFrequencies(config);
+  EXPECT_FLOAT_EQ(scaled[0].item<float>(), plain[0].item<float>());
+  EXPECT_FLOAT_EQ(scaled[63].item<float>(), plain[63].item<float>() / 32.0f);
+}
+
+TEST(CausalLm, ReportsMissingTensorsAndShapeMismatchesByName) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, dir.Path("m")).ok());
+  ModelConfig bigger = config;
+  bigger.intermediate_size = 64;
+  absl::Status shape = CausalLm::Load(dir.Path("m"), bigger, false).status();
+  EXPECT_EQ(shape.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(shape.message(),
+              HasSubstr("model.safetensors: tensor \"model.layers.0.mlp.gate_proj.weight\": "
+                        "shape [48, 32] in the file vs [64, 32] from config.json"));
+  ModelConfig biased = config;
+  biased.qkv_bias = true;
+  absl::Status missing = CausalLm::Load(dir.Path("m"), biased, false).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(missing.message(),
+              HasSubstr("tensor \"model.layers.0.self_attn.q_proj.bias\" is missing"));
+  EXPECT_EQ(CausalLm::Load(dir.Path("nothing"), config, false).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+TEST(CausalLm, LoadLoraRejectsAnotherRank) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  auto model = LoadModel(dir, config);
+  LoraSpec lora;
+  lora.rank = 4;
+  model->InitLora(lora, 0);
+  PeftAdapterConfig adapter{"m", 4, 8.0, 0.0, false, lora.targets};
+  ASSERT_TRUE(model->ExportAdapter(dir.Path("adapter"), adapter).ok());
+  auto other = LoadModel(dir, config);
+  lora.rank = 8;
+  absl::Status status = other->LoadLora(lora, dir.Path("adapter"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("r is 4 but lora.rank is 8"));
+  lora.rank = 4;
+  EXPECT_TRUE(other->LoadLora(lora, dir.Path("adapter")).ok());
+}
+
+}  // namespace
+}  // namespace lathe

@@ -1,0 +1,166 @@
+#include "worker/engine/trainer.h"
+
+#include <filesystem>
+
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_.model_type = "llama";
+    config_.vocab_size = 64;
+    config_.hidden_size = 32;
+    config_.intermediate_size = 48;
+    config_.num_hidden_layers = 2;
+    config_.num_attention_heads = 4;
+    config_.num_key_value_heads = 2;
+    config_.head_dim = 8;
+    config_.max_position_embeddings = 64;
+    ASSERT_TRUE(WriteSyntheticModel(config_, DType::kF32, 1, 0, dir_.Path("model")).ok());
+    SyntheticDataOptions data;
+    data.vocab = 64;
+    data.records = 64;
+    data.min_len = 8;
+    data.max_len = 24;
+    dir_.Write("train.jsonl", SyntheticDataJsonl(data));
+
+    spec_.name = "t";
+    spec_.model.path = dir_.Path("model");
+    spec_.data.train = dir_.Path("train.jsonl");
+    spec_.data.seq_len = 16;
+    spec_.lora.rank = 4;
+    spec_.train.steps = 4;
+    spec_.train.global_batch = 4;
+    spec_.train.lr = 1e-2;
+    spec_.output = dir_.Path("out");
+  }
+
+  // Trains `spec` and returns the per-step losses.
+  std::vector<double> Losses(const JobSpec& spec) {
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, {1});
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return {};
+    std::vector<double> losses;
+    absl::StatusOr<TrainResult> result =
+        (*trainer)->Run([&](const StepReport& r) { losses.push_back(r.loss.value_or(-1)); });
+    EXPECT_TRUE(result.ok()) << result.status();
+    return losses;
+  }
+
+  absl::Status CreateStatus(const JobSpec& spec) {
+    absl::Status status = Trainer::Create(spec, {1}).status();
+    EXPECT_FALSE(std::filesystem::exists(spec.output)) << "validation left " << spec.output;
+    return status;
+  }
+
+  TempDir dir_;
+  ModelConfig config_;
+  JobSpec spec_;
+};
+
+double Mean(const std::vector<double>& v, size_t begin, size_t end) {
+  double sum = 0;
+  for (size_t i = begin; i < end; ++i) sum += v[i];
+  return sum / static_cast<double>(end - begin);
+}
+
+TEST_F(TrainerTest, LoraLossFallsAndTheAdapterIsWritten) {
+  spec_.train.steps = 60;
+  spec_.lora.rank = 8;
+  spec_.lora.alpha = 16;
+  spec_.train.schedule.kind = ScheduleKind::kConstant;
+  std::vector<double> losses = Losses(spec_);
+  ASSERT_EQ(losses.size(), 60u);
+  EXPECT_GT(losses[0], std::log(64.0) - 0.5);  // a random model starts near uniform
+  EXPECT_LT(Mean(losses, 50, 60), Mean(losses, 0, 10) - 0.1);
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("out/adapter/adapter_model.safetensors")));
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("out/adapter/adapter_config.json")));
+}
+
+TEST_F(TrainerTest, FullFineTuningLossFalls) {
+  spec_.method = Method::kFull;
+  spec_.train.steps = 40;
+  spec_.train.schedule.kind = ScheduleKind::kConstant;
+  std::vector<double> losses = Losses(spec_);
+  ASSERT_EQ(losses.size(), 40u);
+  EXPECT_LT(Mean(losses, 35, 40), Mean(losses, 0, 5) - 0.5);
+}
+
+TEST_F(TrainerTest, AccumulationGivesTheSameUpdateAsOneBigBatch) {
+  spec_.train.micro_batch = 4;
+  std::vector<double> whole = Losses(spec_);
+  spec_.train.micro_batch = 1;
+  spec_.output = dir_.Path("out2");
+  std::vector<double> accumulated = Losses(spec_);
+  ASSERT_EQ(whole.size(), accumulated.size());
+  for (size_t i = 0; i < whole.size(); ++i) EXPECT_NEAR(whole[i], accumulated[i], 2e-6) << i;
+}
+
+TEST_F(TrainerTest, FullFineTuningWritesALoadableModel) {
+  spec_.method = Method::kFull;
+  spec_.train.steps = 2;
+  Losses(spec_);
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(dir_.Path("out/model"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_TRUE(CausalLm::Load(dir_.Path("out/model"), *config, false).ok());
+}
+
+TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
+  JobSpec spec = spec_;
+  spec.data.seq_len = 65;
+  absl::Status status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(),
+              HasSubstr("data.seq_len: 65 exceeds the model's max_position_embeddings 64"));
+
+  spec = spec_;
+  spec.model.path = dir_.Path("no-model");
+  status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.message(), HasSubstr("model.path: "));
+
+  spec = spec_;
+  spec.data.train = dir_.Write("empty.jsonl", "");
+  status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("data.train: "));
+  EXPECT_THAT(status.message(), HasSubstr("the data set is empty"));
+
+  spec = spec_;
+  spec.data.train = dir_.Write("big.jsonl", "{\"input_ids\": [1, 64]}\n");
+  status = CreateStatus(spec);
+  EXPECT_THAT(status.message(), HasSubstr("token id 64 is outside the vocabulary (vocab_size 64)"));
+
+  spec = spec_;
+  spec.train.precision = Precision::kBf16;
+  status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("train.precision: bf16"));
+
+  spec = spec_;
+  spec.lora.init_from = dir_.Path("no-adapter");
+  status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(status.message(), HasSubstr("no-adapter/adapter_config.json"));
+}
+
+TEST_F(TrainerTest, RefusesAnOutputThatHoldsAFinishedRun) {
+  Losses(spec_);
+  absl::Status status = Trainer::Create(spec_, {1}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("already holds a finished run"));
+}
+
+}  // namespace
+}  // namespace lathe

@@ -1,0 +1,121 @@
+// A Llama-family decoder (Llama, Mistral, Qwen2; docs/training.md, "Model") with optional
+// LoRA adapters on its projections, written against ATen directly: explicit parameter
+// tensors, no torch::nn modules, so the engine decides where every byte lives.
+//
+// Thread-safety: not thread-safe; one trainer thread owns a model.
+#ifndef LATHE_WORKER_ENGINE_CAUSAL_LM_H_
+#define LATHE_WORKER_ENGINE_CAUSAL_LM_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+#include "common/peft.h"
+#include "worker/engine/torch_compat.h"
+
+namespace lathe {
+
+// A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.
+struct Projection {
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out]; undefined when the model has none here
+  at::Tensor lora_a;  // [r, in]; undefined without LoRA
+  at::Tensor lora_b;  // [out, r]
+  double lora_scale = 0.0;
+
+  at::Tensor Forward(const at::Tensor& x, double lora_dropout, bool training) const;
+};
+
+struct DecoderLayer {
+  at::Tensor input_norm;           // [hidden]
+  at::Tensor post_attention_norm;  // [hidden]
+  Projection q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+
+  // The projection called `module` ("q_proj", ...). REQUIRES: IsLoraTargetModule(module).
+  Projection& projection(absl::string_view module);
+  const Projection& projection(absl::string_view module) const;
+};
+
+// A trainable tensor with its Hugging Face (or PEFT) name.
+struct NamedParameter {
+  std::string name;
+  at::Tensor tensor;
+  bool weight_decay = true;
+};
+
+class CausalLm {
+ public:
+  // Loads the weights of model directory `dir` as float32 CPU tensors. With
+  // `trainable_base` every weight is an owned copy that requires grad (full fine-tuning);
+  // otherwise weights are frozen and, where possible, views of the mapped files.
+  // Errors name the tensor and the file: NOT_FOUND for a missing weights file,
+  // INVALID_ARGUMENT for a missing tensor or a shape that disagrees with config.json,
+  // and any error of SafetensorsDirectory::Open.
+  static absl::StatusOr<std::unique_ptr<CausalLm>> Load(const std::string& dir,
+                                                        const ModelConfig& config,
+                                                        bool trainable_base);
+
+  // Adds fresh LoRA adapters per `spec` on its targets: A uniform in +-1/sqrt(in), B zero,
+  // from a generator seeded with `seed`.
+  void InitLora(const LoraSpec& spec, uint64_t seed);
+
+  // Adds LoRA adapters from PEFT adapter directory `dir`, for `spec`'s targets and rank
+  // (scaling from `spec`). INVALID_ARGUMENT naming "lora.init_from", the tensor and the
+  // file when the adapter lacks a targeted tensor or has another rank or shape.
+  absl::Status LoadLora(const LoraSpec& spec, const std::string& dir);
+
+  // Final-normalised hidden states [batch, seq, hidden] of token ids [batch, seq].
+  at::Tensor Hidden(const at::Tensor& input_ids) const;
+  // Logits [batch, seq, vocab].
+  at::Tensor Logits(const at::Tensor& input_ids) const;
+  // Sum of the next-token cross-entropy over every target: position t predicts
+  // labels[t + 1]; labels of -100 are skipped. input_ids and labels: [batch, seq].
+  at::Tensor SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const;
+
+  // Tensors that receive gradients: the LoRA A/B matrices (PEFT names) or, with a
+  // trainable base, every weight (HF names; biases and norms without weight decay).
+  std::vector<NamedParameter> TrainableParameters();
+
+  // Writes the LoRA adapters as a PEFT adapter directory. REQUIRES: LoRA was added.
+  absl::Status ExportAdapter(const std::string& dir, const PeftAdapterConfig& config) const;
+  // Writes config.json and model.safetensors (float32) to `dir`.
+  absl::Status ExportModel(const std::string& dir) const;
+
+  void set_training(bool training) { training_ = training; }
+  const ModelConfig& config() const { return config_; }
+  int64_t lora_rank() const { return lora_rank_; }
+
+ private:
+  explicit CausalLm(const ModelConfig& config);
+
+  // Every base weight with its HF name, in ExpectedWeights order.
+  std::vector<std::pair<std::string, at::Tensor*>> BaseWeights();
+  const at::Tensor& lm_head() const;
+  // cos/sin tables [seq, head_dim] for positions 0..seq-1.
+  std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq) const;
+  at::Tensor Attention(const DecoderLayer& layer, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& mask) const;
+
+  ModelConfig config_;
+  at::Tensor embed_tokens_;  // [vocab, hidden]
+  std::vector<DecoderLayer> layers_;
+  at::Tensor norm_;      // [hidden]
+  at::Tensor lm_head_;   // [vocab, hidden]; undefined when tied
+  at::Tensor inv_freq_;  // [head_dim / 2]
+  std::vector<std::string> lora_targets_;
+  int64_t lora_rank_ = 0;
+  double lora_dropout_ = 0.0;
+  bool training_ = false;
+};
+
+// RoPE inverse frequencies [head_dim / 2] (float32) for `config`, rope_scaling applied.
+at::Tensor RopeInverseFrequencies(const ModelConfig& config);
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_ENGINE_CAUSAL_LM_H_

@@ -1,0 +1,182 @@
+#include "worker/engine/token_dataset.h"
+
+#include <fstream>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace lathe {
+namespace {
+
+absl::StatusOr<std::vector<int64_t>> IdArray(const nlohmann::json& value, absl::string_view key) {
+  if (!value.is_array()) return absl::InvalidArgumentError(absl::StrCat(key, " is not an array"));
+  std::vector<int64_t> ids;
+  ids.reserve(value.size());
+  for (const nlohmann::json& v : value) {
+    if (!v.is_number_integer()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(key, "[", ids.size(), "] is not an integer: ", v.dump()));
+    }
+    ids.push_back(v.get<int64_t>());
+  }
+  return ids;
+}
+
+absl::StatusOr<Document> ParseRecord(absl::string_view line, int64_t vocab_size) {
+  nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (record.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
+  if (!record.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  auto ids_it = record.find("input_ids");
+  if (ids_it == record.end()) {
+    if (record.contains("text") || record.contains("messages")) {
+      return absl::InvalidArgumentError(
+          "text records need a tokenizer, which this worker does not have yet; give "
+          "\"input_ids\"");
+    }
+    return absl::InvalidArgumentError("no \"input_ids\"");
+  }
+  Document doc;
+  LATHE_ASSIGN_OR_RETURN(doc.input_ids, IdArray(*ids_it, "input_ids"));
+  if (doc.input_ids.empty()) return absl::InvalidArgumentError("input_ids is empty");
+  for (size_t i = 0; i < doc.input_ids.size(); ++i) {
+    int64_t id = doc.input_ids[i];
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat("input_ids[", i, "]: token id ", id,
+                                                     " is outside the vocabulary (vocab_size ",
+                                                     vocab_size, ")"));
+    }
+  }
+  auto labels_it = record.find("labels");
+  if (labels_it == record.end() || labels_it->is_null()) {
+    doc.labels = doc.input_ids;
+    return doc;
+  }
+  LATHE_ASSIGN_OR_RETURN(doc.labels, IdArray(*labels_it, "labels"));
+  if (doc.labels.size() != doc.input_ids.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "labels has ", doc.labels.size(), " entries but input_ids has ", doc.input_ids.size()));
+  }
+  for (size_t i = 0; i < doc.labels.size(); ++i) {
+    int64_t label = doc.labels[i];
+    if (label != kIgnoreLabel && (label < 0 || label >= vocab_size)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "labels[", i, "]: ", label, " is neither -100 nor a token id below ", vocab_size));
+    }
+  }
+  return doc;
+}
+
+uint64_t SplitMix64Next(uint64_t& state) {
+  state += 0x9E3779B97F4A7C15ULL;
+  uint64_t z = state;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+absl::StatusOr<TokenDataset> TokenDataset::Load(const std::string& path, absl::string_view field,
+                                                int64_t vocab_size) {
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat(field, ": ", path, ": no such file or not readable"));
+  }
+  TokenDataset dataset;
+  std::string line;
+  int64_t line_number = 0;
+  while (std::getline(in, line)) {
+    ++line_number;
+    if (absl::StripAsciiWhitespace(line).empty()) continue;
+    absl::StatusOr<Document> doc = ParseRecord(line, vocab_size);
+    if (!doc.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", path, ": line ", line_number, ": ", doc.status().message()));
+    }
+    dataset.total_tokens_ += static_cast<int64_t>(doc->input_ids.size());
+    dataset.documents_.push_back(*std::move(doc));
+  }
+  if (in.bad()) {
+    return absl::InternalError(absl::StrCat(field, ": ", path, ": read error"));
+  }
+  if (dataset.documents_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", path, ": the data set is empty"));
+  }
+  return dataset;
+}
+
+std::vector<int64_t> EpochPermutation(int64_t n, uint64_t seed, int64_t epoch) {
+  std::vector<int64_t> perm(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) perm[i] = i;
+  uint64_t state = seed + 0x9E3779B97F4A7C15ULL * static_cast<uint64_t>(epoch + 1);
+  for (int64_t i = n - 1; i >= 1; --i) {
+    uint64_t j = SplitMix64Next(state) % static_cast<uint64_t>(i + 1);
+    std::swap(perm[i], perm[j]);
+  }
+  return perm;
+}
+
+SequenceSampler::SequenceSampler(const TokenDataset* dataset, int64_t seq_len, bool pack,
+                                 uint64_t seed)
+    : dataset_(dataset), seq_len_(seq_len), pack_(pack), seed_(seed) {
+  StartEpoch();
+}
+
+void SequenceSampler::StartEpoch() {
+  ++epoch_;
+  order_ = EpochPermutation(static_cast<int64_t>(dataset_->documents().size()), seed_, epoch_);
+  next_document_ = 0;
+  offset_in_document_ = 0;
+}
+
+Sequence SequenceSampler::Next() {
+  const std::vector<Document>& docs = dataset_->documents();
+  Sequence seq;
+  if (!pack_) {
+    if (next_document_ == order_.size()) StartEpoch();
+    const Document& doc = docs[order_[next_document_++]];
+    size_t len = std::min(doc.input_ids.size(), static_cast<size_t>(seq_len_));
+    seq.input_ids.assign(doc.input_ids.begin(), doc.input_ids.begin() + len);
+    seq.labels.assign(doc.labels.begin(), doc.labels.begin() + len);
+    return seq;
+  }
+  seq.input_ids.reserve(seq_len_);
+  seq.labels.reserve(seq_len_);
+  while (static_cast<int64_t>(seq.input_ids.size()) < seq_len_) {
+    if (next_document_ == order_.size()) StartEpoch();
+    const Document& doc = docs[order_[next_document_]];
+    size_t take = std::min(doc.input_ids.size() - offset_in_document_,
+                           static_cast<size_t>(seq_len_) - seq.input_ids.size());
+    for (size_t i = offset_in_document_; i < offset_in_document_ + take; ++i) {
+      seq.input_ids.push_back(doc.input_ids[i]);
+      // No document is trained to predict the first token of the next one.
+      seq.labels.push_back(i == 0 ? kIgnoreLabel : doc.labels[i]);
+    }
+    offset_in_document_ += take;
+    if (offset_in_document_ == doc.input_ids.size()) {
+      ++next_document_;
+      offset_in_document_ = 0;
+    }
+  }
+  return seq;
+}
+
+int64_t SequenceSampler::SequencesPerEpoch() const {
+  int64_t n = pack_ ? dataset_->total_tokens() / seq_len_
+                    : static_cast<int64_t>(dataset_->documents().size());
+  return std::max<int64_t>(1, n);
+}
+
+int64_t AutoMicroBatch(int64_t per_rank_batch, int64_t seq_len) {
+  for (int64_t m = per_rank_batch; m > 1; --m) {
+    if (per_rank_batch % m == 0 && m * seq_len <= 8192) return m;
+  }
+  return 1;
+}
+
+}  // namespace lathe

@@ -1,0 +1,31 @@
+// The one place that knows which libtorch Lathe is built against: Debian's 1.13 (CPU) on
+// development machines and CI, pip's 2.x (CUDA) on GPU machines. Engine code includes this
+// header instead of <torch/torch.h> (which costs ~30 s per file) and keeps to the API both
+// versions share; where they differ, a helper here hides the difference.
+//
+// It is also the engine's precompiled header.
+#ifndef LATHE_WORKER_ENGINE_TORCH_COMPAT_H_
+#define LATHE_WORKER_ENGINE_TORCH_COMPAT_H_
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/generated/variable_factories.h>
+#include <torch/version.h>
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace lathe {
+
+inline constexpr bool kTorchHasFusedAttention = TORCH_VERSION_MAJOR >= 2;
+
+// Converts a libtorch exception into a status at the engine boundary: INTERNAL with the
+// first line of the message and `context` prepended (RESOURCE_EXHAUSTED for allocation
+// failures, so callers can tell "does not fit").
+absl::Status StatusFromTorchError(const c10::Error& error, absl::string_view context);
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_ENGINE_TORCH_COMPAT_H_

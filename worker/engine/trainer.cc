@@ -1,0 +1,246 @@
+#include "worker/engine/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "worker/engine/adamw.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/engine/evaluation.h"
+#include "worker/engine/lr_schedule.h"
+
+namespace lathe {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Features the spec may ask for that this worker does not run yet.
+absl::Status CheckSupported(const JobSpec& spec) {
+  if (spec.method == Method::kQLora) {
+    return absl::FailedPreconditionError("method: qlora is not supported by this worker yet");
+  }
+  if (spec.train.precision != Precision::kFp32) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("train.precision: ", PrecisionName(spec.train.precision),
+                     " is not supported by this worker yet (fp32 only)"));
+  }
+  if (spec.train.optimizer != OptimizerKind::kAdamW) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("train.optimizer: ", OptimizerKindName(spec.train.optimizer),
+                     " is not supported by this worker yet (adamw only)"));
+  }
+  if (spec.resources.device != DeviceKind::kCpu) {
+    return absl::FailedPreconditionError(
+        "resources.device: cuda is not supported by this worker build (cpu only)");
+  }
+  if (spec.resources.ranks != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("resources.ranks: ", spec.resources.ranks,
+                     ": lathe-worker train runs a single rank; submit multi-rank jobs to a "
+                     "coordinator"));
+  }
+  const StrategySpec& s = spec.strategy;
+  if (!s.automatic && (s.zero_stage != 0 || s.offload_optimizer || s.offload_params ||
+                       s.activation_checkpointing || s.chunked_loss)) {
+    return absl::FailedPreconditionError(
+        "strategy: sharding, offload, activation checkpointing and chunked loss are not "
+        "supported by this worker yet; use strategy: auto");
+  }
+  return absl::OkStatus();
+}
+
+// The output directory must not hold a finished run and must be creatable.
+absl::Status CheckOutput(const std::string& output) {
+  for (const char* finished : {"adapter/adapter_config.json", "model/config.json"}) {
+    if (fs::exists(fs::path(output) / finished)) {
+      return absl::InvalidArgumentError(absl::StrCat("output: ", output,
+                                                     " already holds a finished run (", finished,
+                                                     "); choose another directory"));
+    }
+  }
+  fs::path existing = fs::absolute(output);
+  while (!fs::exists(existing) && existing.has_parent_path() &&
+         existing != existing.parent_path()) {
+    existing = existing.parent_path();
+  }
+  if (!fs::is_directory(existing)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output: ", output, ": ", existing.string(), " is not a directory"));
+  }
+  if (access(existing.c_str(), W_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("output: ", output, ": ", existing.string(), " is not writable"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t PeakRssBytes() {
+  struct rusage usage;
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+// Right-pads `sequences` into [batch, longest] id and label tensors.
+std::pair<at::Tensor, at::Tensor> Collate(const std::vector<Sequence>& sequences) {
+  size_t longest = 0;
+  for (const Sequence& s : sequences) longest = std::max(longest, s.input_ids.size());
+  const int64_t batch = static_cast<int64_t>(sequences.size());
+  at::Tensor ids = at::zeros({batch, static_cast<int64_t>(longest)}, at::kLong);
+  at::Tensor labels = at::full({batch, static_cast<int64_t>(longest)}, kIgnoreLabel, at::kLong);
+  for (int64_t b = 0; b < batch; ++b) {
+    const Sequence& s = sequences[b];
+    std::copy(s.input_ids.begin(), s.input_ids.end(), ids[b].data_ptr<int64_t>());
+    std::copy(s.labels.begin(), s.labels.end(), labels[b].data_ptr<int64_t>());
+  }
+  return {ids, labels};
+}
+
+int64_t CountTargets(const Sequence& s) {
+  int64_t n = 0;
+  for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != kIgnoreLabel;
+  return n;
+}
+
+}  // namespace
+
+Trainer::~Trainer() = default;
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
+                                                         const TrainerOptions& options) {
+  LATHE_RETURN_IF_ERROR(CheckSupported(spec));
+  std::unique_ptr<Trainer> trainer(new Trainer());
+  trainer->spec_ = spec;
+  trainer->options_ = options;
+
+  absl::StatusOr<ModelConfig> config = LoadModelConfig(spec.model.path);
+  if (!config.ok()) return Annotate(config.status(), "model.path");
+  trainer->model_config_ = *config;
+  if (spec.data.seq_len > config->max_position_embeddings) {
+    return absl::InvalidArgumentError(absl::StrCat("data.seq_len: ", spec.data.seq_len,
+                                                   " exceeds the model's max_position_embeddings ",
+                                                   config->max_position_embeddings));
+  }
+  LATHE_ASSIGN_OR_RETURN(trainer->train_data_,
+                         TokenDataset::Load(spec.data.train, "data.train", config->vocab_size));
+  if (!spec.data.eval.empty()) {
+    LATHE_ASSIGN_OR_RETURN(trainer->eval_data_,
+                           TokenDataset::Load(spec.data.eval, "data.eval", config->vocab_size));
+  }
+  LATHE_RETURN_IF_ERROR(CheckOutput(spec.output));
+
+  const TrainSpec& train = spec.train;
+  trainer->micro_batch_ = train.micro_batch > 0
+                              ? train.micro_batch
+                              : AutoMicroBatch(train.global_batch, spec.data.seq_len);
+  if (train.steps > 0) {
+    trainer->total_steps_ = train.steps;
+  } else {
+    SequenceSampler sampler(&*trainer->train_data_, spec.data.seq_len, spec.data.pack, train.seed);
+    trainer->total_steps_ =
+        std::max<int64_t>(1, train.epochs * sampler.SequencesPerEpoch() / train.global_batch);
+  }
+
+  absl::StatusOr<std::unique_ptr<CausalLm>> model =
+      CausalLm::Load(spec.model.path, *config, /*trainable_base=*/spec.method == Method::kFull);
+  if (!model.ok()) return Annotate(model.status(), "model.path");
+  trainer->model_ = *std::move(model);
+  if (spec.method == Method::kLora) {
+    if (spec.lora.init_from.empty()) {
+      trainer->model_->InitLora(spec.lora, train.seed);
+    } else {
+      LATHE_RETURN_IF_ERROR(trainer->model_->LoadLora(spec.lora, spec.lora.init_from));
+    }
+  }
+  return trainer;
+}
+
+absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepReport&)>& on_step) {
+  at::set_num_threads(options_.threads > 0 ? options_.threads
+                                           : static_cast<int>(std::thread::hardware_concurrency()));
+  const TrainSpec& train = spec_.train;
+  SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
+  AdamW optimizer(model_->TrainableParameters(),
+                  {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
+  model_->set_training(true);
+  TrainResult result;
+  result.steps = total_steps_;
+  int64_t timed_tokens = 0;
+  double timed_seconds = 0.0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < total_steps_; ++step) {
+    const auto step_start = std::chrono::steady_clock::now();
+    StepReport report;
+    report.step = step + 1;
+    report.steps = total_steps_;
+    report.lr = LearningRate(train.schedule, train.lr, step, total_steps_);
+    std::vector<Sequence> batch;
+    int64_t targets = 0;
+    for (int64_t i = 0; i < train.global_batch; ++i) {
+      batch.push_back(sampler.Next());
+      targets += CountTargets(batch.back());
+      report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
+    }
+    try {
+      if (targets > 0) {
+        double loss_sum = 0.0;
+        for (int64_t m = 0; m < train.global_batch; m += micro_batch_) {
+          std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
+          auto [ids, labels] = Collate(micro);
+          at::Tensor loss = model_->SumLoss(ids, labels);
+          (loss / static_cast<double>(targets)).backward();
+          loss_sum += loss.item<double>();
+        }
+        report.loss = loss_sum / static_cast<double>(targets);
+        report.grad_norm = optimizer.GradNorm();
+        if (train.max_grad_norm > 0) {
+          double coef = train.max_grad_norm / (report.grad_norm + 1e-6);
+          if (coef < 1.0) optimizer.ScaleGrads(coef);
+        }
+        optimizer.Step(report.lr);
+        optimizer.ZeroGrad();
+        result.final_loss = report.loss;
+      }
+    } catch (const c10::Error& e) {
+      return StatusFromTorchError(e, absl::StrCat("training step ", step + 1));
+    }
+    report.seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    if (step > 0 || total_steps_ == 1) {
+      timed_tokens += report.tokens;
+      timed_seconds += report.seconds;
+    }
+    on_step(report);
+  }
+  model_->set_training(false);
+  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  result.tokens_per_second = timed_seconds > 0 ? timed_tokens / timed_seconds : 0.0;
+
+  if (eval_data_) {
+    LATHE_ASSIGN_OR_RETURN(Evaluation eval,
+                           Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
+    result.eval_loss = eval.loss;
+  }
+  if (spec_.method == Method::kLora) {
+    PeftAdapterConfig adapter;
+    adapter.base_model_name_or_path = spec_.model.path;
+    adapter.r = spec_.lora.rank;
+    adapter.lora_alpha = spec_.lora.alpha;
+    adapter.lora_dropout = spec_.lora.dropout;
+    adapter.use_rslora = spec_.lora.use_rslora;
+    adapter.target_modules = spec_.lora.targets;
+    result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
+    LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, adapter));
+  } else {
+    result.model_dir = (fs::path(spec_.output) / "model").string();
+    LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
+  }
+  result.peak_rss_bytes = PeakRssBytes();
+  return result;
+}
+
+}  // namespace lathe

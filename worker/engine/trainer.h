@@ -1,0 +1,86 @@
+// Runs one training job in this process (docs/training.md): loads the model and data,
+// trains for the spec's steps with gradient accumulation, AdamW, clipping and the LR
+// schedule, and writes the adapter (LoRA) or the model (full fine-tuning) at the end.
+//
+// Everything that can be checked is checked in Create, before any file is written: a job
+// that fails validation leaves nothing behind, and a job that fails while training writes
+// no output.
+//
+// Thread-safety: not thread-safe; one thread drives a Trainer.
+#ifndef LATHE_WORKER_ENGINE_TRAINER_H_
+#define LATHE_WORKER_ENGINE_TRAINER_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+#include "worker/engine/token_dataset.h"
+
+namespace lathe {
+
+class CausalLm;
+
+struct TrainerOptions {
+  int threads = 0;  // intra-op threads; 0 = every core
+};
+
+// What one optimizer step did.
+struct StepReport {
+  int64_t step = 0;            // 1-based
+  int64_t steps = 0;           // total
+  std::optional<double> loss;  // mean over the step's targets, before the update; unset
+                               // when the step had no targets (and was skipped)
+  double lr = 0.0;
+  double grad_norm = 0.0;  // before clipping
+  int64_t tokens = 0;      // input tokens, padding excluded
+  double seconds = 0.0;
+};
+
+struct TrainResult {
+  int64_t steps = 0;
+  std::optional<double> final_loss;
+  std::optional<double> eval_loss;  // when data.eval is set
+  std::string adapter_dir;          // LoRA
+  std::string model_dir;            // full fine-tuning
+  double seconds = 0.0;
+  double tokens_per_second = 0.0;  // over every step but the first (warm-up)
+  int64_t peak_rss_bytes = 0;
+};
+
+class Trainer {
+ public:
+  // Validates `spec` against this worker, the model directory and the data, and loads the
+  // model. Errors name the spec field ("data.seq_len: ...", "model.path: ...",
+  // "data.train: /d/x.jsonl: line 3: ..."): INVALID_ARGUMENT or NOT_FOUND for bad input,
+  // FAILED_PRECONDITION for features this worker does not support.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const JobSpec& spec,
+                                                         const TrainerOptions& options);
+  ~Trainer();
+
+  // Trains to the end, calling `on_step` after every step, then writes the output.
+  absl::StatusOr<TrainResult> Run(const std::function<void(const StepReport&)>& on_step);
+
+  int64_t total_steps() const { return total_steps_; }
+  int64_t micro_batch() const { return micro_batch_; }
+
+ private:
+  Trainer() = default;
+
+  JobSpec spec_;
+  TrainerOptions options_;
+  ModelConfig model_config_;
+  std::unique_ptr<CausalLm> model_;
+  std::optional<TokenDataset> train_data_;
+  std::optional<TokenDataset> eval_data_;
+  int64_t total_steps_ = 0;
+  int64_t micro_batch_ = 0;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_ENGINE_TRAINER_H_

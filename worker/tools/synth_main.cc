@@ -1,0 +1,241 @@
+// lathe-synth: writes small synthetic inputs for demos, tests and benchmarks, with the
+// project's own writers and no libtorch:
+//   model    a Hugging Face model directory (config.json + safetensors) with random weights
+//   data     a JSONL token data set drawn from a learnable Markov chain
+//   adapter  a PEFT LoRA adapter for a model directory
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "common/command_line.h"
+#include "common/file_util.h"
+#include "common/float16.h"
+#include "common/model_config.h"
+#include "common/peft.h"
+#include "common/safetensors.h"
+#include "common/status_macros.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+const std::vector<FlagSpec> kModelFlags = {
+    {"out", true, "output directory (created)"},
+    {"type", true, "llama | mistral | qwen2 (default llama)"},
+    {"vocab", true, "vocabulary size (default 256)"},
+    {"hidden", true, "hidden size (default 64)"},
+    {"layers", true, "decoder layers (default 2)"},
+    {"heads", true, "attention heads (default 4)"},
+    {"kv-heads", true, "key/value heads (default 2)"},
+    {"intermediate", true, "MLP size (default 128)"},
+    {"head-dim", true, "head dimension (default hidden/heads)"},
+    {"max-pos", true, "max_position_embeddings (default 512)"},
+    {"sliding-window", true, "sliding window (mistral, qwen2)"},
+    {"rope-theta", true, "RoPE base (default 10000)"},
+    {"tied", false, "tie the LM head to the embeddings"},
+    {"dtype", true, "F32 | BF16 | F16 (default F32)"},
+    {"shards", true, "number of safetensors shards (default 1)"},
+    {"seed", true, "random seed (default 0)"},
+};
+
+absl::Status WriteModel(const ParsedFlags& flags) {
+  std::string out = flags.Get("out");
+  if (out.empty()) return absl::InvalidArgumentError("--out is required");
+  ModelConfig config;
+  config.model_type = flags.Get("type", "llama");
+  if (config.model_type != "llama" && config.model_type != "mistral" &&
+      config.model_type != "qwen2") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--type: expected llama, mistral or qwen2, got \"", config.model_type, "\""));
+  }
+  LATHE_ASSIGN_OR_RETURN(config.vocab_size, flags.GetInt("vocab", 256));
+  LATHE_ASSIGN_OR_RETURN(config.hidden_size, flags.GetInt("hidden", 64));
+  LATHE_ASSIGN_OR_RETURN(config.num_hidden_layers, flags.GetInt("layers", 2));
+  LATHE_ASSIGN_OR_RETURN(config.num_attention_heads, flags.GetInt("heads", 4));
+  LATHE_ASSIGN_OR_RETURN(config.num_key_value_heads, flags.GetInt("kv-heads", 2));
+  LATHE_ASSIGN_OR_RETURN(config.intermediate_size, flags.GetInt("intermediate", 128));
+  LATHE_ASSIGN_OR_RETURN(config.max_position_embeddings, flags.GetInt("max-pos", 512));
+  LATHE_ASSIGN_OR_RETURN(config.rope_theta, flags.GetDouble("rope-theta", 10000.0));
+  if (config.num_attention_heads <= 0) return absl::InvalidArgumentError("--heads must be > 0");
+  LATHE_ASSIGN_OR_RETURN(config.head_dim,
+                         flags.GetInt("head-dim", config.hidden_size / config.num_attention_heads));
+  if (flags.Has("sliding-window")) {
+    LATHE_ASSIGN_OR_RETURN(int64_t window, flags.GetInt("sliding-window", 0));
+    if (config.model_type == "llama") {
+      return absl::InvalidArgumentError("--sliding-window: llama models have none");
+    }
+    config.sliding_window = window;
+  }
+  config.tie_word_embeddings = flags.Has("tied");
+  config.qkv_bias = config.model_type == "qwen2";
+  config.rms_norm_eps = 1e-6;
+  LATHE_ASSIGN_OR_RETURN(DType dtype, ParseDType(flags.Get("dtype", "F32")));
+  if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+    return absl::InvalidArgumentError("--dtype: expected F32, BF16 or F16");
+  }
+  config.torch_dtype = dtype == DType::kF32    ? "float32"
+                       : dtype == DType::kBF16 ? "bfloat16"
+                                               : "float16";
+  LATHE_ASSIGN_OR_RETURN(int64_t shards, flags.GetInt("shards", 1));
+  LATHE_ASSIGN_OR_RETURN(int64_t seed, flags.GetInt("seed", 0));
+  LATHE_RETURN_IF_ERROR(
+      WriteSyntheticModel(config, dtype, shards, static_cast<uint64_t>(seed), out));
+  std::cout << "wrote " << out << " (" << config.model_type << ", " << ParameterCount(config)
+            << " parameters, " << DTypeName(dtype) << ")\n";
+  return absl::OkStatus();
+}
+
+const std::vector<FlagSpec> kDataFlags = {
+    {"out", true, "output JSONL file"},
+    {"vocab", true, "vocabulary size (default 256)"},
+    {"records", true, "number of records (default 256)"},
+    {"min-len", true, "shortest record (default 8)"},
+    {"max-len", true, "longest record (default 64)"},
+    {"prompt-labels", false, "mask a prompt prefix of each record with -100 labels"},
+    {"seed", true, "random seed (default 0)"},
+};
+
+absl::Status WriteData(const ParsedFlags& flags) {
+  std::string out = flags.Get("out");
+  if (out.empty()) return absl::InvalidArgumentError("--out is required");
+  LATHE_ASSIGN_OR_RETURN(int64_t vocab, flags.GetInt("vocab", 256));
+  LATHE_ASSIGN_OR_RETURN(int64_t records, flags.GetInt("records", 256));
+  LATHE_ASSIGN_OR_RETURN(int64_t min_len, flags.GetInt("min-len", 8));
+  LATHE_ASSIGN_OR_RETURN(int64_t max_len, flags.GetInt("max-len", 64));
+  LATHE_ASSIGN_OR_RETURN(int64_t seed, flags.GetInt("seed", 0));
+  if (vocab < 2) return absl::InvalidArgumentError("--vocab must be >= 2");
+  if (records < 1) return absl::InvalidArgumentError("--records must be >= 1");
+  if (min_len < 2 || max_len < min_len) {
+    return absl::InvalidArgumentError("--min-len/--max-len: need 2 <= min-len <= max-len");
+  }
+  SyntheticDataOptions options{
+      vocab, records, min_len, max_len, flags.Has("prompt-labels"), static_cast<uint64_t>(seed)};
+  std::string text = SyntheticDataJsonl(options);
+  LATHE_RETURN_IF_ERROR(WriteFileAtomically(out, text));
+  std::cout << "wrote " << out << " (" << records << " records)\n";
+  return absl::OkStatus();
+}
+
+const std::vector<FlagSpec> kAdapterFlags = {
+    {"model", true, "model directory the adapter is for"},
+    {"out", true, "output adapter directory"},
+    {"rank", true, "LoRA rank (default 8)"},
+    {"alpha", true, "LoRA alpha (default 16)"},
+    {"targets", true, "comma-separated modules (default all seven)"},
+    {"b-scale", true, "B ~ uniform(-x, x); 0 gives PEFT's zero init (default 0)"},
+    {"rslora", false, "mark the adapter use_rslora"},
+    {"seed", true, "random seed (default 0)"},
+};
+
+absl::Status WriteAdapter(const ParsedFlags& flags) {
+  std::string model_dir = flags.Get("model");
+  std::string out = flags.Get("out");
+  if (model_dir.empty() || out.empty()) {
+    return absl::InvalidArgumentError("--model and --out are required");
+  }
+  LATHE_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
+  PeftAdapterConfig adapter;
+  adapter.base_model_name_or_path = model_dir;
+  LATHE_ASSIGN_OR_RETURN(adapter.r, flags.GetInt("rank", 8));
+  LATHE_ASSIGN_OR_RETURN(adapter.lora_alpha, flags.GetDouble("alpha", 16.0));
+  LATHE_ASSIGN_OR_RETURN(double b_scale, flags.GetDouble("b-scale", 0.0));
+  LATHE_ASSIGN_OR_RETURN(int64_t seed, flags.GetInt("seed", 0));
+  adapter.use_rslora = flags.Has("rslora");
+  if (adapter.r <= 0) return absl::InvalidArgumentError("--rank must be > 0");
+  adapter.target_modules = flags.Has("targets")
+                               ? std::vector<std::string>(absl::StrSplit(flags.Get("targets"), ','))
+                               : LoraTargetModules();
+  for (const std::string& t : adapter.target_modules) {
+    if (!IsLoraTargetModule(t)) {
+      return absl::InvalidArgumentError(absl::StrCat("--targets: unknown module \"", t, "\""));
+    }
+  }
+  std::mt19937_64 rng(static_cast<uint64_t>(seed));
+  std::vector<std::vector<float>> buffers;
+  std::vector<TensorToWrite> tensors;
+  buffers.reserve(2 * config.num_hidden_layers * adapter.target_modules.size());
+  for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
+    for (const std::string& module : LoraTargetModules()) {
+      if (std::find(adapter.target_modules.begin(), adapter.target_modules.end(), module) ==
+          adapter.target_modules.end()) {
+        continue;
+      }
+      ProjectionShape shape = ProjectionShapeOf(config, module);
+      float bound = 1.0f / std::sqrt(static_cast<float>(shape.in_features));
+      std::uniform_real_distribution<float> a_dist(-bound, bound);
+      std::uniform_real_distribution<float> b_dist(-static_cast<float>(b_scale),
+                                                   static_cast<float>(b_scale));
+      std::vector<float> a(adapter.r * shape.in_features);
+      for (float& v : a) v = a_dist(rng);
+      std::vector<float> b(shape.out_features * adapter.r, 0.0f);
+      if (b_scale > 0) {
+        for (float& v : b) v = b_dist(rng);
+      }
+      buffers.push_back(std::move(a));
+      tensors.push_back({PeftLoraTensorName(layer, module, "A"),
+                         DType::kF32,
+                         {adapter.r, shape.in_features},
+                         buffers.back().data(),
+                         buffers.back().size() * 4});
+      buffers.push_back(std::move(b));
+      tensors.push_back({PeftLoraTensorName(layer, module, "B"),
+                         DType::kF32,
+                         {shape.out_features, adapter.r},
+                         buffers.back().data(),
+                         buffers.back().size() * 4});
+    }
+  }
+  LATHE_RETURN_IF_ERROR(WritePeftAdapter(out, adapter, tensors));
+  std::cout << "wrote " << out << " (" << tensors.size() << " tensors)\n";
+  return absl::OkStatus();
+}
+
+int Usage() {
+  std::cerr << "usage: lathe-synth model|data|adapter [flags]\n\nmodel:\n"
+            << FlagsHelp(kModelFlags) << "\ndata:\n"
+            << FlagsHelp(kDataFlags) << "\nadapter:\n"
+            << FlagsHelp(kAdapterFlags);
+  return 2;
+}
+
+int Main(int argc, char** argv) {
+  if (argc < 2) return Usage();
+  std::string command = argv[1];
+  std::vector<std::string> args(argv + 2, argv + argc);
+  const std::vector<FlagSpec>* specs = command == "model"     ? &kModelFlags
+                                       : command == "data"    ? &kDataFlags
+                                       : command == "adapter" ? &kAdapterFlags
+                                                              : nullptr;
+  if (specs == nullptr) return Usage();
+  absl::StatusOr<ParsedFlags> flags = ParseFlags(args, *specs);
+  if (!flags.ok()) {
+    std::cerr << "lathe-synth " << command << ": " << flags.status().message() << "\n";
+    return 2;
+  }
+  absl::Status status = command == "model"  ? WriteModel(*flags)
+                        : command == "data" ? WriteData(*flags)
+                                            : WriteAdapter(*flags);
+  if (!status.ok()) {
+    std::cerr << "lathe-synth " << command << ": " << status.message() << "\n";
+    return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace lathe
+
+int main(int argc, char** argv) { return lathe::Main(argc, argv); }
