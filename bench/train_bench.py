@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Training throughput and peak memory: `lathe-worker train` against the eager-PyTorch
+reference (tests/reference/lathe_reference.py) on the same LoRA job.
+
+  /usr/bin/python3 bench/train_bench.py [--bin-dir build/bin] [--steps 20] [--threads 2]
+                                        [--size tiny|small|medium] [--keep DIR]
+
+Generates a model and a data set with lathe-synth, writes one LoRA job (rank 16, all seven
+projections, fp32), then runs both implementations one after the other as child processes
+on that spec. Each child's peak RSS comes from os.wait4's rusage (ru_maxrss, KiB on
+Linux); tokens/s from its step events 2..N (step 1 is warm-up). Prints a markdown table
+and warns when the two final losses differ by more than 1e-3 (they implement the same
+semantics, docs/training.md). Run it with Debian's python3 (python3-torch).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_DIR = os.path.normpath(os.path.join(HERE, ".."))
+REFERENCE = os.path.join(SOURCE_DIR, "tests", "reference", "lathe_reference.py")
+
+# Model shape, sequence length, batch. "small" keeps the default run (20 steps, both
+# implementations) within about three minutes on two cores.
+SIZES = {
+    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128,
+                 seq_len=64, global_batch=4, micro_batch=2, records=64, min_len=16, max_len=96),
+    "small": dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408,
+                  seq_len=256, global_batch=8, micro_batch=4, records=200, min_len=64,
+                  max_len=512),
+    "medium": dict(vocab=32000, hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2816,
+                   seq_len=512, global_batch=8, micro_batch=2, records=400, min_len=128,
+                   max_len=1024),
+}
+LOSS_TOL = 1e-3
+
+
+def run_quiet(cmd):
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"train_bench: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc.stdout
+
+
+def cpu_busy(seconds=1.0):
+    """Fraction of all cores busy over `seconds` (from /proc/stat), before the run."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        return idle, sum(fields)
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    total = total1 - total0
+    return 1.0 - (idle1 - idle0) / total if total > 0 else 0.0
+
+
+def measure(name, cmd, env):
+    """Runs `cmd`, returning its JSON events, wall seconds and peak RSS in bytes."""
+    stderr = tempfile.TemporaryFile(mode="w+")
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+    out = proc.stdout.read()  # drain before waiting, so a full pipe cannot block the child
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        stderr.seek(0)
+        sys.exit(f"train_bench: {name} failed ({proc.returncode}):\n  $ {' '.join(cmd)}\n"
+                 f"{stderr.read()[-4000:]}")
+    events = []
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            events.append(json.loads(line))
+    steps = [e for e in events if e.get("event") == "step"]
+    done = next((e for e in events if e.get("event") == "done"), None)
+    if not steps or done is None:
+        sys.exit(f"train_bench: {name} printed no step/done events:\n{out[-2000:]}")
+    timed = steps[1:] if len(steps) > 1 else steps
+    tokens = sum(s["tokens"] for s in timed)
+    seconds = sum(s["tokens"] / s["tokens_per_s"] for s in timed if s["tokens_per_s"] > 0)
+    return {"name": name, "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "peak_rss": usage.ru_maxrss * 1024, "final_loss": done.get("final_loss"),
+            "wall": wall, "steps": len(steps)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin-dir", default=os.path.join(SOURCE_DIR, "build", "bin"))
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter for the reference (needs python3-torch)")
+    ap.add_argument("--keep", help="generate into this directory and keep it")
+    args = ap.parse_args()
+    if args.steps < 2:
+        sys.exit("train_bench: --steps must be >= 2 (step 1 is warm-up)")
+    synth = os.path.join(args.bin_dir, "lathe-synth")
+    worker = os.path.join(args.bin_dir, "lathe-worker")
+    for b in (synth, worker):
+        if not os.access(b, os.X_OK):
+            sys.exit(f"train_bench: {b} not found (build first, or pass --bin-dir)")
+
+    size = SIZES[args.size]
+    busy = cpu_busy()
+    if busy > 0.2:
+        print(f"train_bench: WARNING: the cores are {busy:.0%} busy before starting: other "
+              "processes compete for them (OpenMP threads degrade badly when oversubscribed), "
+              "so these numbers understate both implementations", file=sys.stderr)
+    work = args.keep or tempfile.mkdtemp(prefix="lathe-train-bench-")
+    os.makedirs(work, exist_ok=True)
+    try:
+        model = os.path.join(work, "model")
+        data = os.path.join(work, "train.jsonl")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            run_quiet([synth, "model", "--out", model, "--type", "llama",
+                       "--vocab", str(size["vocab"]), "--hidden", str(size["hidden"]),
+                       "--layers", str(size["layers"]), "--heads", str(size["heads"]),
+                       "--kv-heads", str(size["kv_heads"]),
+                       "--intermediate", str(size["intermediate"]),
+                       "--max-pos", str(max(512, size["seq_len"])), "--seed", "1"])
+        if not os.path.exists(data):
+            run_quiet([synth, "data", "--out", data, "--vocab", str(size["vocab"]),
+                       "--records", str(size["records"]), "--min-len", str(size["min_len"]),
+                       "--max-len", str(size["max_len"]), "--seed", "2"])
+        out_dir = os.path.join(work, "out")
+        shutil.rmtree(out_dir, ignore_errors=True)
+        spec = {
+            "name": f"train-bench-{args.size}",
+            "model": {"path": model},
+            "data": {"train": data, "seq_len": size["seq_len"], "pack": True},
+            "method": "lora",
+            "lora": {"rank": 16, "alpha": 32, "dropout": 0.0,
+                     "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"]},
+            "train": {"steps": args.steps, "global_batch": size["global_batch"],
+                      "micro_batch": size["micro_batch"], "lr": 1e-3,
+                      "schedule": {"kind": "cosine", "warmup_steps": 2},
+                      "weight_decay": 0.0, "max_grad_norm": 1.0, "precision": "fp32",
+                      "seed": 0},
+            "resources": {"ranks": 1, "device": "cpu"},
+            "output": out_dir,
+        }
+        spec_path = os.path.join(work, "job.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f, indent=2)
+
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(args.threads)
+        results = [
+            measure("lathe-worker (C++)",
+                    [worker, "train", "--spec", spec_path, "--output", "json",
+                     "--threads", str(args.threads)], env),
+            measure("reference (eager PyTorch)",
+                    [args.python, REFERENCE, "train", "--spec", spec_path, "--output", "json",
+                     "--threads", str(args.threads)], env),
+        ]
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    cpp, py = results
+    mib = 1024 * 1024
+    tokens_per_step = size["global_batch"] * size["seq_len"]
+    print(f"## train_bench — size {args.size}: llama vocab {size['vocab']}, hidden "
+          f"{size['hidden']}, {size['layers']} layers, heads {size['heads']}/{size['kv_heads']}, "
+          f"intermediate {size['intermediate']}; seq_len {size['seq_len']}, global_batch "
+          f"{size['global_batch']} (micro {size['micro_batch']}), {tokens_per_step} tokens/step; "
+          f"LoRA r16 x 7 targets, fp32; {args.steps} steps (tokens/s over steps 2..N), "
+          f"{args.threads} threads")
+    print(f"\n{platform.node()}, {os.cpu_count()} cores, {platform.platform()}, "
+          f"{datetime.date.today().isoformat()}, cores {busy:.0%} busy before the run\n")
+    print("| implementation | tokens/s | peak RSS MiB | final loss | wall s |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in results:
+        loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.6f}"
+        print(f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['peak_rss'] / mib:.1f} | {loss} | "
+              f"{r['wall']:.1f} |")
+    dl = (abs(cpp["final_loss"] - py["final_loss"])
+          if cpp["final_loss"] is not None and py["final_loss"] is not None else None)
+    print(f"| ratio C++ / reference | {cpp['tokens_per_s'] / py['tokens_per_s']:.2f}x | "
+          f"{cpp['peak_rss'] / py['peak_rss']:.2f}x | "
+          f"{'n/a' if dl is None else f'|diff| {dl:.2e}'} | "
+          f"{cpp['wall'] / py['wall']:.2f}x |")
+    if dl is None or dl > LOSS_TOL:
+        print(f"\nWARNING: final losses differ by {dl} (> {LOSS_TOL}): the two implementations "
+              "do not compute the same training (docs/training.md)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Bad input to `lathe-worker train`: every case exits non-zero with one line on stderr that
+names the field or file, and leaves no output behind."""
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+BIN = os.environ.get("LATHE_BIN_DIR", os.path.join(os.path.dirname(__file__), "../../build/bin"))
+
+
+def run(*args):
+    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True, text=True)
+
+
+class WorkerTrainBadInputTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="lathe-cli-")
+        cls.model = os.path.join(cls.root, "model")
+        cls.data = os.path.join(cls.root, "train.jsonl")
+        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "64"),
+                    ("lathe-synth", "data", "--out", cls.data, "--records", "16")):
+            result = run(*cmd)
+            assert result.returncode == 0, result.stderr
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.root)
+
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(dir=self.root)
+        self.output = os.path.join(self.dir, "out")
+
+    def spec(self, **overrides):
+        spec = {
+            "name": "bad-input",
+            "model": {"path": self.model},
+            "data": {"train": self.data, "seq_len": 32},
+            "lora": {"rank": 4, "alpha": 8},
+            "train": {"steps": 2, "global_batch": 2, "lr": 1e-3},
+            "output": self.output,
+        }
+        for dotted, value in overrides.items():
+            node = spec
+            keys = dotted.split("__")
+            for key in keys[:-1]:
+                node = node[key]
+            node[keys[-1]] = value
+        return spec
+
+    def write(self, name, text):
+        path = os.path.join(self.dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def expect_error(self, spec_path, *fragments):
+        result = run("lathe-worker", "train", "--spec", spec_path)
+        self.assertNotEqual(result.returncode, 0, result.stdout)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        for fragment in fragments:
+            self.assertIn(fragment, lines[0])
+        self.assertFalse(os.path.exists(self.output), "bad input left output behind")
+
+    def expect_spec_error(self, spec, *fragments):
+        self.expect_error(self.write("job.json", json.dumps(spec)), *fragments)
+
+    def copy_model(self):
+        copy = os.path.join(self.dir, "model")
+        shutil.copytree(self.model, copy)
+        return copy
+
+    def test_missing_spec(self):
+        self.expect_error(os.path.join(self.dir, "nope.yaml"), "nope.yaml")
+
+    def test_malformed_spec(self):
+        self.expect_error(self.write("job.yaml", "name: [unclosed\n"), "job.yaml")
+
+    def test_missing_required_field(self):
+        spec = self.spec()
+        del spec["data"]
+        self.expect_spec_error(spec, "data.train")
+
+    def test_missing_model_directory(self):
+        self.expect_spec_error(self.spec(model__path=os.path.join(self.dir, "none")),
+                               "model.path", "none")
+
+    def test_malformed_config_json(self):
+        model = self.copy_model()
+        with open(os.path.join(model, "config.json"), "w") as f:
+            f.write("{not json")
+        self.expect_spec_error(self.spec(model__path=model), "model.path", "config.json")
+
+    def test_missing_weights_file(self):
+        model = self.copy_model()
+        os.remove(os.path.join(model, "model.safetensors"))
+        self.expect_spec_error(self.spec(model__path=model), "model.path", "model.safetensors")
+
+    def test_truncated_weights(self):
+        model = self.copy_model()
+        path = os.path.join(model, "model.safetensors")
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) - 100)
+        self.expect_spec_error(self.spec(model__path=model), "model.safetensors")
+
+    def test_header_length_past_end_of_file(self):
+        model = self.copy_model()
+        with open(os.path.join(model, "model.safetensors"), "r+b") as f:
+            f.write((1 << 40).to_bytes(8, "little"))
+        self.expect_spec_error(self.spec(model__path=model), "model.safetensors", "header")
+
+    def test_missing_tensor(self):
+        model = self.copy_model()
+        config_path = os.path.join(model, "config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config["num_hidden_layers"] += 1
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        self.expect_spec_error(self.spec(model__path=model),
+                               'tensor "model.layers.2.input_layernorm.weight" is missing')
+
+    def test_missing_data_file(self):
+        self.expect_spec_error(self.spec(data__train=os.path.join(self.dir, "none.jsonl")),
+                               "data.train", "none.jsonl")
+
+    def test_malformed_data_line(self):
+        path = self.write("d.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [1,\n')
+        self.expect_spec_error(self.spec(data__train=path), "data.train", "line 2")
+
+    def test_empty_data_set(self):
+        self.expect_spec_error(self.spec(data__train=self.write("d.jsonl", "\n")),
+                               "data.train", "empty")
+
+    def test_token_id_outside_vocabulary(self):
+        path = self.write("d.jsonl", '{"input_ids": [1, 2, 256]}\n')
+        self.expect_spec_error(self.spec(data__train=path), "data.train", "line 1",
+                               "token id 256", "vocab_size 256")
+
+    def test_unknown_target_module(self):
+        self.expect_spec_error(self.spec(lora__targets=["q_proj", "qkv_proj"]),
+                               "lora.targets[1]", "qkv_proj")
+
+    def test_rank_not_positive(self):
+        self.expect_spec_error(self.spec(lora__rank=0), "lora.rank")
+
+    def test_seq_len_above_max_position_embeddings(self):
+        self.expect_spec_error(self.spec(data__seq_len=65), "data.seq_len", "65",
+                               "max_position_embeddings 64")
+
+    def test_usage_error_exits_2(self):
+        result = run("lathe-worker", "train", "--no-such-flag")
+        self.assertEqual(result.returncode, 2)
+        self.assertIn("--no-such-flag", result.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

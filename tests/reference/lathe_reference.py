@@ -1,0 +1,962 @@
+#!/usr/bin/env python3
+"""Independent numerical reference for Lathe's training semantics (docs/training.md).
+
+Plain eager PyTorch, written the way a user would fine-tune a model by hand ("the seed
+recipe"): hand-written LoRA layers on plain nn.Modules, a Hugging Face style
+Llama/Mistral/Qwen2 decoder, torch.optim.AdamW. It reads the same job spec, model
+directory, data file and PEFT adapters as `lathe-worker`, and reports the same step
+events, so that tests can hold the C++ engine to it within 1e-4.
+
+Run with Debian's interpreter (/usr/bin/python3: python3-torch, python3-numpy,
+python3-yaml). Nothing here imports transformers, peft or safetensors.
+
+  lathe_reference.py train --spec job.yaml [--output json] [--threads N]
+                           [--dtype float32|float64] [--adapter-out DIR] [--model-out DIR]
+  lathe_reference.py score --model DIR [--adapter DIR [--lora-alpha A] [--use-rslora]]
+                           --data FILE --seq-len N [--logits-out FILE.safetensors]
+                           [--output json] [--dtype float32|float64]
+
+As a module: train(spec, ...), score(model_dir, adapter_dir, data_file, seq_len),
+lr_at(...), epoch_permutation(...), read/write_safetensors(...).
+"""
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+IGNORE = -100
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+AUTO_MICRO_BATCH_TOKENS = 8192
+
+
+class ReferenceError(Exception):
+    """A one-line user error (bad spec, model, data)."""
+
+
+# --------------------------------------------------------------------------------------
+# safetensors (read and write by hand: 8-byte LE header length, JSON header, raw LE data)
+
+_NP_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
+              "I32": np.int32, "BF16": np.uint16}
+
+
+def read_safetensors(path):
+    """Returns ({name: float32/float64 torch tensor}, metadata). BF16/F16 become float32."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if len(raw) < 8:
+        raise ReferenceError(f"{path}: not a safetensors file (too short)")
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + header_len].decode("utf-8"))
+    base = 8 + header_len
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, info in header.items():
+        dtype = info["dtype"]
+        shape = list(info["shape"])
+        begin, end = info["data_offsets"]
+        if dtype not in _NP_DTYPES:
+            raise ReferenceError(f"{path}: {name}: unsupported dtype {dtype}")
+        arr = np.frombuffer(raw, dtype=np.dtype(_NP_DTYPES[dtype]).newbyteorder("<"),
+                            count=(end - begin) // np.dtype(_NP_DTYPES[dtype]).itemsize,
+                            offset=base + begin)
+        if dtype == "BF16":
+            arr = (arr.astype(np.uint32) << 16).view(np.float32)
+        elif dtype == "F16":
+            arr = arr.astype(np.float32)
+        tensors[name] = torch.from_numpy(np.array(arr, copy=True).reshape(shape))
+    return tensors, metadata
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor} as F32 (F64 tensors stay F64 only if asked via dtype)."""
+    header = {}
+    blobs = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu()
+        if t.dtype == torch.float64:
+            t = t.to(torch.float32)
+        if t.dtype != torch.float32:
+            raise ValueError(f"{name}: only float32 is written, got {t.dtype}")
+        data = t.contiguous().numpy().astype("<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for b in blobs:
+            f.write(b)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------------------
+# Model config and weights
+
+
+def load_model_config(model_dir):
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ReferenceError(f"{path}: {e.strerror}")
+    mt = raw.get("model_type")
+    if mt not in ("llama", "mistral", "qwen2"):
+        raise ReferenceError(f"{path}: model_type: unsupported {mt!r}")
+    if raw.get("hidden_act", "silu") not in ("silu", None):
+        raise ReferenceError(f"{path}: hidden_act: only silu")
+    c = {"model_type": mt}
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "max_position_embeddings"):
+        if raw.get(key) is None:
+            raise ReferenceError(f"{path}: {key}: required field is missing")
+        c[key] = int(raw[key])
+    c["num_key_value_heads"] = int(raw.get("num_key_value_heads") or c["num_attention_heads"])
+    c["head_dim"] = int(raw.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    c["rms_norm_eps"] = float(raw.get("rms_norm_eps") if raw.get("rms_norm_eps") is not None
+                              else 1e-6)
+    c["rope_theta"] = float(raw.get("rope_theta") if raw.get("rope_theta") is not None
+                            else 10000.0)
+    c["rope_scaling"] = raw.get("rope_scaling")
+    c["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    if mt == "qwen2":
+        c["qkv_bias"], c["o_bias"], c["mlp_bias"] = True, False, False
+    elif mt == "llama":
+        ab = bool(raw.get("attention_bias", False))
+        c["qkv_bias"], c["o_bias"], c["mlp_bias"] = ab, ab, bool(raw.get("mlp_bias", False))
+    else:
+        c["qkv_bias"], c["o_bias"], c["mlp_bias"] = False, False, False
+    # Sliding window per layer, by transformers' rules: Llama never; Mistral whenever
+    # sliding_window is set; Qwen2 only with use_sliding_window, on layers
+    # >= max_window_layers (default 28). Window = tokens attended, the query included.
+    windows = [None] * c["num_hidden_layers"]
+    sw = raw.get("sliding_window")
+    if sw is not None and mt == "mistral":
+        windows = [int(sw)] * c["num_hidden_layers"]
+    elif sw is not None and mt == "qwen2" and raw.get("use_sliding_window", False):
+        first = raw.get("max_window_layers")
+        first = 28 if first is None else int(first)
+        windows = [int(sw) if i >= first else None for i in range(c["num_hidden_layers"])]
+    c["windows"] = windows
+    c["raw"] = raw
+    return c
+
+
+def rope_inv_freq(cfg):
+    """inv_freq[i] = theta^(-2i/head_dim), rescaled by rope_scaling; float64."""
+    d = cfg["head_dim"]
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg["rope_scaling"]
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return inv
+    factor = float(rs["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low = float(rs["low_freq_factor"])
+        high = float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        low_wavelen = old / low
+        high_wavelen = old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ReferenceError(f"rope_scaling: unsupported type {kind!r}")
+
+
+def load_model_weights(model_dir):
+    """{HF name: float32 tensor} from model.safetensors or the sharded index."""
+    single = os.path.join(model_dir, "model.safetensors")
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return read_safetensors(single)[0]
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        out = {}
+        for shard in sorted(set(weight_map.values())):
+            tensors, _ = read_safetensors(os.path.join(model_dir, shard))
+            out.update(tensors)
+        return out
+    raise ReferenceError(f"{model_dir}: neither model.safetensors nor "
+                         "model.safetensors.index.json")
+
+
+def module_path(layer, module):
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+    return f"model.layers.{layer}.{block}.{module}"
+
+
+def peft_name(layer, module, which):
+    return f"base_model.model.{module_path(layer, module)}.lora_{which}.weight"
+
+
+# --------------------------------------------------------------------------------------
+# Modules
+
+
+class LoRALinear(nn.Module):
+    """y = x W^T + b + s * dropout(x) A^T B^T; W and b frozen unless `train_base`."""
+
+    def __init__(self, weight, bias, train_base):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=train_base)
+        self.bias = nn.Parameter(bias, requires_grad=train_base) if bias is not None else None
+        self.lora_A = None
+        self.lora_B = None
+        self.scaling = 0.0
+        self.dropout = 0.0
+
+    def add_lora(self, a, b, scaling, dropout):
+        self.lora_A = nn.Parameter(a)
+        self.lora_B = nn.Parameter(b)
+        self.scaling = scaling
+        self.dropout = dropout
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora_A is not None:
+            xd = F.dropout(x, p=self.dropout, training=True) if self.dropout > 0 else x
+            y = y + self.scaling * F.linear(F.linear(xd, self.lora_A), self.lora_B)
+        return y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight, eps, train):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=train)
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, w, prefix, train_base, window):
+        super().__init__()
+        self.heads = cfg["num_attention_heads"]
+        self.kv_heads = cfg["num_key_value_heads"]
+        self.head_dim = cfg["head_dim"]
+        self.window = window
+
+        def lin(name, has_bias):
+            return LoRALinear(w[f"{prefix}.{name}.weight"],
+                              w[f"{prefix}.{name}.bias"] if has_bias else None, train_base)
+
+        self.q_proj = lin("q_proj", cfg["qkv_bias"])
+        self.k_proj = lin("k_proj", cfg["qkv_bias"])
+        self.v_proj = lin("v_proj", cfg["qkv_bias"])
+        self.o_proj = lin("o_proj", cfg["o_bias"])
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        rep = self.heads // self.kv_heads
+        # Query head h reads key/value head h // rep.
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        i = torch.arange(t).view(t, 1)
+        j = torch.arange(t).view(1, t)
+        allowed = j <= i
+        if self.window is not None:
+            allowed = allowed & (j > i - self.window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg, w, prefix, train_base):
+        super().__init__()
+
+        def lin(name):
+            return LoRALinear(w[f"{prefix}.{name}.weight"],
+                              w[f"{prefix}.{name}.bias"] if cfg["mlp_bias"] else None,
+                              train_base)
+
+        self.gate_proj = lin("gate_proj")
+        self.up_proj = lin("up_proj")
+        self.down_proj = lin("down_proj")
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, w, layer, train_base):
+        super().__init__()
+        p = f"model.layers.{layer}"
+        eps = cfg["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(w[f"{p}.input_layernorm.weight"], eps, train_base)
+        self.self_attn = Attention(cfg, w, f"{p}.self_attn", train_base, cfg["windows"][layer])
+        self.post_attention_layernorm = RMSNorm(w[f"{p}.post_attention_layernorm.weight"], eps,
+                                                train_base)
+        self.mlp = MLP(cfg, w, f"{p}.mlp", train_base)
+
+    def forward(self, h, cos, sin):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg, weights, dtype=torch.float32, train_base=False):
+        super().__init__()
+        self.cfg = cfg
+        w = {k: v.to(dtype).clone() for k, v in weights.items()}
+        v, hdim = cfg["vocab_size"], cfg["hidden_size"]
+        if tuple(w["model.embed_tokens.weight"].shape) != (v, hdim):
+            raise ReferenceError("model.embed_tokens.weight: shape "
+                                 f"{list(w['model.embed_tokens.weight'].shape)} != {[v, hdim]}")
+        self.embed_tokens = nn.Parameter(w["model.embed_tokens.weight"],
+                                         requires_grad=train_base)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, w, i, train_base)
+                                     for i in range(cfg["num_hidden_layers"])])
+        self.norm = RMSNorm(w["model.norm.weight"], cfg["rms_norm_eps"], train_base)
+        if cfg["tie_word_embeddings"]:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=train_base)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.dtype = dtype
+
+    def projection(self, layer, module):
+        blk = self.layers[layer]
+        owner = blk.self_attn if module in ATTENTION_MODULES else blk.mlp
+        return getattr(owner, module)
+
+    def head_weight(self):
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(self, ids):
+        t = ids.shape[1]
+        pos = torch.arange(t, dtype=torch.float64)
+        freqs = torch.outer(pos, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos().to(self.dtype)
+        sin = emb.sin().to(self.dtype)
+        h = F.embedding(ids, self.embed_tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return F.linear(self.norm(h), self.head_weight())
+
+    def named_trainable(self):
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def hf_state(self):
+        """Full weights under Hugging Face names (for method: full output)."""
+        out = {"model.embed_tokens.weight": self.embed_tokens.detach(),
+               "model.norm.weight": self.norm.weight.detach()}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.detach()
+        for i, blk in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            out[f"{p}.input_layernorm.weight"] = blk.input_layernorm.weight.detach()
+            out[f"{p}.post_attention_layernorm.weight"] = \
+                blk.post_attention_layernorm.weight.detach()
+            for m in LORA_TARGETS:
+                lin = self.projection(i, m)
+                out[f"{module_path(i, m)}.weight"] = lin.weight.detach()
+                if lin.bias is not None:
+                    out[f"{module_path(i, m)}.bias"] = lin.bias.detach()
+        return out
+
+
+def lora_scaling(alpha, rank, use_rslora):
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def attach_lora(model, rank, alpha, use_rslora, targets, dropout, seed=0, init_from=None,
+                dtype=torch.float32):
+    """Adds LoRA to `targets` of every layer. A ~ U(-1/sqrt(in), 1/sqrt(in)) from a
+    torch.Generator seeded with `seed`, drawn layer by layer and, within a layer, in model
+    order (q, k, v, o, gate, up, down); B = 0. Or both from the PEFT adapter `init_from`."""
+    s = lora_scaling(alpha, rank, use_rslora)
+    loaded = None
+    if init_from:
+        loaded = load_adapter_tensors(init_from)
+    gen = torch.Generator().manual_seed(int(seed))
+    for layer in range(model.cfg["num_hidden_layers"]):
+        for m in LORA_TARGETS:
+            if m not in targets:
+                continue
+            lin = model.projection(layer, m)
+            out_f, in_f = lin.weight.shape
+            if loaded is not None:
+                na, nb = peft_name(layer, m, "A"), peft_name(layer, m, "B")
+                if na not in loaded or nb not in loaded:
+                    raise ReferenceError(f"lora.init_from: {init_from}: missing {na} or {nb}")
+                a, b = loaded[na], loaded[nb]
+                if tuple(a.shape) != (rank, in_f) or tuple(b.shape) != (out_f, rank):
+                    raise ReferenceError(
+                        f"lora.init_from: {na}: shapes {list(a.shape)}/{list(b.shape)} do not "
+                        f"match rank {rank} and [{out_f}, {in_f}]")
+                a, b = a.to(dtype).clone(), b.to(dtype).clone()
+            else:
+                bound = 1.0 / math.sqrt(in_f)
+                a = torch.empty(rank, in_f, dtype=torch.float32).uniform_(-bound, bound,
+                                                                           generator=gen)
+                a = a.to(dtype)
+                b = torch.zeros(out_f, rank, dtype=dtype)
+            lin.add_lora(a, b, s, dropout)
+
+
+def load_adapter_tensors(adapter_dir):
+    path = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if not os.path.exists(path):
+        raise ReferenceError(f"{adapter_dir}: no adapter_model.safetensors")
+    return read_safetensors(path)[0]
+
+
+def load_adapter_config(adapter_dir):
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        c = json.load(f)
+    targets = c.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets]
+    return {"r": int(c.get("r", 8)), "lora_alpha": float(c.get("lora_alpha", 8)),
+            "use_rslora": bool(c.get("use_rslora", False)),
+            "lora_dropout": float(c.get("lora_dropout", 0.0) or 0.0),
+            "target_modules": list(targets or [])}
+
+
+def write_adapter(model, out_dir, rank, alpha, use_rslora, targets, dropout, base_path):
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {}
+    for layer in range(model.cfg["num_hidden_layers"]):
+        for m in LORA_TARGETS:
+            if m in targets:
+                lin = model.projection(layer, m)
+                tensors[peft_name(layer, m, "A")] = lin.lora_A.detach()
+                tensors[peft_name(layer, m, "B")] = lin.lora_B.detach()
+    write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors,
+                      {"format": "pt"})
+    config = {"base_model_name_or_path": base_path, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "init_lora_weights": True,
+              "lora_alpha": alpha, "lora_dropout": dropout, "peft_type": "LORA", "r": rank,
+              "target_modules": [m for m in LORA_TARGETS if m in targets],
+              "task_type": "CAUSAL_LM", "use_rslora": use_rslora}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def write_model(model, out_dir, source_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(source_dir, "config.json")) as f:
+        config = json.load(f)
+    config["torch_dtype"] = "float32"
+    write_safetensors(os.path.join(out_dir, "model.safetensors"), model.hf_state(),
+                      {"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------------------
+# Data
+
+
+def read_records(path, vocab_size, what="data.train"):
+    """[(input_ids list, labels list)] (labels = input_ids when absent)."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ReferenceError(f"{what}: {path}: {e.strerror}")
+    records = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{what}: {path}: line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReferenceError(f"{where}: not JSON ({e.msg})")
+        if not isinstance(obj, dict) or "input_ids" not in obj:
+            raise ReferenceError(f"{where}: no input_ids")
+        ids = obj["input_ids"]
+        if (not isinstance(ids, list) or not ids
+                or any(not isinstance(x, int) or isinstance(x, bool) for x in ids)):
+            raise ReferenceError(f"{where}: input_ids must be a non-empty array of integers")
+        for x in ids:
+            if x < 0 or x >= vocab_size:
+                raise ReferenceError(f"{where}: token id {x} outside [0, {vocab_size}) "
+                                     f"(vocab_size {vocab_size})")
+        labels = obj.get("labels")
+        if labels is None:
+            labels = list(ids)
+        else:
+            if not isinstance(labels, list) or len(labels) != len(ids):
+                raise ReferenceError(f"{where}: labels of length "
+                                     f"{len(labels) if isinstance(labels, list) else '?'} "
+                                     f"!= input_ids {len(ids)}")
+            for x in labels:
+                if not isinstance(x, int) or isinstance(x, bool) or (
+                        x != IGNORE and (x < 0 or x >= vocab_size)):
+                    raise ReferenceError(f"{where}: label {x} is neither -100 nor a token id "
+                                         f"in [0, {vocab_size})")
+        records.append((list(ids), list(labels)))
+    if not records:
+        raise ReferenceError(f"{what}: {path}: no records")
+    return records
+
+
+def splitmix64(state):
+    """Returns (new_state, output)."""
+    state = (state + GOLDEN) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+def epoch_permutation(n, seed, epoch):
+    state = (int(seed) + GOLDEN * (epoch + 1)) & MASK64
+    perm = list(range(n))
+    for i in range(n - 1, 0, -1):
+        state, r = splitmix64(state)
+        j = r % (i + 1)
+        perm[i], perm[j] = perm[j], perm[i]
+    return perm
+
+
+def sequences(records, seq_len, pack, seed):
+    """Endless iterator of (ids, labels) sequences in training order."""
+    epoch = 0
+    if pack:
+        buf_ids, buf_labels = [], []
+        while True:
+            for d in epoch_permutation(len(records), seed, epoch):
+                ids, labels = records[d]
+                buf_ids.extend(ids)
+                buf_labels.append(IGNORE)
+                buf_labels.extend(labels[1:])
+                while len(buf_ids) >= seq_len:
+                    yield buf_ids[:seq_len], buf_labels[:seq_len]
+                    del buf_ids[:seq_len]
+                    del buf_labels[:seq_len]
+            epoch += 1
+    else:
+        while True:
+            for d in epoch_permutation(len(records), seed, epoch):
+                ids, labels = records[d]
+                yield ids[:seq_len], labels[:seq_len]
+            epoch += 1
+
+
+def count_targets(labels):
+    """Targets of one sequence: positions t >= 1 whose label is not -100."""
+    return sum(1 for x in labels[1:] if x != IGNORE)
+
+
+def collate(batch):
+    """Right-pads to the longest sequence with token 0 and label -100."""
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for i, (x, y) in enumerate(batch):
+        ids[i, :len(x)] = torch.tensor(x, dtype=torch.long)
+        labels[i, :len(y)] = torch.tensor(y, dtype=torch.long)
+    return ids, labels
+
+
+def loss_sum(logits, labels):
+    """Summed cross-entropy of position t's logits against labels[t + 1]."""
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1, :].reshape(-1, v), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+# --------------------------------------------------------------------------------------
+# Schedule
+
+
+def lr_at(k, n, lr, warmup, kind):
+    """Learning rate of 0-based step k of n (transformers' get_*_schedule_with_warmup)."""
+    if k < warmup:
+        return lr * k / warmup
+    if kind == "constant":
+        return lr
+    p = (k - warmup) / max(1, n - warmup)
+    if kind == "cosine":
+        return lr * max(0.0, 0.5 * (1.0 + math.cos(math.pi * p)))
+    if kind == "linear":
+        return lr * max(0.0, (n - k) / max(1, n - warmup))
+    raise ReferenceError(f"train.schedule.kind: unknown {kind!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Job spec
+
+
+def _load_yaml(text, source):
+    try:
+        import yaml
+    except ImportError:  # JSON specs still work without python3-yaml
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ReferenceError(f"{source}: YAML spec needs python3-yaml (apt-get install "
+                                 "python3-yaml)")
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ReferenceError(f"{source}: malformed YAML: {str(e).splitlines()[0]}")
+
+
+def load_spec(path_or_dict):
+    """Job spec with common/job_spec.h defaults filled in, as nested dicts."""
+    if isinstance(path_or_dict, dict):
+        raw, source = path_or_dict, "<spec>"
+    else:
+        source = path_or_dict
+        try:
+            with open(path_or_dict) as f:
+                raw = _load_yaml(f.read(), source)
+        except OSError as e:
+            raise ReferenceError(f"{source}: {e.strerror}")
+    if not isinstance(raw, dict):
+        raise ReferenceError(f"{source}: expected a mapping")
+
+    def sect(name):
+        v = raw.get(name) or {}
+        if not isinstance(v, dict):
+            raise ReferenceError(f"{source}: {name}: expected a mapping")
+        return v
+
+    model, data, lora, train = sect("model"), sect("data"), sect("lora"), sect("train")
+    sched = train.get("schedule") or {}
+    spec = {
+        "name": raw.get("name"),
+        "model": {"path": model.get("path")},
+        "data": {"train": data.get("train"), "eval": data.get("eval"),
+                 "seq_len": int(data.get("seq_len", 1024)), "pack": bool(data.get("pack", True))},
+        "method": raw.get("method", "lora"),
+        "lora": {"rank": int(lora.get("rank", 16)), "alpha": float(lora.get("alpha", 32.0)),
+                 "dropout": float(lora.get("dropout", 0.0)),
+                 "targets": list(lora.get("targets", LORA_TARGETS)),
+                 "use_rslora": bool(lora.get("use_rslora", False)),
+                 "init_from": lora.get("init_from") or ""},
+        "train": {
+            "steps": int(train.get("steps", 0) or 0),
+            "epochs": train.get("epochs", 0) or 0,
+            "global_batch": int(train.get("global_batch", 8)),
+            "micro_batch": train.get("micro_batch", "auto"),
+            "lr": float(train.get("lr", 2.0e-4)),
+            "schedule": {"kind": sched.get("kind", "cosine"),
+                         "warmup_steps": int(sched.get("warmup_steps", 0))},
+            "optimizer": train.get("optimizer", "adamw"),
+            "adam_beta1": float(train.get("adam_beta1", 0.9)),
+            "adam_beta2": float(train.get("adam_beta2", 0.999)),
+            "adam_eps": float(train.get("adam_eps", 1e-8)),
+            "weight_decay": float(train.get("weight_decay", 0.0)),
+            "max_grad_norm": float(train.get("max_grad_norm", 1.0)),
+            "precision": train.get("precision", "fp32"),
+            "seed": int(train.get("seed", 0)),
+        },
+        "output": raw.get("output"),
+    }
+    t = spec["train"]
+    if not spec["model"]["path"]:
+        raise ReferenceError(f"{source}: model.path: required field is missing")
+    if not spec["data"]["train"]:
+        raise ReferenceError(f"{source}: data.train: required field is missing")
+    if spec["method"] not in ("lora", "full"):
+        raise ReferenceError(f"{source}: method: the reference implements lora and full, "
+                             f"not {spec['method']!r}")
+    if t["optimizer"] != "adamw":
+        raise ReferenceError(f"{source}: train.optimizer: the reference implements adamw only")
+    if (t["steps"] > 0) == (float(t["epochs"]) > 0):
+        raise ReferenceError(f"{source}: train: exactly one of steps and epochs must be > 0")
+    if spec["data"]["seq_len"] < 2:
+        raise ReferenceError(f"{source}: data.seq_len: must be >= 2")
+    if t["schedule"]["kind"] not in ("cosine", "linear", "constant"):
+        raise ReferenceError(f"{source}: train.schedule.kind: unknown {t['schedule']['kind']!r}")
+    for m in spec["lora"]["targets"]:
+        if m not in LORA_TARGETS:
+            raise ReferenceError(f"{source}: lora.targets: unknown module {m!r}")
+    mb = t["micro_batch"]
+    if mb in (None, "auto", 0):
+        t["micro_batch"] = auto_micro_batch(t["global_batch"], spec["data"]["seq_len"])
+    else:
+        t["micro_batch"] = int(mb)
+    if t["global_batch"] % t["micro_batch"] != 0:
+        raise ReferenceError(f"{source}: train.global_batch {t['global_batch']} is not "
+                             f"divisible by micro_batch {t['micro_batch']}")
+    return spec
+
+
+def auto_micro_batch(global_batch, seq_len):
+    best = 1
+    for d in range(1, global_batch + 1):
+        if global_batch % d == 0 and d * seq_len <= AUTO_MICRO_BATCH_TOKENS:
+            best = d
+    return best
+
+
+def count_steps(spec, records):
+    t = spec["train"]
+    if t["steps"] > 0:
+        return t["steps"]
+    if spec["data"]["pack"]:
+        per_epoch = sum(len(ids) for ids, _ in records) // spec["data"]["seq_len"]
+    else:
+        per_epoch = len(records)
+    return max(1, int(math.floor(float(t["epochs"]) * per_epoch / t["global_batch"])))
+
+
+# --------------------------------------------------------------------------------------
+# Training
+
+
+def build_optimizer(model, spec):
+    t = spec["train"]
+    named = model.named_trainable()
+    if spec["method"] == "full":
+        # As the Hugging Face Trainer: no weight decay on biases and norm weights.
+        def no_decay(n):
+            return n.endswith(".bias") or n.endswith("norm.weight")
+        decay = [p for n, p in named if not no_decay(n)]
+        plain = [p for n, p in named if no_decay(n)]
+        groups = [{"params": decay, "weight_decay": t["weight_decay"]},
+                  {"params": plain, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+    else:
+        groups = [{"params": [p for _, p in named], "weight_decay": t["weight_decay"]}]
+    return torch.optim.AdamW(groups, lr=t["lr"], betas=(t["adam_beta1"], t["adam_beta2"]),
+                             eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
+
+
+def build_model(spec, dtype):
+    model_dir = spec["model"]["path"]
+    cfg = load_model_config(model_dir)
+    weights = load_model_weights(model_dir)
+    full = spec["method"] == "full"
+    model = CausalLM(cfg, weights, dtype=dtype, train_base=full)
+    del weights
+    if not full:
+        lo = spec["lora"]
+        attach_lora(model, lo["rank"], lo["alpha"], lo["use_rslora"], lo["targets"],
+                    lo["dropout"], seed=spec["train"]["seed"], init_from=lo["init_from"] or None,
+                    dtype=dtype)
+    return model
+
+
+def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=None):
+    """Trains per docs/training.md. Returns {"steps": [step events], "done": done event,
+    "model": the trained CausalLM}. `spec` is a path or a dict (see load_spec)."""
+    spec = load_spec(spec)
+    t = spec["train"]
+    if t["precision"] != "fp32":
+        print(f"lathe_reference: train.precision {t['precision']}: the reference computes in "
+              f"{dtype}", file=sys.stderr)
+    torch.manual_seed(t["seed"])  # only dropout draws from the global generator
+    model = build_model(spec, dtype)
+    records = read_records(spec["data"]["train"], model.cfg["vocab_size"])
+    n_steps = count_steps(spec, records)
+    seq_len, G, M = spec["data"]["seq_len"], t["global_batch"], t["micro_batch"]
+    if seq_len > model.cfg["max_position_embeddings"]:
+        raise ReferenceError(f"data.seq_len {seq_len} exceeds max_position_embeddings "
+                             f"{model.cfg['max_position_embeddings']}")
+    stream = sequences(records, seq_len, spec["data"]["pack"], t["seed"])
+    params = [p for _, p in model.named_trainable()]
+    opt = build_optimizer(model, spec)
+    sched = t["schedule"]
+    events = []
+    total_tokens = 0
+    start = time.perf_counter()
+    for k in range(n_steps):
+        step_start = time.perf_counter()
+        batch = [next(stream) for _ in range(G)]
+        tokens = sum(len(ids) for ids, _ in batch)
+        targets = sum(count_targets(labels) for _, labels in batch)
+        lr = lr_at(k, n_steps, t["lr"], sched["warmup_steps"], sched["kind"])
+        loss = None
+        grad_norm = None
+        if targets > 0:
+            for p in params:
+                p.grad = None
+            total = 0.0
+            for m in range(G // M):
+                ids, labels = collate(batch[m * M:(m + 1) * M])
+                s = loss_sum(model(ids), labels)
+                (s / targets).backward()
+                total += s.item()
+            loss = total / targets
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+            grad_norm = norm
+            if t["max_grad_norm"] > 0:
+                coef = min(1.0, t["max_grad_norm"] / (norm + 1e-6))
+                if coef < 1.0:
+                    for g in grads:
+                        g.mul_(coef)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+        total_tokens += tokens
+        elapsed = time.perf_counter() - step_start
+        ev = {"event": "step", "step": k + 1, "steps": n_steps, "loss": loss, "lr": lr,
+              "grad_norm": grad_norm, "tokens": tokens,
+              "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
+        events.append(ev)
+        if on_step:
+            on_step(ev)
+    seconds = time.perf_counter() - start
+    final = next((e["loss"] for e in reversed(events) if e["loss"] is not None), None)
+    done = {"event": "done", "steps": n_steps, "final_loss": final,
+            "tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
+            "adapter": None, "model": None}
+    if adapter_out and spec["method"] == "lora":
+        lo = spec["lora"]
+        write_adapter(model, adapter_out, lo["rank"], lo["alpha"], lo["use_rslora"],
+                      lo["targets"], lo["dropout"], spec["model"]["path"])
+        done["adapter"] = adapter_out
+    if model_out and spec["method"] == "full":
+        write_model(model, model_out, spec["model"]["path"])
+        done["model"] = model_out
+    return {"steps": events, "done": done, "model": model}
+
+
+# --------------------------------------------------------------------------------------
+# Scoring
+
+
+def score(model_dir, adapter_dir, data_file, seq_len, lora_alpha=None, use_rslora=None,
+          dtype=torch.float32):
+    """Logits of each record (file order, truncated to seq_len, batch 1) as float32
+    [len, vocab] tensors, the mean loss over all targets, and the number of targets."""
+    cfg = load_model_config(model_dir)
+    model = CausalLM(cfg, load_model_weights(model_dir), dtype=dtype, train_base=False)
+    if adapter_dir:
+        ac = load_adapter_config(adapter_dir)
+        alpha = ac["lora_alpha"] if lora_alpha is None else float(lora_alpha)
+        rslora = ac["use_rslora"] if use_rslora is None else bool(use_rslora)
+        attach_lora(model, ac["r"], alpha, rslora, ac["target_modules"], 0.0,
+                    init_from=adapter_dir, dtype=dtype)
+    records = read_records(data_file, cfg["vocab_size"], what="data")
+    logits_out = []
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in records:
+            x, y = collate([(ids[:seq_len], labels[:seq_len])])
+            logits = model(x)
+            total += float(loss_sum(logits.double(), y))
+            targets += count_targets(labels[:seq_len])
+            logits_out.append(logits[0].to(torch.float32))
+    loss = total / targets if targets else None
+    return logits_out, loss, targets
+
+
+# --------------------------------------------------------------------------------------
+# CLI
+
+
+def _fmt(x, spec):
+    width = "".join(c for c in spec.split(".")[0] if c.isdigit())
+    return ("-" if x is None else format(x, spec)).rjust(int(width) if width else 0)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train")
+    tr.add_argument("--spec", required=True)
+    tr.add_argument("--output", choices=("table", "json"), default="table")
+    tr.add_argument("--threads", type=int, default=1)
+    tr.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    tr.add_argument("--adapter-out")
+    tr.add_argument("--model-out")
+    sc = sub.add_parser("score")
+    sc.add_argument("--model", required=True)
+    sc.add_argument("--adapter")
+    sc.add_argument("--lora-alpha", type=float)
+    sc.add_argument("--use-rslora", action="store_true", default=None)
+    sc.add_argument("--data", required=True)
+    sc.add_argument("--seq-len", type=int, required=True)
+    sc.add_argument("--logits-out")
+    sc.add_argument("--output", choices=("table", "json"), default="table")
+    sc.add_argument("--threads", type=int, default=1)
+    sc.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, args.threads))
+    dtype = torch.float64 if args.dtype == "float64" else torch.float32
+    try:
+        if args.command == "train":
+            as_json = args.output == "json"
+
+            def emit(ev):
+                if not as_json and ev["step"] == 1:
+                    print(f"{'step':>6} {'loss':>10} {'lr':>11} {'grad_norm':>10} {'tokens':>7} "
+                          f"{'tok/s':>9}")
+                if as_json:
+                    print(json.dumps(ev), flush=True)
+                else:
+                    print(f"{ev['step']:>6} {_fmt(ev['loss'], '10.6f')} {ev['lr']:11.4e} "
+                          f"{_fmt(ev['grad_norm'], '10.4f')} {ev['tokens']:>7} "
+                          f"{ev['tokens_per_s']:9.1f}", flush=True)
+
+            result = train(args.spec, dtype=dtype, on_step=emit, adapter_out=args.adapter_out,
+                           model_out=args.model_out)
+            done = result["done"]
+            if as_json:
+                print(json.dumps(done), flush=True)
+            else:
+                print(f"done: {done['steps']} steps, final loss {_fmt(done['final_loss'], '.6f')}"
+                      f", {done['tokens_per_s']:.1f} tokens/s, {done['seconds']:.1f} s")
+        else:
+            logits, loss, targets = score(args.model, args.adapter, args.data, args.seq_len,
+                                          lora_alpha=args.lora_alpha,
+                                          use_rslora=args.use_rslora, dtype=dtype)
+            if args.logits_out:
+                write_safetensors(args.logits_out,
+                                  {f"logits.{i}": x for i, x in enumerate(logits)})
+            if args.output == "json":
+                print(json.dumps({"loss": loss, "targets": targets}))
+            else:
+                print(f"loss {_fmt(loss, '.6f')} over {targets} targets, {len(logits)} records")
+    except ReferenceError as e:
+        print(f"lathe_reference: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
