@@ -18,6 +18,9 @@
 #include "common/peft.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC)
+#include "worker/agent/agent_main.h"
+#endif
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/trainer.h"
@@ -49,15 +52,23 @@ const std::vector<FlagSpec> kTrainFlags = {
     {"spec", true, "job spec (YAML or JSON)"},
     {"output", true, "table | json (default table)"},
     {"threads", true, "intra-op threads (default: every core)"},
+    {"rank", true, "this process's rank (set by the agent; default 0)"},
+    {"world-size", true, "ranks in the attempt (set by the agent; default 1)"},
+    {"job-id", true, "job id (set by the agent, for logs and rendezvous)"},
+    {"generation", true, "attempt generation (set by the agent)"},
+    {"coordinator", true, "coordinator address for rendezvous (set by the agent)"},
 };
 
 absl::Status Train(const ParsedFlags& flags) {
   if (!flags.Has("spec")) return absl::InvalidArgumentError("--spec is required");
   LATHE_ASSIGN_OR_RETURN(bool json, JsonOutput(flags));
+  TrainerOptions options;
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
+  options.threads = static_cast<int>(threads);
+  LATHE_ASSIGN_OR_RETURN(options.rank, flags.GetInt("rank", 0));
+  LATHE_ASSIGN_OR_RETURN(options.world_size, flags.GetInt("world-size", 1));
   LATHE_ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpec(flags.Get("spec")));
-  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
-                         Trainer::Create(spec, {static_cast<int>(threads)}));
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, options));
   if (json) {
     std::cout << nlohmann::json{{"event", "start"},
                                 {"job", spec.name},
@@ -176,9 +187,12 @@ absl::Status Score(const ParsedFlags& flags) {
 }
 
 int Usage() {
-  std::cerr << "usage: lathe-worker train|score [flags]\n\ntrain:\n"
+  std::cerr << "usage: lathe-worker train|score|agent [flags]\n\ntrain:\n"
             << FlagsHelp(kTrainFlags) << "\nscore:\n"
             << FlagsHelp(kScoreFlags);
+#ifdef LATHE_WITH_AGENT
+  std::cerr << "\nagent (register with a coordinator, run its ranks):\n" << AgentFlagsHelp();
+#endif
   return 2;
 }
 
@@ -189,6 +203,9 @@ int Main(int argc, char** argv) {
     Usage();
     return 0;
   }
+#ifdef LATHE_WITH_AGENT
+  if (command == "agent") return RunAgentCommand(argc - 2, argv + 2);
+#endif
   const std::vector<FlagSpec>* specs = command == "train"   ? &kTrainFlags
                                        : command == "score" ? &kScoreFlags
                                                             : nullptr;

@@ -20,7 +20,21 @@ namespace {
 namespace fs = std::filesystem;
 
 // Features the spec may ask for that this worker does not run yet.
-absl::Status CheckSupported(const JobSpec& spec) {
+absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) {
+  if (options.world_size != spec.resources.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("resources.ranks: ", spec.resources.ranks,
+                                                   " but this trainer was started with world size ",
+                                                   options.world_size));
+  }
+  if (options.rank < 0 || options.rank >= options.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", options.rank, " is outside world size ", options.world_size));
+  }
+  if (spec.resources.ranks != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("resources.ranks: ", spec.resources.ranks,
+                     ": multi-rank training is not supported by this worker yet"));
+  }
   if (spec.method == Method::kQLora) {
     return absl::FailedPreconditionError("method: qlora is not supported by this worker yet");
   }
@@ -37,12 +51,6 @@ absl::Status CheckSupported(const JobSpec& spec) {
   if (spec.resources.device != DeviceKind::kCpu) {
     return absl::FailedPreconditionError(
         "resources.device: cuda is not supported by this worker build (cpu only)");
-  }
-  if (spec.resources.ranks != 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("resources.ranks: ", spec.resources.ranks,
-                     ": lathe-worker train runs a single rank; submit multi-rank jobs to a "
-                     "coordinator"));
   }
   const StrategySpec& s = spec.strategy;
   if (!s.automatic && (s.zero_stage != 0 || s.offload_optimizer || s.offload_params ||
@@ -112,7 +120,7 @@ Trainer::~Trainer() = default;
 
 absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
                                                          const TrainerOptions& options) {
-  LATHE_RETURN_IF_ERROR(CheckSupported(spec));
+  LATHE_RETURN_IF_ERROR(CheckSupported(spec, options));
   std::unique_ptr<Trainer> trainer(new Trainer());
   trainer->spec_ = spec;
   trainer->options_ = options;

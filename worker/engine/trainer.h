@@ -26,7 +26,9 @@ namespace lathe {
 class CausalLm;
 
 struct TrainerOptions {
-  int threads = 0;  // intra-op threads; 0 = every core
+  int threads = 0;         // intra-op threads; 0 = every core
+  int64_t rank = 0;        // this process's rank in the attempt
+  int64_t world_size = 1;  // must equal the spec's resources.ranks
 };
 
 // What one optimizer step did.

@@ -1,0 +1,395 @@
+#include "client/cli.h"
+
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <system_error>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "client/job_client.h"
+#include "client/request_id.h"
+#include "client/status_text.h"
+#include "client/watch_printer.h"
+#include "common/command_line.h"
+#include "common/job_spec.h"
+#include "common/proto/job_spec_proto.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
+constexpr char kCoordinatorEnv[] = "LATHE_COORDINATOR";
+
+const std::vector<FlagSpec>& GlobalFlags() {
+  static const auto* flags = new std::vector<FlagSpec>{
+      {"coordinator", true,
+       "coordinator host:port (default: $LATHE_COORDINATOR, else 127.0.0.1:7070)"},
+      {"output", true, "table (default) or json"},
+      {"help", false, "show this help"},
+  };
+  return *flags;
+}
+
+// Everything a command needs, parsed and checked.
+struct Invocation {
+  std::vector<std::string> positional;
+  ParsedFlags flags;
+  std::vector<std::string> states;  // list: every --state value, split at commas
+  const JobClient* client = nullptr;
+  std::ostream* out = nullptr;
+  std::ostream* err = nullptr;
+  bool json = false;
+  bool tty = false;
+};
+
+struct Command {
+  std::string name;
+  std::string arguments;  // after the name in the usage line
+  std::string summary;
+  std::vector<FlagSpec> flags;
+  size_t positional = 0;  // exact number of positional arguments
+  int (*run)(const Invocation&);
+};
+
+const std::vector<Command>& Commands();
+
+std::string OneLine(absl::string_view text) {
+  return absl::StrReplaceAll(text, {{"\r", ""}, {"\n", "; "}});
+}
+
+int Fail(const Invocation& inv, const absl::Status& status) {
+  *inv.err << "lathe: " << OneLine(status.message()) << "\n";
+  return kExitFailed;
+}
+
+int FailForJob(const Invocation& inv, const absl::Status& status, absl::string_view job_id) {
+  if (status.code() == absl::StatusCode::kNotFound) {
+    *inv.err << "lathe: job " << job_id << " not found\n";
+    return kExitFailed;
+  }
+  return Fail(inv, status);
+}
+
+// The coordinator runs elsewhere, with another current directory: paths in the spec are
+// resolved here (docs/job-spec.md: relative to the process that reads the spec).
+absl::Status MakeSpecPathsAbsolute(JobSpec* spec) {
+  std::error_code error;
+  const std::filesystem::path cwd = std::filesystem::current_path(error);
+  if (error) {
+    return absl::InternalError(
+        absl::StrCat("cannot resolve relative paths: current directory: ", error.message()));
+  }
+  for (std::string* path : {&spec->model.path, &spec->data.train, &spec->data.eval,
+                            &spec->lora.init_from, &spec->output}) {
+    if (path->empty() || std::filesystem::path(*path).is_absolute()) continue;
+    *path = (cwd / *path).lexically_normal().string();
+  }
+  return absl::OkStatus();
+}
+
+int RunSubmit(const Invocation& inv) {
+  const std::string& file = inv.positional[0];
+  absl::StatusOr<JobSpec> spec = LoadJobSpec(file);
+  if (!spec.ok()) return Fail(inv, spec.status());
+  if (absl::Status status = MakeSpecPathsAbsolute(&*spec); !status.ok()) return Fail(inv, status);
+
+  std::string request_id = inv.flags.Get("request-id");
+  if (request_id.empty()) {
+    absl::StatusOr<std::string> generated = NewRequestId();
+    if (!generated.ok()) return Fail(inv, generated.status());
+    request_id = *std::move(generated);
+  }
+  absl::StatusOr<v1::SubmitJobResponse> response =
+      inv.client->SubmitJob(JobSpecToProto(*spec), request_id);
+  if (!response.ok()) {
+    switch (response.status().code()) {
+      case absl::StatusCode::kInvalidArgument:
+      case absl::StatusCode::kFailedPrecondition:
+      case absl::StatusCode::kResourceExhausted:
+        return Fail(inv, Annotate(response.status(), "the coordinator refused the job"));
+      default:
+        return Fail(inv, response.status());
+    }
+  }
+  if (inv.json) {
+    *inv.out << MessageToJson(*response) << "\n";
+  } else {
+    *inv.out << response->job_id() << "\n";
+  }
+  if (response->existing()) {
+    *inv.err << "note: request id " << request_id << " matched job " << response->job_id()
+             << ", submitted earlier; nothing new was submitted\n";
+  }
+  return kExitOk;
+}
+
+int RunList(const Invocation& inv) {
+  std::vector<v1::JobState> states;
+  for (const std::string& text : inv.states) {
+    absl::StatusOr<v1::JobState> state = ParseJobState(text);
+    if (!state.ok()) return Fail(inv, state.status());
+    states.push_back(*state);
+  }
+  absl::StatusOr<std::vector<v1::JobStatus>> jobs = inv.client->ListAllJobs(states);
+  if (!jobs.ok()) return Fail(inv, jobs.status());
+  if (inv.json) {
+    *inv.out << MessagesToJsonArray(*jobs) << "\n";
+  } else {
+    *inv.out << JobTable(*jobs, absl::Now());
+  }
+  return kExitOk;
+}
+
+int RunStatus(const Invocation& inv) {
+  const std::string& id = inv.positional[0];
+  absl::StatusOr<v1::JobStatus> job = inv.client->GetJob(id);
+  if (!job.ok()) return FailForJob(inv, job.status(), id);
+  *inv.out << (inv.json ? MessageToJson(*job) + "\n" : JobDetails(*job, absl::Now()));
+  return kExitOk;
+}
+
+int RunWatch(const Invocation& inv) {
+  const std::string& id = inv.positional[0];
+  WatchPrinter printer(*inv.out, inv.json  ? WatchFormat::kJson
+                                 : inv.tty ? WatchFormat::kProgressBar
+                                           : WatchFormat::kLines);
+  std::optional<v1::JobStatus> last;
+  absl::Status status = inv.client->WatchJob(id, [&](const v1::JobStatus& update) {
+    printer.Update(update, absl::Now());
+    last = update;
+    return !IsFinalState(update.state());
+  });
+  printer.Finish();
+  if (!status.ok()) return FailForJob(inv, status, id);
+  if (!last.has_value() || !IsFinalState(last->state())) {
+    // The stream ended early (a coordinator restarting, say): ask once for the outcome.
+    absl::StatusOr<v1::JobStatus> job = inv.client->GetJob(id);
+    if (!job.ok()) return FailForJob(inv, job.status(), id);
+    if (!IsFinalState(job->state())) {
+      *inv.err << "lathe: the coordinator ended the watch of job " << id << " while it is "
+               << JobStateName(job->state()) << "\n";
+      return kExitFailed;
+    }
+    printer.Update(*job, absl::Now());
+    printer.Finish();
+    last = *std::move(job);
+  }
+  if (last->state() == v1::JOB_STATE_SUCCEEDED) return kExitOk;
+  // Text output already shows the reason on the final state line.
+  if (inv.json) {
+    *inv.err << "lathe: job " << id << " " << JobStateName(last->state())
+             << (last->reason().empty() ? "" : ": ") << OneLine(last->reason()) << "\n";
+  }
+  return kExitFailed;
+}
+
+int RunCancel(const Invocation& inv) {
+  const std::string& id = inv.positional[0];
+  absl::StatusOr<v1::JobStatus> job = inv.client->CancelJob(id, inv.flags.Get("reason"));
+  if (!job.ok()) return FailForJob(inv, job.status(), id);
+  if (inv.json) {
+    *inv.out << MessageToJson(*job) << "\n";
+  } else if (job->state() == v1::JOB_STATE_CANCELLED) {
+    *inv.out << "job " << id << " cancelled\n";
+  } else if (IsFinalState(job->state())) {
+    *inv.out << "job " << id << " had already finished: " << JobStateName(job->state()) << "\n";
+  } else {
+    *inv.out << "job " << id << ": cancel requested (now " << JobStateName(job->state()) << ")\n";
+  }
+  return kExitOk;
+}
+
+int RunWorkers(const Invocation& inv) {
+  absl::StatusOr<std::vector<v1::WorkerStatus>> workers = inv.client->ListWorkers();
+  if (!workers.ok()) return Fail(inv, workers.status());
+  if (inv.json) {
+    *inv.out << MessagesToJsonArray(*workers) << "\n";
+  } else {
+    *inv.out << WorkerTable(*workers, absl::Now());
+  }
+  return kExitOk;
+}
+
+const std::vector<Command>& Commands() {
+  static const auto* commands = new std::vector<Command>{
+      {"submit",
+       "FILE [--request-id ID]",
+       "Submit a job spec (YAML or JSON); prints the job id. Relative paths in the spec are "
+       "made absolute against the current directory.",
+       {{"request-id", true, "reuse this id to retry a submission (default: a new UUID)"}},
+       1,
+       RunSubmit},
+      {"list",
+       "[--state STATE]...",
+       "List jobs, newest first.",
+       {{"state", true,
+         "queued, running, succeeded, failed or cancelled; repeat or separate with commas"}},
+       0,
+       RunList},
+      {"status",
+       "ID",
+       "Show a job: state, plan, attempts, progress, memory, result.",
+       {},
+       1,
+       RunStatus},
+      {"watch",
+       "ID",
+       "Follow a job until it ends. Exit status 0 when it succeeded, 1 when it failed or was "
+       "cancelled.",
+       {},
+       1,
+       RunWatch},
+      {"cancel",
+       "ID [--reason TEXT]",
+       "Cancel a job.",
+       {{"reason", true, "recorded as the job's reason"}},
+       1,
+       RunCancel},
+      {"workers", "", "List the registered workers.", {}, 0, RunWorkers},
+  };
+  return *commands;
+}
+
+std::string CommandUsage(const Command& command) {
+  return absl::StrCat("usage: lathe ", command.name, command.arguments.empty() ? "" : " ",
+                      command.arguments, "\n\n", command.summary, "\n",
+                      command.flags.empty() ? "" : absl::StrCat("\n", FlagsHelp(command.flags)),
+                      "\nglobal flags:\n", FlagsHelp(GlobalFlags()));
+}
+
+int UsageError(std::ostream& err, absl::string_view message, absl::string_view usage) {
+  err << "lathe: " << message << "\n\n" << usage;
+  return kExitUsage;
+}
+
+bool IsGlobalValueFlag(absl::string_view arg) {
+  return arg == "--coordinator" || arg == "--output";
+}
+
+}  // namespace
+
+std::string CliUsage() {
+  std::string usage =
+      "usage: lathe [--coordinator ADDR] [--output table|json] COMMAND [ARGS]\n\ncommands:\n";
+  for (const Command& command : Commands()) {
+    std::string left = absl::StrCat("  ", command.name, " ", command.arguments);
+    if (left.size() < 31) left.resize(31, ' ');
+    // The first sentence of the summary.
+    absl::string_view summary = command.summary;
+    summary = summary.substr(0, summary.find(". "));
+    absl::StrAppend(&usage, left, " ", absl::StripSuffix(summary, "."), "\n");
+  }
+  absl::StrAppend(&usage, "\nglobal flags (before or after the command):\n",
+                  FlagsHelp(GlobalFlags()),
+                  "\nexit status: 0 success; 1 the job failed or was refused, or the coordinator "
+                  "is unreachable; 2 usage error\n'lathe COMMAND --help' describes a command.\n");
+  return usage;
+}
+
+int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
+           bool stdout_is_tty) {
+  // Global flags before the command; the command is the first other argument.
+  std::vector<std::string> flag_args;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg == "--help" || arg == "-h" || arg == "help") {
+      out << CliUsage();
+      return kExitOk;
+    }
+    if (!absl::StartsWith(arg, "-")) break;
+    flag_args.push_back(arg);
+    if (IsGlobalValueFlag(arg)) {
+      if (i + 1 == args.size())
+        return UsageError(err, absl::StrCat(arg, " needs a value"), CliUsage());
+      flag_args.push_back(args[++i]);
+    } else if (!absl::StartsWith(arg, "--coordinator=") && !absl::StartsWith(arg, "--output=")) {
+      return UsageError(err, absl::StrCat("unknown flag ", arg), CliUsage());
+    }
+  }
+  if (i == args.size()) return UsageError(err, "missing command", CliUsage());
+  const Command* command = nullptr;
+  for (const Command& c : Commands()) {
+    if (c.name == args[i]) command = &c;
+  }
+  if (command == nullptr) {
+    return UsageError(err, absl::StrCat("unknown command \"", args[i], "\""), CliUsage());
+  }
+  const std::string usage = CommandUsage(*command);
+
+  // `list --state` may repeat, which ParseFlags (last value wins) does not keep: collect it
+  // here.
+  Invocation inv;
+  for (++i; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (command->name == "list" && (arg == "--state" || absl::StartsWith(arg, "--state="))) {
+      std::string value;
+      if (arg != "--state") {
+        value = arg.substr(sizeof("--state=") - 1);
+      } else if (i + 1 < args.size()) {
+        value = args[++i];
+      } else {
+        return UsageError(err, "--state needs a value", usage);
+      }
+      for (absl::string_view state : absl::StrSplit(value, ',', absl::SkipWhitespace())) {
+        inv.states.emplace_back(state);
+      }
+      continue;
+    }
+    flag_args.push_back(arg);
+  }
+  std::vector<FlagSpec> specs = command->flags;
+  specs.insert(specs.end(), GlobalFlags().begin(), GlobalFlags().end());
+  absl::StatusOr<ParsedFlags> flags = ParseFlags(flag_args, specs);
+  if (!flags.ok()) return UsageError(err, flags.status().message(), usage);
+  if (flags->Has("help")) {
+    out << usage;
+    return kExitOk;
+  }
+  const std::string output = flags->Get("output", "table");
+  if (output != "table" && output != "json") {
+    return UsageError(err, absl::StrCat("--output: expected table or json, got \"", output, "\""),
+                      usage);
+  }
+  if (flags->positional().size() != command->positional) {
+    std::string message =
+        flags->positional().size() < command->positional
+            ? absl::StrCat("missing argument: ", command->name, " ", command->arguments)
+            : absl::StrCat("unexpected argument \"", flags->positional()[command->positional],
+                           "\"");
+    return UsageError(err, message, usage);
+  }
+
+  std::string address = flags->Get("coordinator");
+  if (address.empty()) {
+    const char* env = std::getenv(kCoordinatorEnv);
+    address = env != nullptr && *env != '\0' ? env : kDefaultCoordinator;
+  }
+  const JobClient client(address);
+  inv.positional = flags->positional();
+  inv.flags = *std::move(flags);
+  inv.client = &client;
+  inv.out = &out;
+  inv.err = &err;
+  inv.json = output == "json";
+  inv.tty = stdout_is_tty;
+  const int code = command->run(inv);
+  out.flush();
+  return code;
+}
+
+}  // namespace lathe

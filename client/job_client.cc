@@ -1,0 +1,161 @@
+#include "client/job_client.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/sync_stream.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+
+namespace lathe {
+namespace {
+
+// gRPC's connection errors can span lines (a list of addresses tried); a CLI prints one.
+std::string OneLine(absl::string_view text) {
+  std::string line = absl::StrReplaceAll(absl::StripAsciiWhitespace(text), {{"\r", ""}});
+  return absl::StrReplaceAll(line, {{"\n", "; "}});
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view address) {
+  if (status.ok()) return absl::OkStatus();
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  std::string message = OneLine(status.error_message());
+  if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+    if (message.empty()) {
+      message = code == absl::StatusCode::kUnavailable ? "unavailable" : "deadline exceeded";
+    }
+    return absl::Status(code,
+                        absl::StrCat("cannot reach the coordinator at ", address, ": ", message));
+  }
+  if (code == absl::StatusCode::kUnimplemented) {
+    return absl::Status(code, absl::StrCat("the server at ", address,
+                                           " does not serve this call (is it a Lathe "
+                                           "coordinator of this version?): ",
+                                           message));
+  }
+  return absl::Status(code, message);
+}
+
+JobClient::JobClient(std::string address, JobClientOptions options)
+    : JobClient(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()), address,
+                options) {}
+
+JobClient::JobClient(std::shared_ptr<grpc::Channel> channel, std::string address,
+                     JobClientOptions options)
+    : address_(std::move(address)),
+      options_(options),
+      channel_(std::move(channel)),
+      jobs_(v1::JobService::NewStub(channel_)),
+      workers_(v1::WorkerService::NewStub(channel_)) {}
+
+void JobClient::SetDeadline(grpc::ClientContext* context) const {
+  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+}
+
+absl::StatusOr<v1::SubmitJobResponse> JobClient::SubmitJob(const v1::JobSpec& spec,
+                                                           absl::string_view request_id) const {
+  v1::SubmitJobRequest request;
+  *request.mutable_spec() = spec;
+  request.set_request_id(std::string(request_id));
+  v1::SubmitJobResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::Status status = jobs_->SubmitJob(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status, address_);
+  return response;
+}
+
+absl::StatusOr<v1::JobStatus> JobClient::GetJob(absl::string_view job_id) const {
+  v1::GetJobRequest request;
+  request.set_job_id(std::string(job_id));
+  v1::JobStatus response;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::Status status = jobs_->GetJob(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status, address_);
+  return response;
+}
+
+absl::StatusOr<v1::ListJobsResponse> JobClient::ListJobs(const std::vector<v1::JobState>& states,
+                                                         absl::string_view page_token) const {
+  v1::ListJobsRequest request;
+  for (v1::JobState state : states) request.add_states(state);
+  request.set_page_size(options_.list_page_size);
+  request.set_page_token(std::string(page_token));
+  v1::ListJobsResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::Status status = jobs_->ListJobs(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status, address_);
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::JobStatus>> JobClient::ListAllJobs(
+    const std::vector<v1::JobState>& states) const {
+  std::vector<v1::JobStatus> jobs;
+  std::string token;
+  do {
+    absl::StatusOr<v1::ListJobsResponse> page = ListJobs(states, token);
+    if (!page.ok()) return page.status();
+    for (v1::JobStatus& job : *page->mutable_jobs()) jobs.push_back(std::move(job));
+    if (!page->next_page_token().empty() && page->next_page_token() == token) {
+      // A coordinator that hands back the token it was given would loop forever.
+      return absl::InternalError(
+          absl::StrCat("the coordinator at ", address_, " repeated page token \"", token, "\""));
+    }
+    token = page->next_page_token();
+  } while (!token.empty());
+  return jobs;
+}
+
+absl::StatusOr<v1::JobStatus> JobClient::CancelJob(absl::string_view job_id,
+                                                   absl::string_view reason) const {
+  v1::CancelJobRequest request;
+  request.set_job_id(std::string(job_id));
+  request.set_reason(std::string(reason));
+  v1::JobStatus response;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::Status status = jobs_->CancelJob(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status, address_);
+  return response;
+}
+
+absl::Status JobClient::WatchJob(absl::string_view job_id,
+                                 const std::function<bool(const v1::JobStatus&)>& on_update) const {
+  v1::WatchJobRequest request;
+  request.set_job_id(std::string(job_id));
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::JobStatus>> reader = jobs_->WatchJob(&context, request);
+  v1::JobStatus update;
+  while (reader->Read(&update)) {
+    if (!on_update(update)) {
+      context.TryCancel();
+      // Drain so that Finish does not block on messages already in flight.
+      while (reader->Read(&update)) {
+      }
+      (void)reader->Finish();
+      return absl::OkStatus();
+    }
+  }
+  return FromGrpcStatus(reader->Finish(), address_);
+}
+
+absl::StatusOr<std::vector<v1::WorkerStatus>> JobClient::ListWorkers() const {
+  v1::ListWorkersRequest request;
+  v1::ListWorkersResponse response;
+  grpc::ClientContext context;
+  SetDeadline(&context);
+  grpc::Status status = workers_->ListWorkers(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status, address_);
+  return std::vector<v1::WorkerStatus>(response.workers().begin(), response.workers().end());
+}
+
+}  // namespace lathe

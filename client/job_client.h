@@ -1,0 +1,105 @@
+// A typed client for the coordinator's JobService and WorkerService (the `lathe` CLI's
+// transport). Each method is one RPC (ListAllJobs follows pagination), returns the
+// coordinator's answer or its error as an absl::Status with the gRPC code kept, and never
+// throws.
+//
+// Errors: the code and message of the coordinator's status; UNAVAILABLE and
+// DEADLINE_EXCEEDED (the coordinator cannot be reached, or did not answer in time) keep
+// their code and read "cannot reach the coordinator at <address>: <reason>" on one line;
+// UNIMPLEMENTED (something else, or another version, listens there) says so.
+//
+// Thread-safety: a JobClient is immutable after construction; every method may be called
+// from several threads at once (gRPC channels and stubs are thread-safe).
+#ifndef LATHE_CLIENT_JOB_CLIENT_H_
+#define LATHE_CLIENT_JOB_CLIENT_H_
+
+#include <grpcpp/channel.h>
+#include <grpcpp/support/status.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "lathe/v1/job.pb.h"
+
+namespace lathe {
+
+struct JobClientOptions {
+  // Deadline of each unary RPC. WatchJob has none: a job may run for days.
+  absl::Duration call_timeout = absl::Seconds(10);
+  // Jobs asked for per ListJobs page.
+  int32_t list_page_size = 100;
+};
+
+// Converts a gRPC status to an absl::Status with the same code and message. UNAVAILABLE and
+// DEADLINE_EXCEEDED read "cannot reach the coordinator at <address>: <reason>", UNIMPLEMENTED
+// "the server at <address> does not serve this call ...". Line breaks
+// in the message are folded so that the result prints on one line.
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view address);
+
+class JobClient {
+ public:
+  // A client over an insecure channel to `address` (host:port). Connects lazily: an
+  // unreachable coordinator shows up as UNAVAILABLE from the first call.
+  explicit JobClient(std::string address, JobClientOptions options = {});
+  // A client over an existing channel; `address` only names it in messages.
+  JobClient(std::shared_ptr<grpc::Channel> channel, std::string address,
+            JobClientOptions options = {});
+
+  JobClient(const JobClient&) = delete;
+  JobClient& operator=(const JobClient&) = delete;
+
+  const std::string& address() const { return address_; }
+
+  // JobService.SubmitJob. INVALID_ARGUMENT naming the field for a spec the coordinator
+  // refuses. A repeated `request_id` returns the first submission (response.existing()).
+  absl::StatusOr<v1::SubmitJobResponse> SubmitJob(const v1::JobSpec& spec,
+                                                  absl::string_view request_id) const;
+
+  // JobService.GetJob. NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
+
+  // JobService.ListJobs, one page. `states` empty: every state.
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const std::vector<v1::JobState>& states,
+                                                absl::string_view page_token) const;
+
+  // Every job in `states` (empty: every state), newest first, following next_page_token
+  // until the last page.
+  absl::StatusOr<std::vector<v1::JobStatus>> ListAllJobs(
+      const std::vector<v1::JobState>& states) const;
+
+  // JobService.CancelJob: the job's status afterwards (unchanged for a finished job).
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason) const;
+
+  // JobService.WatchJob: calls `on_update` with the current status and then once per change,
+  // on the calling thread, until the coordinator ends the stream (the job ended) or
+  // `on_update` returns false. OK then; otherwise the stream's error (NOT_FOUND for an
+  // unknown id). No deadline.
+  absl::Status WatchJob(absl::string_view job_id,
+                        const std::function<bool(const v1::JobStatus&)>& on_update) const;
+
+  // WorkerService.ListWorkers.
+  absl::StatusOr<std::vector<v1::WorkerStatus>> ListWorkers() const;
+
+ private:
+  // Sets the per-call deadline on `context`.
+  void SetDeadline(grpc::ClientContext* context) const;
+
+  std::string address_;
+  JobClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::JobService::Stub> jobs_;
+  std::unique_ptr<v1::WorkerService::Stub> workers_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_CLIENT_JOB_CLIENT_H_

@@ -1,0 +1,327 @@
+#include "client/status_text.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace lathe {
+namespace {
+
+using Row = std::vector<std::string>;
+
+// Columns separated by two spaces; the last column is not padded.
+std::string RenderTable(const std::vector<Row>& rows) {
+  std::vector<size_t> widths;
+  for (const Row& row : rows) {
+    if (widths.size() < row.size()) widths.resize(row.size(), 0);
+    for (size_t i = 0; i < row.size(); ++i) widths[i] = std::max(widths[i], row[i].size());
+  }
+  std::string out;
+  for (const Row& row : rows) {
+    std::string line;
+    for (size_t i = 0; i < row.size(); ++i) {
+      line += row[i];
+      if (i + 1 < row.size()) line.append(widths[i] - row[i].size() + 2, ' ');
+    }
+    absl::StrAppend(&out, absl::StripTrailingAsciiWhitespace(line), "\n");
+  }
+  return out;
+}
+
+std::string EnumSuffix(const std::string& name, absl::string_view prefix) {
+  if (name.empty()) return "UNKNOWN";
+  return std::string(absl::StripPrefix(name, prefix));
+}
+
+std::string DeviceName(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
+
+std::string PrecisionText(v1::Precision precision) {
+  switch (precision) {
+    case v1::PRECISION_BF16:
+      return "bf16";
+    case v1::PRECISION_FP16:
+      return "fp16";
+    default:
+      return "fp32";
+  }
+}
+
+std::string LossText(double loss) { return absl::StrFormat("%.4f", loss); }
+
+std::string Ago(int64_t unix_ms, absl::Time now) {
+  if (unix_ms <= 0) return "-";
+  return absl::StrCat(ShortDuration(now - absl::FromUnixMillis(unix_ms)), " ago");
+}
+
+std::vector<std::pair<std::string, uint64_t>> MemoryComponents(const v1::MemoryBreakdown& m) {
+  return {{"weights", m.weights()},
+          {"trainable", m.trainable()},
+          {"gradients", m.gradients()},
+          {"optimizer", m.optimizer()},
+          {"activations", m.activations()},
+          {"logits", m.logits()},
+          {"comm_buffers", m.comm_buffers()},
+          {"overhead", m.overhead()},
+          {"total", m.total()}};
+}
+
+// "label        value" with the value's further lines indented to the value column.
+constexpr size_t kLabelWidth = 13;
+
+void AppendField(std::string* out, absl::string_view label, absl::string_view value) {
+  std::string padded(label);
+  padded.resize(std::max(kLabelWidth, padded.size() + 1), ' ');
+  std::vector<absl::string_view> lines =
+      absl::StrSplit(absl::StripTrailingAsciiWhitespace(value), '\n');
+  for (size_t i = 0; i < lines.size(); ++i) {
+    absl::StrAppend(out, i == 0 ? padded : std::string(padded.size(), ' '),
+                    absl::StripTrailingAsciiWhitespace(lines[i]), "\n");
+  }
+}
+
+std::string PlanText(const v1::Plan& plan) {
+  std::string text = absl::StrCat(
+      plan.ranks(), plan.ranks() == 1 ? " rank" : " ranks", " on ", DeviceName(plan.device()),
+      ", ZeRO-", plan.zero_stage(), ", micro-batch ", plan.micro_batch(), " x ",
+      std::max<int64_t>(plan.gradient_accumulation(), 1), " accumulation, ", plan.total_steps(),
+      " steps, ", PrecisionText(plan.precision()));
+  std::vector<std::string> options;
+  if (plan.offload_optimizer()) options.push_back("offload optimizer");
+  if (plan.offload_params()) options.push_back("offload params");
+  if (plan.activation_checkpointing()) options.push_back("activation checkpointing");
+  if (plan.chunked_loss()) options.push_back("chunked loss");
+  if (!options.empty()) absl::StrAppend(&text, "\n", absl::StrJoin(options, ", "));
+  if (!plan.explanation().empty()) absl::StrAppend(&text, "\n", plan.explanation());
+  return text;
+}
+
+std::string PlacementsText(const v1::Attempt& attempt) {
+  std::vector<std::string> parts;
+  for (const v1::RankPlacement& p : attempt.placements()) {
+    parts.push_back(absl::StrCat("rank ", p.rank(), " on ", p.worker_id(), " slot ", p.slot()));
+  }
+  return parts.empty() ? "not placed" : absl::StrJoin(parts, ", ");
+}
+
+std::string ProgressText(const v1::JobStatus& status, const v1::Progress& p, absl::Time now) {
+  std::vector<std::string> parts = {absl::StrCat("step ", StepText(status))};
+  if (p.has_loss()) parts.push_back(absl::StrCat("loss ", LossText(p.loss())));
+  if (p.has_eval_loss()) parts.push_back(absl::StrCat("eval loss ", LossText(p.eval_loss())));
+  if (p.lr() != 0) parts.push_back(absl::StrFormat("lr %.3g", p.lr()));
+  if (p.grad_norm() != 0) parts.push_back(absl::StrFormat("grad norm %.3g", p.grad_norm()));
+  if (p.tokens_per_second() > 0) {
+    parts.push_back(absl::StrFormat("tokens/s %.0f", p.tokens_per_second()));
+  }
+  if (p.mfu() > 0) parts.push_back(absl::StrFormat("MFU %.1f%%", 100 * p.mfu()));
+  std::string text = absl::StrJoin(parts, "  ");
+  if (p.updated_unix_ms() > 0)
+    absl::StrAppend(&text, "  (updated ", Ago(p.updated_unix_ms(), now), ")");
+  return text;
+}
+
+std::string MemoryText(const v1::MemoryBreakdown& predicted, const v1::MemoryBreakdown& measured) {
+  auto p = MemoryComponents(predicted);
+  auto m = MemoryComponents(measured);
+  std::vector<Row> rows = {{"", "predicted", "measured"}};
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i].second == 0 && m[i].second == 0) continue;
+    rows.push_back({p[i].first, p[i].second ? FormatBytes(p[i].second) : "-",
+                    m[i].second ? FormatBytes(m[i].second) : "-"});
+  }
+  if (rows.size() == 1) return "";
+  return RenderTable(rows);
+}
+
+}  // namespace
+
+std::string JobStateName(v1::JobState state) {
+  return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_");
+}
+
+std::string AttemptStateName(v1::AttemptState state) {
+  return EnumSuffix(v1::AttemptState_Name(state), "ATTEMPT_STATE_");
+}
+
+bool IsFinalState(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+absl::StatusOr<v1::JobState> ParseJobState(absl::string_view text) {
+  std::string name = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
+  if (!absl::StartsWith(name, "JOB_STATE_")) name = absl::StrCat("JOB_STATE_", name);
+  v1::JobState state;
+  if (!v1::JobState_Parse(name, &state) || state == v1::JOB_STATE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown job state \"", text,
+                     "\"; expected queued, running, succeeded, failed or cancelled"));
+  }
+  return state;
+}
+
+std::string ShortDuration(absl::Duration duration) {
+  const int64_t s = std::max<int64_t>(0, absl::ToInt64Seconds(duration));
+  if (s < 60) return absl::StrCat(s, "s");
+  if (s < 3600) return absl::StrFormat("%dm%02ds", s / 60, s % 60);
+  if (s < 86400) return absl::StrFormat("%dh%02dm", s / 3600, s % 3600 / 60);
+  return absl::StrFormat("%dd%02dh", s / 86400, s % 86400 / 3600);
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = static_cast<double>(bytes) / 1024;
+  size_t unit = 0;
+  while (value >= 1024 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  const int decimals = value < 10 ? 2 : value < 100 ? 1 : 0;
+  return absl::StrFormat("%.*f %s", decimals, value, kUnits[unit]);
+}
+
+std::string FormatTimestamp(int64_t unix_ms) {
+  if (unix_ms == 0) return "-";
+  return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixMillis(unix_ms), absl::UTCTimeZone());
+}
+
+const v1::Progress* LatestProgress(const v1::JobStatus& status) {
+  if (status.attempts().empty()) return nullptr;
+  const v1::Attempt& attempt = *status.attempts().rbegin();
+  if (!attempt.has_progress()) return nullptr;
+  const v1::Progress& p = attempt.progress();
+  if (p.step() == 0 && p.updated_unix_ms() == 0 && !p.has_loss()) return nullptr;
+  return &p;
+}
+
+int64_t TotalSteps(const v1::JobStatus& status) {
+  const v1::Progress* p = LatestProgress(status);
+  if (p != nullptr && p->total_steps() > 0) return p->total_steps();
+  return status.plan().total_steps();
+}
+
+std::string StepText(const v1::JobStatus& status) {
+  const v1::Progress* p = LatestProgress(status);
+  if (p == nullptr) return "-";
+  const int64_t total = TotalSteps(status);
+  return absl::StrCat(p->step(), "/", total > 0 ? absl::StrCat(total) : "?");
+}
+
+std::string Truncate(absl::string_view text, size_t max_chars) {
+  std::string flat = absl::StrReplaceAll(text, {{"\r\n", " "}, {"\n", " "}, {"\r", " "}});
+  if (flat.size() <= max_chars) return flat;
+  if (max_chars <= 3) return flat.substr(0, max_chars);
+  return absl::StrCat(flat.substr(0, max_chars - 3), "...");
+}
+
+std::string JobTable(const std::vector<v1::JobStatus>& jobs, absl::Time now) {
+  std::vector<Row> rows = {{"ID", "NAME", "STATE", "STEP", "LOSS", "AGE", "REASON"}};
+  for (const v1::JobStatus& job : jobs) {
+    const v1::Progress* p = LatestProgress(job);
+    std::string loss = "-";
+    if (job.has_final_loss()) {
+      loss = LossText(job.final_loss());
+    } else if (p != nullptr && p->has_loss()) {
+      loss = LossText(p->loss());
+    }
+    std::string age = job.submitted_unix_ms() > 0
+                          ? ShortDuration(now - absl::FromUnixMillis(job.submitted_unix_ms()))
+                          : "-";
+    rows.push_back({job.job_id(), job.spec().name(), JobStateName(job.state()), StepText(job), loss,
+                    age, Truncate(job.reason(), 60)});
+  }
+  return RenderTable(rows);
+}
+
+std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
+  std::string out;
+  AppendField(&out, "job",
+              status.spec().name().empty()
+                  ? status.job_id()
+                  : absl::StrCat(status.job_id(), " (", status.spec().name(), ")"));
+  AppendField(&out, "state", JobStateName(status.state()));
+  if (!status.reason().empty()) AppendField(&out, "reason", status.reason());
+  if (status.submitted_unix_ms() > 0) {
+    AppendField(&out, "submitted",
+                absl::StrCat(FormatTimestamp(status.submitted_unix_ms()), " (",
+                             Ago(status.submitted_unix_ms(), now), ")"));
+  }
+  AppendField(&out, "plan", status.plan().ranks() > 0 ? PlanText(status.plan()) : "-");
+  if (status.attempts().empty()) {
+    AppendField(&out, "attempts", "none yet");
+  } else {
+    std::string attempts;
+    for (const v1::Attempt& a : status.attempts()) {
+      absl::StrAppend(&attempts, "#", a.generation(), " ", AttemptStateName(a.state()), "  ",
+                      PlacementsText(a));
+      if (a.started_unix_ms() > 0) {
+        absl::StrAppend(&attempts, "  started ", FormatTimestamp(a.started_unix_ms()));
+      }
+      if (a.ended_unix_ms() > 0) {
+        absl::StrAppend(&attempts, "  ended ", FormatTimestamp(a.ended_unix_ms()));
+      }
+      absl::StrAppend(&attempts, "\n");
+      if (!a.error().empty()) {
+        std::vector<absl::string_view> lines =
+            absl::StrSplit(absl::StripTrailingAsciiWhitespace(a.error()), '\n');
+        for (size_t i = 0; i < lines.size(); ++i) {
+          absl::StrAppend(&attempts, i == 0 ? "  error: " : "         ", lines[i], "\n");
+        }
+      }
+    }
+    AppendField(&out, "attempts", attempts);
+  }
+  const v1::Progress* p = LatestProgress(status);
+  if (p != nullptr) AppendField(&out, "progress", ProgressText(status, *p, now));
+  std::string memory =
+      MemoryText(status.plan().predicted_memory(),
+                 p != nullptr ? p->memory() : v1::MemoryBreakdown::default_instance());
+  if (!memory.empty()) AppendField(&out, "memory/rank", memory);
+  if (status.has_final_loss()) AppendField(&out, "final loss", LossText(status.final_loss()));
+  if (!status.adapter_path().empty()) AppendField(&out, "adapter", status.adapter_path());
+  if (!status.model_path().empty()) AppendField(&out, "model", status.model_path());
+  if (status.restarts() > 0) AppendField(&out, "restarts", absl::StrCat(status.restarts()));
+  return out;
+}
+
+std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time now) {
+  std::vector<Row> rows = {{"ID", "STATE", "DEVICE", "SLOTS", "LAST HEARTBEAT", "RUNNING"}};
+  for (const v1::WorkerStatus& w : workers) {
+    std::string device = DeviceName(w.device());
+    if (!w.devices().empty() && w.devices(0).name() != device && !w.devices(0).name().empty()) {
+      absl::StrAppend(&device, " (", w.devices(0).name(), ")");
+    }
+    std::vector<std::string> running;
+    for (const v1::SlotStatus& slot : w.running()) {
+      if (!slot.job_id().empty()) running.push_back(absl::StrCat(slot.job_id(), " r", slot.rank()));
+    }
+    rows.push_back({w.worker_id(), EnumSuffix(v1::WorkerState_Name(w.state()), "WORKER_STATE_"),
+                    device, absl::StrCat(w.busy_slots(), "/", w.slots()),
+                    Ago(w.last_heartbeat_unix_ms(), now),
+                    running.empty() ? "-" : absl::StrJoin(running, ", ")});
+  }
+  return RenderTable(rows);
+}
+
+std::string MessageToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  // Fails only for messages that cannot be represented (e.g. Any without its type), which
+  // the Lathe API does not use.
+  if (!google::protobuf::util::MessageToJsonString(message, &json, options).ok()) return "{}";
+  return json;
+}
+
+}  // namespace lathe

@@ -1,0 +1,91 @@
+// Human-readable renderings of job and worker status for the `lathe` CLI: the `list` and
+// `workers` tables, the multi-line `status` view, and the small pieces they share (state
+// names, durations, byte sizes, timestamps). Also the JSON form of any API message, for
+// `--output json`.
+//
+// Every function that shows an age takes `now` so that output is a pure function of its
+// inputs.
+//
+// Thread-safety: pure functions.
+#ifndef LATHE_CLIENT_STATUS_TEXT_H_
+#define LATHE_CLIENT_STATUS_TEXT_H_
+
+#include <google/protobuf/message.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "lathe/v1/job.pb.h"
+
+namespace lathe {
+
+// "QUEUED", "RUNNING", ... (the enum name without its prefix); "UNKNOWN" for 0 or an
+// unrecognised value.
+std::string JobStateName(v1::JobState state);
+std::string AttemptStateName(v1::AttemptState state);
+
+// True for SUCCEEDED, FAILED and CANCELLED.
+bool IsFinalState(v1::JobState state);
+
+// Parses a state as a user types it: "running", "RUNNING" or "JOB_STATE_RUNNING".
+// INVALID_ARGUMENT listing the accepted names otherwise.
+absl::StatusOr<v1::JobState> ParseJobState(absl::string_view text);
+
+// "45s", "1m05s", "2h03m", "3d04h"; negative durations read "0s". (Not named FormatDuration:
+// argument-dependent lookup would find absl::FormatDuration too.)
+std::string ShortDuration(absl::Duration duration);
+
+// "512 B", "1.50 KiB", "80.0 GiB" (powers of 1024, three significant digits).
+std::string FormatBytes(uint64_t bytes);
+
+// "2026-01-02T03:04:05Z" (UTC); "-" for 0.
+std::string FormatTimestamp(int64_t unix_ms);
+
+// The last attempt's progress (rank 0), or nullptr when there is no attempt or it has not
+// reported a step yet. Points into `status`.
+const v1::Progress* LatestProgress(const v1::JobStatus& status);
+
+// The number of optimizer steps the job will run: the progress's total, else the plan's;
+// 0 when neither is known.
+int64_t TotalSteps(const v1::JobStatus& status);
+
+// "12/100", "12/?" or "-".
+std::string StepText(const v1::JobStatus& status);
+
+// `text` cut to at most `max_chars` bytes, ending in "..." when cut; line breaks become spaces.
+std::string Truncate(absl::string_view text, size_t max_chars);
+
+// The `lathe list` table: ID, NAME, STATE, STEP, LOSS, AGE, REASON; a header line even when
+// `jobs` is empty.
+std::string JobTable(const std::vector<v1::JobStatus>& jobs, absl::Time now);
+
+// The `lathe status` view: state, reason, plan, attempts, latest progress, memory (predicted
+// next to measured), final loss, result paths. Ends with a newline.
+std::string JobDetails(const v1::JobStatus& status, absl::Time now);
+
+// The `lathe workers` table: ID, STATE, DEVICE, SLOTS, LAST HEARTBEAT, RUNNING.
+std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time now);
+
+// The protobuf JSON form of `message` on one line, proto field names kept ("job_id").
+std::string MessageToJson(const google::protobuf::Message& message);
+
+// A JSON array of the messages' JSON forms, on one line.
+template <typename M>
+std::string MessagesToJsonArray(const std::vector<M>& messages) {
+  std::string out = "[";
+  for (size_t i = 0; i < messages.size(); ++i) {
+    if (i > 0) out += ",";
+    out += MessageToJson(messages[i]);
+  }
+  out += "]";
+  return out;
+}
+
+}  // namespace lathe
+
+#endif  // LATHE_CLIENT_STATUS_TEXT_H_

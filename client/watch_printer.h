@@ -1,0 +1,82 @@
+// Renders the stream of JobStatus updates of `lathe watch` in one of three forms:
+//
+//   kProgressBar (stdout is a terminal): a single line redrawn in place with '\r',
+//       [#######.............] step 35/100  loss 3.2110  1234 tok/s  ETA 1m05s
+//     with state changes (queued, started, restarted, finished) on lines of their own.
+//   kLines (stdout is a file or pipe): one line per update,
+//       2026-01-02T03:04:05Z RUNNING step 12/100 loss 3.2110 tokens/s 1234
+//   kJson: one JobStatus in protobuf JSON per line.
+//
+// The ETA comes from the step rate seen between this attempt's first and latest progress
+// reports (the coordinator's timestamps), so a watch that starts mid-run estimates from what
+// it has seen, and a restart resets it.
+//
+// Thread-safety: not thread-safe; one printer per watch.
+#ifndef LATHE_CLIENT_WATCH_PRINTER_H_
+#define LATHE_CLIENT_WATCH_PRINTER_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+
+#include "absl/time/time.h"
+#include "lathe/v1/job.pb.h"
+
+namespace lathe {
+
+enum class WatchFormat { kProgressBar, kLines, kJson };
+
+class WatchPrinter {
+ public:
+  // `out` must outlive the printer.
+  WatchPrinter(std::ostream& out, WatchFormat format) : out_(out), format_(format) {}
+
+  WatchPrinter(const WatchPrinter&) = delete;
+  WatchPrinter& operator=(const WatchPrinter&) = delete;
+
+  // Prints one update. `now` stamps lines whose status carries no updated_unix_ms.
+  void Update(const v1::JobStatus& status, absl::Time now);
+
+  // Ends a progress bar that is still on screen with a newline. Idempotent.
+  void Finish();
+
+  // The one-line summary of `status` used by kLines and for state changes:
+  // "<timestamp> <STATE> <details>", without a newline.
+  static std::string StatusLine(const v1::JobStatus& status, absl::Time now);
+
+  // The progress bar line for `status` (without '\r' or newline); `eta` when known.
+  static std::string ProgressBar(const v1::JobStatus& status, std::optional<absl::Duration> eta);
+
+ private:
+  // The time to the last step at the rate seen so far in this attempt; nullopt until two
+  // reports at different steps and times have been seen.
+  std::optional<absl::Duration> Eta(const v1::JobStatus& status);
+  // Writes `line` over the bar on screen (or over nothing), padding with spaces to erase
+  // what was longer.
+  void DrawBar(const std::string& line);
+  // Clears the bar from the screen so that a full line can take its place.
+  void ClearBar();
+
+  std::ostream& out_;
+  const WatchFormat format_;
+
+  // What the previous update showed, to notice state changes.
+  bool have_previous_ = false;
+  v1::JobState previous_state_ = v1::JOB_STATE_UNSPECIFIED;
+  int64_t previous_generation_ = 0;
+  std::string previous_reason_;
+
+  // Width of the bar currently on screen; 0 when none.
+  size_t bar_width_ = 0;
+
+  // The first progress report seen in the current attempt, for the step rate.
+  int64_t rate_generation_ = -1;
+  int64_t first_step_ = 0;
+  int64_t first_unix_ms_ = 0;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_CLIENT_WATCH_PRINTER_H_

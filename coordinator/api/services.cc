@@ -1,0 +1,137 @@
+#include "coordinator/api/services.h"
+
+#include <string>
+#include <vector>
+
+namespace lathe {
+namespace {
+
+bool IsTerminal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+                                       v1::SubmitJobResponse* response) {
+  absl::StatusOr<v1::SubmitJobResponse> result = jobs_->Submit(*request);
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+                                    v1::JobStatus* response) {
+  absl::StatusOr<v1::JobStatus> result = scheduler_->GetJob(request->job_id());
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+                                      v1::ListJobsResponse* response) {
+  absl::StatusOr<v1::ListJobsResponse> result = jobs_->List(*request);
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+                                       v1::JobStatus* response) {
+  absl::StatusOr<v1::JobStatus> result =
+      scheduler_->CancelJob(request->job_id(), request->reason());
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
+                                      const v1::WatchJobRequest* request,
+                                      grpc::ServerWriter<v1::JobStatus>* writer) {
+  uint64_t version = 0;  // jobs start at version 1: the first wait returns at once
+  while (!context->IsCancelled()) {
+    const uint64_t seen = version;
+    // Wake up every second to notice a client that went away.
+    absl::StatusOr<v1::JobStatus> status =
+        scheduler_->WaitForJobChange(request->job_id(), &version, absl::Now() + absl::Seconds(1));
+    if (!status.ok()) return ToGrpcStatus(status.status());
+    if (version == seen) continue;
+    if (!writer->Write(*status) || IsTerminal(status->state())) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext*,
+                                               const v1::RegisterWorkerRequest* request,
+                                               v1::RegisterWorkerResponse* response) {
+  absl::StatusOr<v1::RegisterWorkerResponse> result = scheduler_->RegisterWorker(*request);
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status WorkerServiceImpl::Heartbeat(
+    grpc::ServerContext*,
+    grpc::ServerReaderWriter<v1::HeartbeatResponse, v1::HeartbeatRequest>* stream) {
+  v1::HeartbeatRequest request;
+  while (stream->Read(&request)) {
+    absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request);
+    if (!response.ok()) return ToGrpcStatus(response.status());
+    if (!stream->Write(*response)) break;
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::ReportProgress(grpc::ServerContext*,
+                                               const v1::ReportProgressRequest* request,
+                                               v1::ReportProgressResponse*) {
+  return ToGrpcStatus(scheduler_->ReportProgress(*request));
+}
+
+grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                                            v1::ListWorkersResponse* response) {
+  for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
+    *response->add_workers() = std::move(worker);
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext*,
+                                        const v1::RendezvousSetRequest* request,
+                                        v1::RendezvousSetResponse*) {
+  return ToGrpcStatus(store_->Set(request->scope().job_id(), request->scope().generation(),
+                                  request->key(), request->value()));
+}
+
+grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext*,
+                                        const v1::RendezvousGetRequest* request,
+                                        v1::RendezvousGetResponse* response) {
+  absl::StatusOr<std::string> value =
+      store_->Get(request->scope().job_id(), request->scope().generation(), request->key());
+  if (value.ok()) response->set_value(*std::move(value));
+  return ToGrpcStatus(value.status());
+}
+
+grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
+                                         const v1::RendezvousWaitRequest* request,
+                                         v1::RendezvousWaitResponse*) {
+  absl::Time deadline = absl::Now() + absl::Milliseconds(request->timeout_ms());
+  // Never wait past the client's own deadline.
+  absl::Time client_deadline = absl::FromChrono(context->deadline());
+  if (client_deadline < deadline) deadline = client_deadline;
+  std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+  return ToGrpcStatus(
+      store_->Wait(request->scope().job_id(), request->scope().generation(), keys, deadline));
+}
+
+grpc::Status RendezvousServiceImpl::Add(grpc::ServerContext*,
+                                        const v1::RendezvousAddRequest* request,
+                                        v1::RendezvousAddResponse* response) {
+  absl::StatusOr<int64_t> value = store_->Add(
+      request->scope().job_id(), request->scope().generation(), request->key(), request->delta());
+  if (value.ok()) response->set_value(*value);
+  return ToGrpcStatus(value.status());
+}
+
+}  // namespace lathe

@@ -1,0 +1,152 @@
+#include "coordinator/scheduler/job_manager.h"
+
+#include <filesystem>
+#include <set>
+
+#include "absl/random/random.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+#include "common/proto/job_spec_proto.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+namespace {
+
+namespace fs = std::filesystem;
+
+absl::Status SpecError(absl::string_view field, absl::string_view problem) {
+  return absl::InvalidArgumentError(absl::StrCat("spec: ", field, ": ", problem));
+}
+
+bool IsInside(const fs::path& path, const fs::path& root) {
+  auto p = path.begin(), r = root.begin();
+  for (; r != root.end(); ++r, ++p) {
+    if (r->empty()) continue;  // trailing slash
+    if (p == path.end() || *p != *r) return false;
+  }
+  return true;
+}
+
+v1::Plan MakePlan(const JobSpec& spec) {
+  v1::Plan plan;
+  plan.set_ranks(spec.resources.ranks);
+  plan.set_device(spec.resources.device == DeviceKind::kCuda ? v1::DEVICE_CUDA : v1::DEVICE_CPU);
+  const StrategySpec& s = spec.strategy;
+  plan.set_zero_stage(s.zero_stage);
+  plan.set_offload_optimizer(s.offload_optimizer);
+  plan.set_offload_params(s.offload_params);
+  plan.set_activation_checkpointing(s.activation_checkpointing);
+  plan.set_chunked_loss(s.chunked_loss);
+  plan.set_micro_batch(spec.train.micro_batch);
+  if (spec.train.micro_batch > 0) {
+    plan.set_gradient_accumulation(spec.train.global_batch /
+                                   (spec.train.micro_batch * spec.resources.ranks));
+  }
+  plan.set_total_steps(spec.train.steps);
+  plan.set_precision(spec.train.precision == Precision::kBf16   ? v1::PRECISION_BF16
+                     : spec.train.precision == Precision::kFp16 ? v1::PRECISION_FP16
+                                                                : v1::PRECISION_FP32);
+  plan.set_explanation(
+      s.automatic ? "no planner yet: the spec's resources, no sharding; the trainer picks the "
+                    "micro-batch when it is auto"
+                  : "the spec's explicit strategy");
+  return plan;
+}
+
+}  // namespace
+
+JobManager::JobManager(Scheduler* scheduler, JobManagerOptions options)
+    : scheduler_(scheduler), options_(std::move(options)) {}
+
+absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
+  const std::pair<const char*, const std::string*> paths[] = {
+      {"model.path", &spec.model().path()}, {"data.train", &spec.data().train()},
+      {"data.eval", &spec.data().eval()},   {"lora.init_from", &spec.lora().init_from()},
+      {"output", &spec.output()},
+  };
+  for (const auto& [field, path] : paths) {
+    if (path->empty()) continue;
+    fs::path p(*path);
+    if (!p.is_absolute()) {
+      return SpecError(field, absl::StrCat("must be an absolute path, got \"", *path, "\""));
+    }
+    if (options_.allowed_roots.empty()) continue;
+    fs::path normal = p.lexically_normal();
+    bool inside = false;
+    for (const std::string& root : options_.allowed_roots) {
+      inside = inside || IsInside(normal, fs::path(root).lexically_normal());
+    }
+    if (!inside) {
+      return SpecError(field, absl::StrCat(*path, " is outside the allowed roots (",
+                                           absl::StrJoin(options_.allowed_roots, ", "), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
+  LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(request.spec(), "spec"));
+  LATHE_RETURN_IF_ERROR(CheckPaths(request.spec()));
+  absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
+  if (!model.ok()) return SpecError("model.path", model.status().message());
+  if (spec.data.seq_len > model->max_position_embeddings) {
+    return SpecError("data.seq_len", absl::StrCat(spec.data.seq_len,
+                                                  " exceeds the model's max_position_embeddings ",
+                                                  model->max_position_embeddings));
+  }
+  for (const auto& [field, path] :
+       {std::pair{"data.train", spec.data.train}, std::pair{"data.eval", spec.data.eval}}) {
+    if (!path.empty() && !fs::is_regular_file(path)) {
+      return SpecError(field, absl::StrCat(path, ": no such file"));
+    }
+  }
+  v1::JobStatus job;
+  job.set_job_id(
+      absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(absl::BitGen()) & 0xFFFFFF));
+  *job.mutable_spec() = JobSpecToProto(spec);  // defaults filled in
+  *job.mutable_plan() = MakePlan(spec);
+  bool existing = false;
+  LATHE_ASSIGN_OR_RETURN(v1::JobStatus status,
+                         scheduler_->AddJob(std::move(job), request.request_id(), &existing));
+  v1::SubmitJobResponse response;
+  response.set_job_id(status.job_id());
+  *response.mutable_status() = std::move(status);
+  response.set_existing(existing);
+  return response;
+}
+
+absl::StatusOr<v1::ListJobsResponse> JobManager::List(const v1::ListJobsRequest& request) const {
+  if (request.page_size() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_size: must be >= 0, got ", request.page_size()));
+  }
+  const size_t page_size = request.page_size() == 0 ? 100 : std::min(request.page_size(), 1000);
+  std::set<v1::JobState> states;
+  for (int state : request.states()) states.insert(static_cast<v1::JobState>(state));
+  std::vector<v1::JobStatus> jobs = scheduler_->ListJobs(states);
+  size_t begin = 0;
+  if (!request.page_token().empty()) {
+    auto it = std::find_if(jobs.begin(), jobs.end(), [&](const v1::JobStatus& j) {
+      return j.job_id() == request.page_token();
+    });
+    if (it == jobs.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page_token: unknown token \"", request.page_token(), "\""));
+    }
+    begin = static_cast<size_t>(it - jobs.begin()) + 1;
+  }
+  v1::ListJobsResponse response;
+  for (size_t i = begin; i < jobs.size() && i < begin + page_size; ++i) {
+    *response.add_jobs() = jobs[i];
+  }
+  if (begin + page_size < jobs.size()) {
+    response.set_next_page_token(jobs[begin + page_size - 1].job_id());
+  }
+  return response;
+}
+
+}  // namespace lathe

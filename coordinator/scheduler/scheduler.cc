@@ -1,0 +1,546 @@
+#include "coordinator/scheduler/scheduler.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace lathe {
+namespace {
+
+bool IsTerminal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
+         state == v1::JOB_STATE_CANCELLED;
+}
+
+bool IsActive(const v1::Attempt& attempt) {
+  return attempt.state() == v1::ATTEMPT_STATE_STARTING ||
+         attempt.state() == v1::ATTEMPT_STATE_RUNNING;
+}
+
+std::string DeviceName(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
+
+v1::Device DeviceOf(const v1::JobStatus& job) {
+  return job.plan().device() == v1::DEVICE_UNSPECIFIED ? v1::DEVICE_CPU : job.plan().device();
+}
+
+int64_t RanksOf(const v1::JobStatus& job) { return std::max<int64_t>(1, job.plan().ranks()); }
+
+}  // namespace
+
+Scheduler::Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options)
+    : store_(store), clock_(clock), options_(options) {}
+
+int64_t Scheduler::NowMs() const { return absl::ToUnixMillis(clock_->Now()); }
+
+absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const Clock* clock,
+                                                             const SchedulerOptions& options) {
+  std::unique_ptr<Scheduler> scheduler(new Scheduler(store, clock, options));
+  LATHE_ASSIGN_OR_RETURN(std::vector<v1::JobStatus> jobs, store->LoadJobs());
+  LATHE_ASSIGN_OR_RETURN(std::vector<v1::WorkerStatus> workers, store->LoadWorkers());
+  absl::MutexLock lock(&scheduler->mu_);
+  const absl::Time now = clock->Now();
+  for (v1::WorkerStatus& status : workers) {
+    WorkerState& worker = scheduler->workers_[status.worker_id()];
+    worker.status = std::move(status);
+    worker.status.set_busy_slots(0);
+    worker.status.clear_running();
+    worker.last_heartbeat = now;  // a grace period to register again
+  }
+  for (v1::JobStatus& status : jobs) {
+    JobState& job = scheduler->jobs_[status.job_id()];
+    job.status = std::move(status);
+    job.sequence = scheduler->next_sequence_++;
+    job.last_persisted = now;
+    if (job.status.attempts().empty()) continue;
+    const v1::Attempt& attempt = *job.status.attempts().rbegin();
+    if (!IsActive(attempt)) continue;
+    for (const v1::RankPlacement& p : attempt.placements()) {
+      auto worker = scheduler->workers_.find(p.worker_id());
+      if (worker == scheduler->workers_.end()) continue;
+      worker->second.busy[p.slot()] = {job.status.job_id(), attempt.generation(), p.rank()};
+      worker->second.status.set_busy_slots(static_cast<int64_t>(worker->second.busy.size()));
+    }
+  }
+  return scheduler;
+}
+
+absl::Status Scheduler::Commit(JobState& job, bool force_persist) {
+  ++job.version;
+  job.status.set_updated_unix_ms(NowMs());
+  const absl::Time now = clock_->Now();
+  if (!force_persist && now - job.last_persisted < absl::Seconds(1)) return absl::OkStatus();
+  job.last_persisted = now;
+  absl::Status status = store_->UpdateJob(job.status);
+  if (!status.ok()) {
+    spdlog::error("job={} persisting failed: {}", job.status.job_id(), status.ToString());
+  }
+  return status;
+}
+
+void Scheduler::PersistWorker(const WorkerState& worker) {
+  absl::Status status = store_->PutWorker(worker.status);
+  if (!status.ok()) {
+    spdlog::error("worker={} persisting failed: {}", worker.status.worker_id(), status.ToString());
+  }
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_view request_id,
+                                                bool* existing) {
+  absl::MutexLock lock(&mu_);
+  *existing = false;
+  if (!request_id.empty()) {
+    if (auto it = request_ids_.find(request_id); it != request_ids_.end()) {
+      *existing = true;
+      return jobs_.at(it->second).status;
+    }
+    LATHE_ASSIGN_OR_RETURN(std::optional<v1::JobStatus> stored,
+                           store_->FindJobByRequestId(request_id));
+    if (stored) {
+      request_ids_[std::string(request_id)] = stored->job_id();
+      *existing = true;
+      auto it = jobs_.find(stored->job_id());
+      return it != jobs_.end() ? it->second.status : *stored;
+    }
+  }
+  job.set_state(v1::JOB_STATE_QUEUED);
+  job.set_reason("waiting to be scheduled");
+  job.set_submitted_unix_ms(NowMs());
+  job.set_updated_unix_ms(job.submitted_unix_ms());
+  LATHE_RETURN_IF_ERROR(store_->CreateJob(job, request_id));
+  const std::string id = job.job_id();
+  JobState& state = jobs_[id];
+  state.status = std::move(job);
+  state.request_id = std::string(request_id);
+  state.sequence = next_sequence_++;
+  state.last_persisted = clock_->Now();
+  if (!request_id.empty()) request_ids_[std::string(request_id)] = id;
+  spdlog::info("job={} submitted", id);
+  Schedule();
+  return jobs_.at(id).status;
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  return it->second.status;
+}
+
+std::vector<v1::JobStatus> Scheduler::ListJobs(const std::set<v1::JobState>& states) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<const JobState*> selected;
+  for (const auto& [id, job] : jobs_) {
+    if (states.empty() || states.count(job.status.state())) selected.push_back(&job);
+  }
+  std::sort(selected.begin(), selected.end(),
+            [](const JobState* a, const JobState* b) { return a->sequence > b->sequence; });
+  std::vector<v1::JobStatus> result;
+  result.reserve(selected.size());
+  for (const JobState* job : selected) result.push_back(job->status);
+  return result;
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
+                                                   absl::string_view reason) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  JobState& job = it->second;
+  if (IsTerminal(job.status.state())) return job.status;
+  const std::string why =
+      reason.empty() ? "cancelled by the user" : absl::StrCat("cancelled: ", reason);
+  if (job.status.state() == v1::JOB_STATE_QUEUED) {
+    job.status.set_state(v1::JOB_STATE_CANCELLED);
+    job.status.set_reason(why);
+    LATHE_RETURN_IF_ERROR(Commit(job));
+  } else {
+    EndAttempt(job, v1::ATTEMPT_STATE_CANCELLED, v1::JOB_STATE_CANCELLED, why);
+  }
+  spdlog::info("job={} {}", job.status.job_id(), why);
+  Schedule();
+  return job.status;
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::WaitForJobChange(absl::string_view job_id,
+                                                          uint64_t* version,
+                                                          absl::Time deadline) const {
+  auto changed = [this, job_id, version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    auto it = jobs_.find(job_id);
+    return it == jobs_.end() || it->second.version != *version;
+  };
+  mu_.LockWhenWithDeadline(absl::Condition(&changed), deadline);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) {
+    mu_.Unlock();
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  }
+  *version = it->second.version;
+  v1::JobStatus status = it->second.status;
+  mu_.Unlock();
+  return status;
+}
+
+void Scheduler::Schedule() {
+  std::vector<JobState*> queued;
+  for (auto& [id, job] : jobs_) {
+    if (job.status.state() == v1::JOB_STATE_QUEUED) queued.push_back(&job);
+  }
+  std::sort(queued.begin(), queued.end(), [](const JobState* a, const JobState* b) {
+    if (a->status.spec().priority() != b->status.spec().priority()) {
+      return a->status.spec().priority() > b->status.spec().priority();
+    }
+    return a->sequence < b->sequence;
+  });
+  for (JobState* job : queued) {
+    const int64_t ranks = RanksOf(job->status);
+    const v1::Device device = DeviceOf(job->status);
+    // Live workers of the job's device, most free slots first, so ranks stay together.
+    struct Candidate {
+      WorkerState* worker;
+      std::vector<int64_t> free_slots;
+    };
+    std::vector<Candidate> candidates;
+    int64_t registered = 0, free = 0;
+    for (auto& [id, worker] : workers_) {
+      if (worker.status.state() != v1::WORKER_STATE_READY || worker.session_id.empty() ||
+          worker.status.device() != device) {
+        continue;
+      }
+      registered += worker.status.slots();
+      Candidate c{&worker, {}};
+      for (int64_t slot = 0; slot < worker.status.slots(); ++slot) {
+        if (!worker.busy.count(slot)) c.free_slots.push_back(slot);
+      }
+      free += static_cast<int64_t>(c.free_slots.size());
+      if (!c.free_slots.empty()) candidates.push_back(std::move(c));
+    }
+    if (free < ranks) {
+      std::string reason = registered < ranks
+                               ? absl::StrFormat("needs %d %s slots; %d registered", ranks,
+                                                 DeviceName(device), registered)
+                               : absl::StrFormat("waiting for %d free %s slots; %d of %d free",
+                                                 ranks, DeviceName(device), free, registered);
+      if (job->status.reason() != reason) {
+        job->status.set_reason(reason);
+        (void)Commit(*job);
+      }
+      continue;
+    }
+    std::stable_sort(candidates.begin(), candidates.end(),
+                     [](const Candidate& a, const Candidate& b) {
+                       return a.free_slots.size() > b.free_slots.size();
+                     });
+    v1::Attempt* attempt = job->status.add_attempts();
+    attempt->set_generation(job->status.attempts_size());
+    attempt->set_state(v1::ATTEMPT_STATE_STARTING);
+    attempt->set_started_unix_ms(NowMs());
+    int64_t rank = 0;
+    for (Candidate& c : candidates) {
+      for (int64_t slot : c.free_slots) {
+        if (rank == ranks) break;
+        v1::RankPlacement* p = attempt->add_placements();
+        p->set_rank(rank);
+        p->set_worker_id(c.worker->status.worker_id());
+        p->set_slot(slot);
+        c.worker->busy[slot] = {job->status.job_id(), attempt->generation(), rank};
+        c.worker->status.set_busy_slots(static_cast<int64_t>(c.worker->busy.size()));
+        v1::Assignment& a = c.worker->pending_assignments.emplace_back();
+        a.set_job_id(job->status.job_id());
+        a.set_generation(attempt->generation());
+        a.set_rank(rank);
+        a.set_world_size(ranks);
+        a.set_slot(slot);
+        *a.mutable_spec() = job->status.spec();
+        *a.mutable_plan() = job->status.plan();
+        ++rank;
+      }
+    }
+    job->succeeded_ranks.clear();
+    job->status.set_state(v1::JOB_STATE_RUNNING);
+    job->status.set_reason("");
+    spdlog::info("job={} attempt={} placed: {} ranks", job->status.job_id(), attempt->generation(),
+                 ranks);
+    (void)Commit(*job);
+  }
+}
+
+void Scheduler::FreeSlot(const std::string& worker_id, int64_t slot) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return;
+  it->second.busy.erase(slot);
+  it->second.status.set_busy_slots(static_cast<int64_t>(it->second.busy.size()));
+}
+
+void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
+                           const std::string& reason) {
+  v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
+  attempt->set_state(state);
+  attempt->set_ended_unix_ms(NowMs());
+  if (state == v1::ATTEMPT_STATE_FAILED) attempt->set_error(reason);
+  for (const v1::RankPlacement& p : attempt->placements()) {
+    auto worker = workers_.find(p.worker_id());
+    if (worker == workers_.end()) continue;
+    auto busy = worker->second.busy.find(p.slot());
+    if (busy == worker->second.busy.end() || busy->second.job_id != job.status.job_id() ||
+        busy->second.generation != attempt->generation()) {
+      continue;  // that rank already ended
+    }
+    if (worker->second.status.state() != v1::WORKER_STATE_READY) {
+      FreeSlot(p.worker_id(), p.slot());
+      continue;
+    }
+    // Drop the assignment if it was never delivered; otherwise stop the trainer. The slot
+    // stays busy until the worker says the rank is gone.
+    auto& pending = worker->second.pending_assignments;
+    auto undelivered = std::find_if(pending.begin(), pending.end(), [&](const v1::Assignment& a) {
+      return a.job_id() == job.status.job_id() && a.generation() == attempt->generation();
+    });
+    if (undelivered != pending.end()) {
+      pending.erase(undelivered);
+      FreeSlot(p.worker_id(), p.slot());
+      continue;
+    }
+    v1::Cancellation& c = worker->second.pending_cancellations.emplace_back();
+    c.set_job_id(job.status.job_id());
+    c.set_generation(attempt->generation());
+    c.set_reason(reason);
+  }
+  job.status.set_state(job_state);
+  job.status.set_reason(reason);
+  (void)Commit(job);
+}
+
+absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
+    const v1::RegisterWorkerRequest& request) {
+  if (request.worker_id().empty())
+    return absl::InvalidArgumentError("worker_id: must not be empty");
+  if (request.slots() < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("slots: must be >= 1, got ", request.slots()));
+  }
+  absl::MutexLock lock(&mu_);
+  WorkerState& worker = workers_[request.worker_id()];
+  worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
+                                      absl::Uniform<uint64_t>(absl::BitGen()));
+  worker.last_heartbeat = clock_->Now();
+  v1::WorkerStatus& s = worker.status;
+  s.set_worker_id(request.worker_id());
+  s.set_state(v1::WORKER_STATE_READY);
+  s.set_address(request.address());
+  s.set_device(request.device() == v1::DEVICE_UNSPECIFIED ? v1::DEVICE_CPU : request.device());
+  s.set_slots(request.slots());
+  *s.mutable_devices() = request.devices();
+  s.set_last_heartbeat_unix_ms(NowMs());
+  s.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
+  PersistWorker(worker);
+  spdlog::info("worker={} registered: {} {} slots", request.worker_id(), DeviceName(s.device()),
+               request.slots());
+  Schedule();
+  v1::RegisterWorkerResponse response;
+  response.set_worker_id(request.worker_id());
+  response.set_session_id(worker.session_id);
+  response.set_heartbeat_interval_ms(absl::ToInt64Milliseconds(options_.heartbeat_interval));
+  response.set_heartbeat_timeout_ms(absl::ToInt64Milliseconds(options_.heartbeat_timeout));
+  return response;
+}
+
+absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(request.worker_id());
+  if (it == workers_.end() || it->second.session_id.empty() ||
+      it->second.session_id != request.session_id()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", request.worker_id(), ": unknown or expired session; register again"));
+  }
+  WorkerState& worker = it->second;
+  worker.last_heartbeat = clock_->Now();
+  worker.status.set_last_heartbeat_unix_ms(NowMs());
+  worker.status.clear_running();
+  std::set<int64_t> reported;
+  v1::HeartbeatResponse response;
+  for (const v1::SlotStatus& slot : request.slots()) {
+    if (slot.job_id().empty()) continue;
+    *worker.status.add_running() = slot;
+    reported.insert(slot.slot());
+    auto job = jobs_.find(slot.job_id());
+    bool current = job != jobs_.end() && !job->second.status.attempts().empty() &&
+                   job->second.status.attempts().rbegin()->generation() == slot.generation() &&
+                   IsActive(*job->second.status.attempts().rbegin());
+    if (!current) {
+      bool pending =
+          std::any_of(worker.pending_cancellations.begin(), worker.pending_cancellations.end(),
+                      [&](const v1::Cancellation& c) {
+                        return c.job_id() == slot.job_id() && c.generation() == slot.generation();
+                      });
+      if (!pending) {
+        v1::Cancellation& c = worker.pending_cancellations.emplace_back();
+        c.set_job_id(slot.job_id());
+        c.set_generation(slot.generation());
+        c.set_reason("the attempt is no longer current");
+      }
+    }
+  }
+  // Slots of ended attempts that the worker no longer runs are free again.
+  bool freed = false;
+  for (auto busy = worker.busy.begin(); busy != worker.busy.end();) {
+    auto job = jobs_.find(busy->second.job_id);
+    bool active = job != jobs_.end() && !job->second.status.attempts().empty() &&
+                  job->second.status.attempts().rbegin()->generation() == busy->second.generation &&
+                  IsActive(*job->second.status.attempts().rbegin());
+    if (!active && !reported.count(busy->first)) {
+      busy = worker.busy.erase(busy);
+      freed = true;
+    } else {
+      ++busy;
+    }
+  }
+  worker.status.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
+  for (v1::Assignment& a : worker.pending_assignments) *response.add_assignments() = std::move(a);
+  worker.pending_assignments.clear();
+  for (v1::Cancellation& c : worker.pending_cancellations) {
+    *response.add_cancellations() = std::move(c);
+  }
+  worker.pending_cancellations.clear();
+  if (freed) Schedule();
+  return response;
+}
+
+absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(request.job_id());
+  if (it == jobs_.end()) {
+    return absl::NotFoundError(absl::StrCat("job ", request.job_id(), " not found"));
+  }
+  JobState& job = it->second;
+  if (job.status.attempts().empty() ||
+      job.status.attempts().rbegin()->generation() != request.generation()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", request.job_id(), ": stale generation ", request.generation(),
+                     " (current is ", job.status.attempts_size(), ")"));
+  }
+  v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
+  const v1::RankPlacement* placement = nullptr;
+  for (const v1::RankPlacement& p : attempt->placements()) {
+    if (p.rank() == request.rank() && p.worker_id() == request.worker_id()) placement = &p;
+  }
+  if (placement == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", request.job_id(), ": rank ",
+                                                      request.rank(), " is not placed on worker ",
+                                                      request.worker_id()));
+  }
+  const bool terminal_event = request.event() == v1::RANK_EVENT_SUCCEEDED ||
+                              request.event() == v1::RANK_EVENT_FAILED ||
+                              request.event() == v1::RANK_EVENT_CANCELLED;
+  if (!IsActive(*attempt)) {
+    if (terminal_event) {
+      FreeSlot(placement->worker_id(), placement->slot());
+      Schedule();
+      return absl::OkStatus();
+    }
+    return absl::FailedPreconditionError(absl::StrCat("job ", request.job_id(), ": attempt ",
+                                                      request.generation(), " has already ended"));
+  }
+  const std::string where =
+      absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id());
+  switch (request.event()) {
+    case v1::RANK_EVENT_STARTED:
+      attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
+      return Commit(job);
+    case v1::RANK_EVENT_PROGRESS:
+      attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
+      if (request.rank() == 0) {
+        *attempt->mutable_progress() = request.progress();
+        attempt->mutable_progress()->set_updated_unix_ms(NowMs());
+      }
+      return Commit(job, /*force_persist=*/false);
+    case v1::RANK_EVENT_SUCCEEDED: {
+      FreeSlot(placement->worker_id(), placement->slot());
+      job.succeeded_ranks.insert(request.rank());
+      if (request.rank() == 0) {
+        if (request.has_progress()) *attempt->mutable_progress() = request.progress();
+        if (request.progress().has_loss()) job.status.set_final_loss(request.progress().loss());
+        job.status.set_adapter_path(request.adapter_path());
+        job.status.set_model_path(request.model_path());
+      }
+      if (static_cast<int64_t>(job.succeeded_ranks.size()) == attempt->placements_size()) {
+        attempt->set_state(v1::ATTEMPT_STATE_SUCCEEDED);
+        attempt->set_ended_unix_ms(NowMs());
+        job.status.set_state(v1::JOB_STATE_SUCCEEDED);
+        job.status.set_reason("");
+        spdlog::info("job={} succeeded", job.status.job_id());
+      }
+      absl::Status status = Commit(job);
+      Schedule();
+      return status;
+    }
+    case v1::RANK_EVENT_FAILED:
+    case v1::RANK_EVENT_CANCELLED: {
+      FreeSlot(placement->worker_id(), placement->slot());
+      std::string reason = request.event() == v1::RANK_EVENT_FAILED
+                               ? absl::StrCat(where, " failed: ", request.error())
+                               : absl::StrCat(where, " was stopped by its worker");
+      spdlog::warn("job={} attempt={} {}", job.status.job_id(), request.generation(), reason);
+      EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
+      Schedule();
+      return absl::OkStatus();
+    }
+    default:
+      return absl::InvalidArgumentError("event: must be set");
+  }
+}
+
+void Scheduler::CheckHeartbeats() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  bool changed = false;
+  for (auto& [id, worker] : workers_) {
+    if (worker.status.state() != v1::WORKER_STATE_READY ||
+        now - worker.last_heartbeat <= options_.heartbeat_timeout) {
+      continue;
+    }
+    const std::string reason = absl::StrCat(
+        "worker ", id, " lost: no heartbeat for ",
+        absl::FormatDuration(absl::Trunc(now - worker.last_heartbeat, absl::Seconds(1))));
+    spdlog::warn("{}", reason);
+    worker.status.set_state(v1::WORKER_STATE_LOST);
+    worker.session_id.clear();
+    worker.pending_assignments.clear();
+    worker.pending_cancellations.clear();
+    std::map<int64_t, SlotRef> busy = std::move(worker.busy);
+    worker.busy.clear();
+    worker.status.set_busy_slots(0);
+    worker.status.clear_running();
+    PersistWorker(worker);
+    for (const auto& [slot, ref] : busy) {
+      auto job = jobs_.find(ref.job_id);
+      if (job == jobs_.end() || job->second.status.attempts().empty()) continue;
+      const v1::Attempt& attempt = *job->second.status.attempts().rbegin();
+      if (attempt.generation() == ref.generation && IsActive(attempt)) {
+        EndAttempt(job->second, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
+      }
+    }
+    changed = true;
+  }
+  if (changed) Schedule();
+}
+
+std::vector<v1::WorkerStatus> Scheduler::ListWorkers() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<v1::WorkerStatus> result;
+  for (const auto& [id, worker] : workers_) result.push_back(worker.status);
+  return result;
+}
+
+bool Scheduler::IsActiveAttempt(absl::string_view job_id, int64_t generation) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end() || it->second.status.attempts().empty()) return false;
+  const v1::Attempt& attempt = *it->second.status.attempts().rbegin();
+  return attempt.generation() == generation && IsActive(attempt);
+}
+
+}  // namespace lathe

@@ -1,0 +1,148 @@
+// The coordinator's state machine: the jobs, the workers, the queue and gang placement.
+//
+// Jobs wait in a queue ordered by priority (higher first), then submission time. Whenever
+// something changes (a job arrives, a worker registers, a slot frees up) the scheduler walks
+// the queue and places every job whose ranks all fit at once on free slots of live workers
+// of its device kind; a job that does not fit stays queued with the reason, and later jobs
+// that do fit may go first (backfill). A job is never placed in part.
+//
+// A placement is an attempt with a generation (1, 2, ...). Workers learn of their ranks in
+// the answer to their next heartbeat, report progress and the end of each rank, and every
+// report carries the generation: reports for an attempt that is no longer current are
+// refused (fencing). A worker silent for longer than the heartbeat timeout is lost, and the
+// attempts with a rank on it fail.
+//
+// Every change to a job is written through to the Store before the call returns, so a
+// restarted coordinator (which loads the store in Create) still knows every job it
+// acknowledged. Progress reports are written at most once per second per job.
+//
+// Thread-safety: thread-safe; every public method takes the one mutex. Watchers wait on it
+// with a condition (no polling).
+#ifndef LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
+#define LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "coordinator/store/store.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "lathe/v1/job.pb.h"
+
+namespace lathe {
+
+struct SchedulerOptions {
+  absl::Duration heartbeat_interval = absl::Seconds(2);
+  absl::Duration heartbeat_timeout = absl::Seconds(15);
+};
+
+class Scheduler {
+ public:
+  // Loads every job and worker from `store`. Workers known from before come back without a
+  // session: they must register again within the heartbeat timeout or are marked lost.
+  // REQUIRES: store and clock outlive the scheduler.
+  static absl::StatusOr<std::unique_ptr<Scheduler>> Create(Store* store, const Clock* clock,
+                                                           const SchedulerOptions& options);
+
+  // --- jobs ---------------------------------------------------------------------------
+
+  // Stores `job` (state QUEUED, with its id, spec and plan filled in) and tries to place it.
+  // With a non-empty request_id already used, returns the job it created instead (and
+  // `*existing` = true). Errors are the store's.
+  absl::StatusOr<v1::JobStatus> AddJob(v1::JobStatus job, absl::string_view request_id,
+                                       bool* existing);
+  // NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
+  // Jobs in `states` (all when empty), newest first.
+  std::vector<v1::JobStatus> ListJobs(const std::set<v1::JobState>& states) const;
+  // Cancels a queued or running job (its running ranks get cancellations). A finished job
+  // is returned unchanged. NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason);
+  // Waits until the job's version differs from `*version` or `deadline` passes, then
+  // returns its status and sets `*version`. Start with *version = 0.
+  absl::StatusOr<v1::JobStatus> WaitForJobChange(absl::string_view job_id, uint64_t* version,
+                                                 absl::Time deadline) const;
+
+  // --- workers ------------------------------------------------------------------------
+
+  // Registers (or re-registers) a worker; returns its new session.
+  absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
+      const v1::RegisterWorkerRequest& request);
+  // Records a heartbeat and returns the assignments and cancellations for the worker.
+  // FAILED_PRECONDITION when the worker or its session is unknown (register again).
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  // A rank's progress or end. FAILED_PRECONDITION for a stale generation or a rank that is
+  // not placed on that worker; NOT_FOUND for an unknown job.
+  absl::Status ReportProgress(const v1::ReportProgressRequest& request);
+  // Marks workers whose last heartbeat is older than the timeout as lost and fails their
+  // attempts. Call periodically (the server does, every timeout / 4).
+  void CheckHeartbeats();
+  std::vector<v1::WorkerStatus> ListWorkers() const;
+
+  // True when `generation` is the current attempt of the job and that attempt is active:
+  // the rendezvous store's fencing check.
+  bool IsActiveAttempt(absl::string_view job_id, int64_t generation) const;
+
+ private:
+  struct SlotRef {
+    std::string job_id;
+    int64_t generation = 0;
+    int64_t rank = 0;
+  };
+  struct WorkerState {
+    v1::WorkerStatus status;
+    std::string session_id;  // empty: must register again
+    absl::Time last_heartbeat;
+    std::map<int64_t, SlotRef> busy;  // slot -> rank placed there
+    std::vector<v1::Assignment> pending_assignments;
+    std::vector<v1::Cancellation> pending_cancellations;
+  };
+  struct JobState {
+    v1::JobStatus status;
+    std::string request_id;
+    uint64_t version = 1;
+    int64_t sequence = 0;  // creation order
+    std::set<int64_t> succeeded_ranks;
+    absl::Time last_persisted;
+  };
+
+  Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options);
+
+  // Writes the job to the store and wakes its watchers.
+  absl::Status Commit(JobState& job, bool force_persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places every queued job that fits.
+  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the current attempt of `job` with `state` and `error`, sends cancellations to
+  // the other ranks, frees their slots and sets the job's final state.
+  void EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
+                  const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PersistWorker(const WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t NowMs() const;
+
+  Store* const store_;
+  const Clock* const clock_;
+  const SchedulerOptions options_;
+
+  mutable absl::Mutex mu_;
+  std::map<std::string, JobState, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string, std::less<>> request_ids_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, WorkerState, std::less<>> workers_ ABSL_GUARDED_BY(mu_);
+  int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_

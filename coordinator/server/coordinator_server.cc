@@ -1,0 +1,56 @@
+#include "coordinator/server/coordinator_server.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "spdlog/spdlog.h"
+
+namespace lathe {
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const CoordinatorConfig& config) {
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  if (config.db_path == ":memory:") {
+    server->store_ = NewMemoryStore();
+  } else {
+    LATHE_ASSIGN_OR_RETURN(server->store_, OpenSqliteStore(config.db_path));
+  }
+  SchedulerOptions options{config.heartbeat_interval, config.heartbeat_timeout};
+  LATHE_ASSIGN_OR_RETURN(server->scheduler_,
+                         Scheduler::Create(server->store_.get(), &server->clock_, options));
+  Scheduler* scheduler = server->scheduler_.get();
+  server->jobs_ = std::make_unique<JobManager>(scheduler, JobManagerOptions{config.allowed_roots});
+  server->rendezvous_ =
+      std::make_unique<RendezvousStore>([scheduler](absl::string_view job, int64_t generation) {
+        return scheduler->IsActiveAttempt(job, generation);
+      });
+  server->job_service_ = std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler);
+  server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler);
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get());
+
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->job_service_.get());
+  builder.RegisterService(server->worker_service_.get());
+  builder.RegisterService(server->rendezvous_service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  }
+  server->heartbeat_checker_ =
+      std::thread([s = server.get(), period = config.heartbeat_timeout / 4] {
+        while (!s->stop_.WaitForNotificationWithTimeout(period)) s->scheduler_->CheckHeartbeats();
+      });
+  return server;
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+void CoordinatorServer::Wait() { stop_.WaitForNotification(); }
+
+void CoordinatorServer::Shutdown() {
+  if (!stop_.HasBeenNotified()) stop_.Notify();
+  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (heartbeat_checker_.joinable()) heartbeat_checker_.join();
+}
+
+}  // namespace lathe

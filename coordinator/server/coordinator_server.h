@@ -1,0 +1,67 @@
+// Builds the coordinator once, in dependency order (store, clock, scheduler, job manager,
+// rendezvous store, gRPC services, server), and runs the heartbeat checker.
+//
+// Thread-safety: Start, port and Shutdown may be called from different threads.
+#ifndef LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_
+#define LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "coordinator/api/services.h"
+#include "coordinator/scheduler/job_manager.h"
+#include "coordinator/scheduler/rendezvous_store.h"
+#include "coordinator/scheduler/scheduler.h"
+#include "coordinator/store/store.h"
+#include "grpcpp/grpcpp.h"
+
+namespace lathe {
+
+struct CoordinatorConfig {
+  std::string listen = "127.0.0.1:7070";  // port 0 picks a free port
+  std::string db_path = "lathe.db";       // ":memory:" keeps nothing
+  absl::Duration heartbeat_interval = absl::Seconds(2);
+  absl::Duration heartbeat_timeout = absl::Seconds(15);
+  std::vector<std::string> allowed_roots;
+};
+
+class CoordinatorServer {
+ public:
+  // Opens the store, loads its state and starts serving. UNAVAILABLE when the address
+  // cannot be bound; the store's errors otherwise.
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config);
+  ~CoordinatorServer();
+
+  // The port actually bound.
+  int port() const { return port_; }
+  // Blocks until Shutdown.
+  void Wait();
+  // Stops serving (in-flight streams are cancelled) and the heartbeat checker.
+  void Shutdown();
+
+ private:
+  CoordinatorServer() = default;
+
+  RealClock clock_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<JobManager> jobs_;
+  std::unique_ptr<RendezvousStore> rendezvous_;
+  std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<WorkerServiceImpl> worker_service_;
+  std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  absl::Notification stop_;
+  std::thread heartbeat_checker_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_

@@ -1,0 +1,83 @@
+// lathe-coordinator: takes jobs, schedules them onto workers, and keeps its state in SQLite.
+#include <csignal>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "common/command_line.h"
+#include "coordinator/server/coordinator_server.h"
+
+namespace lathe {
+namespace {
+
+const std::vector<FlagSpec> kFlags = {
+    {"listen", true, "address to serve on (default 127.0.0.1:7070; port 0 picks one)"},
+    {"db", true, "SQLite database, created if missing (default lathe.db; :memory: keeps nothing)"},
+    {"heartbeat-timeout", true, "seconds without a heartbeat before a worker is lost (default 15)"},
+    {"heartbeat-interval", true, "seconds between worker heartbeats (default 2)"},
+    {"allowed-roots", true, "comma-separated directories that spec paths must lie inside"},
+    {"help", false, "this message"},
+};
+
+int Main(int argc, char** argv) {
+  absl::StatusOr<ParsedFlags> flags = ParseFlags({argv + 1, argv + argc}, kFlags);
+  if (!flags.ok() || flags->Has("help") || !flags->positional().empty()) {
+    if (!flags.ok()) std::cerr << "lathe-coordinator: " << flags.status().message() << "\n";
+    std::cerr << "usage: lathe-coordinator [flags]\n" << FlagsHelp(kFlags);
+    return flags.ok() && flags->Has("help") ? 0 : 2;
+  }
+  CoordinatorConfig config;
+  config.listen = flags->Get("listen", config.listen);
+  config.db_path = flags->Get("db", config.db_path);
+  absl::StatusOr<double> timeout = flags->GetDouble("heartbeat-timeout", 15);
+  absl::StatusOr<double> interval = flags->GetDouble("heartbeat-interval", 2);
+  for (const absl::StatusOr<double>* value : {&timeout, &interval}) {
+    if (!value->ok() || **value <= 0) {
+      std::cerr << "lathe-coordinator: "
+                << (value->ok() ? "heartbeat times must be > 0" : value->status().message())
+                << "\n";
+      return 2;
+    }
+  }
+  if (*interval >= *timeout) {
+    std::cerr << "lathe-coordinator: --heartbeat-interval must be below --heartbeat-timeout\n";
+    return 2;
+  }
+  config.heartbeat_timeout = absl::Seconds(*timeout);
+  config.heartbeat_interval = absl::Seconds(*interval);
+  if (flags->Has("allowed-roots")) {
+    config.allowed_roots = absl::StrSplit(flags->Get("allowed-roots"), ',', absl::SkipEmpty());
+  }
+
+  // Block the stop signals before any thread starts; one thread waits for them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<CoordinatorServer>> server = CoordinatorServer::Start(config);
+  if (!server.ok()) {
+    std::cerr << "lathe-coordinator: " << server.status().message() << "\n";
+    return 1;
+  }
+  std::string host = config.listen.substr(0, config.listen.rfind(':'));
+  std::cout << "lathe-coordinator listening on " << host << ":" << (*server)->port() << " (db "
+            << config.db_path << ")" << std::endl;
+  std::thread waiter([&] {
+    int signal = 0;
+    sigwait(&signals, &signal);
+    (*server)->Shutdown();
+  });
+  (*server)->Wait();
+  (*server)->Shutdown();
+  waiter.detach();  // still blocked in sigwait when shutdown came from elsewhere
+  return 0;
+}
+
+}  // namespace
+}  // namespace lathe
+
+int main(int argc, char** argv) { return lathe::Main(argc, argv); }

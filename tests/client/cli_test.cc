@@ -1,0 +1,728 @@
+// Runs the `lathe` CLI in-process against a fake JobService and WorkerService served over
+// gRPC on 127.0.0.1, and checks what it prints, what it sends and its exit status.
+#include "client/cli.h"
+
+#include <arpa/inet.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/temp_dir.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::MatchesRegex;
+using ::testing::Not;
+using ::testing::StartsWith;
+
+// A JobService that records what it receives and answers from canned statuses.
+class FakeJobService final : public v1::JobService::Service {
+ public:
+  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+                         v1::SubmitJobResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    if (!submit_error_.ok()) return submit_error_;
+    submits_.push_back(*request);
+    auto [it, inserted] = job_by_request_.emplace(request->request_id(),
+                                                  absl::StrCat("job-", job_by_request_.size() + 1));
+    response->set_job_id(it->second);
+    response->mutable_status()->set_job_id(it->second);
+    response->mutable_status()->set_state(v1::JOB_STATE_QUEUED);
+    response->set_existing(!inserted);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+                      v1::JobStatus* response) override {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(request->job_id());
+    if (it == jobs_.end()) return NotFound(request->job_id());
+    *response = it->second;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+                        v1::ListJobsResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    list_requests_.push_back(*request);
+    size_t page = 0;
+    if (!request->page_token().empty()) page = std::stoul(request->page_token());
+    if (page >= pages_.size()) return grpc::Status::OK;
+    *response = pages_[page];
+    if (page + 1 < pages_.size()) response->set_next_page_token(std::to_string(page + 1));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+                         v1::JobStatus* response) override {
+    absl::MutexLock lock(&mu_);
+    cancels_.push_back(*request);
+    auto it = jobs_.find(request->job_id());
+    if (it == jobs_.end()) return NotFound(request->job_id());
+    if (it->second.state() == v1::JOB_STATE_QUEUED || it->second.state() == v1::JOB_STATE_RUNNING) {
+      it->second.set_state(v1::JOB_STATE_CANCELLED);
+      it->second.set_reason(request->reason());
+    }
+    *response = it->second;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WatchJob(grpc::ServerContext*, const v1::WatchJobRequest* request,
+                        grpc::ServerWriter<v1::JobStatus>* writer) override {
+    std::vector<v1::JobStatus> updates;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = watch_updates_.find(request->job_id());
+      if (it == watch_updates_.end()) return NotFound(request->job_id());
+      updates = it->second;
+    }
+    for (const v1::JobStatus& update : updates) {
+      if (!writer->Write(update)) break;
+    }
+    return grpc::Status::OK;
+  }
+
+  void SetJob(const v1::JobStatus& job) {
+    absl::MutexLock lock(&mu_);
+    jobs_[job.job_id()] = job;
+  }
+  void SetPages(std::vector<v1::ListJobsResponse> pages) {
+    absl::MutexLock lock(&mu_);
+    pages_ = std::move(pages);
+  }
+  void SetWatchUpdates(const std::string& job_id, std::vector<v1::JobStatus> updates) {
+    absl::MutexLock lock(&mu_);
+    watch_updates_[job_id] = std::move(updates);
+  }
+  void SetSubmitError(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    submit_error_ = std::move(status);
+  }
+  std::vector<v1::SubmitJobRequest> submits() {
+    absl::MutexLock lock(&mu_);
+    return submits_;
+  }
+  std::vector<v1::ListJobsRequest> list_requests() {
+    absl::MutexLock lock(&mu_);
+    return list_requests_;
+  }
+  std::vector<v1::CancelJobRequest> cancels() {
+    absl::MutexLock lock(&mu_);
+    return cancels_;
+  }
+
+ private:
+  static grpc::Status NotFound(const std::string& id) {
+    return grpc::Status(grpc::StatusCode::NOT_FOUND, absl::StrCat("no job \"", id, "\""));
+  }
+
+  absl::Mutex mu_;
+  grpc::Status submit_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::SubmitJobRequest> submits_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> job_by_request_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, v1::JobStatus> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ListJobsResponse> pages_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ListJobsRequest> list_requests_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::CancelJobRequest> cancels_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::vector<v1::JobStatus>> watch_updates_ ABSL_GUARDED_BY(mu_);
+};
+
+class FakeWorkerService final : public v1::WorkerService::Service {
+ public:
+  grpc::Status ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+                           v1::ListWorkersResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    *response = workers_;
+    return grpc::Status::OK;
+  }
+  void SetWorkers(v1::ListWorkersResponse workers) {
+    absl::MutexLock lock(&mu_);
+    workers_ = std::move(workers);
+  }
+
+ private:
+  absl::Mutex mu_;
+  v1::ListWorkersResponse workers_ ABSL_GUARDED_BY(mu_);
+};
+
+struct CliResult {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+CliResult RunLathe(const std::vector<std::string>& args, bool tty = false) {
+  std::ostringstream out;
+  std::ostringstream err;
+  CliResult result;
+  result.code = RunCli(args, out, err, tty);
+  result.out = out.str();
+  result.err = err.str();
+  return result;
+}
+
+int64_t MillisAgo(absl::Duration ago) { return absl::ToUnixMillis(absl::Now() - ago); }
+
+v1::JobStatus RunningJob(const std::string& id, int64_t step, int64_t updated_unix_ms) {
+  v1::JobStatus job;
+  job.set_job_id(id);
+  job.mutable_spec()->set_name("demo-lora");
+  job.set_state(v1::JOB_STATE_RUNNING);
+  job.set_submitted_unix_ms(MillisAgo(absl::Hours(2)));
+  job.set_updated_unix_ms(updated_unix_ms);
+  job.mutable_plan()->set_ranks(2);
+  job.mutable_plan()->set_total_steps(100);
+  v1::Attempt* attempt = job.add_attempts();
+  attempt->set_generation(1);
+  attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
+  v1::Progress* progress = attempt->mutable_progress();
+  progress->set_step(step);
+  progress->set_total_steps(100);
+  progress->set_loss(3.211);
+  progress->set_tokens_per_second(1234);
+  progress->set_updated_unix_ms(updated_unix_ms);
+  return job;
+}
+
+v1::JobStatus FinishedJob(const std::string& id, v1::JobState state, const std::string& reason) {
+  v1::JobStatus job = RunningJob(id, 100, 1'700'000'100'000);
+  job.set_state(state);
+  job.set_reason(reason);
+  job.mutable_attempts(0)->set_state(state == v1::JOB_STATE_SUCCEEDED ? v1::ATTEMPT_STATE_SUCCEEDED
+                                                                      : v1::ATTEMPT_STATE_FAILED);
+  if (state == v1::JOB_STATE_SUCCEEDED) {
+    job.set_final_loss(1.5);
+    job.set_adapter_path("/runs/demo/adapter");
+  }
+  return job;
+}
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&jobs_);
+    builder.RegisterService(&workers_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ASSERT_GT(port, 0);
+    address_ = absl::StrCat("127.0.0.1:", port);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now()));
+  }
+
+  // Runs `lathe --coordinator <fake> args...`.
+  CliResult Run(std::vector<std::string> args, bool tty = false) {
+    args.insert(args.begin(), {"--coordinator", address_});
+    return RunLathe(args, tty);
+  }
+
+  std::string WriteSpec(const std::string& body) { return dir_.Write("job.yaml", body); }
+
+  FakeJobService jobs_;
+  FakeWorkerService workers_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+  testing::TempDir dir_;
+};
+
+constexpr char kRelativeSpec[] = R"(name: demo-lora
+model: {path: models/tiny}
+data: {train: data/train.jsonl, eval: ./data/eval.jsonl}
+lora: {rank: 8, init_from: adapters/start}
+train: {steps: 10, global_batch: 4, lr: 1.0e-3}
+output: runs/demo
+)";
+
+TEST_F(CliTest, SubmitSendsAbsolutePathsAndARandomRequestId) {
+  const std::string spec_path = WriteSpec(kRelativeSpec);
+  CliResult result = Run({"submit", spec_path});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "job-1\n");
+  EXPECT_EQ(result.err, "");
+
+  std::vector<v1::SubmitJobRequest> submits = jobs_.submits();
+  ASSERT_EQ(submits.size(), 1u);
+  const v1::JobSpec& spec = submits[0].spec();
+  const std::string cwd = std::filesystem::current_path().string();
+  EXPECT_EQ(spec.name(), "demo-lora");
+  EXPECT_EQ(spec.model().path(), cwd + "/models/tiny");
+  EXPECT_EQ(spec.data().train(), cwd + "/data/train.jsonl");
+  EXPECT_EQ(spec.data().eval(), cwd + "/data/eval.jsonl");
+  EXPECT_EQ(spec.lora().init_from(), cwd + "/adapters/start");
+  EXPECT_EQ(spec.output(), cwd + "/runs/demo");
+  EXPECT_EQ(spec.lora().rank(), 8);
+  EXPECT_EQ(spec.train().steps(), 10);
+  EXPECT_THAT(submits[0].request_id(),
+              MatchesRegex("[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"));
+
+  // A second submission gets a fresh id, hence a second job.
+  result = Run({"submit", spec_path});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "job-2\n");
+  submits = jobs_.submits();
+  ASSERT_EQ(submits.size(), 2u);
+  EXPECT_NE(submits[0].request_id(), submits[1].request_id());
+}
+
+TEST_F(CliTest, SubmitKeepsAbsolutePaths) {
+  const std::string spec_path = WriteSpec(
+      "name: a\nmodel: {path: /models/tiny}\ndata: {train: /data/t.jsonl}\n"
+      "train: {steps: 1}\noutput: /runs/a\n");
+  ASSERT_EQ(Run({"submit", spec_path}).code, 0);
+  ASSERT_EQ(jobs_.submits().size(), 1u);
+  EXPECT_EQ(jobs_.submits()[0].spec().model().path(), "/models/tiny");
+  EXPECT_EQ(jobs_.submits()[0].spec().output(), "/runs/a");
+  EXPECT_EQ(jobs_.submits()[0].spec().data().eval(), "");
+}
+
+TEST_F(CliTest, SubmitReusesAGivenRequestId) {
+  const std::string spec_path = WriteSpec(kRelativeSpec);
+  CliResult first = Run({"submit", spec_path, "--request-id", "retry-me"});
+  ASSERT_EQ(first.code, 0) << first.err;
+  CliResult second = Run({"submit", "--request-id=retry-me", spec_path});
+  ASSERT_EQ(second.code, 0) << second.err;
+  EXPECT_EQ(second.out, first.out);
+  EXPECT_THAT(second.err, HasSubstr("matched job job-1"));
+  std::vector<v1::SubmitJobRequest> submits = jobs_.submits();
+  ASSERT_EQ(submits.size(), 2u);
+  EXPECT_EQ(submits[0].request_id(), "retry-me");
+  EXPECT_EQ(submits[1].request_id(), "retry-me");
+}
+
+TEST_F(CliTest, SubmitJsonPrintsTheResponse) {
+  CliResult result = Run({"submit", WriteSpec(kRelativeSpec), "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  EXPECT_EQ(json["job_id"], "job-1");
+  EXPECT_EQ(json["status"]["state"], "JOB_STATE_QUEUED");
+}
+
+TEST_F(CliTest, SubmitRefusesABadSpecWithoutSendingIt) {
+  const std::string spec_path = WriteSpec(
+      "name: demo\nmodel: {path: m}\ndata: {train: t.jsonl}\ntrain: {steps: 10, lr: -1}\n"
+      "output: o\n");
+  CliResult result = Run({"submit", spec_path});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.out, "");
+  EXPECT_THAT(result.err, AllOf(StartsWith("lathe: "), HasSubstr("train.lr")));
+  EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
+  EXPECT_THAT(jobs_.submits(), IsEmpty());
+}
+
+TEST_F(CliTest, SubmitOfAMissingFileFails) {
+  CliResult result = Run({"submit", dir_.Path("absent.yaml")});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("absent.yaml"));
+  EXPECT_THAT(jobs_.submits(), IsEmpty());
+}
+
+TEST_F(CliTest, SubmitRefusedByTheCoordinator) {
+  jobs_.SetSubmitError(
+      grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "spec: model.path: no config.json"));
+  CliResult result = Run({"submit", WriteSpec(kRelativeSpec)});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err,
+            "lathe: the coordinator refused the job: spec: model.path: no config.json\n");
+}
+
+TEST_F(CliTest, ListFollowsPagesAndPrintsATable) {
+  v1::ListJobsResponse page1;
+  *page1.add_jobs() = RunningJob("job-2", 12, MillisAgo(absl::Seconds(1)));
+  v1::ListJobsResponse page2;
+  v1::JobStatus queued;
+  queued.set_job_id("job-1");
+  queued.mutable_spec()->set_name("waiting");
+  queued.set_state(v1::JOB_STATE_QUEUED);
+  queued.set_submitted_unix_ms(MillisAgo(absl::Minutes(5)));
+  queued.set_reason(std::string(100, 'r'));
+  *page2.add_jobs() = queued;
+  jobs_.SetPages({page1, page2});
+
+  CliResult result = Run({"list", "--state", "running", "--state=queued,FAILED"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << result.out;
+  EXPECT_THAT(lines[0], MatchesRegex("ID +NAME +STATE +STEP +LOSS +AGE +REASON"));
+  EXPECT_THAT(lines[1], MatchesRegex("job-2 +demo-lora +RUNNING +12/100 +3.2110 +2h00m"));
+  EXPECT_THAT(lines[2], MatchesRegex("job-1 +waiting +QUEUED +- +- +5m0[0-9]s +r+\\.\\.\\."));
+  EXPECT_LT(lines[2].size(), 120u);
+
+  std::vector<v1::ListJobsRequest> requests = jobs_.list_requests();
+  ASSERT_EQ(requests.size(), 2u);
+  EXPECT_EQ(requests[1].page_token(), "1");
+  EXPECT_THAT(requests[0].states(),
+              ElementsAre(v1::JOB_STATE_RUNNING, v1::JOB_STATE_QUEUED, v1::JOB_STATE_FAILED));
+}
+
+TEST_F(CliTest, ListJsonIsOneArrayWithProtoFieldNames) {
+  v1::ListJobsResponse page1;
+  *page1.add_jobs() = RunningJob("job-2", 12, 1'700'000'000'000);
+  v1::ListJobsResponse page2;
+  *page2.add_jobs() = FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "");
+  jobs_.SetPages({page1, page2});
+
+  CliResult result = Run({"--output", "json", "list"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  ASSERT_TRUE(json.is_array());
+  ASSERT_EQ(json.size(), 2u);
+  EXPECT_EQ(json[0]["job_id"], "job-2");
+  EXPECT_EQ(json[0]["state"], "JOB_STATE_RUNNING");
+  EXPECT_EQ(json[0]["attempts"][0]["progress"]["total_steps"], "100");  // int64 as a string
+  EXPECT_EQ(json[1]["final_loss"], 1.5);
+}
+
+TEST_F(CliTest, ListWithAnUnknownStateFails) {
+  CliResult result = Run({"list", "--state", "sleeping"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("unknown job state \"sleeping\""));
+}
+
+TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
+  v1::JobStatus job = RunningJob("job-7", 40, MillisAgo(absl::Seconds(3)));
+  job.set_restarts(1);
+  v1::Plan* plan = job.mutable_plan();
+  plan->set_zero_stage(3);
+  plan->set_micro_batch(2);
+  plan->set_gradient_accumulation(4);
+  plan->set_precision(v1::PRECISION_BF16);
+  plan->set_offload_optimizer(true);
+  plan->set_explanation("ZeRO-3 because the weights do not fit one rank");
+  plan->mutable_predicted_memory()->set_weights(1ull << 30);
+  plan->mutable_predicted_memory()->set_total(3ull << 29);
+  v1::Attempt first = job.attempts(0);
+  first.set_state(v1::ATTEMPT_STATE_FAILED);
+  first.set_error("exit status 1\nRuntimeError: boom");
+  v1::Attempt second = job.attempts(0);
+  second.set_generation(2);
+  v1::RankPlacement* placement = second.add_placements();
+  placement->set_rank(0);
+  placement->set_worker_id("w-a");
+  placement->set_slot(1);
+  second.mutable_progress()->mutable_memory()->set_weights(1100ull << 20);
+  second.mutable_progress()->mutable_memory()->set_activations(64ull << 20);
+  job.clear_attempts();
+  *job.add_attempts() = first;
+  *job.add_attempts() = second;
+  jobs_.SetJob(job);
+
+  CliResult result = Run({"status", "job-7"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  const std::string& out = result.out;
+  EXPECT_THAT(out, HasSubstr("job-7 (demo-lora)"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*state +RUNNING\n(.|\n)*"));
+  EXPECT_THAT(out, HasSubstr("2 ranks on cpu, ZeRO-3, micro-batch 2 x 4 accumulation, 100 steps, "
+                             "bf16"));
+  EXPECT_THAT(out, HasSubstr("offload optimizer"));
+  EXPECT_THAT(out, HasSubstr("ZeRO-3 because the weights do not fit one rank"));
+  EXPECT_THAT(out, HasSubstr("#1 FAILED"));
+  EXPECT_THAT(out, HasSubstr("error: exit status 1"));
+  EXPECT_THAT(out, HasSubstr("RuntimeError: boom"));
+  EXPECT_THAT(out, HasSubstr("#2 RUNNING  rank 0 on w-a slot 1"));
+  EXPECT_THAT(out, HasSubstr("step 40/100  loss 3.2110  tokens/s 1234"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*weights +1.00 GiB +1.07 GiB\n(.|\n)*"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*activations +- +64.0 MiB\n(.|\n)*"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*total +1.50 GiB +-\n(.|\n)*"));
+  EXPECT_THAT(out, Not(HasSubstr("gradients")));  // zero in both
+  EXPECT_THAT(out, HasSubstr("restarts     1"));
+}
+
+TEST_F(CliTest, StatusOfAFinishedJobShowsTheResult) {
+  jobs_.SetJob(FinishedJob("job-3", v1::JOB_STATE_SUCCEEDED, ""));
+  CliResult result = Run({"status", "job-3"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("final loss   1.5000"));
+  EXPECT_THAT(result.out, HasSubstr("adapter      /runs/demo/adapter"));
+
+  result = Run({"status", "job-3", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(result.out)["adapter_path"], "/runs/demo/adapter");
+}
+
+TEST_F(CliTest, WatchToSuccessPrintsOneLinePerUpdate) {
+  v1::JobStatus queued;
+  queued.set_job_id("job-1");
+  queued.set_state(v1::JOB_STATE_QUEUED);
+  queued.set_reason("waiting for 2 free cpu slots");
+  queued.set_updated_unix_ms(1'700'000'000'000);
+  jobs_.SetWatchUpdates("job-1", {queued, RunningJob("job-1", 12, 1'700'000'010'000),
+                                  FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
+  CliResult result = Run({"watch", "job-1"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << result.out;
+  EXPECT_EQ(lines[0], "2023-11-14T22:13:20Z QUEUED: waiting for 2 free cpu slots");
+  EXPECT_EQ(lines[1], "2023-11-14T22:13:30Z RUNNING step 12/100 loss 3.2110 tokens/s 1234");
+  EXPECT_EQ(lines[2],
+            "2023-11-14T22:15:00Z SUCCEEDED final loss 1.5000 adapter /runs/demo/adapter");
+  EXPECT_THAT(result.out, Not(HasSubstr("\r")));
+}
+
+TEST_F(CliTest, WatchToFailureExitsOneWithTheReason) {
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 12, 1'700'000'010'000),
+                                  FinishedJob("job-1", v1::JOB_STATE_FAILED,
+                                              "rank 0 exited with status 1 (out of memory)")});
+  CliResult result = Run({"watch", "job-1"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.out, HasSubstr("FAILED: rank 0 exited with status 1 (out of memory)"));
+}
+
+TEST_F(CliTest, WatchOfACancelledJobExitsOne) {
+  jobs_.SetWatchUpdates("job-1", {FinishedJob("job-1", v1::JOB_STATE_CANCELLED, "by alice")});
+  CliResult result = Run({"watch", "job-1", "--output", "json"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(nlohmann::json::parse(result.out)["state"], "JOB_STATE_CANCELLED");
+  EXPECT_EQ(result.err, "lathe: job job-1 CANCELLED: by alice\n");
+}
+
+TEST_F(CliTest, WatchOnATerminalDrawsAProgressBar) {
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 10, 1'700'000'000'000),
+                                  RunningJob("job-1", 50, 1'700'000'040'000),
+                                  FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
+  CliResult result = Run({"watch", "job-1"}, /*tty=*/true);
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("RUNNING step 10/100"));  // the state change, on its own line
+  EXPECT_THAT(result.out,
+              HasSubstr("\r[##..................] step 10/100  loss 3.2110  1234 tok/s  ETA --"));
+  // 40 steps in 40 s: 50 steps to go take 50 s.
+  EXPECT_THAT(result.out,
+              HasSubstr("\r[##########..........] step 50/100  loss 3.2110  1234 tok/s  ETA 50s"));
+  EXPECT_THAT(result.out, HasSubstr("ETA 50s\n2023-11-14T22:15:00Z SUCCEEDED final loss 1.5000"));
+  EXPECT_TRUE(absl::EndsWith(result.out, "\n"));
+}
+
+TEST_F(CliTest, WatchJsonPrintsOneStatusPerLine) {
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 12, 1'700'000'010'000),
+                                  FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
+  CliResult result = Run({"watch", "job-1", "--output=json"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(nlohmann::json::parse(lines[0])["state"], "JOB_STATE_RUNNING");
+  EXPECT_EQ(nlohmann::json::parse(lines[1])["state"], "JOB_STATE_SUCCEEDED");
+}
+
+TEST_F(CliTest, WatchThatEndsEarlyAsksForTheOutcome) {
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 12, 1'700'000'010'000)});
+  jobs_.SetJob(FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, ""));
+  CliResult result = Run({"watch", "job-1"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("SUCCEEDED"));
+
+  jobs_.SetJob(RunningJob("job-1", 13, 1'700'000'010'000));
+  result = Run({"watch", "job-1"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("ended the watch of job job-1 while it is RUNNING"));
+}
+
+TEST_F(CliTest, CancelSendsTheReason) {
+  jobs_.SetJob(RunningJob("job-1", 12, 1'700'000'010'000));
+  CliResult result = Run({"cancel", "job-1", "--reason", "wrong data"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "job job-1 cancelled\n");
+  ASSERT_EQ(jobs_.cancels().size(), 1u);
+  EXPECT_EQ(jobs_.cancels()[0].reason(), "wrong data");
+
+  jobs_.SetJob(FinishedJob("job-2", v1::JOB_STATE_SUCCEEDED, ""));
+  result = Run({"cancel", "job-2"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "job job-2 had already finished: SUCCEEDED\n");
+}
+
+TEST_F(CliTest, UnknownJobIsNotFound) {
+  for (const char* command : {"status", "watch", "cancel"}) {
+    CliResult result = Run({command, "nope"});
+    EXPECT_EQ(result.code, 1) << command;
+    EXPECT_EQ(result.out, "") << command;
+    EXPECT_EQ(result.err, "lathe: job nope not found\n") << command;
+  }
+}
+
+TEST_F(CliTest, WorkersTableAndJson) {
+  v1::ListWorkersResponse response;
+  v1::WorkerStatus* w = response.add_workers();
+  w->set_worker_id("host-a/0");
+  w->set_state(v1::WORKER_STATE_READY);
+  w->set_device(v1::DEVICE_CUDA);
+  w->add_devices()->set_name("NVIDIA H200");
+  w->set_slots(2);
+  w->set_busy_slots(1);
+  w->set_last_heartbeat_unix_ms(MillisAgo(absl::Seconds(2)));
+  v1::SlotStatus* slot = w->add_running();
+  slot->set_job_id("job-1");
+  slot->set_rank(0);
+  v1::WorkerStatus* lost = response.add_workers();
+  lost->set_worker_id("host-b/0");
+  lost->set_state(v1::WORKER_STATE_LOST);
+  lost->set_slots(1);
+  workers_.SetWorkers(response);
+
+  CliResult result = Run({"workers"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << result.out;
+  EXPECT_THAT(lines[0], MatchesRegex("ID +STATE +DEVICE +SLOTS +LAST HEARTBEAT +RUNNING"));
+  EXPECT_THAT(lines[1], MatchesRegex("host-a/0 +READY +cuda \\(NVIDIA H200\\) +1/2 +[23]s ago +"
+                                     "job-1 r0"));
+  EXPECT_THAT(lines[2], MatchesRegex("host-b/0 +LOST +cpu +0/1 +- +-"));
+
+  result = Run({"workers", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  ASSERT_EQ(json.size(), 2u);
+  EXPECT_EQ(json[0]["worker_id"], "host-a/0");
+  EXPECT_EQ(json[0]["busy_slots"], "1");
+}
+
+TEST_F(CliTest, GlobalFlagsMayFollowTheCommand) {
+  jobs_.SetJob(FinishedJob("job-3", v1::JOB_STATE_SUCCEEDED, ""));
+  CliResult result = RunLathe({"status", "job-3", "--output", "json", "--coordinator", address_});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(result.out)["job_id"], "job-3");
+}
+
+TEST_F(CliTest, CoordinatorDefaultsToTheEnvironment) {
+  jobs_.SetJob(FinishedJob("job-3", v1::JOB_STATE_SUCCEEDED, ""));
+  ASSERT_EQ(setenv("LATHE_COORDINATOR", address_.c_str(), 1), 0);
+  CliResult result = RunLathe({"status", "job-3"});
+  unsetenv("LATHE_COORDINATOR");
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("SUCCEEDED"));
+}
+
+// A port on 127.0.0.1 that is bound but not listening: connecting to it is refused, and no
+// other process can take it while `fd` stays open.
+class ClosedPort {
+ public:
+  ClosedPort() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = 0;
+    socklen_t len = sizeof(addr);
+    if (fd_ >= 0 && bind(fd_, reinterpret_cast<sockaddr*>(&addr), len) == 0 &&
+        getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      port_ = ntohs(addr.sin_port);
+    }
+  }
+  ~ClosedPort() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+TEST(CliUnreachableTest, EveryCommandFailsWithOneLine) {
+  ClosedPort closed;
+  ASSERT_GT(closed.port(), 0);
+  const std::string address = absl::StrCat("127.0.0.1:", closed.port());
+  testing::TempDir dir;
+  const std::string spec = dir.Write("job.yaml", kRelativeSpec);
+  const std::vector<std::vector<std::string>> commands = {{"submit", spec},    {"list"},
+                                                          {"status", "job-1"}, {"watch", "job-1"},
+                                                          {"cancel", "job-1"}, {"workers"}};
+  for (std::vector<std::string> args : commands) {
+    args.insert(args.begin(), {"--coordinator", address});
+    CliResult result = RunLathe(args);
+    EXPECT_EQ(result.code, 1) << args[2];
+    EXPECT_EQ(result.out, "") << args[2];
+    EXPECT_THAT(result.err,
+                StartsWith(absl::StrCat("lathe: cannot reach the coordinator at ", address, ": ")))
+        << args[2];
+    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
+  }
+}
+
+TEST(CliWrongServerTest, AServerWithoutJobServiceIsReported) {
+  FakeWorkerService workers;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&workers);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  CliResult result = RunLathe({"--coordinator", address, "list"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, StartsWith(absl::StrCat("lathe: the server at ", address,
+                                                  " does not serve this call")));
+  server->Shutdown(absl::ToChronoTime(absl::Now()));
+}
+
+TEST(CliUsageTest, UsageErrorsExitTwo) {
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"frobnicate"},
+      {"--verbose", "list"},
+      {"list", "--verbose"},
+      {"status"},
+      {"status", "a", "b"},
+      {"submit"},
+      {"watch", "job-1", "--output", "yaml"},
+      {"cancel", "job-1", "--reason"},
+      {"--coordinator"},
+      {"list", "--state"},
+  };
+  for (const std::vector<std::string>& args : cases) {
+    CliResult result = RunLathe(args);
+    const std::string joined = absl::StrJoin(args, " ");
+    EXPECT_EQ(result.code, 2) << joined;
+    EXPECT_EQ(result.out, "") << joined;
+    EXPECT_THAT(result.err, StartsWith("lathe: ")) << joined;
+    EXPECT_THAT(result.err, HasSubstr("usage: lathe")) << joined;
+  }
+  EXPECT_THAT(RunLathe({"frobnicate"}).err, HasSubstr("unknown command \"frobnicate\""));
+  EXPECT_THAT(RunLathe({"list", "--verbose"}).err, HasSubstr("unknown flag --verbose"));
+  EXPECT_THAT(RunLathe({"status"}).err, HasSubstr("missing argument: status ID"));
+}
+
+TEST(CliUsageTest, HelpExitsZero) {
+  for (const std::vector<std::string>& args :
+       std::vector<std::vector<std::string>>{{"--help"}, {"help"}, {"-h"}, {"watch", "--help"}}) {
+    CliResult result = RunLathe(args);
+    EXPECT_EQ(result.code, 0);
+    EXPECT_THAT(result.out, HasSubstr("usage: lathe"));
+    EXPECT_EQ(result.err, "");
+  }
+  EXPECT_THAT(RunLathe({"--help"}).out,
+              AllOf(HasSubstr("submit"), HasSubstr("list"), HasSubstr("status"), HasSubstr("watch"),
+                    HasSubstr("cancel"), HasSubstr("workers")));
+}
+
+}  // namespace
+}  // namespace lathe

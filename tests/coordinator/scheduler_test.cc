@@ -1,0 +1,421 @@
+#include "coordinator/scheduler/scheduler.h"
+
+#include <filesystem>
+
+#include "common/proto/job_spec_proto.h"
+#include "coordinator/scheduler/job_manager.h"
+#include "coordinator/scheduler/rendezvous_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+class SchedulerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    store_ = NewMemoryStore();
+    scheduler_ = *Scheduler::Create(store_.get(), &clock_, {absl::Seconds(2), absl::Seconds(15)});
+  }
+
+  // Registers a worker; returns its session.
+  std::string Register(const std::string& id, int64_t slots = 1) {
+    v1::RegisterWorkerRequest request;
+    request.set_worker_id(id);
+    request.set_device(v1::DEVICE_CPU);
+    request.set_slots(slots);
+    absl::StatusOr<v1::RegisterWorkerResponse> response = scheduler_->RegisterWorker(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    sessions_[id] = response->session_id();
+    return response->session_id();
+  }
+
+  // One heartbeat with the given running slots.
+  v1::HeartbeatResponse Beat(const std::string& worker,
+                             const std::vector<v1::SlotStatus>& running = {}) {
+    v1::HeartbeatRequest request;
+    request.set_worker_id(worker);
+    request.set_session_id(sessions_[worker]);
+    for (const v1::SlotStatus& s : running) *request.add_slots() = s;
+    absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request);
+    EXPECT_TRUE(response.ok()) << response.status();
+    return response.ok() ? *response : v1::HeartbeatResponse();
+  }
+
+  std::string Add(const std::string& id, int64_t ranks = 1, int64_t priority = 0) {
+    v1::JobStatus job;
+    job.set_job_id(id);
+    job.mutable_spec()->set_name(id);
+    job.mutable_spec()->set_priority(priority);
+    job.mutable_plan()->set_ranks(ranks);
+    job.mutable_plan()->set_device(v1::DEVICE_CPU);
+    bool existing = false;
+    absl::StatusOr<v1::JobStatus> added = scheduler_->AddJob(job, "", &existing);
+    EXPECT_TRUE(added.ok()) << added.status();
+    return id;
+  }
+
+  v1::JobStatus Job(const std::string& id) { return *scheduler_->GetJob(id); }
+
+  absl::Status Report(const std::string& worker, const std::string& job, int64_t generation,
+                      int64_t rank, v1::RankEvent event, const std::string& error = "") {
+    v1::ReportProgressRequest request;
+    request.set_worker_id(worker);
+    request.set_job_id(job);
+    request.set_generation(generation);
+    request.set_rank(rank);
+    request.set_event(event);
+    request.set_error(error);
+    return scheduler_->ReportProgress(request);
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::map<std::string, std::string> sessions_;
+};
+
+TEST_F(SchedulerTest, GangPlacementNeverPlacesPartOfAJob) {
+  Register("w1");
+  Register("w2");
+  Add("big", 3);
+  v1::JobStatus job = Job("big");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_QUEUED);
+  EXPECT_THAT(job.reason(), HasSubstr("needs 3 cpu slots; 2 registered"));
+  EXPECT_TRUE(job.attempts().empty());
+  EXPECT_EQ(Beat("w1").assignments_size(), 0);
+  EXPECT_EQ(Beat("w2").assignments_size(), 0);
+
+  Register("w3");
+  job = Job("big");
+  ASSERT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(job.attempts_size(), 1);
+  EXPECT_EQ(job.attempts(0).placements_size(), 3);
+  std::set<int64_t> ranks;
+  for (const char* w : {"w1", "w2", "w3"}) {
+    v1::HeartbeatResponse response = Beat(w);
+    ASSERT_EQ(response.assignments_size(), 1) << w;
+    EXPECT_EQ(response.assignments(0).world_size(), 3);
+    EXPECT_EQ(response.assignments(0).generation(), 1);
+    ranks.insert(response.assignments(0).rank());
+  }
+  EXPECT_EQ(ranks, (std::set<int64_t>{0, 1, 2}));
+}
+
+TEST_F(SchedulerTest, WaitingReasonCountsFreeSlots) {
+  Register("w1", 2);
+  Add("a", 1);
+  Add("b", 2);
+  EXPECT_THAT(Job("b").reason(), HasSubstr("waiting for 2 free cpu slots; 1 of 2 free"));
+}
+
+TEST_F(SchedulerTest, QueueOrderIsPriorityThenSubmission) {
+  Register("w1");
+  Add("running");
+  Add("low", 1, 0);
+  Add("high", 1, 5);
+  Add("high-later", 1, 5);
+  std::vector<std::string> order;
+  std::string current = "running";
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_EQ(Job(current).state(), v1::JOB_STATE_RUNNING) << current;
+    ASSERT_TRUE(Report("w1", current, 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
+    EXPECT_EQ(Job(current).state(), v1::JOB_STATE_SUCCEEDED);
+    for (const v1::JobStatus& j : scheduler_->ListJobs({v1::JOB_STATE_RUNNING})) {
+      current = j.job_id();
+      order.push_back(current);
+    }
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"high", "high-later", "low"}));
+}
+
+TEST_F(SchedulerTest, SmallerJobsBackfillWhileALargeOneWaits) {
+  Register("w1");
+  Register("w2");
+  Add("one");
+  Add("two", 2);
+  Add("another-one");
+  EXPECT_EQ(Job("two").state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(Job("another-one").state(), v1::JOB_STATE_RUNNING);
+}
+
+TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
+  Register("w1");
+  Register("w2");
+  Add("job", 2);
+  Beat("w1");
+  Beat("w2");
+  clock_.Advance(absl::Seconds(10));
+  Beat("w1");
+  clock_.Advance(absl::Seconds(10));  // w2 silent for 20 s, w1 for 10 s
+  scheduler_->CheckHeartbeats();
+  std::map<std::string, v1::WorkerState> states;
+  for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) states[w.worker_id()] = w.state();
+  EXPECT_EQ(states["w1"], v1::WORKER_STATE_READY);
+  EXPECT_EQ(states["w2"], v1::WORKER_STATE_LOST);
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.reason(), HasSubstr("worker w2 lost: no heartbeat for 20s"));
+  EXPECT_EQ(job.attempts(0).state(), v1::ATTEMPT_STATE_FAILED);
+  // The surviving rank is told to stop; the lost worker must register again.
+  v1::HeartbeatResponse response = Beat("w1");
+  ASSERT_EQ(response.cancellations_size(), 1);
+  EXPECT_EQ(response.cancellations(0).job_id(), "job");
+  v1::HeartbeatRequest stale;
+  stale.set_worker_id("w2");
+  stale.set_session_id(sessions_["w2"]);
+  EXPECT_EQ(scheduler_->Heartbeat(stale).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
+  Register("w1");
+  Add("job");
+  Add("next");
+  v1::HeartbeatResponse first = Beat("w1");
+  ASSERT_EQ(first.assignments_size(), 1);
+  v1::SlotStatus running;
+  running.set_slot(0);
+  running.set_job_id("job");
+  running.set_generation(1);
+  absl::StatusOr<v1::JobStatus> cancelled = scheduler_->CancelJob("job", "not needed");
+  ASSERT_TRUE(cancelled.ok());
+  EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_THAT(cancelled->reason(), HasSubstr("cancelled: not needed"));
+  v1::HeartbeatResponse second = Beat("w1", {running});
+  ASSERT_EQ(second.cancellations_size(), 1);
+  EXPECT_EQ(Job("next").state(), v1::JOB_STATE_QUEUED);  // the trainer still runs
+  EXPECT_TRUE(Report("w1", "job", 1, 0, v1::RANK_EVENT_CANCELLED).ok());
+  EXPECT_EQ(Job("next").state(), v1::JOB_STATE_RUNNING);
+  // Cancelling a finished job changes nothing.
+  EXPECT_EQ(scheduler_->CancelJob("job", "again")->reason(), cancelled->reason());
+  EXPECT_EQ(scheduler_->CancelJob("nope", "").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SchedulerTest, CancellingAQueuedJobNeverPlacesIt) {
+  Add("job");
+  ASSERT_EQ(scheduler_->CancelJob("job", "")->state(), v1::JOB_STATE_CANCELLED);
+  Register("w1");
+  EXPECT_EQ(Beat("w1").assignments_size(), 0);
+}
+
+TEST_F(SchedulerTest, StaleGenerationsAndForeignRanksAreRefused) {
+  Register("w1");
+  Register("w2");
+  Add("job");
+  EXPECT_EQ(Report("w1", "job", 2, 0, v1::RANK_EVENT_PROGRESS).code(),
+            absl::StatusCode::kFailedPrecondition);
+  std::string placed = Job("job").attempts(0).placements(0).worker_id();
+  std::string other = placed == "w1" ? "w2" : "w1";
+  EXPECT_EQ(Report(other, "job", 1, 0, v1::RANK_EVENT_PROGRESS).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Report(placed, "nope", 1, 0, v1::RANK_EVENT_PROGRESS).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(scheduler_->IsActiveAttempt("job", 1));
+  EXPECT_FALSE(scheduler_->IsActiveAttempt("job", 2));
+}
+
+TEST_F(SchedulerTest, AFailedRankFailsTheJobAndStopsTheOthers) {
+  Register("w1");
+  Register("w2");
+  Add("job", 2);
+  Beat("w1");
+  Beat("w2");
+  const v1::Attempt attempt = Job("job").attempts(0);
+  const std::string failing = attempt.placements(0).worker_id();
+  const std::string surviving = attempt.placements(1).worker_id();
+  ASSERT_TRUE(
+      Report(failing, "job", 1, 0, v1::RANK_EVENT_FAILED, "killed by signal 9 (SIGKILL)").ok());
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_THAT(job.reason(),
+              HasSubstr("rank 0 on worker " + failing + " failed: killed by signal 9 (SIGKILL)"));
+  EXPECT_EQ(Beat(surviving).cancellations_size(), 1);
+  // The surviving rank's late report is accepted and frees its slot.
+  EXPECT_TRUE(Report(surviving, "job", 1, 1, v1::RANK_EVENT_CANCELLED).ok());
+}
+
+TEST_F(SchedulerTest, ProgressIsVisibleAndSuccessRecordsTheResult) {
+  Register("w1");
+  Add("job");
+  uint64_t version = 0;
+  ASSERT_TRUE(scheduler_->WaitForJobChange("job", &version, absl::Now()).ok());
+  v1::ReportProgressRequest progress;
+  progress.set_worker_id("w1");
+  progress.set_job_id("job");
+  progress.set_generation(1);
+  progress.set_event(v1::RANK_EVENT_PROGRESS);
+  progress.mutable_progress()->set_step(3);
+  progress.mutable_progress()->set_loss(2.5);
+  ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+  uint64_t seen = version;
+  absl::StatusOr<v1::JobStatus> changed =
+      scheduler_->WaitForJobChange("job", &version, absl::Now() + absl::Seconds(5));
+  ASSERT_TRUE(changed.ok());
+  EXPECT_NE(version, seen);
+  EXPECT_EQ(changed->attempts(0).progress().step(), 3);
+  progress.set_event(v1::RANK_EVENT_SUCCEEDED);
+  progress.set_adapter_path("/runs/job/adapter");
+  ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_DOUBLE_EQ(job.final_loss(), 2.5);
+  EXPECT_EQ(job.adapter_path(), "/runs/job/adapter");
+}
+
+TEST_F(SchedulerTest, ARestartedSchedulerKeepsEveryJob) {
+  Register("w1");
+  Add("done");
+  ASSERT_TRUE(Report("w1", "done", 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
+  Add("queued", 4);
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  EXPECT_EQ(Job("done").state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(Job("queued").state(), v1::JOB_STATE_QUEUED);
+  // The worker comes back without a session and must register again.
+  EXPECT_EQ(scheduler_->Heartbeat(v1::HeartbeatRequest()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(RendezvousStoreTest, ScopesAreFencedByGeneration) {
+  int64_t active = 1;
+  RendezvousStore store([&](absl::string_view job, int64_t generation) {
+    return job == "j" && generation == active;
+  });
+  ASSERT_TRUE(store.Set("j", 1, "rank0", "addr").ok());
+  EXPECT_EQ(*store.Get("j", 1, "rank0"), "addr");
+  EXPECT_EQ(store.Get("j", 1, "rank1").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(*store.Add("j", 1, "barrier", 1), 1);
+  EXPECT_EQ(*store.Add("j", 1, "barrier", 2), 3);
+  EXPECT_TRUE(store.Wait("j", 1, {"rank0"}, absl::Now()).ok());
+  absl::Status timeout = store.Wait("j", 1, {"rank0", "rank1"}, absl::Now());
+  EXPECT_EQ(timeout.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(timeout.message(), HasSubstr("rank1"));
+  active = 2;
+  EXPECT_EQ(store.Get("j", 1, "rank0").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store.Get("j", 2, "rank0").status().code(), absl::StatusCode::kNotFound);
+}
+
+// --- JobManager: admission -----------------------------------------------------------
+
+class JobManagerTest : public SchedulerTest {
+ protected:
+  void SetUp() override {
+    SchedulerTest::SetUp();
+    ModelConfig config;
+    config.model_type = "llama";
+    config.vocab_size = 32;
+    config.hidden_size = 16;
+    config.intermediate_size = 32;
+    config.num_hidden_layers = 1;
+    config.num_attention_heads = 2;
+    config.num_key_value_heads = 2;
+    config.head_dim = 8;
+    config.max_position_embeddings = 64;
+    ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, dir_.Path("model")).ok());
+    dir_.Write("train.jsonl", "{\"input_ids\": [1, 2, 3]}\n");
+    spec_.name = "job";
+    spec_.model.path = dir_.Path("model");
+    spec_.data.train = dir_.Path("train.jsonl");
+    spec_.data.seq_len = 32;
+    spec_.train.steps = 2;
+    spec_.output = dir_.Path("out");
+  }
+
+  absl::StatusOr<v1::SubmitJobResponse> Submit(const v1::JobSpec& spec,
+                                               const std::string& request_id = "",
+                                               JobManagerOptions options = {}) {
+    JobManager manager(scheduler_.get(), options);
+    v1::SubmitJobRequest request;
+    *request.mutable_spec() = spec;
+    request.set_request_id(request_id);
+    return manager.Submit(request);
+  }
+
+  void ExpectRefused(const v1::JobSpec& spec, const std::string& fragment,
+                     JobManagerOptions options = {}) {
+    absl::StatusOr<v1::SubmitJobResponse> response = Submit(spec, "", options);
+    EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument) << fragment;
+    EXPECT_THAT(response.status().message(), HasSubstr(fragment));
+    EXPECT_TRUE(scheduler_->ListJobs({}).empty()) << "a refused job was stored";
+  }
+
+  TempDir dir_;
+  JobSpec spec_;
+};
+
+TEST_F(JobManagerTest, ARepeatedRequestIdReturnsTheSameJob) {
+  absl::StatusOr<v1::SubmitJobResponse> first = Submit(JobSpecToProto(spec_), "req-1");
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(first->existing());
+  absl::StatusOr<v1::SubmitJobResponse> again = Submit(JobSpecToProto(spec_), "req-1");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->existing());
+  EXPECT_EQ(again->job_id(), first->job_id());
+  EXPECT_EQ(scheduler_->ListJobs({}).size(), 1u);
+  EXPECT_NE(Submit(JobSpecToProto(spec_), "req-2")->job_id(), first->job_id());
+}
+
+TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
+  v1::JobSpec spec = JobSpecToProto(spec_);
+  v1::JobSpec bad = spec;
+  bad.mutable_model()->clear_path();
+  ExpectRefused(bad, "spec: model.path");
+  bad = spec;
+  bad.set_method(static_cast<v1::Method>(42));
+  ExpectRefused(bad, "spec: method");
+  bad = spec;
+  bad.mutable_resources()->set_ranks(0);
+  ExpectRefused(bad, "spec: resources.ranks");
+  bad = spec;
+  bad.mutable_train()->set_lr(-1);
+  ExpectRefused(bad, "spec: train.lr");
+  bad = spec;
+  bad.mutable_model()->set_path(dir_.Path("missing-model"));
+  ExpectRefused(bad, "spec: model.path: ");
+  bad = spec;
+  bad.mutable_data()->set_train("relative/train.jsonl");
+  ExpectRefused(bad, "spec: data.train: must be an absolute path");
+  bad = spec;
+  bad.mutable_data()->set_train(dir_.Path("nope.jsonl"));
+  ExpectRefused(bad, "spec: data.train: " + dir_.Path("nope.jsonl") + ": no such file");
+  bad = spec;
+  bad.mutable_data()->set_seq_len(65);
+  ExpectRefused(bad, "spec: data.seq_len: 65 exceeds the model's max_position_embeddings 64");
+  bad = spec;
+  bad.set_output(dir_.path() + "/../../etc/out");
+  ExpectRefused(bad, "spec: output: ", {{dir_.path()}});
+  ExpectRefused(bad, "outside the allowed roots", {{dir_.path()}});
+}
+
+TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {
+  EXPECT_TRUE(Submit(JobSpecToProto(spec_), "", {{dir_.path() + "/"}}).ok());
+}
+
+TEST_F(JobManagerTest, ListPagesNewestFirst) {
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(Submit(JobSpecToProto(spec_)).ok());
+  JobManager manager(scheduler_.get(), {});
+  v1::ListJobsRequest request;
+  request.set_page_size(2);
+  std::vector<std::string> seen;
+  for (;;) {
+    absl::StatusOr<v1::ListJobsResponse> page = manager.List(request);
+    ASSERT_TRUE(page.ok());
+    for (const v1::JobStatus& j : page->jobs()) seen.push_back(j.job_id());
+    if (page->next_page_token().empty()) break;
+    request.set_page_token(page->next_page_token());
+  }
+  std::vector<std::string> all;
+  for (const v1::JobStatus& j : scheduler_->ListJobs({})) all.push_back(j.job_id());
+  EXPECT_EQ(seen, all);
+  EXPECT_EQ(seen.size(), 5u);
+  request.set_page_token("bogus");
+  EXPECT_EQ(manager.List(request).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace lathe
