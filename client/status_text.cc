@@ -91,11 +91,16 @@ void AppendField(std::string* out, absl::string_view label, absl::string_view va
 }
 
 std::string PlanText(const v1::Plan& plan) {
-  std::string text = absl::StrCat(
-      plan.ranks(), plan.ranks() == 1 ? " rank" : " ranks", " on ", DeviceName(plan.device()),
-      ", ZeRO-", plan.zero_stage(), ", micro-batch ", plan.micro_batch(), " x ",
-      std::max<int64_t>(plan.gradient_accumulation(), 1), " accumulation, ", plan.total_steps(),
-      " steps, ", PrecisionText(plan.precision()));
+  // micro_batch 0: the trainer picks it (and with it the accumulation).
+  std::string batching =
+      plan.micro_batch() > 0
+          ? absl::StrCat("micro-batch ", plan.micro_batch(), " x ",
+                         std::max<int64_t>(plan.gradient_accumulation(), 1), " accumulation")
+          : "micro-batch auto";
+  std::string text =
+      absl::StrCat(plan.ranks(), plan.ranks() == 1 ? " rank" : " ranks", " on ",
+                   DeviceName(plan.device()), ", ZeRO-", plan.zero_stage(), ", ", batching, ", ",
+                   plan.total_steps(), " steps, ", PrecisionText(plan.precision()));
   std::vector<std::string> options;
   if (plan.offload_optimizer()) options.push_back("offload optimizer");
   if (plan.offload_params()) options.push_back("offload params");

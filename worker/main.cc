@@ -1,7 +1,7 @@
 // lathe-worker: the worker binary.
 //   train --spec FILE   run a job spec in this process, no coordinator (docs/training.md)
 //   score --model DIR   mean loss (and optionally logits) of a model (+ adapter) on data
-// The agent mode (registration with a coordinator) comes with the services.
+//   agent --coordinator ADDR   register with a coordinator and run the ranks it assigns
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -19,7 +19,10 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC)
+#include "grpcpp/grpcpp.h"
 #include "worker/agent/agent_main.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/grpc_kv_store.h"
 #endif
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
@@ -68,6 +71,29 @@ absl::Status Train(const ParsedFlags& flags) {
   LATHE_ASSIGN_OR_RETURN(options.rank, flags.GetInt("rank", 0));
   LATHE_ASSIGN_OR_RETURN(options.world_size, flags.GetInt("world-size", 1));
   LATHE_ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpec(flags.Get("spec")));
+#ifdef LATHE_WITH_AGENT
+  // Several ranks meet through the coordinator's rendezvous store and talk over gloo.
+  std::unique_ptr<KvStore> store;
+  std::unique_ptr<Communicator> comm;
+  if (options.world_size > 1) {
+    if (!flags.Has("coordinator") || !flags.Has("job-id") || !flags.Has("generation")) {
+      return absl::InvalidArgumentError(
+          "--world-size above 1 needs --coordinator, --job-id and --generation");
+    }
+    GrpcKvStoreOptions store_options;
+    store_options.job_id = flags.Get("job-id");
+    LATHE_ASSIGN_OR_RETURN(store_options.generation, flags.GetInt("generation", 0));
+    store = std::make_unique<GrpcKvStore>(
+        grpc::CreateChannel(flags.Get("coordinator"), grpc::InsecureChannelCredentials()),
+        store_options);
+    absl::StatusOr<std::unique_ptr<Communicator>> connected =
+        ConnectGloo(store.get(), static_cast<int>(options.rank),
+                    static_cast<int>(options.world_size), GlooOptions{});
+    if (!connected.ok()) return Annotate(connected.status(), "connecting the ranks");
+    comm = *std::move(connected);
+    options.comm = comm.get();
+  }
+#endif
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, options));
   if (json) {
     std::cout << nlohmann::json{{"event", "start"},

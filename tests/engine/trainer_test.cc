@@ -1,11 +1,13 @@
 #include "worker/engine/trainer.h"
 
 #include <filesystem>
+#include <thread>
 
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/tools/synthetic.h"
 
@@ -114,6 +116,66 @@ TEST_F(TrainerTest, FullFineTuningWritesALoadableModel) {
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir_.Path("out/model"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(CausalLm::Load(dir_.Path("out/model"), *config, false).ok());
+}
+
+TEST_F(TrainerTest, DataParallelRanksMatchASingleRank) {
+  spec_.train.global_batch = 8;
+  spec_.train.micro_batch = 2;  // two accumulation steps per rank
+  spec_.train.steps = 5;
+  std::vector<double> single = Losses(spec_);
+  spec_.output = dir_.Path("out-auto");
+  spec_.train.micro_batch = 0;  // auto: from the per-rank batch of 4 sequences
+  std::vector<double> single_auto = Losses(spec_);
+
+  JobSpec spec = spec_;
+  spec.resources.ranks = 2;
+  spec.output = dir_.Path("parallel");
+  std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(2);
+  std::vector<std::vector<double>> losses(2);
+  std::vector<absl::Status> statuses(2);
+  std::vector<std::thread> ranks;
+  for (int rank = 0; rank < 2; ++rank) {
+    ranks.emplace_back([&, rank] {
+      TrainerOptions options;
+      options.threads = 1;
+      options.rank = rank;
+      options.world_size = 2;
+      options.comm = group[rank].get();
+      absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, options);
+      if (!trainer.ok()) {
+        statuses[rank] = trainer.status();
+        return;
+      }
+      statuses[rank] =
+          (*trainer)
+              ->Run([&](const StepReport& r) { losses[rank].push_back(r.loss.value_or(-1)); })
+              .status();
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0];
+  ASSERT_TRUE(statuses[1].ok()) << statuses[1];
+  EXPECT_EQ(losses[0], losses[1]);  // every rank reports the same summed loss
+  ASSERT_EQ(losses[0].size(), single.size());
+  for (size_t i = 0; i < single.size(); ++i) {
+    EXPECT_NEAR(losses[0][i], single[i], 1e-5) << i;
+    EXPECT_NEAR(losses[0][i], single_auto[i], 1e-5) << i;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("parallel/adapter/adapter_config.json")));
+}
+
+TEST_F(TrainerTest, SeveralRanksNeedACommunicator) {
+  JobSpec spec = spec_;
+  spec.resources.ranks = 2;
+  TrainerOptions options;
+  options.world_size = 2;
+  absl::Status status = CreateStatus(spec);  // world size 1 vs ranks 2
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("resources.ranks: 2 but this trainer was started with "
+                                          "world size 1"));
+  status = Trainer::Create(spec, options).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("need a communicator"));
 }
 
 TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/comm/communicator.h"
 #include "worker/engine/adamw.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
@@ -30,10 +31,13 @@ absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) 
     return absl::InvalidArgumentError(
         absl::StrCat("rank ", options.rank, " is outside world size ", options.world_size));
   }
-  if (spec.resources.ranks != 1) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("resources.ranks: ", spec.resources.ranks,
-                     ": multi-rank training is not supported by this worker yet"));
+  if (options.world_size > 1 &&
+      (options.comm == nullptr || options.comm->world_size() != options.world_size ||
+       options.comm->rank() != options.rank)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resources.ranks: ", spec.resources.ranks,
+        ": several ranks need a communicator for this rank (start the trainer through a worker "
+        "agent)"));
   }
   if (spec.method == Method::kQLora) {
     return absl::FailedPreconditionError("method: qlora is not supported by this worker yet");
@@ -142,9 +146,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
   LATHE_RETURN_IF_ERROR(CheckOutput(spec.output));
 
   const TrainSpec& train = spec.train;
-  trainer->micro_batch_ = train.micro_batch > 0
-                              ? train.micro_batch
-                              : AutoMicroBatch(train.global_batch, spec.data.seq_len);
+  const int64_t per_rank_batch = train.global_batch / options.world_size;
+  trainer->micro_batch_ =
+      train.micro_batch > 0 ? train.micro_batch : AutoMicroBatch(per_rank_batch, spec.data.seq_len);
   if (train.steps > 0) {
     trainer->total_steps_ = train.steps;
   } else {
@@ -196,12 +200,17 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     try {
       if (targets > 0) {
         double loss_sum = 0.0;
-        for (int64_t m = 0; m < train.global_batch; m += micro_batch_) {
+        const int64_t per_rank = train.global_batch / options_.world_size;
+        const int64_t begin = options_.rank * per_rank;
+        for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
           std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
           auto [ids, labels] = Collate(micro);
           at::Tensor loss = model_->SumLoss(ids, labels);
           (loss / static_cast<double>(targets)).backward();
           loss_sum += loss.item<double>();
+        }
+        if (options_.world_size > 1) {
+          LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
         }
         report.loss = loss_sum / static_cast<double>(targets);
         report.grad_norm = optimizer.GradNorm();
@@ -228,6 +237,10 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.tokens_per_second = timed_seconds > 0 ? timed_tokens / timed_seconds : 0.0;
 
+  if (options_.rank != 0) {
+    result.peak_rss_bytes = PeakRssBytes();
+    return result;  // rank 0 evaluates and writes the output
+  }
   if (eval_data_) {
     LATHE_ASSIGN_OR_RETURN(Evaluation eval,
                            Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
@@ -249,6 +262,33 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   }
   result.peak_rss_bytes = PeakRssBytes();
   return result;
+}
+
+absl::Status Trainer::AllReduceGradients(AdamW& optimizer, double* loss_sum) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> grads;
+  for (const NamedParameter& p : optimizer.params()) {
+    const at::Tensor& grad = p.tensor.grad();
+    grads.push_back(grad.defined() ? grad.reshape({-1}) : at::zeros({p.tensor.numel()}));
+  }
+  at::Tensor flat = at::cat(grads).contiguous();
+  LATHE_RETURN_IF_ERROR(
+      Annotate(options_.comm->AllReduceSum(flat.data_ptr<float>(),
+                                           static_cast<size_t>(flat.numel()), CommDType::kFloat32),
+               "summing gradients across ranks"));
+  LATHE_RETURN_IF_ERROR(Annotate(options_.comm->AllReduceSum(loss_sum, 1, CommDType::kFloat64),
+                                 "summing the loss across ranks"));
+  int64_t offset = 0;
+  for (const NamedParameter& p : optimizer.params()) {
+    at::Tensor slice = flat.slice(0, offset, offset + p.tensor.numel()).view(p.tensor.sizes());
+    if (p.tensor.grad().defined()) {
+      p.tensor.mutable_grad().copy_(slice);
+    } else {
+      p.tensor.mutable_grad() = slice.clone();
+    }
+    offset += p.tensor.numel();
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace lathe

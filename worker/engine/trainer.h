@@ -2,6 +2,12 @@
 // trains for the spec's steps with gradient accumulation, AdamW, clipping and the LR
 // schedule, and writes the adapter (LoRA) or the model (full fine-tuning) at the end.
 //
+// With several ranks (data parallel), every rank draws the same global batch of each step
+// and trains on its contiguous share of it; the loss is normalised by the targets of the
+// whole step, the gradients and the loss are summed across ranks, and every rank then takes
+// the same optimizer step. The result therefore matches a single-rank run of the same spec
+// up to floating-point summation order. Rank 0 writes the output.
+//
 // Everything that can be checked is checked in Create, before any file is written: a job
 // that fails validation leaves nothing behind, and a job that fails while training writes
 // no output.
@@ -23,12 +29,17 @@
 
 namespace lathe {
 
+class AdamW;
 class CausalLm;
+class Communicator;
 
 struct TrainerOptions {
   int threads = 0;         // intra-op threads; 0 = every core
   int64_t rank = 0;        // this process's rank in the attempt
   int64_t world_size = 1;  // must equal the spec's resources.ranks
+  // Connects the ranks when world_size > 1 (data parallel: every rank trains on its share
+  // of each step's batch and the gradients are summed). Not owned; must outlive Run.
+  Communicator* comm = nullptr;
 };
 
 // What one optimizer step did.
@@ -72,6 +83,8 @@ class Trainer {
 
  private:
   Trainer() = default;
+  // Sums every gradient and `*loss_sum` across the ranks.
+  absl::Status AllReduceGradients(AdamW& optimizer, double* loss_sum);
 
   JobSpec spec_;
   TrainerOptions options_;

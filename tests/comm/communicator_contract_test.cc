@@ -1,0 +1,268 @@
+// The Communicator contract (worker/comm/communicator.h), run against every backend: the
+// fake in-process group and gloo over a MemoryKvStore on 127.0.0.1, for groups of 1 to 4
+// ranks (threads).
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/comm/comm_test_util.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/fake_communicator.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/comm/memory_kv_store.h"
+
+namespace lathe {
+namespace {
+
+using ::lathe::testing::ConnectGlooRanks;
+using ::lathe::testing::RunRanks;
+using ::testing::HasSubstr;
+
+using Group = std::vector<std::unique_ptr<Communicator>>;
+
+struct Backend {
+  std::string name;
+  std::function<Group(int world_size)> make;
+};
+
+Group MakeGlooGroup(int world_size) {
+  MemoryKvStore store;
+  GlooOptions options;
+  options.timeout = lathe::testing::kWaitLimit;
+  Group group;
+  for (auto& result : ConnectGlooRanks(&store, world_size, options)) {
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return {};
+    group.push_back(*std::move(result));
+  }
+  return group;
+}
+
+struct ContractParam {
+  Backend backend;
+  int world_size;
+};
+
+std::string ParamName(const ::testing::TestParamInfo<ContractParam>& info) {
+  return absl::StrCat(info.param.backend.name, "_", info.param.world_size, "ranks");
+}
+
+class CommunicatorContractTest : public ::testing::TestWithParam<ContractParam> {
+ protected:
+  void SetUp() override {
+    group_ = GetParam().backend.make(world_size());
+    ASSERT_EQ(group_.size(), static_cast<size_t>(world_size()));
+  }
+
+  int world_size() const { return GetParam().world_size; }
+  Communicator& comm(int rank) { return *group_[rank]; }
+
+  // Runs fn(rank, communicator) on every rank at once.
+  void OnEveryRank(const std::function<void(int, Communicator&)>& fn) {
+    RunRanks(world_size(), [&](int rank) { fn(rank, comm(rank)); });
+  }
+
+  Group group_;
+};
+
+TEST_P(CommunicatorContractTest, KnowsItsRankAndWorldSize) {
+  for (int r = 0; r < world_size(); ++r) {
+    EXPECT_EQ(comm(r).rank(), r);
+    EXPECT_EQ(comm(r).world_size(), world_size());
+  }
+}
+
+// Inputs are integer-valued (or halves) and small, so every summation order is exact.
+TEST_P(CommunicatorContractTest, AllReduceSumsFloat32) {
+  const int n = world_size();
+  for (size_t count : {size_t{1}, size_t{7}, size_t{1000003}}) {
+    OnEveryRank([&](int rank, Communicator& c) {
+      std::vector<float> data(count);
+      for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>((rank + 1) * (i % 251));
+      ASSERT_TRUE(c.AllReduceSum(data.data(), count, CommDType::kFloat32).ok());
+      const float ranks_sum = static_cast<float>(n * (n + 1) / 2);
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(data[i], ranks_sum * static_cast<float>(i % 251))
+            << "count " << count << " i " << i;
+      }
+    });
+  }
+}
+
+TEST_P(CommunicatorContractTest, AllReduceSumsFloat64) {
+  const int n = world_size();
+  for (size_t count : {size_t{1}, size_t{7}, size_t{1000003}}) {
+    OnEveryRank([&](int rank, Communicator& c) {
+      std::vector<double> data(count);
+      for (size_t i = 0; i < count; ++i) {
+        data[i] = (rank + 0.5) * static_cast<double>(i % 1009) - static_cast<double>(i);
+      }
+      ASSERT_TRUE(c.AllReduceSum(data.data(), count, CommDType::kFloat64).ok());
+      for (size_t i = 0; i < count; ++i) {
+        const double expected = (n * (n - 1) / 2.0 + 0.5 * n) * static_cast<double>(i % 1009) -
+                                n * static_cast<double>(i);
+        ASSERT_EQ(data[i], expected) << "count " << count << " i " << i;
+      }
+    });
+  }
+}
+
+TEST_P(CommunicatorContractTest, AllReduceSumsInt64BeyondThirtyTwoBits) {
+  const int n = world_size();
+  for (size_t count : {size_t{1}, size_t{7}, size_t{1000003}}) {
+    OnEveryRank([&](int rank, Communicator& c) {
+      std::vector<int64_t> data(count);
+      for (size_t i = 0; i < count; ++i) {
+        data[i] = (int64_t{rank + 1} << 40) - static_cast<int64_t>(i) * (rank + 1) - 7;
+      }
+      ASSERT_TRUE(c.AllReduceSum(data.data(), count, CommDType::kInt64).ok());
+      const int64_t ranks_sum = int64_t{n} * (n + 1) / 2;
+      for (size_t i = 0; i < count; ++i) {
+        ASSERT_EQ(data[i], (ranks_sum << 40) - static_cast<int64_t>(i) * ranks_sum - 7 * n)
+            << "count " << count << " i " << i;
+      }
+    });
+  }
+}
+
+TEST_P(CommunicatorContractTest, EmptyCallsReturnAtOnce) {
+  // Each rank alone: an empty call must not wait for the others.
+  for (int r = 0; r < world_size(); ++r) {
+    EXPECT_TRUE(comm(r).AllReduceSum(nullptr, 0, CommDType::kFloat32).ok());
+    EXPECT_TRUE(comm(r).Broadcast(nullptr, 0, 0).ok());
+    EXPECT_TRUE(comm(r).AllGather(nullptr, nullptr, 0).ok());
+  }
+}
+
+TEST_P(CommunicatorContractTest, BroadcastsFromEveryRoot) {
+  auto pattern = [](size_t i, int root) { return static_cast<uint8_t>(i * 31 + root * 7 + 1); };
+  for (size_t bytes : {size_t{1}, size_t{7}, size_t{1000003}}) {
+    for (int root = 0; root < world_size(); ++root) {
+      OnEveryRank([&](int rank, Communicator& c) {
+        std::vector<uint8_t> data(bytes, 0xEE);
+        if (rank == root) {
+          for (size_t i = 0; i < bytes; ++i) data[i] = pattern(i, root);
+        }
+        ASSERT_TRUE(c.Broadcast(data.data(), bytes, root).ok());
+        for (size_t i = 0; i < bytes; ++i) {
+          ASSERT_EQ(data[i], pattern(i, root)) << "bytes " << bytes << " root " << root;
+        }
+      });
+    }
+  }
+}
+
+TEST_P(CommunicatorContractTest, AllGathersInRankOrder) {
+  const int n = world_size();
+  auto pattern = [](size_t i, int rank) { return static_cast<uint8_t>(i * 13 + rank * 101 + 3); };
+  for (size_t bytes : {size_t{1}, size_t{7}, size_t{1000003}}) {
+    OnEveryRank([&](int rank, Communicator& c) {
+      std::vector<uint8_t> in(bytes);
+      for (size_t i = 0; i < bytes; ++i) in[i] = pattern(i, rank);
+      std::vector<uint8_t> out(bytes * n, 0xEE);
+      ASSERT_TRUE(c.AllGather(in.data(), out.data(), bytes).ok());
+      for (int r = 0; r < n; ++r) {
+        for (size_t i = 0; i < bytes; ++i) {
+          ASSERT_EQ(out[r * bytes + i], pattern(i, r)) << "bytes " << bytes << " from rank " << r;
+        }
+      }
+    });
+  }
+}
+
+TEST_P(CommunicatorContractTest, AllGathersInPlace) {
+  const int n = world_size();
+  const size_t bytes = 7;
+  OnEveryRank([&](int rank, Communicator& c) {
+    std::vector<uint8_t> out(bytes * n, 0xEE);
+    for (size_t i = 0; i < bytes; ++i) out[rank * bytes + i] = static_cast<uint8_t>(rank * 10 + i);
+    ASSERT_TRUE(c.AllGather(out.data() + rank * bytes, out.data(), bytes).ok());
+    for (int r = 0; r < n; ++r) {
+      for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(out[r * bytes + i], r * 10 + i);
+    }
+  });
+}
+
+TEST_P(CommunicatorContractTest, BarrierWaitsForEveryRank) {
+  std::atomic<int> entered{0};
+  OnEveryRank([&](int, Communicator& c) {
+    entered.fetch_add(1);
+    ASSERT_TRUE(c.Barrier().ok());
+    EXPECT_EQ(entered.load(), world_size());
+  });
+}
+
+TEST_P(CommunicatorContractTest, RunsAMixedSequenceOfCalls) {
+  const int n = world_size();
+  OnEveryRank([&](int rank, Communicator& c) {
+    for (int step = 0; step < 20; ++step) {
+      int64_t counters[3] = {1, rank, step};
+      ASSERT_TRUE(c.AllReduceSum(counters, 3, CommDType::kInt64).ok());
+      ASSERT_EQ(counters[0], n);
+      ASSERT_EQ(counters[1], int64_t{n} * (n - 1) / 2);
+      ASSERT_EQ(counters[2], int64_t{step} * n);
+
+      const int root = step % n;
+      double value = rank == root ? step + 0.25 : -1.0;
+      ASSERT_TRUE(c.Broadcast(&value, sizeof(value), root).ok());
+      ASSERT_EQ(value, step + 0.25);
+
+      int32_t mine = rank * 1000 + step;
+      std::vector<int32_t> all(n);
+      ASSERT_TRUE(c.AllGather(&mine, all.data(), sizeof(mine)).ok());
+      for (int r = 0; r < n; ++r) ASSERT_EQ(all[r], r * 1000 + step);
+
+      ASSERT_TRUE(c.Barrier().ok());
+    }
+  });
+}
+
+TEST_P(CommunicatorContractTest, RejectsBadArgumentsWithoutCommunicating) {
+  const int n = world_size();
+  for (int r = 0; r < n; ++r) {
+    Communicator& c = comm(r);
+    char byte = 0;
+    absl::Status s = c.Broadcast(&byte, 1, n);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("root"));
+    EXPECT_EQ(c.Broadcast(&byte, 1, -1).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(c.Broadcast(nullptr, 1, 0).code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(c.AllReduceSum(nullptr, 5, CommDType::kFloat64).code(),
+              absl::StatusCode::kInvalidArgument);
+    std::vector<char> out(4 * n);
+    // Overlaps the output but is not this rank's own slot.
+    const char* wrong = out.data() + (r == 0 ? 1 : 0);
+    s = c.AllGather(wrong, out.data(), 4);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(s.message()), HasSubstr("overlaps"));
+  }
+  // The group is still usable.
+  OnEveryRank([&](int, Communicator& c) {
+    float one = 1.0f;
+    ASSERT_TRUE(c.AllReduceSum(&one, 1, CommDType::kFloat32).ok());
+    EXPECT_EQ(one, static_cast<float>(n));
+  });
+}
+
+std::vector<ContractParam> AllBackends() {
+  const Backend fake{"Fake", [](int n) { return MakeFakeGroup(n); }};
+  const Backend gloo{"Gloo", MakeGlooGroup};
+  std::vector<ContractParam> params;
+  for (const Backend& backend : {fake, gloo}) {
+    for (int n : {1, 2, 3, 4}) params.push_back({backend, n});
+  }
+  return params;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CommunicatorContractTest, ::testing::ValuesIn(AllBackends()),
+                         ParamName);
+
+}  // namespace
+}  // namespace lathe

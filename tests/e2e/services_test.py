@@ -1,0 +1,271 @@
+#!/usr/bin/env python3
+"""End to end: a coordinator and two worker agents as real processes on 127.0.0.1, driven
+through the `lathe` CLI. Every process the test starts is stopped in tearDown, whatever
+happens."""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+
+BIN = os.environ.get("LATHE_BIN_DIR", os.path.join(os.path.dirname(__file__), "../../build/bin"))
+TIMEOUT = 120  # seconds for any one job to finish on a loaded 2-core machine
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args, timeout=TIMEOUT):
+    return subprocess.run([os.path.join(BIN, args[0]), *args[1:]], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class Cluster:
+    def __init__(self, root):
+        self.root = root
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.db = os.path.join(root, "lathe.db")
+        self.coordinator = None
+        self.workers = {}
+
+    def start_coordinator(self):
+        with open(os.path.join(self.root, "coordinator.log"), "a") as log:
+            self.coordinator = subprocess.Popen(
+                [os.path.join(BIN, "lathe-coordinator"), "--listen", self.address, "--db",
+                 self.db, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"],
+                stdout=subprocess.PIPE, stderr=log, text=True)
+        line = self.coordinator.stdout.readline()
+        assert "listening on" in line, f"coordinator did not start: {line!r}"
+
+    def stop_coordinator(self):
+        if self.coordinator and self.coordinator.poll() is None:
+            self.coordinator.send_signal(signal.SIGTERM)
+            try:
+                self.coordinator.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.coordinator.kill()
+                self.coordinator.wait()
+        if self.coordinator:
+            self.coordinator.stdout.close()
+
+    def start_worker(self, worker_id):
+        with open(os.path.join(self.root, f"{worker_id}.log"), "a") as log:
+            self.workers[worker_id] = subprocess.Popen(
+                [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.address,
+                 "--worker-id", worker_id, "--slots", "1", "--trainer-threads", "1",
+                 "--work-dir", os.path.join(self.root, worker_id)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self):
+        for process in self.workers.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.workers.values():
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        self.stop_coordinator()
+
+    def lathe(self, *args, timeout=TIMEOUT):
+        return run("lathe", "--coordinator", self.address, *args, timeout=timeout)
+
+
+class ServicesTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="lathe-e2e-")
+        cls.model = os.path.join(cls.root, "model")
+        cls.data = os.path.join(cls.root, "train.jsonl")
+        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "128"),
+                    ("lathe-synth", "data", "--out", cls.data, "--records", "64")):
+            result = run(*cmd)
+            assert result.returncode == 0, result.stderr
+        cls.cluster = Cluster(cls.root)
+        try:
+            cls.cluster.start_coordinator()
+            cls.cluster.start_worker("w1")
+            cls.cluster.start_worker("w2")
+            cls.wait_for_workers(2)
+        except Exception:
+            cls.cluster.stop()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+        if os.environ.get("LATHE_KEEP_E2E") is None:
+            shutil.rmtree(cls.root, ignore_errors=True)
+
+    @classmethod
+    def wait_for_workers(cls, n):
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            result = cls.cluster.lathe("--output", "json", "workers")
+            if result.returncode == 0:
+                workers = json.loads(result.stdout or "[]")
+                if isinstance(workers, dict):
+                    workers = workers.get("workers", [])
+                ready = [w for w in workers if w.get("state") == "WORKER_STATE_READY"]
+                if len(ready) >= n:
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"fewer than {n} workers registered")
+
+    def spec(self, name, steps=4, ranks=1):
+        path = os.path.join(self.root, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(f"""name: {name}
+model: {{path: {self.model}}}
+data: {{train: {self.data}, seq_len: 32}}
+lora: {{rank: 4, alpha: 8}}
+train: {{steps: {steps}, global_batch: 2, lr: 1.0e-3}}
+resources: {{ranks: {ranks}, device: cpu}}
+output: {os.path.join(self.root, "runs", name)}
+""")
+        return path
+
+    def submit(self, name, steps=4, ranks=1):
+        result = self.cluster.lathe("submit", self.spec(name, steps, ranks))
+        self.assertEqual(result.returncode, 0, result.stderr)
+        job_id = result.stdout.strip()
+        self.assertTrue(job_id.startswith(name), job_id)
+        return job_id
+
+    def status(self, job_id):
+        result = self.cluster.lathe("--output", "json", "status", job_id)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return json.loads(result.stdout)
+
+    def list_jobs(self):
+        result = self.cluster.lathe("--output", "json", "list")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        return {job["job_id"]: job for job in json.loads(result.stdout)}
+
+    def wait_running(self, job_id):
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            job = self.status(job_id)
+            attempts = job.get("attempts", [])
+            if attempts and int(attempts[-1].get("progress", {}).get("step", 0)) >= 1:
+                return job
+            self.assertNotIn(job["state"], ("JOB_STATE_FAILED", "JOB_STATE_SUCCEEDED"), job)
+            time.sleep(0.2)
+        self.fail(f"{job_id} never reported progress")
+
+    def trainer_pids(self, job_id):
+        result = subprocess.run(["pgrep", "-f", "--", f"--job-id {job_id}"], capture_output=True,
+                                text=True)
+        return [int(p) for p in result.stdout.split()]
+
+    def expect_adapter(self, job_id):
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "JOB_STATE_SUCCEEDED", job)
+        adapter = job["adapter_path"]
+        self.assertTrue(os.path.isfile(os.path.join(adapter, "adapter_model.safetensors")))
+        score = run("lathe-worker", "score", "--model", self.model, "--adapter", adapter,
+                    "--data", self.data, "--seq-len", "32", "--output", "json", "--threads", "1")
+        self.assertEqual(score.returncode, 0, score.stderr)
+        self.assertGreater(json.loads(score.stdout)["targets"], 0)
+
+    def test_1_jobs_run_to_success(self):
+        first = self.submit("single")
+        watch = self.cluster.lathe("watch", first)
+        self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+        self.expect_adapter(first)
+
+        pair = [self.submit("pair-a"), self.submit("pair-b")]
+        for job_id in pair:
+            watch = self.cluster.lathe("watch", job_id)
+            self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+            self.expect_adapter(job_id)
+        jobs = self.list_jobs()
+        for job_id in [first] + pair:
+            self.assertEqual(jobs[job_id]["state"], "JOB_STATE_SUCCEEDED")
+            self.assertIn("final_loss", jobs[job_id])
+            self.assertGreater(jobs[job_id]["final_loss"], 0)
+
+    def test_1b_two_ranks_train_data_parallel_across_both_workers(self):
+        job_id = self.submit("two-ranks", ranks=2)
+        watch = self.cluster.lathe("watch", job_id)
+        self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+        job = self.status(job_id)
+        workers = {p["worker_id"] for p in job["attempts"][-1]["placements"]}
+        self.assertEqual(workers, {"w1", "w2"})
+        self.expect_adapter(job_id)
+        # Same spec on one rank: the same data order and update, so the same loss.
+        single = [j for j in self.list_jobs().values() if j["spec"]["name"] == "single"][0]
+        self.assertAlmostEqual(job["final_loss"], single["final_loss"], delta=1e-4)
+
+    def test_2_killed_trainer_fails_the_attempt_and_the_agent_keeps_serving(self):
+        job_id = self.submit("doomed", steps=100000)
+        self.wait_running(job_id)
+        pids = self.trainer_pids(job_id)
+        self.assertEqual(len(pids), 1, pids)
+        os.kill(pids[0], signal.SIGKILL)
+        watch = self.cluster.lathe("watch", job_id)
+        self.assertEqual(watch.returncode, 1, watch.stdout)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "JOB_STATE_FAILED")
+        self.assertIn("signal 9", job["reason"])
+        # Both agents still serve: two more jobs run at once.
+        again = [self.submit("after-kill-a"), self.submit("after-kill-b")]
+        for other in again:
+            self.assertEqual(self.cluster.lathe("watch", other).returncode, 0)
+
+    def test_3_cancel_stops_the_trainer(self):
+        job_id = self.submit("cancelled", steps=100000)
+        self.wait_running(job_id)
+        self.assertTrue(self.trainer_pids(job_id))
+        result = self.cluster.lathe("cancel", job_id)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(self.status(job_id)["state"], "JOB_STATE_CANCELLED")
+        deadline = time.time() + 20
+        while self.trainer_pids(job_id) and time.time() < deadline:
+            time.sleep(0.1)
+        self.assertEqual(self.trainer_pids(job_id), [])
+
+    def test_4_bad_input(self):
+        bad = self.spec("bad")
+        with open(bad, "a") as f:
+            f.write("method: lorax\n")
+        result = self.cluster.lathe("submit", bad)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("method", result.stderr)
+        missing = self.cluster.lathe("status", "no-such-job")
+        self.assertEqual(missing.returncode, 1)
+        self.assertIn("not found", missing.stderr)
+        unreachable = run("lathe", "--coordinator", f"127.0.0.1:{free_port()}", "list")
+        self.assertEqual(unreachable.returncode, 1)
+        self.assertEqual(len(unreachable.stderr.strip().splitlines()), 1, unreachable.stderr)
+        self.assertIn("cannot reach the coordinator", unreachable.stderr)
+        self.assertEqual(run("lathe", "frobnicate").returncode, 2)
+
+    def test_5_a_restarted_coordinator_keeps_every_job(self):
+        before = self.list_jobs()
+        self.assertGreaterEqual(len(before), 3)
+        self.cluster.stop_coordinator()
+        self.cluster.start_coordinator()
+        after = self.list_jobs()
+        self.assertEqual(set(after), set(before))
+        for job_id, job in before.items():
+            self.assertEqual(after[job_id]["state"], job["state"], job_id)
+            self.assertEqual(after[job_id].get("final_loss"), job.get("final_loss"), job_id)
+        # The agents register again and take new work.
+        self.wait_for_workers(2)
+        job_id = self.submit("after-restart")
+        self.assertEqual(self.cluster.lathe("watch", job_id).returncode, 0)
+        self.expect_adapter(job_id)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,189 @@
+#include "worker/agent/agent_main.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/command_line.h"
+#include "common/status_macros.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+#include "spdlog/spdlog.h"
+#include "worker/agent/host_resources.h"
+#include "worker/agent/process_launcher.h"
+#include "worker/agent/worker_agent.h"
+
+namespace lathe {
+namespace {
+
+const std::vector<FlagSpec> kAgentFlags = {
+    {"coordinator", true,
+     "coordinator host:port (default $LATHE_COORDINATOR, else 127.0.0.1:7070)"},
+    {"device", true, "cpu | cuda (default cpu)"},
+    {"slots", true, "ranks run at once: GPUs, or CPU slots (default 1)"},
+    {"worker-id", true, "name to register under (default <hostname>-<device>)"},
+    {"work-dir", true, "per-rank specs and logs (default /tmp/lathe-worker-<worker-id>)"},
+    {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
+    {"trainer-binary", true, "lathe-worker binary that runs `train` (default this one)"},
+};
+
+std::string HostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
+  return name;
+}
+
+absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
+                                                    ProcessLauncher& launcher) {
+  WorkerAgentOptions options;
+  const std::string device = flags.Get("device", "cpu");
+  if (device == "cpu") {
+    options.device = v1::DEVICE_CPU;
+  } else if (device == "cuda") {
+    options.device = v1::DEVICE_CUDA;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--device: expected cpu or cuda, got \"", device, "\""));
+  }
+  LATHE_ASSIGN_OR_RETURN(options.slots, flags.GetInt("slots", 1));
+  if (options.slots < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--slots: must be >= 1, got ", options.slots));
+  }
+  options.worker_id = flags.Get("worker-id", absl::StrCat(HostName(), "-", device));
+  if (options.worker_id.empty())
+    return absl::InvalidArgumentError("--worker-id: must not be empty");
+
+  const char* env_coordinator = std::getenv("LATHE_COORDINATOR");
+  std::string coordinator = flags.Get(
+      "coordinator",
+      env_coordinator != nullptr && *env_coordinator != '\0' ? env_coordinator : "127.0.0.1:7070");
+  TrainerSupervisorOptions& trainer = options.trainer;
+  trainer.coordinator_address = coordinator;
+  trainer.work_dir = flags.Get("work-dir", absl::StrCat("/tmp/lathe-worker-", options.worker_id));
+  LATHE_ASSIGN_OR_RETURN(trainer.trainer_threads, flags.GetInt("trainer-threads", 0));
+  if (trainer.trainer_threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--trainer-threads: must be >= 0, got ", trainer.trainer_threads));
+  }
+  trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
+  if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--trainer-binary: ", trainer.trainer_binary, " is not an executable file"));
+  }
+
+  absl::StatusOr<uint64_t> memory = HostMemoryBytes();
+  if (memory.ok()) {
+    options.host_memory_bytes = *memory;
+  } else {
+    spdlog::warn("worker={} host memory unknown: {}", options.worker_id,
+                 memory.status().ToString());
+  }
+  std::vector<std::string> slot_devices;
+  std::vector<GpuInfo> gpus;
+  if (options.device == v1::DEVICE_CUDA) {
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    LATHE_ASSIGN_OR_RETURN(slot_devices,
+                           SlotCudaDevices(visible != nullptr ? visible : "", options.slots));
+    absl::StatusOr<std::vector<GpuInfo>> found = QueryGpus(launcher);
+    if (found.ok()) {
+      gpus = *std::move(found);
+    } else {
+      spdlog::warn("worker={} GPU names and memory unknown: {}", options.worker_id,
+                   found.status().ToString());
+    }
+    for (const std::string& cuda_device : slot_devices) {
+      // Each trainer sees only its slot's GPU, numbered as nvidia-smi numbers them.
+      options.slot_environment.push_back(
+          {{"CUDA_DEVICE_ORDER", "PCI_BUS_ID"}, {"CUDA_VISIBLE_DEVICES", cuda_device}});
+    }
+  }
+  options.devices =
+      SlotDevices(options.device, options.slots, slot_devices, gpus, options.host_memory_bytes);
+  return options;
+}
+
+}  // namespace
+
+std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+std::string AgentFlagsHelp() { return FlagsHelp(kAgentFlags); }
+
+int RunAgentCommand(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") {
+      std::cout << "usage: lathe-worker agent [flags]\n" << AgentFlagsHelp();
+      return 0;
+    }
+  }
+  absl::StatusOr<ParsedFlags> flags = ParseFlags(args, kAgentFlags);
+  if (flags.ok() && !flags->positional().empty()) {
+    flags = absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument \"", flags->positional()[0], "\""));
+  }
+  if (!flags.ok()) {
+    std::cerr << "lathe-worker agent: " << flags.status().message() << "\n";
+    return 2;
+  }
+
+  // SIGINT and SIGTERM are taken by sigwait below; blocked before any thread exists, so that
+  // every thread inherits the mask (trainers get a clean mask from the launcher). SIGUSR1
+  // tells the main thread that Run returned on its own.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  PosixProcessLauncher launcher;
+  absl::StatusOr<WorkerAgentOptions> options = OptionsFromFlags(*flags, launcher);
+  if (!options.ok()) {
+    std::cerr << "lathe-worker agent: " << options.status().message() << "\n";
+    return 2;
+  }
+  const std::string coordinator = options->trainer.coordinator_address;
+  spdlog::info("worker={} coordinator {}, {} {} slot(s), work dir {}", options->worker_id,
+               coordinator, options->slots, options->device == v1::DEVICE_CUDA ? "cuda" : "cpu",
+               options->trainer.work_dir);
+
+  std::unique_ptr<v1::WorkerService::Stub> stub =
+      v1::WorkerService::NewStub(CoordinatorChannel(coordinator));
+  WorkerAgent agent(*std::move(options), stub.get(), &launcher);
+
+  absl::Status result;
+  std::thread runner([&] {
+    result = agent.Run();
+    kill(getpid(), SIGUSR1);
+  });
+  int received = 0;
+  while (sigwait(&signals, &received) != 0) {
+  }
+  if (received != SIGUSR1) {
+    spdlog::info("worker: {} received, shutting down", SignalName(received));
+    agent.Shutdown();
+  }
+  runner.join();
+  if (!result.ok()) {
+    std::cerr << "lathe-worker agent: " << result.message() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace lathe

@@ -1,0 +1,29 @@
+// `lathe-worker agent`: the worker agent's command line (flags, environment, signals) around
+// WorkerAgent. Runs until SIGINT or SIGTERM, then cancels its trainers and exits 0.
+//
+// Thread-safety: RunAgentCommand is meant to be called once, from main.
+#ifndef LATHE_WORKER_AGENT_AGENT_MAIN_H_
+#define LATHE_WORKER_AGENT_AGENT_MAIN_H_
+
+#include <memory>
+#include <string>
+
+#include "grpcpp/channel.h"
+
+namespace lathe {
+
+// `args` are the flags after "agent" (argv + 2). Returns the process exit code: 0 after a
+// clean shutdown, 1 when the agent fails, 2 for a usage error.
+int RunAgentCommand(int argc, char** argv);
+
+// An insecure channel to the coordinator at `address`, set up for a long-lived agent: it
+// tries to reconnect at least every 5 s (gRPC's default backs off to 2 minutes), so a
+// restarted coordinator is found again quickly.
+std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
+
+// The "  --flag VALUE   help" lines of the agent's flags, for lathe-worker's usage text.
+std::string AgentFlagsHelp();
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_AGENT_AGENT_MAIN_H_

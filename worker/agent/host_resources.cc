@@ -1,0 +1,128 @@
+#include "worker/agent/host_resources.h"
+
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "common/file_util.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+
+absl::StatusOr<uint64_t> ParseMemTotalBytes(absl::string_view meminfo) {
+  for (absl::string_view line : absl::StrSplit(meminfo, '\n')) {
+    if (!absl::ConsumePrefix(&line, "MemTotal:")) continue;
+    line = absl::StripAsciiWhitespace(line);
+    uint64_t multiplier = 1;
+    if (absl::ConsumeSuffix(&line, "kB")) multiplier = 1024;
+    uint64_t value = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("meminfo: MemTotal: not a number: \"", line, "\""));
+    }
+    return value * multiplier;
+  }
+  return absl::InvalidArgumentError("meminfo: no MemTotal line");
+}
+
+absl::StatusOr<uint64_t> HostMemoryBytes() {
+  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile("/proc/meminfo"));
+  return ParseMemTotalBytes(text);
+}
+
+absl::StatusOr<std::vector<GpuInfo>> ParseNvidiaSmiGpus(absl::string_view csv) {
+  std::vector<GpuInfo> gpus;
+  for (absl::string_view line : absl::StrSplit(csv, '\n', absl::SkipWhitespace())) {
+    std::vector<absl::string_view> fields = absl::StrSplit(line, ',');
+    GpuInfo gpu;
+    uint64_t mib = 0;
+    if (fields.size() != 4 ||
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[0]), &gpu.index) ||
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[3]), &mib)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("nvidia-smi: expected \"index, uuid, name, memory MiB\", got \"",
+                       absl::StripAsciiWhitespace(line), "\""));
+    }
+    gpu.uuid = std::string(absl::StripAsciiWhitespace(fields[1]));
+    gpu.name = std::string(absl::StripAsciiWhitespace(fields[2]));
+    gpu.memory_bytes = mib * 1024 * 1024;
+    gpus.push_back(std::move(gpu));
+  }
+  return gpus;
+}
+
+absl::StatusOr<std::vector<GpuInfo>> QueryGpus(ProcessLauncher& launcher) {
+  absl::Mutex mu;
+  std::string out;
+  std::string err;
+  LaunchOptions options;
+  options.argv = {"nvidia-smi", "--query-gpu=index,uuid,name,memory.total",
+                  "--format=csv,noheader,nounits"};
+  options.on_stdout_line = [&](absl::string_view line) {
+    absl::MutexLock lock(&mu);
+    absl::StrAppend(&out, line, "\n");
+  };
+  options.on_stderr_line = [&](absl::string_view line) {
+    absl::MutexLock lock(&mu);
+    absl::StrAppend(&err, line, "\n");
+  };
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<ChildProcess> child, launcher.Launch(std::move(options)));
+  ExitStatus status = child->Wait();
+  absl::MutexLock lock(&mu);
+  if (!status.success()) {
+    return absl::UnavailableError(
+        absl::StrCat("nvidia-smi ", status.ToString(), ": ", absl::StripAsciiWhitespace(err)));
+  }
+  return ParseNvidiaSmiGpus(out);
+}
+
+absl::StatusOr<std::vector<std::string>> SlotCudaDevices(absl::string_view visible_devices,
+                                                         int64_t slots) {
+  std::vector<std::string> devices;
+  if (absl::StripAsciiWhitespace(visible_devices).empty()) {
+    for (int64_t i = 0; i < slots; ++i) devices.push_back(absl::StrCat(i));
+    return devices;
+  }
+  for (absl::string_view entry : absl::StrSplit(visible_devices, ',', absl::SkipWhitespace())) {
+    devices.emplace_back(absl::StripAsciiWhitespace(entry));
+  }
+  if (static_cast<int64_t>(devices.size()) < slots) {
+    return absl::InvalidArgumentError(absl::StrCat("--slots ", slots, ": CUDA_VISIBLE_DEVICES=\"",
+                                                   visible_devices, "\" names only ",
+                                                   devices.size(), " devices"));
+  }
+  devices.resize(static_cast<size_t>(slots));
+  return devices;
+}
+
+std::vector<v1::DeviceInfo> SlotDevices(v1::Device device, int64_t slots,
+                                        const std::vector<std::string>& slot_devices,
+                                        const std::vector<GpuInfo>& gpus,
+                                        uint64_t host_memory_bytes) {
+  std::vector<v1::DeviceInfo> devices;
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    v1::DeviceInfo& info = devices.emplace_back();
+    info.set_index(slot);
+    if (device != v1::DEVICE_CUDA) {
+      info.set_name("cpu");
+      info.set_memory_bytes(host_memory_bytes / static_cast<uint64_t>(slots));
+      continue;
+    }
+    info.set_name("cuda");
+    if (static_cast<size_t>(slot) >= slot_devices.size()) continue;
+    const std::string& wanted = slot_devices[static_cast<size_t>(slot)];
+    for (const GpuInfo& gpu : gpus) {
+      if (gpu.uuid == wanted || absl::StrCat(gpu.index) == wanted) {
+        info.set_name(gpu.name);
+        info.set_memory_bytes(gpu.memory_bytes);
+      }
+    }
+  }
+  return devices;
+}
+
+}  // namespace lathe

@@ -1,0 +1,56 @@
+// What a worker has to offer, for its registration: host memory and the devices behind its
+// slots. Reading the machine is kept apart from parsing, so that the parsers are tested on
+// fixed text.
+//
+// Thread-safety: free functions; safe to call concurrently.
+#ifndef LATHE_WORKER_AGENT_HOST_RESOURCES_H_
+#define LATHE_WORKER_AGENT_HOST_RESOURCES_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "worker/agent/process_launcher.h"
+
+namespace lathe {
+
+// MemTotal of /proc/meminfo text, in bytes. INVALID_ARGUMENT when it is missing or garbled.
+absl::StatusOr<uint64_t> ParseMemTotalBytes(absl::string_view meminfo);
+// The host's memory from /proc/meminfo; NOT_FOUND / INTERNAL when it cannot be read.
+absl::StatusOr<uint64_t> HostMemoryBytes();
+
+// One GPU as nvidia-smi lists it.
+struct GpuInfo {
+  int64_t index = 0;  // nvidia-smi's (physical) index
+  std::string uuid;   // "GPU-..."
+  std::string name;   // "NVIDIA H200"
+  uint64_t memory_bytes = 0;
+};
+
+// Parses `nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader,nounits`
+// (memory in MiB). INVALID_ARGUMENT naming the line when one does not have four fields.
+absl::StatusOr<std::vector<GpuInfo>> ParseNvidiaSmiGpus(absl::string_view csv);
+
+// Runs that nvidia-smi query. NOT_FOUND when nvidia-smi is missing, UNAVAILABLE when it fails.
+absl::StatusOr<std::vector<GpuInfo>> QueryGpus(ProcessLauncher& launcher);
+
+// The CUDA device each slot uses, as CUDA_VISIBLE_DEVICES entries: slot i gets entry i of
+// `visible_devices` (the agent's own CUDA_VISIBLE_DEVICES, comma-separated) when that is
+// set, else "i". INVALID_ARGUMENT when `visible_devices` lists fewer than `slots` devices.
+absl::StatusOr<std::vector<std::string>> SlotCudaDevices(absl::string_view visible_devices,
+                                                         int64_t slots);
+
+// DeviceInfo for each slot: for cuda the GPU named by `slot_devices[i]` (an index or a UUID
+// found in `gpus`; name "cuda" and no memory when unknown); for cpu one "cpu" entry per slot
+// with an equal share of `host_memory_bytes`.
+std::vector<v1::DeviceInfo> SlotDevices(v1::Device device, int64_t slots,
+                                        const std::vector<std::string>& slot_devices,
+                                        const std::vector<GpuInfo>& gpus,
+                                        uint64_t host_memory_bytes);
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_AGENT_HOST_RESOURCES_H_

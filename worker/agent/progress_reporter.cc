@@ -1,0 +1,129 @@
+#include "worker/agent/progress_reporter.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/client_context.h"
+#include "spdlog/spdlog.h"
+
+namespace lathe {
+namespace {
+
+bool IsTerminal(v1::RankEvent event) {
+  return event == v1::RANK_EVENT_SUCCEEDED || event == v1::RANK_EVENT_FAILED ||
+         event == v1::RANK_EVENT_CANCELLED;
+}
+
+bool IsRetryable(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::UNAVAILABLE:
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case grpc::StatusCode::INTERNAL:
+    case grpc::StatusCode::UNKNOWN:
+    case grpc::StatusCode::CANCELLED:
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool SameRank(const v1::ReportProgressRequest& a, const v1::ReportProgressRequest& b) {
+  return a.job_id() == b.job_id() && a.generation() == b.generation() && a.rank() == b.rank();
+}
+
+}  // namespace
+
+ProgressReporter::ProgressReporter(v1::WorkerService::StubInterface* stub,
+                                   ProgressReporterOptions options)
+    : stub_(stub), options_(options) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+ProgressReporter::~ProgressReporter() { Stop(); }
+
+void ProgressReporter::Report(v1::ReportProgressRequest request, std::function<void()> on_done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (!stopping_) {
+      if (request.event() == v1::RANK_EVENT_PROGRESS && !on_done) {
+        for (Item& queued : queue_) {
+          if (queued.request.event() == v1::RANK_EVENT_PROGRESS && !queued.on_done &&
+              SameRank(queued.request, request)) {
+            queued.request = std::move(request);
+            return;
+          }
+        }
+      }
+      queue_.push_back({std::move(request), std::move(on_done)});
+      return;
+    }
+  }
+  spdlog::warn("job={} attempt={} rank={}: {} not reported, the agent is stopping",
+               request.job_id(), request.generation(), request.rank(),
+               v1::RankEvent_Name(request.event()));
+  if (on_done) on_done();
+}
+
+void ProgressReporter::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopping_ = true;
+    stopped_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+void ProgressReporter::Loop() {
+  while (true) {
+    Item item;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]()
+                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (queue_.empty()) return;
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    Deliver(item.request);
+    if (item.on_done) item.on_done();
+  }
+}
+
+void ProgressReporter::Deliver(const v1::ReportProgressRequest& request) {
+  absl::Duration backoff = options_.retry_initial;
+  while (true) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    v1::ReportProgressResponse response;
+    grpc::Status status = stub_->ReportProgress(&context, request, &response);
+    if (status.ok()) return;
+    bool stopping;
+    {
+      absl::MutexLock lock(&mu_);
+      stopping = stopping_;
+    }
+    const bool retry = IsTerminal(request.event()) && IsRetryable(status.error_code()) && !stopping;
+    spdlog::warn(
+        "job={} attempt={} rank={}: reporting {} failed: {}{}", request.job_id(),
+        request.generation(), request.rank(), v1::RankEvent_Name(request.event()),
+        absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message())
+            .ToString(),
+        retry ? absl::StrCat("; retrying in ", absl::FormatDuration(backoff))
+              : std::string("; dropped"));
+    if (!retry) return;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
+    }
+    backoff = std::min(backoff * 2, options_.retry_max);
+  }
+}
+
+}  // namespace lathe

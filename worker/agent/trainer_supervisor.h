@@ -1,0 +1,156 @@
+// Runs one rank of one attempt in a child trainer process and turns what it does into
+// events for the coordinator.
+//
+// Start writes the assignment's spec to `<work_dir>/<job_id>-g<generation>-r<rank>/job.json`
+// and launches
+//
+//   <trainer_binary> train --spec <dir>/job.json --output json --rank R --world-size W
+//                          --job-id J --generation G --coordinator ADDR [--threads T]
+//
+// in its own process group. The trainer's stdout JSON lines (docs/training.md, "Outputs")
+// become events: "start" and each "step" a PROGRESS, "done" the result of a SUCCEEDED. The
+// child's stderr goes to `<dir>/trainer.log`; the last lines of it (and of stdout that is not
+// an event) are kept as the log tail for error messages.
+//
+// Events, in order: STARTED (from Start, once the child runs), PROGRESS*, then exactly one
+// terminal event when the child has exited:
+//   SUCCEEDED  exit code 0 after a "done" line
+//   CANCELLED  Cancel was called before the child exited (whatever its exit status)
+//   FAILED     anything else: a non-zero exit, a signal (an out-of-memory kill is SIGKILL,
+//              an abort SIGABRT), or exit 0 without "done"; the error holds the exit status
+//              and the log tail.
+// A crash of the trainer is only ever an event: nothing here aborts the agent.
+//
+// Thread-safety: thread-safe. The event callback runs on the caller's thread for STARTED and
+// on the child's reader thread for the others, never two at once; it must not call back into
+// this supervisor (except Cancel, which only signals) nor destroy it.
+#ifndef LATHE_WORKER_AGENT_TRAINER_SUPERVISOR_H_
+#define LATHE_WORKER_AGENT_TRAINER_SUPERVISOR_H_
+
+#include <cstdint>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "lathe/v1/job.pb.h"
+#include "worker/agent/process_launcher.h"
+
+namespace lathe {
+
+struct TrainerSupervisorOptions {
+  // The lathe-worker binary to run `train` with; by default this very executable.
+  std::string trainer_binary = "/proc/self/exe";
+  // Parent of the per-rank directories. Created when missing.
+  std::string work_dir;
+  // Passed to the trainer for rendezvous.
+  std::string coordinator_address;
+  // > 0: passed as --threads.
+  int64_t trainer_threads = 0;
+  // After Cancel's SIGTERM, how long the trainer has to exit before SIGKILL.
+  absl::Duration cancel_grace = absl::Seconds(5);
+  // Set in the trainer's environment (e.g. CUDA_VISIBLE_DEVICES for the slot's GPU).
+  std::vector<std::pair<std::string, std::string>> environment;
+  // How many lines the log tail keeps.
+  int log_tail_lines = 20;
+};
+
+struct TrainerEvent {
+  v1::RankEvent kind = v1::RANK_EVENT_UNSPECIFIED;
+  // PROGRESS: the step just reported (step 0 for "start"). SUCCEEDED: the final numbers,
+  // loss = final loss.
+  v1::Progress progress;
+  // SUCCEEDED: where the trainer put its result (empty when it reported none).
+  std::string adapter_path;
+  std::string model_path;
+  // FAILED and CANCELLED: why, with the exit status and the log tail.
+  std::string error;
+};
+
+class TrainerSupervisor {
+ public:
+  using EventCallback = std::function<void(const TrainerEvent&)>;
+
+  // REQUIRES: `launcher` outlives the supervisor; options.work_dir is not empty.
+  TrainerSupervisor(v1::Assignment assignment, TrainerSupervisorOptions options,
+                    ProcessLauncher* launcher, EventCallback on_event);
+  // A trainer still running is killed with SIGKILL; its CANCELLED event is still reported
+  // before the destructor returns.
+  ~TrainerSupervisor();
+
+  TrainerSupervisor(const TrainerSupervisor&) = delete;
+  TrainerSupervisor& operator=(const TrainerSupervisor&) = delete;
+
+  // Writes job.json and starts the trainer; reports STARTED. On error nothing runs and no
+  // event is reported: INVALID_ARGUMENT for a job id that is not a safe file name,
+  // FAILED_PRECONDITION when called twice or after Cancel, INTERNAL when the files cannot
+  // be written, and the launcher's errors (NOT_FOUND for a missing trainer binary).
+  absl::Status Start();
+
+  // Asks the trainer to stop: SIGTERM to its process group now, SIGKILL after cancel_grace
+  // if it is still running. Returns at once; the CANCELLED event follows when it exits.
+  // Later calls, and calls after the exit, do nothing.
+  void Cancel(absl::string_view reason);
+
+  // True once the terminal event has been reported, or Start failed.
+  bool finished() const;
+  // Blocks until finished(); returns at once when Start was never called.
+  void Wait() const;
+
+  const v1::Assignment& assignment() const { return assignment_; }
+  // `<work_dir>/<job_id>-g<generation>-r<rank>`.
+  const std::string& run_dir() const { return run_dir_; }
+
+ private:
+  // Start's work; on error Start marks the supervisor finished.
+  absl::Status Launch();
+  void OnStdoutLine(absl::string_view line);
+  void OnStderrLine(absl::string_view line);
+  void OnExit(const ExitStatus& status);
+  // SIGTERM now, SIGKILL from killer_ after cancel_grace. REQUIRES: child_ is set.
+  void SignalCancel();
+  void AddToTail(absl::string_view line) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string TailText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Emit(const TrainerEvent& event);
+
+  const v1::Assignment assignment_;
+  const TrainerSupervisorOptions options_;
+  ProcessLauncher* const launcher_;
+  const EventCallback on_event_;
+  const std::string run_dir_;
+
+  // Held while calling on_event_, so that events are delivered one at a time and STARTED
+  // (emitted by Start) comes before anything the reader thread reports. Acquired before mu_.
+  absl::Mutex emit_mu_;
+
+  mutable absl::Mutex mu_;
+  std::unique_ptr<ChildProcess> child_ ABSL_GUARDED_BY(mu_);
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
+  std::string cancel_reason_ ABSL_GUARDED_BY(mu_);
+  bool exited_ ABSL_GUARDED_BY(mu_) = false;    // on_exit was called
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // terminal event reported, or Start failed
+  int64_t total_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::optional<TrainerEvent> done_ ABSL_GUARDED_BY(mu_);  // from the "done" line
+  v1::Progress last_progress_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> tail_ ABSL_GUARDED_BY(mu_);
+  std::thread killer_ ABSL_GUARDED_BY(mu_);  // from SignalCancel; joined by the destructor
+
+  // Written only by the reader thread (and opened by Start before it exists).
+  std::ofstream log_file_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_AGENT_TRAINER_SUPERVISOR_H_

@@ -1,0 +1,155 @@
+// The long-lived part of lathe-worker: registers with the coordinator, heartbeats, runs
+// the ranks it is assigned in child trainer processes (one TrainerSupervisor per busy slot)
+// and reports how they go.
+//
+// Run() registers (WorkerService.RegisterWorker), opens the Heartbeat stream and sends the
+// state of every slot each heartbeat interval (the coordinator's, from the registration).
+// Each HeartbeatResponse starts a trainer per Assignment in the slot it names and cancels the
+// trainers its Cancellations name (job and generation; generation 0: every generation).
+// Trainer events become ReportProgress calls (ProgressReporter): STARTED, PROGRESS, and
+// SUCCEEDED / FAILED / CANCELLED at the end, with the generation, rank, error and result
+// paths.
+//
+// Slots: a slot stays busy in heartbeats from the assignment until the coordinator has been
+// told how the rank ended (or has refused to hear it), so "idle" in a heartbeat always means
+// "the end was reported". An assignment for a busy slot means the coordinator considers
+// what runs there over: that trainer is cancelled and the new one starts once it has exited
+// and its end was reported. A repeated assignment (same job, generation and rank as one
+// this agent holds) is ignored; one for a slot out of range is reported FAILED.
+//
+// Failures: a broken stream, or FAILED_PRECONDITION / NOT_FOUND from the coordinator (it
+// restarted and forgot the session), leads to a new registration and a new stream with
+// capped exponential backoff (back to the start once a session has received an answer); so
+// does a coordinator that answers no heartbeat for its heartbeat timeout (a hung process or
+// a dead connection);
+// running trainers are not touched, and the coordinator learns of them from the next
+// heartbeat. A coordinator that is unreachable at start is retried the same way. A trainer
+// that crashes is a FAILED report; nothing it does stops the agent.
+//
+// Thread-safety: thread-safe. Run blocks on the calling thread; Shutdown may be called from
+// any thread (not from a signal handler).
+#ifndef LATHE_WORKER_AGENT_WORKER_AGENT_H_
+#define LATHE_WORKER_AGENT_WORKER_AGENT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "grpcpp/client_context.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+#include "lathe/v1/coordinator.pb.h"
+#include "worker/agent/process_launcher.h"
+#include "worker/agent/progress_reporter.h"
+#include "worker/agent/trainer_supervisor.h"
+
+namespace lathe {
+
+struct WorkerAgentOptions {
+  // What RegisterWorker announces.
+  std::string worker_id;  // required
+  std::string address;    // host:port of the metrics endpoint; may be empty
+  v1::Device device = v1::DEVICE_CPU;
+  int64_t slots = 1;
+  std::vector<v1::DeviceInfo> devices;
+  uint64_t host_memory_bytes = 0;
+  std::string version;
+
+  // How trainers run (trainer.work_dir is required; trainer.environment applies to all).
+  TrainerSupervisorOptions trainer;
+  // Extra environment per slot, e.g. CUDA_VISIBLE_DEVICES; slot i uses entry i when present.
+  std::vector<std::vector<std::pair<std::string, std::string>>> slot_environment;
+
+  // Heartbeat interval when the coordinator's registration answer gives none.
+  absl::Duration default_heartbeat_interval = absl::Seconds(2);
+  // Between registration attempts: starts at `initial`, doubles up to `max`.
+  absl::Duration reconnect_backoff_initial = absl::Milliseconds(200);
+  absl::Duration reconnect_backoff_max = absl::Seconds(10);
+  // Deadline of RegisterWorker.
+  absl::Duration rpc_timeout = absl::Seconds(10);
+  ProgressReporterOptions reporter;
+};
+
+class WorkerAgent {
+ public:
+  // REQUIRES: `stub` and `launcher` outlive the agent.
+  WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInterface* stub,
+              ProcessLauncher* launcher);
+  // REQUIRES: Run is not running (it has returned, or was never called).
+  ~WorkerAgent();
+
+  WorkerAgent(const WorkerAgent&) = delete;
+  WorkerAgent& operator=(const WorkerAgent&) = delete;
+
+  // Serves until Shutdown: returns OK then, after cancelling every trainer, waiting for them
+  // to exit and trying once to report how they ended. INVALID_ARGUMENT for bad options or
+  // when the coordinator refuses the very first registration as INVALID_ARGUMENT; INTERNAL
+  // when the work directory cannot be created. Call at most once.
+  absl::Status Run();
+
+  // Makes Run return (promptly: trainers get their cancel grace, no more). Idempotent.
+  void Shutdown();
+
+ private:
+  struct Slot {
+    // Running, stopping, or exited with its end not yet reported; null when idle.
+    std::shared_ptr<TrainerSupervisor> trainer;
+    // Starts when `trainer` is gone.
+    std::optional<v1::Assignment> next;
+  };
+
+  absl::Status ValidateOptions() const;
+  absl::StatusOr<v1::RegisterWorkerResponse> Register();
+  // One heartbeat stream, until it breaks or Shutdown. `*answered`: a response arrived.
+  grpc::Status RunSession(const v1::RegisterWorkerResponse& registration, bool* answered);
+  v1::HeartbeatRequest BuildHeartbeat() const;
+  void HandleResponse(const v1::HeartbeatResponse& response);
+  void HandleAssignment(const v1::Assignment& assignment);
+  void HandleCancellation(const v1::Cancellation& cancellation);
+  std::shared_ptr<TrainerSupervisor> MakeSupervisor(const v1::Assignment& assignment)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Starts a supervisor placed in `slot`; reports FAILED (and frees the slot) when it cannot.
+  void StartTrainer(const std::shared_ptr<TrainerSupervisor>& trainer);
+  void OnTrainerEvent(const v1::Assignment& assignment, const TrainerEvent& event);
+  // Reports FAILED for an assignment that never ran, then frees its slot (if it holds it).
+  void ReportNotStarted(const v1::Assignment& assignment, const std::string& error);
+  // The end of `assignment` was reported: the slot is free (or starts its next trainer).
+  void ReleaseSlot(const v1::Assignment& assignment);
+  void StopTrainers();
+  void DestroyRetired();
+  // Waits `duration` or until Shutdown.
+  void SleepUnlessShutdown(absl::Duration duration);
+  std::string worker_id() const;
+
+  const WorkerAgentOptions options_;
+  v1::WorkerService::StubInterface* const stub_;
+  ProcessLauncher* const launcher_;
+  // Declared before the slots: trainers are destroyed first, while it can still take reports.
+  ProgressReporter reporter_;
+
+  mutable absl::Mutex mu_;
+  bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);  // as the coordinator answered
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  // The Run thread's call in progress (registration or heartbeat stream), for Shutdown to
+  // cancel.
+  grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;
+  bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
+  bool answered_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Time last_answer_ ABSL_GUARDED_BY(mu_);
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
+  // Trainers whose slot was released, destroyed on the Run thread (never on a trainer's own
+  // reader thread, which their destructor joins).
+  std::vector<std::shared_ptr<TrainerSupervisor>> retired_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_AGENT_WORKER_AGENT_H_

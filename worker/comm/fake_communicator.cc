@@ -1,0 +1,231 @@
+#include "worker/comm/fake_communicator.h"
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+namespace {
+
+enum class Op { kAllReduce, kBroadcast, kAllGather, kBarrier };
+
+// What one rank asked for in one round. `size` counts elements for all-reduce, bytes
+// otherwise.
+struct Call {
+  Op op = Op::kBarrier;
+  const void* in = nullptr;
+  size_t size = 0;
+  CommDType dtype = CommDType::kFloat32;
+  int root = 0;
+
+  bool operator==(const Call& other) const {
+    return op == other.op && size == other.size && root == other.root &&
+           (op != Op::kAllReduce || dtype == other.dtype);
+  }
+};
+
+std::string Describe(const Call& call) {
+  switch (call.op) {
+    case Op::kAllReduce:
+      return absl::StrCat("all-reduce of ", call.size, " ", CommDTypeName(call.dtype));
+    case Op::kBroadcast:
+      return absl::StrCat("broadcast of ", call.size, " bytes from rank ", call.root);
+    case Op::kAllGather:
+      return absl::StrCat("all-gather of ", call.size, " bytes per rank");
+    case Op::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+template <typename T>
+void SumInto(std::string& acc, const void* in, size_t count) {
+  auto* a = reinterpret_cast<T*>(acc.data());
+  const auto* b = static_cast<const T*>(in);
+  for (size_t i = 0; i < count; ++i) a[i] += b[i];
+}
+
+// The outcome of one round, shared read-only by its ranks.
+struct Round {
+  absl::Status status;
+  std::string result;  // the reduced, broadcast or gathered bytes
+};
+
+class FakeGroupImpl final : public FakeGroup, public std::enable_shared_from_this<FakeGroupImpl> {
+ public:
+  FakeGroupImpl(int world_size, FakeGroupOptions options)
+      : world_size_(world_size), options_(options), calls_(world_size) {}
+
+  std::vector<std::unique_ptr<Communicator>> Members() override;
+
+  void Break(absl::Status status) override {
+    absl::MutexLock lock(&mu_);
+    if (broken_.ok()) broken_ = std::move(status);
+  }
+
+  int world_size() const { return world_size_; }
+
+  // Deposits `call` for this round and returns the round once every rank has arrived.
+  absl::StatusOr<std::shared_ptr<const Round>> Meet(int rank, const Call& call) {
+    absl::MutexLock lock(&mu_);
+    if (!broken_.ok()) return broken_;
+    const int64_t my_round = round_;
+    calls_[rank] = call;
+    if (++arrived_ == world_size_) {
+      // The others are blocked below, so their buffers are stable while we read them.
+      last_ = Compute();
+      for (std::optional<Call>& c : calls_) c.reset();
+      arrived_ = 0;
+      ++round_;
+      return last_;
+    }
+    auto done = [this, my_round]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return round_ != my_round || !broken_.ok();
+    };
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done), options_.timeout)) {
+      std::vector<int> missing;
+      for (int r = 0; r < world_size_; ++r) {
+        if (!calls_[r].has_value()) missing.push_back(r);
+      }
+      broken_ = absl::DeadlineExceededError(absl::StrCat(
+          "fake group: rank ", rank, " waited ", absl::FormatDuration(options_.timeout), " in ",
+          Describe(call), " for rank(s) ", absl::StrJoin(missing, ", ")));
+    }
+    if (round_ != my_round) return last_;
+    return broken_;
+  }
+
+ private:
+  std::shared_ptr<const Round> Compute() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto round = std::make_shared<Round>();
+    const Call& first = *calls_[0];
+    for (int r = 1; r < world_size_; ++r) {
+      if (!(*calls_[r] == first)) {
+        round->status = absl::InvalidArgumentError(
+            absl::StrCat("fake group: ranks disagree: rank 0 called ", Describe(first), ", rank ",
+                         r, " called ", Describe(*calls_[r])));
+        return round;
+      }
+    }
+    switch (first.op) {
+      case Op::kAllReduce: {
+        const size_t bytes = first.size * CommDTypeSize(first.dtype);
+        round->result.assign(static_cast<const char*>(first.in), bytes);
+        for (int r = 1; r < world_size_; ++r) {
+          switch (first.dtype) {
+            case CommDType::kFloat32:
+              SumInto<float>(round->result, calls_[r]->in, first.size);
+              break;
+            case CommDType::kFloat64:
+              SumInto<double>(round->result, calls_[r]->in, first.size);
+              break;
+            case CommDType::kInt64:
+              SumInto<int64_t>(round->result, calls_[r]->in, first.size);
+              break;
+          }
+        }
+        break;
+      }
+      case Op::kBroadcast:
+        round->result.assign(static_cast<const char*>(calls_[first.root]->in), first.size);
+        break;
+      case Op::kAllGather:
+        round->result.reserve(first.size * world_size_);
+        for (int r = 0; r < world_size_; ++r) {
+          round->result.append(static_cast<const char*>(calls_[r]->in), first.size);
+        }
+        break;
+      case Op::kBarrier:
+        break;
+    }
+    return round;
+  }
+
+  const int world_size_;
+  const FakeGroupOptions options_;
+  absl::Mutex mu_;
+  std::vector<std::optional<Call>> calls_ ABSL_GUARDED_BY(mu_);
+  int arrived_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t round_ ABSL_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<const Round> last_ ABSL_GUARDED_BY(mu_);
+  absl::Status broken_ ABSL_GUARDED_BY(mu_);
+};
+
+class FakeMember final : public Communicator {
+ public:
+  FakeMember(std::shared_ptr<FakeGroupImpl> group, int rank)
+      : group_(std::move(group)), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return group_->world_size(); }
+
+  absl::Status AllReduceSum(void* data, size_t count, CommDType dtype) override {
+    LATHE_RETURN_IF_ERROR(comm_internal::CheckAllReduceArgs(data, count, dtype));
+    if (count == 0) return absl::OkStatus();
+    return Collective({Op::kAllReduce, data, count, dtype, 0}, data);
+  }
+
+  absl::Status Broadcast(void* data, size_t bytes, int root) override {
+    LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size()));
+    if (bytes == 0) return absl::OkStatus();
+    return Collective({Op::kBroadcast, data, bytes, CommDType::kFloat32, root},
+                      root == rank_ ? nullptr : data);
+  }
+
+  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) override {
+    LATHE_RETURN_IF_ERROR(
+        comm_internal::CheckAllGatherArgs(in, out, bytes_per_rank, rank_, world_size()));
+    if (bytes_per_rank == 0) return absl::OkStatus();
+    return Collective({Op::kAllGather, in, bytes_per_rank, CommDType::kFloat32, 0}, out);
+  }
+
+  absl::Status Barrier() override {
+    return Collective({Op::kBarrier, nullptr, 0, CommDType::kFloat32, 0}, nullptr);
+  }
+
+ private:
+  // Meets the other ranks and copies the round's result to `out` (when not null).
+  absl::Status Collective(const Call& call, void* out) {
+    absl::MutexLock lock(&mu_);
+    LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const Round> round, group_->Meet(rank_, call));
+    LATHE_RETURN_IF_ERROR(round->status);
+    if (out != nullptr && !round->result.empty()) {
+      std::memcpy(out, round->result.data(), round->result.size());
+    }
+    return absl::OkStatus();
+  }
+
+  const std::shared_ptr<FakeGroupImpl> group_;
+  const int rank_;
+  absl::Mutex mu_;  // serializes this member's calls
+};
+
+std::vector<std::unique_ptr<Communicator>> FakeGroupImpl::Members() {
+  std::vector<std::unique_ptr<Communicator>> members;
+  members.reserve(world_size_);
+  for (int r = 0; r < world_size_; ++r) {
+    members.push_back(std::make_unique<FakeMember>(shared_from_this(), r));
+  }
+  return members;
+}
+
+}  // namespace
+
+std::shared_ptr<FakeGroup> FakeGroup::Create(int world_size, FakeGroupOptions options) {
+  return std::make_shared<FakeGroupImpl>(world_size, options);
+}
+
+std::vector<std::unique_ptr<Communicator>> MakeFakeGroup(int world_size, FakeGroupOptions options) {
+  return FakeGroup::Create(world_size, options)->Members();
+}
+
+}  // namespace lathe
