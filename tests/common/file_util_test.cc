@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 namespace lathe {
 namespace {
@@ -23,17 +24,7 @@ using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::StartsWith;
 
-const absl::Status& GetStatus(const absl::Status& status) { return status; }
-template <typename T>
-const absl::Status& GetStatus(const absl::StatusOr<T>& status_or) {
-  return status_or.status();
-}
-
-MATCHER_P2(StatusIs, code, fragment, "") {
-  const absl::Status& status = GetStatus(arg);
-  *result_listener << "status is " << status;
-  return status.code() == code && status.message().find(fragment) != absl::string_view::npos;
-}
+using testing::StatusIs;
 
 class FileUtilTest : public ::testing::Test {
  protected:

@@ -15,6 +15,7 @@
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 namespace lathe {
 namespace {
@@ -22,17 +23,7 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::UnorderedElementsAre;
 
-const absl::Status& GetStatus(const absl::Status& status) { return status; }
-template <typename T>
-const absl::Status& GetStatus(const absl::StatusOr<T>& status_or) {
-  return status_or.status();
-}
-
-MATCHER_P2(StatusIs, code, fragment, "") {
-  const absl::Status& status = GetStatus(arg);
-  *result_listener << "status is " << status;
-  return status.code() == code && status.message().find(fragment) != absl::string_view::npos;
-}
+using testing::StatusIs;
 
 PeftAdapterConfig SampleConfig() {
   PeftAdapterConfig config;

@@ -19,6 +19,7 @@
 #include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 
 namespace lathe {
 namespace {
@@ -27,17 +28,7 @@ using ::testing::ElementsAre;
 using ::testing::ElementsAreArray;
 using ::testing::IsEmpty;
 
-const absl::Status& GetStatus(const absl::Status& status) { return status; }
-template <typename T>
-const absl::Status& GetStatus(const absl::StatusOr<T>& status_or) {
-  return status_or.status();
-}
-
-MATCHER_P2(StatusIs, code, fragment, "") {
-  const absl::Status& status = GetStatus(arg);
-  *result_listener << "status is " << status;
-  return status.code() == code && status.message().find(fragment) != absl::string_view::npos;
-}
+using testing::StatusIs;
 
 constexpr DType kAllDTypes[] = {DType::kF64, DType::kF32, DType::kF16, DType::kBF16, DType::kI64,
                                 DType::kI32, DType::kI16, DType::kI8,  DType::kU8,   DType::kBool};
