@@ -417,7 +417,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
       r.ExpectMap(node, "train",
                   {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
                    "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm",
-                   "precision", "seed", "checkpoint_every"}));
+                   "precision", "seed", "checkpoint_every", "keep_checkpoints"}));
   if (const YAML::Node v = node["steps"]) {
     LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.steps", 0, &train->steps));
   }
@@ -482,6 +482,10 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   if (const YAML::Node v = node["checkpoint_every"]) {
     LATHE_RETURN_IF_ERROR(
         r.ReadIntAtLeast(v, "train.checkpoint_every", 0, &train->checkpoint_every));
+  }
+  if (const YAML::Node v = node["keep_checkpoints"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadIntAtLeast(v, "train.keep_checkpoints", 1, &train->keep_checkpoints));
   }
   return absl::OkStatus();
 }

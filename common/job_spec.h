@@ -73,7 +73,8 @@ struct TrainSpec {
   double max_grad_norm = 1.0;  // 0 disables clipping
   Precision precision = Precision::kFp32;
   uint64_t seed = 0;
-  int64_t checkpoint_every = 0;  // 0 = only at the end
+  int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints
+  int64_t keep_checkpoints = 3;  // newest complete checkpoints kept; >= 1
 };
 
 struct ResourcesSpec {

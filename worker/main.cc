@@ -2,12 +2,16 @@
 //   train --spec FILE   run a job spec in this process, no coordinator (docs/training.md)
 //   score --model DIR   mean loss (and optionally logits) of a model (+ adapter) on data
 //   agent --coordinator ADDR   register with a coordinator and run the ranks it assigns
+#include <signal.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -31,6 +35,9 @@
 
 namespace lathe {
 namespace {
+
+// The running trainer, for the SIGTERM handler.
+std::atomic<Trainer*> g_trainer{nullptr};
 
 // JSON null for a missing or non-finite number, so every line stays valid JSON.
 nlohmann::json Number(std::optional<double> value) {
@@ -95,6 +102,20 @@ absl::Status Train(const ParsedFlags& flags) {
   }
 #endif
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, options));
+  for (const std::string& skipped : trainer->skipped_checkpoints()) {
+    std::cerr << "lathe-worker train: skipping checkpoint " << skipped << "\n";
+  }
+  if (trainer->resume_step() > 0) {
+    std::cerr << "lathe-worker train: resuming after step " << trainer->resume_step() << "\n";
+  }
+  // SIGTERM (a cancel, a preemption) stops after the current step with a checkpoint.
+  g_trainer.store(trainer.get());
+  absl::Cleanup forget_trainer = [] { g_trainer.store(nullptr); };
+  struct sigaction action {};
+  action.sa_handler = [](int) {
+    if (Trainer* t = g_trainer.load()) t->RequestStop();
+  };
+  sigaction(SIGTERM, &action, nullptr);
   if (json) {
     std::cout << nlohmann::json{{"event", "start"},
                                 {"job", spec.name},

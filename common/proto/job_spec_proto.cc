@@ -211,6 +211,7 @@ Json TrainJson(const v1::TrainSpec& train) {
   }
   if (train.has_seed()) out["seed"] = train.seed();
   if (train.has_checkpoint_every()) out["checkpoint_every"] = train.checkpoint_every();
+  if (train.has_keep_checkpoints()) out["keep_checkpoints"] = train.keep_checkpoints();
   return out;
 }
 
@@ -278,6 +279,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_precision(ToProto(spec.train.precision));
   train->set_seed(spec.train.seed);
   train->set_checkpoint_every(spec.train.checkpoint_every);
+  train->set_keep_checkpoints(spec.train.keep_checkpoints);
 
   v1::ResourcesSpec* resources = out.mutable_resources();
   resources->set_ranks(spec.resources.ranks);

@@ -10,12 +10,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/testing/status_matchers.h"
 
 namespace lathe {
 namespace {
 
 using ::lathe::testing::RunRanks;
-using ::testing::HasSubstr;
+using ::lathe::testing::StatusIs;
 
 TEST(FakeCommunicatorTest, RanksThatDisagreeGetInvalidArgument) {
   std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(2);
@@ -26,9 +27,9 @@ TEST(FakeCommunicatorTest, RanksThatDisagreeGetInvalidArgument) {
                               : group[1]->Broadcast(data, sizeof(data), 0);
   });
   for (const absl::Status& s : results) {
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr("all-reduce of 4 float64"));
-    EXPECT_THAT(std::string(s.message()), HasSubstr("broadcast of 32 bytes from rank 0"));
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument, "all-reduce of 4 float64"));
+    EXPECT_THAT(s,
+                StatusIs(absl::StatusCode::kInvalidArgument, "broadcast of 32 bytes from rank 0"));
   }
 }
 
@@ -37,8 +38,7 @@ TEST(FakeCommunicatorTest, MissingRankTimesOutAndBreaksTheGroup) {
   options.timeout = absl::Milliseconds(50);
   std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(3, options);
   absl::Status s = group[1]->Barrier();
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_THAT(std::string(s.message()), HasSubstr("rank(s) 0, 2"));
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, "rank(s) 0, 2"));
   EXPECT_EQ(group[0]->Barrier().code(), absl::StatusCode::kDeadlineExceeded);
 }
 
@@ -55,8 +55,7 @@ TEST(FakeCommunicatorTest, BreakFailsWaitingAndLaterCalls) {
   });
   EXPECT_EQ(waiting.code(), absl::StatusCode::kAborted);
   absl::Status later = group[1]->Barrier();
-  EXPECT_EQ(later.code(), absl::StatusCode::kAborted);
-  EXPECT_THAT(std::string(later.message()), HasSubstr("peer 1 vanished"));
+  EXPECT_THAT(later, StatusIs(absl::StatusCode::kAborted, "peer 1 vanished"));
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/testing/status_matchers.h"
 #include "worker/comm/grpc_kv_store.h"
 #include "worker/comm/memory_kv_store.h"
 #include "worker/comm/prefix_kv_store.h"
@@ -25,7 +26,7 @@ namespace {
 using ::lathe::testing::FakeRendezvousServer;
 using ::lathe::testing::kWaitLimit;
 using ::lathe::testing::RunRanks;
-using ::testing::HasSubstr;
+using ::lathe::testing::StatusIs;
 
 // Short: these tests wait this long only when a key is meant to be missing.
 constexpr absl::Duration kMissingKeyWait = absl::Milliseconds(50);
@@ -92,8 +93,7 @@ TEST_P(KvStoreContractTest, SetReplacesTheValue) {
 
 TEST_P(KvStoreContractTest, GetOfAMissingKeyTimesOutNamingIt) {
   absl::StatusOr<std::string> got = store().Get("absent-key", kMissingKeyWait);
-  EXPECT_EQ(got.status().code(), absl::StatusCode::kDeadlineExceeded) << got.status();
-  EXPECT_THAT(std::string(got.status().message()), HasSubstr("absent-key"));
+  EXPECT_THAT(got.status(), StatusIs(absl::StatusCode::kDeadlineExceeded, "absent-key"));
 }
 
 TEST_P(KvStoreContractTest, GetWaitsForAKeySetLater) {
@@ -117,8 +117,7 @@ TEST_P(KvStoreContractTest, WaitReturnsOnceEveryKeyExists) {
 TEST_P(KvStoreContractTest, WaitTimesOutNamingTheMissingKeys) {
   ASSERT_TRUE(store().Set("present", "1").ok());
   absl::Status s = store().Wait({"present", "missing"}, kMissingKeyWait);
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_THAT(std::string(s.message()), HasSubstr("missing"));
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, "missing"));
 }
 
 TEST_P(KvStoreContractTest, WaitForNoKeysReturnsAtOnce) {
@@ -199,8 +198,7 @@ TEST(GrpcKvStoreTest, StaleGenerationIsFailedPreconditionNamingTheScope) {
   GrpcKvStore stale(server.NewChannel(), {"job-1", 1, absl::Seconds(10)});
   for (absl::Status s : {stale.Set("k", "v"), stale.Get("k", absl::Seconds(1)).status(),
                          stale.Wait({"k"}, absl::Seconds(1)), stale.Add("k", 1).status()}) {
-    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr("job job-1 generation 1"));
+    EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "job job-1 generation 1"));
   }
 }
 
@@ -213,8 +211,7 @@ TEST(GrpcKvStoreTest, UnreachableCoordinatorMeetsTheCallDeadline) {
   GrpcKvStore store(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()),
                     {"job-1", 1, absl::Milliseconds(200)});
   absl::Status s = store.Set("k", "v");
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_THAT(std::string(s.message()), HasSubstr("rendezvous Set k"));
+  EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, "rendezvous Set k"));
 }
 
 }  // namespace

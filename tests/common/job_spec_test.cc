@@ -424,6 +424,8 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"train", "{steps: 10, adam_eps: 0}"}}, "job.yaml: train.adam_eps: must be > 0, got 0"},
       {{{"train", "{steps: 10, checkpoint_every: -1}"}},
        "job.yaml: train.checkpoint_every: must be >= 0, got -1"},
+      {{{"train", "{steps: 10, keep_checkpoints: 0}"}},
+       "job.yaml: train.keep_checkpoints: must be >= 1, got 0"},
       {{{"train", "{steps: 10, seed: -1}"}},
        "job.yaml: train.seed: must be a non-negative integer, got -1"},
       {{{"train", "{steps: 10, seed: 0.5}"}},

@@ -1,5 +1,6 @@
 #include "worker/engine/trainer.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <thread>
 
@@ -176,6 +177,81 @@ TEST_F(TrainerTest, SeveralRanksNeedACommunicator) {
   status = Trainer::Create(spec, options).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("need a communicator"));
+}
+
+TEST_F(TrainerTest, AStoppedRunResumesBitIdentically) {
+  spec_.train.steps = 20;
+  spec_.train.global_batch = 4;
+  spec_.train.micro_batch = 2;
+  spec_.lora.dropout = 0.1;  // the RNG state must survive the restart too
+  spec_.train.schedule.warmup_steps = 3;
+  spec_.train.weight_decay = 0.01;
+  std::vector<StepReport> straight;
+  {
+    auto trainer = *Trainer::Create(spec_, {1});
+    ASSERT_TRUE(trainer->Run([&](const StepReport& r) { straight.push_back(r); }).ok());
+  }
+  spec_.output = dir_.Path("resumed");
+  std::vector<StepReport> first, second;
+  {
+    auto trainer = *Trainer::Create(spec_, {1});
+    absl::Status stopped = trainer
+                               ->Run([&](const StepReport& r) {
+                                 first.push_back(r);
+                                 if (r.step == 10) trainer->RequestStop();
+                               })
+                               .status();
+    EXPECT_EQ(stopped.code(), absl::StatusCode::kCancelled);
+    EXPECT_THAT(stopped.message(), HasSubstr("stopped after step 10"));
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_.Path("resumed/adapter")));
+  {
+    auto trainer = *Trainer::Create(spec_, {1});
+    EXPECT_EQ(trainer->resume_step(), 10);
+    absl::StatusOr<TrainResult> result =
+        trainer->Run([&](const StepReport& r) { second.push_back(r); });
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->resumed_from_step, 10);
+  }
+  ASSERT_EQ(first.size(), 10u);
+  ASSERT_EQ(second.size(), 10u);
+  for (size_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(first[i].loss, straight[i].loss) << i;
+    const StepReport& a = second[i];
+    const StepReport& b = straight[10 + i];
+    EXPECT_EQ(a.step, b.step);
+    EXPECT_EQ(a.lr, b.lr) << a.step;
+    EXPECT_EQ(*a.loss, *b.loss) << a.step;  // bit-identical, not merely close
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << a.step;
+    EXPECT_EQ(a.tokens, b.tokens) << a.step;
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("resumed/adapter/adapter_config.json")));
+}
+
+TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
+  spec_.train.steps = 9;
+  spec_.train.checkpoint_every = 2;
+  spec_.train.keep_checkpoints = 2;
+  auto trainer = *Trainer::Create(spec_, {1});
+  std::vector<double> losses;
+  ASSERT_TRUE(trainer
+                  ->Run([&](const StepReport& r) {
+                    losses.push_back(*r.loss);
+                    if (r.step == 7) trainer->RequestStop();
+                  })
+                  .status()
+                  .code() == absl::StatusCode::kCancelled);
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir_.Path("out/checkpoints"))) {
+    names.push_back(e.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-00000006", "step-00000007"}));
+  JobSpec other = spec_;
+  other.train.lr *= 2;
+  absl::Status status = Trainer::Create(other, {1}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("a checkpoint of a job with another spec"));
 }
 
 TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {

@@ -47,11 +47,16 @@ std::string Describe(const Call& call) {
   return "?";
 }
 
+// acc += in, element-wise. acc's bytes carry no alignment guarantee, hence memcpy.
 template <typename T>
 void SumInto(std::string& acc, const void* in, size_t count) {
-  auto* a = reinterpret_cast<T*>(acc.data());
   const auto* b = static_cast<const T*>(in);
-  for (size_t i = 0; i < count; ++i) a[i] += b[i];
+  for (size_t i = 0; i < count; ++i) {
+    T a;
+    std::memcpy(&a, acc.data() + i * sizeof(T), sizeof(T));
+    a += b[i];
+    std::memcpy(acc.data() + i * sizeof(T), &a, sizeof(T));
+  }
 }
 
 // The outcome of one round, shared read-only by its ranks.

@@ -204,7 +204,7 @@ class GlooCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // Declared before context_ so that the context (its pairs) goes first.
+  // Destroyed in reverse order: the context (its pairs) before the device.
   const std::shared_ptr<gloo::transport::Device> device_;
   const std::shared_ptr<gloo::rendezvous::Context> context_;
   const std::chrono::milliseconds timeout_;

@@ -2,6 +2,9 @@
 
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
 namespace lathe {
 
 AdamW::AdamW(std::vector<NamedParameter> params, const AdamWOptions& options)
@@ -30,6 +33,34 @@ void AdamW::Step(double lr) {
     at::Tensor denom = (exp_avg_sq_[i].sqrt() / bias_correction2_sqrt).add_(options_.eps);
     param.addcdiv_(exp_avg_[i], denom, -step_size);
   }
+}
+
+void AdamW::AddStateTo(TensorsToWrite* out) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    out->Add("exp_avg." + params_[i].name, exp_avg_[i]);
+    out->Add("exp_avg_sq." + params_[i].name, exp_avg_sq_[i]);
+  }
+}
+
+absl::Status AdamW::RestoreState(const std::shared_ptr<const SafetensorsFile>& file,
+                                 int64_t steps) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    for (auto [prefix, target] :
+         {std::pair{"exp_avg.", &exp_avg_[i]}, std::pair{"exp_avg_sq.", &exp_avg_sq_[i]}}) {
+      const std::string name = prefix + params_[i].name;
+      const TensorView* view = file->Find(name);
+      if (view == nullptr ||
+          view->shape != std::vector<int64_t>(target->sizes().begin(), target->sizes().end())) {
+        return absl::DataLossError(
+            absl::StrCat(file->path(), ": tensor \"", name, "\" is missing or has another shape"));
+      }
+      LATHE_ASSIGN_OR_RETURN(at::Tensor loaded, TensorFromFile({view, file}, at::kFloat, false));
+      target->copy_(loaded);
+    }
+  }
+  steps_ = steps;
+  return absl::OkStatus();
 }
 
 void AdamW::ZeroGrad() {

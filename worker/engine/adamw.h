@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "common/safetensors.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/torch_compat.h"
+#include "worker/engine/weights.h"
 
 namespace lathe {
 
@@ -38,6 +41,12 @@ class AdamW {
 
   const std::vector<NamedParameter>& params() const { return params_; }
   int64_t steps() const { return steps_; }
+
+  // The moments, named "exp_avg.<param>" and "exp_avg_sq.<param>", for a checkpoint.
+  void AddStateTo(TensorsToWrite* out) const;
+  // Restores the moments written by AddStateTo and the step count. DATA_LOSS naming the
+  // tensor when one is missing or has another shape.
+  absl::Status RestoreState(const std::shared_ptr<const SafetensorsFile>& file, int64_t steps);
 
  private:
   std::vector<NamedParameter> params_;

@@ -166,6 +166,30 @@ Sequence SequenceSampler::Next() {
   return seq;
 }
 
+SequenceSampler::Cursor SequenceSampler::cursor() const {
+  return {epoch_, static_cast<int64_t>(next_document_), static_cast<int64_t>(offset_in_document_)};
+}
+
+absl::Status SequenceSampler::Restore(const Cursor& cursor) {
+  const std::vector<Document>& docs = dataset_->documents();
+  const int64_t n = static_cast<int64_t>(docs.size());
+  if (cursor.epoch < 0 || cursor.next_document < 0 || cursor.next_document > n ||
+      cursor.offset_in_document < 0) {
+    return absl::InvalidArgumentError("data cursor out of range for this data set");
+  }
+  std::vector<int64_t> order = EpochPermutation(n, seed_, cursor.epoch);
+  if (cursor.next_document < n &&
+      cursor.offset_in_document >=
+          static_cast<int64_t>(docs[order[cursor.next_document]].input_ids.size())) {
+    return absl::InvalidArgumentError("data cursor points past the end of a document");
+  }
+  epoch_ = cursor.epoch;
+  order_ = std::move(order);
+  next_document_ = static_cast<size_t>(cursor.next_document);
+  offset_in_document_ = static_cast<size_t>(cursor.offset_in_document);
+  return absl::OkStatus();
+}
+
 int64_t SequenceSampler::SequencesPerEpoch() const {
   int64_t n = pack_ ? dataset_->total_tokens() / seq_len_
                     : static_cast<int64_t>(dataset_->documents().size());

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -57,6 +58,16 @@ class SequenceSampler {
   SequenceSampler(const TokenDataset* dataset, int64_t seq_len, bool pack, uint64_t seed);
 
   Sequence Next();
+
+  // Where the sampler stands: enough to continue the exact same sequence order later.
+  struct Cursor {
+    int64_t epoch = 0;
+    int64_t next_document = 0;  // index into the epoch's permutation
+    int64_t offset_in_document = 0;
+  };
+  Cursor cursor() const;
+  // Continues from `cursor`. INVALID_ARGUMENT when it does not fit this data set.
+  absl::Status Restore(const Cursor& cursor);
 
   // Sequences in one epoch (floor(total tokens / seq_len) packed, documents unpacked), at
   // least 1.

@@ -21,6 +21,18 @@ namespace lathe {
 
 inline constexpr bool kTorchHasFusedAttention = TORCH_VERSION_MAJOR >= 2;
 
+// c10::Allocator changed in libtorch 2.3: allocate() lost its const and copy_data() became a
+// pure virtual. An allocator declares
+//   c10::DataPtr allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST override;
+// and defines copy_data() under `#if LATHE_ALLOCATOR_HAS_COPY_DATA`.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define LATHE_ALLOCATOR_ALLOCATE_CONST
+#define LATHE_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define LATHE_ALLOCATOR_ALLOCATE_CONST const
+#define LATHE_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
 // Converts a libtorch exception into a status at the engine boundary: INTERNAL with the
 // first line of the message and `context` prepended (RESOURCE_EXHAUSTED for allocation
 // failures, so callers can tell "does not fit").

@@ -1,5 +1,6 @@
 #include "worker/engine/trainer.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -8,6 +9,8 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "common/sha256.h"
 #include "common/status_macros.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine/adamw.h"
@@ -91,6 +94,38 @@ absl::Status CheckOutput(const std::string& output) {
   return absl::OkStatus();
 }
 
+// Identifies what decides a run's trajectory, so that a checkpoint is only resumed by the
+// run it belongs to. Not included: output, ranks and micro-batch (the update is the same).
+std::string SpecFingerprint(const JobSpec& spec) {
+  const TrainSpec& t = spec.train;
+  const LoraSpec& l = spec.lora;
+  return Sha256Hex(absl::StrCat(
+      "model=", spec.model.path, "|train=", spec.data.train, "|seq_len=", spec.data.seq_len,
+      "|pack=", spec.data.pack, "|method=", MethodName(spec.method), "|lora=", l.rank, ",", l.alpha,
+      ",", l.dropout, ",", absl::StrJoin(l.targets, "+"), ",", l.use_rslora, ",", l.init_from,
+      "|steps=", t.steps, "|epochs=", t.epochs, "|global_batch=", t.global_batch, "|lr=", t.lr,
+      "|schedule=", ScheduleKindName(t.schedule.kind), ",", t.schedule.warmup_steps,
+      "|optimizer=", OptimizerKindName(t.optimizer), ",", t.adam_beta1, ",", t.adam_beta2, ",",
+      t.adam_eps, ",", t.weight_decay, "|clip=", t.max_grad_norm,
+      "|precision=", PrecisionName(t.precision), "|seed=", t.seed));
+}
+
+// The CPU generator that dropout draws from, as bytes, and back.
+std::string CpuRngState() {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  at::Tensor state = generator.get_state();
+  return std::string(static_cast<const char*>(state.data_ptr()), state.numel());
+}
+
+void SetCpuRngState(const std::string& bytes) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  at::Tensor state = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(state.data_ptr(), bytes.data(), bytes.size());
+  generator.set_state(state);
+}
+
 int64_t PeakRssBytes() {
   struct rusage usage;
   getrusage(RUSAGE_SELF, &usage);
@@ -168,6 +203,37 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
       LATHE_RETURN_IF_ERROR(trainer->model_->LoadLora(spec.lora, spec.lora.init_from));
     }
   }
+
+  // Resume from the newest valid checkpoint of this run, if any.
+  trainer->spec_fingerprint_ = SpecFingerprint(spec);
+  trainer->checkpoints_ = std::make_unique<CheckpointStore>(
+      (fs::path(spec.output) / "checkpoints").string(), train.keep_checkpoints);
+  LATHE_ASSIGN_OR_RETURN(trainer->resume_,
+                         trainer->checkpoints_->LoadNewest(&trainer->skipped_checkpoints_));
+  if (trainer->resume_) {
+    const LoadedCheckpoint& checkpoint = *trainer->resume_;
+    if (checkpoint.state.spec_fingerprint != trainer->spec_fingerprint_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("output: ", checkpoint.dir,
+                       " is a checkpoint of a job with another spec; use a new output directory"));
+    }
+    if (checkpoint.state.step > trainer->total_steps_) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "output: ", checkpoint.dir, " is past the last step ", trainer->total_steps_));
+    }
+    at::NoGradGuard no_grad;
+    for (NamedParameter& p : trainer->model_->TrainableParameters()) {
+      const TensorView* view = checkpoint.trainable->Find(p.name);
+      if (view == nullptr ||
+          view->shape != std::vector<int64_t>(p.tensor.sizes().begin(), p.tensor.sizes().end())) {
+        return absl::DataLossError(absl::StrCat(checkpoint.trainable->path(), ": tensor \"", p.name,
+                                                "\" is missing or has another shape"));
+      }
+      LATHE_ASSIGN_OR_RETURN(at::Tensor saved,
+                             TensorFromFile({view, checkpoint.trainable}, at::kFloat, false));
+      p.tensor.copy_(saved);
+    }
+  }
   return trainer;
 }
 
@@ -181,10 +247,27 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   model_->set_training(true);
   TrainResult result;
   result.steps = total_steps_;
+  int64_t first_step = 0;
+  {
+    // Dropout draws from the CPU generator: seed it so a run is reproducible from its spec.
+    at::Generator generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(train.seed);
+  }
+  if (resume_) {
+    const TrainingState& state = resume_->state;
+    LATHE_RETURN_IF_ERROR(Annotate(sampler.Restore(state.cursor), resume_->dir));
+    LATHE_RETURN_IF_ERROR(optimizer.RestoreState(resume_->optimizer, state.optimizer_steps));
+    SetCpuRngState(state.rng_state);
+    first_step = state.step;
+    result.resumed_from_step = first_step;
+    result.final_loss = state.last_loss;
+    resume_.reset();  // the mapped files are no longer needed
+  }
   int64_t timed_tokens = 0;
   double timed_seconds = 0.0;
   const auto start = std::chrono::steady_clock::now();
-  for (int64_t step = 0; step < total_steps_; ++step) {
+  for (int64_t step = first_step; step < total_steps_; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
     StepReport report;
     report.step = step + 1;
@@ -227,11 +310,22 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     }
     report.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    if (step > 0 || total_steps_ == 1) {
+    if (step > first_step || total_steps_ == 1) {
       timed_tokens += report.tokens;
       timed_seconds += report.seconds;
     }
     on_step(report);
+    const bool stop = stop_requested_.load();
+    const bool periodic = train.checkpoint_every > 0 && (step + 1) % train.checkpoint_every == 0 &&
+                          step + 1 < total_steps_;
+    if ((stop || periodic) && options_.rank == 0) {
+      LATHE_RETURN_IF_ERROR(SaveCheckpoint(step + 1, optimizer, sampler, result.final_loss));
+    }
+    if (stop) {
+      return absl::CancelledError(absl::StrCat("stopped after step ", step + 1,
+                                               "; the run resumes ", "from ", checkpoints_->dir(),
+                                               " when started again"));
+    }
   }
   model_->set_training(false);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -262,6 +356,28 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   }
   result.peak_rss_bytes = PeakRssBytes();
   return result;
+}
+
+int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0; }
+
+absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW& optimizer,
+                                     const SequenceSampler& sampler, std::optional<double> loss) {
+  TrainingState state;
+  state.step = step;
+  state.optimizer_steps = optimizer.steps();
+  state.cursor = sampler.cursor();
+  state.rng_state = CpuRngState();
+  state.last_loss = loss;
+  state.spec_fingerprint = spec_fingerprint_;
+  TensorsToWrite trainable, moments;
+  try {
+    for (const NamedParameter& p : optimizer.params()) trainable.Add(p.name, p.tensor);
+    optimizer.AddStateTo(&moments);
+  } catch (const c10::Error& e) {
+    return StatusFromTorchError(e, "preparing a checkpoint");
+  }
+  return Annotate(checkpoints_->Save(state, trainable.tensors(), moments.tensors()),
+                  absl::StrCat("checkpoint at step ", step));
 }
 
 absl::Status Trainer::AllReduceGradients(AdamW& optimizer, double* loss_sum) {

@@ -16,15 +16,18 @@
 #ifndef LATHE_WORKER_ENGINE_TRAINER_H_
 #define LATHE_WORKER_ENGINE_TRAINER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "worker/engine/checkpoint.h"
 #include "worker/engine/token_dataset.h"
 
 namespace lathe {
@@ -56,6 +59,7 @@ struct StepReport {
 
 struct TrainResult {
   int64_t steps = 0;
+  int64_t resumed_from_step = 0;  // 0 when the run started fresh
   std::optional<double> final_loss;
   std::optional<double> eval_loss;  // when data.eval is set
   std::string adapter_dir;          // LoRA
@@ -75,8 +79,19 @@ class Trainer {
                                                          const TrainerOptions& options);
   ~Trainer();
 
-  // Trains to the end, calling `on_step` after every step, then writes the output.
+  // Trains to the end, calling `on_step` after every step, then writes the output. Resumes
+  // from the newest valid checkpoint in <output>/checkpoints when there is one (see
+  // checkpoint.h) and, with train.checkpoint_every, writes one every that many steps.
+  // CANCELLED after RequestStop: the run stopped after a step and saved a checkpoint.
   absl::StatusOr<TrainResult> Run(const std::function<void(const StepReport&)>& on_step);
+
+  // Asks Run to stop after the current step and write a checkpoint. Safe to call from any
+  // thread and from a signal handler.
+  void RequestStop() { stop_requested_.store(true); }
+
+  // The step the run resumes from (0: fresh), and the checkpoints skipped as invalid.
+  int64_t resume_step() const;
+  const std::vector<std::string>& skipped_checkpoints() const { return skipped_checkpoints_; }
 
   int64_t total_steps() const { return total_steps_; }
   int64_t micro_batch() const { return micro_batch_; }
@@ -85,6 +100,8 @@ class Trainer {
   Trainer() = default;
   // Sums every gradient and `*loss_sum` across the ranks.
   absl::Status AllReduceGradients(AdamW& optimizer, double* loss_sum);
+  absl::Status SaveCheckpoint(int64_t step, const AdamW& optimizer, const SequenceSampler& sampler,
+                              std::optional<double> loss);
 
   JobSpec spec_;
   TrainerOptions options_;
@@ -94,6 +111,11 @@ class Trainer {
   std::optional<TokenDataset> eval_data_;
   int64_t total_steps_ = 0;
   int64_t micro_batch_ = 0;
+  std::string spec_fingerprint_;
+  std::unique_ptr<CheckpointStore> checkpoints_;
+  std::optional<LoadedCheckpoint> resume_;
+  std::vector<std::string> skipped_checkpoints_;
+  std::atomic<bool> stop_requested_{false};
 };
 
 }  // namespace lathe

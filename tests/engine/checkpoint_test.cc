@@ -1,0 +1,128 @@
+#include "worker/engine/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+
+class CheckpointStoreTest : public ::testing::Test {
+ protected:
+  TrainingState State(int64_t step) {
+    TrainingState state;
+    state.step = step;
+    state.optimizer_steps = step - 1;
+    state.cursor = {2, 5, 7};
+    state.rng_state = std::string("\0\1\2rng", 6);
+    state.last_loss = 1.5 + step;
+    state.spec_fingerprint = "abc";
+    return state;
+  }
+
+  absl::Status Save(CheckpointStore& store, int64_t step) {
+    float values[3] = {1.0f * step, 2.0f, 3.0f};
+    TensorToWrite trainable{"w", DType::kF32, {3}, values, sizeof(values)};
+    TensorToWrite moment{"exp_avg.w", DType::kF32, {3}, values, sizeof(values)};
+    return store.Save(State(step), {&trainable, 1}, {&moment, 1});
+  }
+
+  std::string StepDir(int64_t step) {
+    char name[32];
+    std::snprintf(name, sizeof(name), "step-%08ld", static_cast<long>(step));
+    return dir_.Path(std::string("ckpt/") + name);
+  }
+
+  testing::TempDir dir_;
+};
+
+TEST_F(CheckpointStoreTest, RoundTripsTheNewestAndKeepsOnlyK) {
+  CheckpointStore store(dir_.Path("ckpt"), 2);
+  for (int64_t step : {10, 20, 30}) ASSERT_TRUE(Save(store, step).ok());
+  EXPECT_FALSE(fs::exists(StepDir(10)));
+  EXPECT_TRUE(fs::exists(StepDir(20)));
+  std::vector<std::string> rejected;
+  absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = store.LoadNewest(&rejected);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  ASSERT_TRUE(loaded->has_value());
+  const TrainingState& state = (*loaded)->state;
+  EXPECT_EQ(state.step, 30);
+  EXPECT_EQ(state.optimizer_steps, 29);
+  EXPECT_EQ(state.cursor.epoch, 2);
+  EXPECT_EQ(state.cursor.next_document, 5);
+  EXPECT_EQ(state.cursor.offset_in_document, 7);
+  EXPECT_EQ(state.rng_state, std::string("\0\1\2rng", 6));
+  EXPECT_DOUBLE_EQ(*state.last_loss, 31.5);
+  EXPECT_EQ(state.spec_fingerprint, "abc");
+  const TensorView* w = (*loaded)->trainable->Find("w");
+  ASSERT_NE(w, nullptr);
+  EXPECT_EQ(reinterpret_cast<const float*>(w->data)[0], 30.0f);
+  EXPECT_TRUE(rejected.empty());
+}
+
+TEST_F(CheckpointStoreTest, AnEmptyDirectoryHasNoCheckpoint) {
+  CheckpointStore store(dir_.Path("none"), 3);
+  absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = store.LoadNewest(nullptr);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_FALSE(loaded->has_value());
+}
+
+TEST_F(CheckpointStoreTest, FallsBackFromACorruptedNewestCheckpoint) {
+  struct Case {
+    std::string name;
+    std::function<void(const std::string&)> corrupt;
+    std::string reason;
+  } cases[] = {
+      {"truncated file",
+       [](const std::string& d) {
+         fs::resize_file(d + "/trainable.safetensors",
+                         fs::file_size(d + "/trainable.safetensors") - 4);
+       },
+       "trainable.safetensors: "},
+      {"flipped byte",
+       [](const std::string& d) {
+         std::fstream f(d + "/optimizer.safetensors",
+                        std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(-1, std::ios::end);
+         f.put('\x7f');
+       },
+       "optimizer.safetensors: SHA-256 mismatch"},
+      {"missing manifest", [](const std::string& d) { fs::remove(d + "/manifest.json"); },
+       "no manifest"},
+  };
+  for (const Case& c : cases) {
+    testing::TempDir dir;
+    CheckpointStore store(dir.Path("ckpt"), 3);
+    ASSERT_TRUE(Save(store, 10).ok());
+    ASSERT_TRUE(Save(store, 20).ok());
+    c.corrupt(dir.Path("ckpt/step-00000020"));
+    std::vector<std::string> rejected;
+    absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = store.LoadNewest(&rejected);
+    ASSERT_TRUE(loaded.ok()) << c.name;
+    ASSERT_TRUE(loaded->has_value()) << c.name;
+    EXPECT_EQ((*loaded)->state.step, 10) << c.name;
+    ASSERT_EQ(rejected.size(), 1u) << c.name;
+    EXPECT_THAT(rejected[0], HasSubstr("step-00000020: " + c.reason)) << c.name;
+  }
+}
+
+TEST_F(CheckpointStoreTest, InterruptedSavesLeaveNoTrace) {
+  CheckpointStore store(dir_.Path("ckpt"), 3);
+  fs::create_directories(dir_.Path("ckpt/.tmp-step-00000005-1"));
+  ASSERT_TRUE(Save(store, 10).ok());
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir_.Path("ckpt"))) {
+    names.push_back(entry.path().filename().string());
+  }
+  EXPECT_THAT(names, ElementsAre("step-00000010"));
+}
+
+}  // namespace
+}  // namespace lathe

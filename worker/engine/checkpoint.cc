@@ -1,0 +1,198 @@
+#include "worker/engine/checkpoint.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/file_util.h"
+#include "common/sha256.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace lathe {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kTrainable[] = "trainable.safetensors";
+constexpr char kOptimizer[] = "optimizer.safetensors";
+constexpr char kState[] = "state.json";
+constexpr char kManifest[] = "manifest.json";
+constexpr char kStepPrefix[] = "step-";
+
+std::string StateJson(const TrainingState& state) {
+  nlohmann::ordered_json json;
+  json["format"] = 1;
+  json["step"] = state.step;
+  json["optimizer_steps"] = state.optimizer_steps;
+  json["cursor"] = {{"epoch", state.cursor.epoch},
+                    {"next_document", state.cursor.next_document},
+                    {"offset_in_document", state.cursor.offset_in_document}};
+  json["rng_state"] = absl::Base64Escape(state.rng_state);
+  json["last_loss"] = state.last_loss ? nlohmann::json(*state.last_loss) : nlohmann::json(nullptr);
+  json["spec_fingerprint"] = state.spec_fingerprint;
+  return json.dump(2) + "\n";
+}
+
+absl::StatusOr<TrainingState> ParseState(const std::string& text, const std::string& path) {
+  nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  auto bad = [&path](absl::string_view what) {
+    return absl::DataLossError(absl::StrCat(path, ": ", what));
+  };
+  if (!json.is_object() || json.value("format", 0) != 1) return bad("not a format-1 state");
+  TrainingState state;
+  try {
+    state.step = json.at("step").get<int64_t>();
+    state.optimizer_steps = json.at("optimizer_steps").get<int64_t>();
+    const nlohmann::json& cursor = json.at("cursor");
+    state.cursor.epoch = cursor.at("epoch").get<int64_t>();
+    state.cursor.next_document = cursor.at("next_document").get<int64_t>();
+    state.cursor.offset_in_document = cursor.at("offset_in_document").get<int64_t>();
+    if (!absl::Base64Unescape(json.at("rng_state").get<std::string>(), &state.rng_state)) {
+      return bad("rng_state is not base64");
+    }
+    if (json.at("last_loss").is_number()) state.last_loss = json["last_loss"].get<double>();
+    state.spec_fingerprint = json.at("spec_fingerprint").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    return bad(e.what());
+  }
+  return state;
+}
+
+// Step number of a "step-00000010" directory name, or -1.
+int64_t StepOf(const std::string& name) {
+  int64_t step = -1;
+  if (!absl::StartsWith(name, kStepPrefix) ||
+      !absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step)) {
+    return -1;
+  }
+  return step;
+}
+
+}  // namespace
+
+CheckpointStore::CheckpointStore(std::string dir, int64_t keep)
+    : dir_(std::move(dir)), keep_(keep) {}
+
+absl::Status CheckpointStore::Save(const TrainingState& state,
+                                   absl::Span<const TensorToWrite> trainable,
+                                   absl::Span<const TensorToWrite> optimizer) {
+  std::error_code error;
+  fs::create_directories(dir_, error);
+  if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
+  const std::string name = absl::StrFormat("%s%08d", kStepPrefix, state.step);
+  const std::string final_dir = (fs::path(dir_) / name).string();
+  const std::string temp_dir = absl::StrCat(dir_, "/.tmp-", name, "-", getpid());
+  fs::remove_all(temp_dir, error);
+  fs::create_directory(temp_dir, error);
+  if (error) return absl::InternalError(absl::StrCat(temp_dir, ": ", error.message()));
+  auto write_all = [&]() -> absl::Status {
+    LATHE_RETURN_IF_ERROR(WriteSafetensors(temp_dir + "/" + kTrainable, trainable));
+    LATHE_RETURN_IF_ERROR(WriteSafetensors(temp_dir + "/" + kOptimizer, optimizer));
+    LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kState, StateJson(state)));
+    nlohmann::ordered_json manifest;
+    manifest["format"] = 1;
+    manifest["step"] = state.step;
+    for (const char* file : {kTrainable, kOptimizer, kState}) {
+      const std::string path = temp_dir + "/" + file;
+      LATHE_ASSIGN_OR_RETURN(std::string sha, Sha256File(path));
+      manifest["files"][file] = {{"size", fs::file_size(path)}, {"sha256", sha}};
+    }
+    LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kManifest, manifest.dump(2) + "\n"));
+    fs::remove_all(final_dir);  // a checkpoint of the same step from before a resume
+    fs::rename(temp_dir, final_dir);
+    return SyncDirectory(dir_);
+  };
+  absl::Status status;
+  try {
+    status = write_all();
+  } catch (const fs::filesystem_error& e) {
+    status = absl::InternalError(absl::StrCat("writing checkpoint ", final_dir, ": ", e.what()));
+  }
+  if (!status.ok()) {
+    fs::remove_all(temp_dir, error);
+    return status;
+  }
+  // Keep the newest `keep_` complete checkpoints; drop leftovers of interrupted saves.
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
+    const std::string entry_name = entry.path().filename().string();
+    if (absl::StartsWith(entry_name, ".tmp-")) {
+      fs::remove_all(entry.path(), error);
+    } else if (int64_t step = StepOf(entry_name); step >= 0) {
+      steps.emplace_back(step, entry.path());
+    }
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  for (size_t i = static_cast<size_t>(keep_); i < steps.size(); ++i) {
+    fs::remove_all(steps[i].second, error);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const std::string& step_dir) const {
+  const std::string manifest_path = step_dir + "/" + kManifest;
+  absl::StatusOr<std::string> manifest_text = ReadFile(manifest_path);
+  if (!manifest_text.ok()) return absl::DataLossError("no manifest (an interrupted save)");
+  nlohmann::json manifest = nlohmann::json::parse(*manifest_text, nullptr, false);
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object()) {
+    return absl::DataLossError("manifest.json is malformed");
+  }
+  for (const char* file : {kTrainable, kOptimizer, kState}) {
+    const std::string path = step_dir + "/" + file;
+    const nlohmann::json& entry = manifest["files"].value(file, nlohmann::json());
+    if (!entry.is_object() || !entry.contains("size") || !entry.contains("sha256")) {
+      return absl::DataLossError(absl::StrCat(file, ": not in the manifest"));
+    }
+    std::error_code error;
+    const uintmax_t size = fs::file_size(path, error);
+    if (error) return absl::DataLossError(absl::StrCat(file, ": missing"));
+    if (size != entry["size"].get<uintmax_t>()) {
+      return absl::DataLossError(absl::StrCat(file, ": ", size, " bytes, the manifest says ",
+                                              entry["size"].get<uintmax_t>()));
+    }
+    LATHE_ASSIGN_OR_RETURN(std::string sha, Sha256File(path));
+    if (sha != entry["sha256"].get<std::string>()) {
+      return absl::DataLossError(absl::StrCat(file, ": SHA-256 mismatch"));
+    }
+  }
+  LoadedCheckpoint loaded;
+  loaded.dir = step_dir;
+  LATHE_ASSIGN_OR_RETURN(std::string state_text, ReadFile(step_dir + "/" + kState));
+  LATHE_ASSIGN_OR_RETURN(loaded.state, ParseState(state_text, step_dir + "/" + kState));
+  LATHE_ASSIGN_OR_RETURN(loaded.trainable, SafetensorsFile::Open(step_dir + "/" + kTrainable));
+  LATHE_ASSIGN_OR_RETURN(loaded.optimizer, SafetensorsFile::Open(step_dir + "/" + kOptimizer));
+  return loaded;
+}
+
+absl::StatusOr<std::optional<LoadedCheckpoint>> CheckpointStore::LoadNewest(
+    std::vector<std::string>* rejected) const {
+  std::error_code error;
+  if (!fs::exists(dir_, error)) return std::optional<LoadedCheckpoint>();
+  std::vector<std::pair<int64_t, std::string>> steps;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
+    const std::string name = entry.path().filename().string();
+    if (int64_t step = StepOf(name); step >= 0 && entry.is_directory()) {
+      steps.emplace_back(step, entry.path().string());
+    }
+  }
+  if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
+  std::sort(steps.rbegin(), steps.rend());
+  for (const auto& [step, path] : steps) {
+    absl::StatusOr<LoadedCheckpoint> loaded = Load(path);
+    if (loaded.ok()) return std::optional<LoadedCheckpoint>(*std::move(loaded));
+    if (rejected != nullptr) {
+      rejected->push_back(
+          absl::StrCat(fs::path(path).filename().string(), ": ", loaded.status().message()));
+    }
+  }
+  return std::optional<LoadedCheckpoint>();
+}
+
+}  // namespace lathe

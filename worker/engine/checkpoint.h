@@ -1,0 +1,76 @@
+// Checkpoints of a training run, written so that a restart can trust them.
+//
+// A checkpoint is a directory <dir>/step-<8 digits>/ holding
+//   trainable.safetensors   the trainable parameters by name (LoRA A/B, or every weight)
+//   optimizer.safetensors   AdamW's moments: "exp_avg.<name>", "exp_avg_sq.<name>"
+//   state.json              step, AdamW step count, data cursor, RNG state, spec fingerprint
+//   manifest.json           size and SHA-256 of each file above; written last
+// It is assembled in a temporary directory (every file fsynced, the manifest last), renamed
+// into place and the parent directory fsynced, so a crash leaves either the complete
+// checkpoint or none. Loading takes the newest checkpoint whose manifest verifies and falls
+// back to older ones: a truncated file, a flipped byte or a missing manifest skips that one.
+// After each save only the newest `keep` checkpoints remain.
+//
+// No libtorch here: tensors come in as raw bytes and go out as mapped safetensors files.
+//
+// Thread-safety: not thread-safe; one trainer owns the store.
+#ifndef LATHE_WORKER_ENGINE_CHECKPOINT_H_
+#define LATHE_WORKER_ENGINE_CHECKPOINT_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "common/safetensors.h"
+#include "worker/engine/token_dataset.h"
+
+namespace lathe {
+
+struct TrainingState {
+  int64_t step = 0;             // optimizer steps completed (the next step is step + 1)
+  int64_t optimizer_steps = 0;  // AdamW's count: steps without targets do not count
+  SequenceSampler::Cursor cursor;
+  std::string rng_state;  // the CPU generator's state bytes (dropout)
+  std::optional<double> last_loss;
+  std::string spec_fingerprint;  // the run this checkpoint belongs to
+};
+
+struct LoadedCheckpoint {
+  std::string dir;
+  TrainingState state;
+  std::shared_ptr<const SafetensorsFile> trainable;
+  std::shared_ptr<const SafetensorsFile> optimizer;
+};
+
+class CheckpointStore {
+ public:
+  // `dir` is created on the first save. REQUIRES: keep >= 1.
+  CheckpointStore(std::string dir, int64_t keep);
+
+  // Writes a checkpoint for `state.step` as described above, then deletes the oldest beyond
+  // `keep`. INTERNAL (naming the file) on I/O errors; nothing partial is left then.
+  absl::Status Save(const TrainingState& state, absl::Span<const TensorToWrite> trainable,
+                    absl::Span<const TensorToWrite> optimizer);
+
+  // The newest checkpoint that verifies, or nullopt when there is none. Every checkpoint
+  // skipped on the way is described in `rejected` ("step-00000020: trainable.safetensors:
+  // SHA-256 mismatch"). INTERNAL when the directory cannot be read.
+  absl::StatusOr<std::optional<LoadedCheckpoint>> LoadNewest(
+      std::vector<std::string>* rejected) const;
+
+  const std::string& dir() const { return dir_; }
+
+ private:
+  absl::StatusOr<LoadedCheckpoint> Load(const std::string& step_dir) const;
+
+  std::string dir_;
+  int64_t keep_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_ENGINE_CHECKPOINT_H_
