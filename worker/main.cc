@@ -30,6 +30,7 @@
 #endif
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
+#include "worker/engine/memory_tracker.h"
 #include "worker/engine/trainer.h"
 #include "worker/engine/weights.h"
 
@@ -72,6 +73,7 @@ const std::vector<FlagSpec> kTrainFlags = {
 absl::Status Train(const ParsedFlags& flags) {
   if (!flags.Has("spec")) return absl::InvalidArgumentError("--spec is required");
   LATHE_ASSIGN_OR_RETURN(bool json, JsonOutput(flags));
+  MemoryTracker::Install();  // before any thread allocates through libtorch
   TrainerOptions options;
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
   options.threads = static_cast<int>(threads);
@@ -132,18 +134,26 @@ absl::Status Train(const ParsedFlags& flags) {
   auto on_step = [json](const StepReport& r) {
     double tokens_per_s = r.seconds > 0 ? r.tokens / r.seconds : 0.0;
     if (json) {
+      nlohmann::json memory;
+      for (int i = 0; i < kNumMemoryComponents; ++i) {
+        memory[std::string(MemoryComponentName(static_cast<MemoryComponent>(i)))] =
+            r.memory_at_peak[i];
+      }
+      memory["total"] = r.peak_bytes;
       std::cout << nlohmann::json{{"event", "step"},    {"step", r.step},
                                   {"steps", r.steps},   {"loss", Number(r.loss)},
                                   {"lr", r.lr},         {"grad_norm", r.grad_norm},
-                                  {"tokens", r.tokens}, {"tokens_per_s", tokens_per_s}}
+                                  {"tokens", r.tokens}, {"tokens_per_s", tokens_per_s},
+                                  {"memory", memory}}
                        .dump()
                 << std::endl;
     } else {
-      std::cout << absl::StrFormat("step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f",
-                                   r.step, r.steps,
-                                   r.loss ? absl::StrFormat("%.4f", *r.loss) : "skipped", r.lr,
-                                   r.grad_norm, tokens_per_s)
-                << std::endl;
+      std::cout
+          << absl::StrFormat(
+                 "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  peak %.1f MiB",
+                 r.step, r.steps, r.loss ? absl::StrFormat("%.4f", *r.loss) : "skipped", r.lr,
+                 r.grad_norm, tokens_per_s, r.peak_bytes / 1048576.0)
+          << std::endl;
     }
   };
   LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step));
@@ -156,7 +166,8 @@ absl::Status Train(const ParsedFlags& flags) {
                                 {"model", PathOrNull(result.model_dir)},
                                 {"seconds", result.seconds},
                                 {"tokens_per_s", result.tokens_per_second},
-                                {"peak_rss_bytes", result.peak_rss_bytes}}
+                                {"peak_rss_bytes", result.peak_rss_bytes},
+                                {"peak_bytes", result.peak_bytes}}
                      .dump()
               << std::endl;
   } else {

@@ -186,6 +186,12 @@ TEST_F(MemoryTrackerTest, TotalPeakIsThePeakOfTheSumNotTheSumOfPeaks) {
   EXPECT_EQ(Peak(s, C::kLogits) - Current(start, C::kLogits), 2'000'000);
   EXPECT_EQ(s.total.peak_bytes - start.total.current_bytes, 3'000'000);
   EXPECT_EQ(s.total.current_bytes, start.total.current_bytes);
+  // What the peak was made of: the weights block, not the later logits block.
+  EXPECT_EQ(s.at_peak[static_cast<int>(C::kWeights)] - Current(start, C::kWeights), 3'000'000);
+  EXPECT_EQ(s.at_peak[static_cast<int>(C::kLogits)], Current(start, C::kLogits));
+  int64_t sum = 0;
+  for (int64_t bytes : s.at_peak) sum += bytes;
+  EXPECT_EQ(sum, s.total.peak_bytes);
 }
 
 TEST_F(MemoryTrackerTest, TensorFromBeforeInstallIsFreedThroughItsOwnDeleter) {

@@ -10,6 +10,7 @@
 #include "tests/testing/temp_dir.h"
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
+#include "worker/engine/memory_tracker.h"
 #include "worker/tools/synthetic.h"
 
 namespace lathe {
@@ -252,6 +253,34 @@ TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
   absl::Status status = Trainer::Create(other, {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("a checkpoint of a job with another spec"));
+}
+
+TEST_F(TrainerTest, StepMemoryIsBrokenDownByComponentAndSumsToThePeak) {
+  spec_.train.steps = 3;
+  auto trainer = *Trainer::Create(spec_, {1});
+  std::vector<StepReport> reports;
+  ASSERT_TRUE(trainer->Run([&](const StepReport& r) { reports.push_back(r); }).ok());
+  auto bytes = [](const StepReport& r, MemoryComponent c) {
+    return r.memory_at_peak[static_cast<int>(c)];
+  };
+  // LoRA rank 4 on all seven projections of 2 layers: A [4, in] and B [out, 4] in float32.
+  int64_t lora = 0;
+  for (const std::string& module : LoraTargetModules()) {
+    ProjectionShape shape = ProjectionShapeOf(config_, module);
+    lora += 4 * (shape.in_features + shape.out_features) * 4 * config_.num_hidden_layers;
+  }
+  for (const StepReport& r : reports) {
+    int64_t sum = 0;
+    for (int64_t b : r.memory_at_peak) sum += b;
+    EXPECT_EQ(sum, r.peak_bytes) << r.step;  // the components are what the peak was made of
+    EXPECT_EQ(bytes(r, MemoryComponent::kTrainable), lora) << r.step;
+    EXPECT_GE(bytes(r, MemoryComponent::kOptimizer), 2 * lora) << r.step;  // AdamW's moments
+    EXPECT_GE(bytes(r, MemoryComponent::kWeights), ParameterCount(config_) * 4) << r.step;
+    EXPECT_GT(bytes(r, MemoryComponent::kActivations), 0) << r.step;
+    EXPECT_GT(bytes(r, MemoryComponent::kLogits) + bytes(r, MemoryComponent::kActivations) +
+                  bytes(r, MemoryComponent::kGradients),
+              0);
+  }
 }
 
 TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {

@@ -13,6 +13,7 @@
 #include "common/file_util.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "worker/engine/memory_tracker.h"
 #include "worker/engine/weights.h"
 
 namespace lathe {
@@ -270,6 +271,7 @@ at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labe
   at::Tensor targets = labels.slice(1, 1, seq).reshape({-1});
   // Only rows with a target need logits: prompts and padding cost nothing here.
   at::Tensor rows = targets.ne(-100).nonzero().squeeze(1);
+  MemoryScope scope(MemoryComponent::kLogits);
   at::Tensor logits = at::matmul(hidden.index_select(0, rows), lm_head().t());
   return at::cross_entropy_loss(logits, targets.index_select(0, rows), {}, at::Reduction::Sum);
 }

@@ -83,6 +83,7 @@ MemorySnapshot MemoryTracker::Snapshot() const {
   MemorySnapshot snapshot;
   snapshot.components = components_;
   snapshot.total = total_;
+  snapshot.at_peak = at_peak_;
   return snapshot;
 }
 
@@ -90,6 +91,7 @@ void MemoryTracker::ResetPeaks() {
   absl::MutexLock lock(&mu_);
   for (MemoryUsage& usage : components_) usage.peak_bytes = usage.current_bytes;
   total_.peak_bytes = total_.current_bytes;
+  for (int i = 0; i < kNumMemoryComponents; ++i) at_peak_[i] = components_[i].current_bytes;
 }
 
 c10::DataPtr MemoryTracker::allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST {
@@ -122,6 +124,9 @@ c10::DataPtr MemoryTracker::Allocate(size_t n) {
     CheckOrDie(inserted, "the wrapped allocator returned a live block");
     Add(components_[static_cast<int>(component)], bytes);
     Add(total_, bytes);
+    if (total_.current_bytes == total_.peak_bytes) {
+      for (int i = 0; i < kNumMemoryComponents; ++i) at_peak_[i] = components_[i].current_bytes;
+    }
   }
   return c10::DataPtr(data, data, &MemoryTracker::Delete, device);
 }

@@ -88,6 +88,9 @@ struct MemorySnapshot {
   // current_bytes is the sum of the components'; peak_bytes is the peak of that sum (at most
   // the sum of the components' peaks).
   MemoryUsage total;
+  // Each component's current bytes at the moment the total reached total.peak_bytes: what
+  // the peak was made of. Sums to total.peak_bytes exactly.
+  std::array<int64_t, kNumMemoryComponents> at_peak{};
 
   const MemoryUsage& of(MemoryComponent component) const {
     return components[static_cast<int>(component)];
@@ -143,6 +146,7 @@ class MemoryTracker final : public c10::Allocator {
   std::unordered_map<void*, Block> blocks_ ABSL_GUARDED_BY(mu_);
   std::array<MemoryUsage, kNumMemoryComponents> components_ ABSL_GUARDED_BY(mu_);
   MemoryUsage total_ ABSL_GUARDED_BY(mu_);
+  std::array<int64_t, kNumMemoryComponents> at_peak_ ABSL_GUARDED_BY(mu_){};
 };
 
 }  // namespace lathe

@@ -17,6 +17,7 @@
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/lr_schedule.h"
+#include "worker/engine/memory_tracker.h"
 
 namespace lathe {
 namespace {
@@ -192,10 +193,23 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
         std::max<int64_t>(1, train.epochs * sampler.SequencesPerEpoch() / train.global_batch);
   }
 
-  absl::StatusOr<std::unique_ptr<CausalLm>> model =
-      CausalLm::Load(spec.model.path, *config, /*trainable_base=*/spec.method == Method::kFull);
+  MemoryTracker* tracker = MemoryTracker::Install();
+  const int64_t weights_before = tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes;
+  absl::StatusOr<std::unique_ptr<CausalLm>> model;
+  {
+    const bool full = spec.method == Method::kFull;
+    MemoryScope scope(full ? MemoryComponent::kTrainable : MemoryComponent::kWeights);
+    model = CausalLm::Load(spec.model.path, *config, /*trainable_base=*/full);
+  }
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
+  if (spec.method != Method::kFull) {
+    const int64_t loaded =
+        tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
+    trainer->mapped_weight_bytes_ =
+        std::max<int64_t>(0, ParameterCount(*config) * 4 /* float32 */ - loaded);
+  }
+  MemoryScope trainable_scope(MemoryComponent::kTrainable);
   if (spec.method == Method::kLora) {
     if (spec.lora.init_from.empty()) {
       trainer->model_->InitLora(spec.lora, train.seed);
@@ -242,8 +256,11 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
                                            : static_cast<int>(std::thread::hardware_concurrency()));
   const TrainSpec& train = spec_.train;
   SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
+  MemoryTracker* tracker = MemoryTracker::Install();
+  std::optional<MemoryScope> optimizer_scope(std::in_place, MemoryComponent::kOptimizer);
   AdamW optimizer(model_->TrainableParameters(),
                   {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
+  optimizer_scope.reset();
   model_->set_training(true);
   TrainResult result;
   result.steps = total_steps_;
@@ -269,6 +286,7 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   const auto start = std::chrono::steady_clock::now();
   for (int64_t step = first_step; step < total_steps_; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
+    tracker->ResetPeaks();
     StepReport report;
     report.step = step + 1;
     report.steps = total_steps_;
@@ -288,11 +306,17 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
         for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
           std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
           auto [ids, labels] = Collate(micro);
-          at::Tensor loss = model_->SumLoss(ids, labels);
+          at::Tensor loss;
+          {
+            MemoryScope scope(MemoryComponent::kActivations);
+            loss = model_->SumLoss(ids, labels);
+          }
+          MemoryScope scope(MemoryComponent::kGradients);
           (loss / static_cast<double>(targets)).backward();
           loss_sum += loss.item<double>();
         }
         if (options_.world_size > 1) {
+          MemoryScope scope(MemoryComponent::kCommBuffers);
           LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
         }
         report.loss = loss_sum / static_cast<double>(targets);
@@ -301,7 +325,10 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
           double coef = train.max_grad_norm / (report.grad_norm + 1e-6);
           if (coef < 1.0) optimizer.ScaleGrads(coef);
         }
-        optimizer.Step(report.lr);
+        {
+          MemoryScope scope(MemoryComponent::kOptimizer);
+          optimizer.Step(report.lr);
+        }
         optimizer.ZeroGrad();
         result.final_loss = report.loss;
       }
@@ -310,6 +337,11 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     }
     report.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+    const MemorySnapshot memory = tracker->Snapshot();
+    for (int i = 0; i < kNumMemoryComponents; ++i) report.memory_at_peak[i] = memory.at_peak[i];
+    report.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)] += mapped_weight_bytes_;
+    report.peak_bytes = memory.total.peak_bytes + mapped_weight_bytes_;
+    result.peak_bytes = std::max(result.peak_bytes, report.peak_bytes);
     if (step > first_step || total_steps_ == 1) {
       timed_tokens += report.tokens;
       timed_seconds += report.seconds;

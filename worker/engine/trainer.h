@@ -16,6 +16,7 @@
 #ifndef LATHE_WORKER_ENGINE_TRAINER_H_
 #define LATHE_WORKER_ENGINE_TRAINER_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -55,6 +56,11 @@ struct StepReport {
   double grad_norm = 0.0;  // before clipping
   int64_t tokens = 0;      // input tokens, padding excluded
   double seconds = 0.0;
+  // CPU memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
+  // components sum to peak_bytes. Measured by the MemoryTracker; weights mapped from the
+  // model file count as weights.
+  std::array<int64_t, 8> memory_at_peak{};
+  int64_t peak_bytes = 0;
 };
 
 struct TrainResult {
@@ -67,6 +73,7 @@ struct TrainResult {
   double seconds = 0.0;
   double tokens_per_second = 0.0;  // over every step but the first (warm-up)
   int64_t peak_rss_bytes = 0;
+  int64_t peak_bytes = 0;  // the largest step peak, as in StepReport
 };
 
 class Trainer {
@@ -111,6 +118,8 @@ class Trainer {
   std::optional<TokenDataset> eval_data_;
   int64_t total_steps_ = 0;
   int64_t micro_batch_ = 0;
+  // Frozen weights read in place from the mapped model file: resident, but not allocated.
+  int64_t mapped_weight_bytes_ = 0;
   std::string spec_fingerprint_;
   std::unique_ptr<CheckpointStore> checkpoints_;
   std::optional<LoadedCheckpoint> resume_;
