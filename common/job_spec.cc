@@ -417,7 +417,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
       r.ExpectMap(node, "train",
                   {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
                    "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm",
-                   "precision", "seed", "checkpoint_every", "keep_checkpoints"}));
+                   "precision", "seed", "checkpoint_every", "keep_checkpoints", "eval_every"}));
   if (const YAML::Node v = node["steps"]) {
     LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.steps", 0, &train->steps));
   }
@@ -486,6 +486,9 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   if (const YAML::Node v = node["keep_checkpoints"]) {
     LATHE_RETURN_IF_ERROR(
         r.ReadIntAtLeast(v, "train.keep_checkpoints", 1, &train->keep_checkpoints));
+  }
+  if (const YAML::Node v = node["eval_every"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.eval_every", 0, &train->eval_every));
   }
   return absl::OkStatus();
 }

@@ -75,6 +75,7 @@ struct TrainSpec {
   uint64_t seed = 0;
   int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints
   int64_t keep_checkpoints = 3;  // newest complete checkpoints kept; >= 1
+  int64_t eval_every = 0;        // steps between eval-loss reports (data.eval); 0 = at the end
 };
 
 struct ResourcesSpec {

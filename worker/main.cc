@@ -140,10 +140,15 @@ absl::Status Train(const ParsedFlags& flags) {
             r.memory_at_peak[i];
       }
       memory["total"] = r.peak_bytes;
-      std::cout << nlohmann::json{{"event", "step"},    {"step", r.step},
-                                  {"steps", r.steps},   {"loss", Number(r.loss)},
-                                  {"lr", r.lr},         {"grad_norm", r.grad_norm},
-                                  {"tokens", r.tokens}, {"tokens_per_s", tokens_per_s},
+      std::cout << nlohmann::json{{"event", "step"},
+                                  {"step", r.step},
+                                  {"steps", r.steps},
+                                  {"loss", Number(r.loss)},
+                                  {"lr", r.lr},
+                                  {"grad_norm", r.grad_norm},
+                                  {"tokens", r.tokens},
+                                  {"tokens_per_s", tokens_per_s},
+                                  {"eval_loss", Number(r.eval_loss)},
                                   {"memory", memory}}
                        .dump()
                 << std::endl;
@@ -153,7 +158,7 @@ absl::Status Train(const ParsedFlags& flags) {
                  "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  peak %.1f MiB",
                  r.step, r.steps, r.loss ? absl::StrFormat("%.4f", *r.loss) : "skipped", r.lr,
                  r.grad_norm, tokens_per_s, r.peak_bytes / 1048576.0)
-          << std::endl;
+          << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "") << std::endl;
     }
   };
   LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step));

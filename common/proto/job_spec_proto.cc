@@ -212,6 +212,7 @@ Json TrainJson(const v1::TrainSpec& train) {
   if (train.has_seed()) out["seed"] = train.seed();
   if (train.has_checkpoint_every()) out["checkpoint_every"] = train.checkpoint_every();
   if (train.has_keep_checkpoints()) out["keep_checkpoints"] = train.keep_checkpoints();
+  if (train.has_eval_every()) out["eval_every"] = train.eval_every();
   return out;
 }
 
@@ -280,6 +281,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_seed(spec.train.seed);
   train->set_checkpoint_every(spec.train.checkpoint_every);
   train->set_keep_checkpoints(spec.train.keep_checkpoints);
+  train->set_eval_every(spec.train.eval_every);
 
   v1::ResourcesSpec* resources = out.mutable_resources();
   resources->set_ranks(spec.resources.ranks);

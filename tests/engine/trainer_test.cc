@@ -283,6 +283,31 @@ TEST_F(TrainerTest, StepMemoryIsBrokenDownByComponentAndSumsToThePeak) {
   }
 }
 
+TEST_F(TrainerTest, EvalLossIsReportedEveryNSteps) {
+  SyntheticDataOptions eval_data;
+  eval_data.vocab = 64;
+  eval_data.records = 8;
+  eval_data.seed = 9;
+  spec_.data.eval = dir_.Write("eval.jsonl", SyntheticDataJsonl(eval_data));
+  spec_.train.steps = 6;
+  spec_.train.eval_every = 2;
+  spec_.lora.dropout = 0.2;  // off while evaluating: the same weights give the same loss
+  auto trainer = *Trainer::Create(spec_, {1});
+  std::vector<StepReport> reports;
+  absl::StatusOr<TrainResult> result =
+      trainer->Run([&](const StepReport& r) { reports.push_back(r); });
+  ASSERT_TRUE(result.ok()) << result.status();
+  for (const StepReport& r : reports) {
+    EXPECT_EQ(r.eval_loss.has_value(), r.step % 2 == 0) << r.step;
+    if (r.eval_loss) {
+      EXPECT_TRUE(std::isfinite(*r.eval_loss)) << r.step;
+    }
+  }
+  // The last step's evaluation and the final one see the same weights.
+  ASSERT_TRUE(result->eval_loss.has_value());
+  EXPECT_EQ(*reports.back().eval_loss, *result->eval_loss);
+}
+
 TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   JobSpec spec = spec_;
   spec.data.seq_len = 65;

@@ -342,6 +342,14 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     report.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)] += mapped_weight_bytes_;
     report.peak_bytes = memory.total.peak_bytes + mapped_weight_bytes_;
     result.peak_bytes = std::max(result.peak_bytes, report.peak_bytes);
+    if (eval_data_ && train.eval_every > 0 && (step + 1) % train.eval_every == 0 &&
+        options_.rank == 0) {
+      model_->set_training(false);
+      LATHE_ASSIGN_OR_RETURN(Evaluation eval,
+                             Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
+      model_->set_training(true);
+      report.eval_loss = eval.loss;
+    }
     if (step > first_step || total_steps_ == 1) {
       timed_tokens += report.tokens;
       timed_seconds += report.seconds;

@@ -53,8 +53,9 @@ struct StepReport {
   std::optional<double> loss;  // mean over the step's targets, before the update; unset
                                // when the step had no targets (and was skipped)
   double lr = 0.0;
-  double grad_norm = 0.0;  // before clipping
-  int64_t tokens = 0;      // input tokens, padding excluded
+  double grad_norm = 0.0;           // before clipping
+  std::optional<double> eval_loss;  // at every train.eval_every-th step (rank 0)
+  int64_t tokens = 0;               // input tokens, padding excluded
   double seconds = 0.0;
   // CPU memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
   // components sum to peak_bytes. Measured by the MemoryTracker; weights mapped from the
