@@ -363,8 +363,8 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     }
     if (stop) {
       return absl::CancelledError(absl::StrCat("stopped after step ", step + 1,
-                                               "; the run resumes ", "from ", checkpoints_->dir(),
-                                               " when started again"));
+                                               "; started again, the run resumes from ",
+                                               checkpoints_->dir()));
     }
   }
   model_->set_training(false);
