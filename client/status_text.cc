@@ -158,11 +158,6 @@ std::string AttemptStateName(v1::AttemptState state) {
   return EnumSuffix(v1::AttemptState_Name(state), "ATTEMPT_STATE_");
 }
 
-bool IsFinalState(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
-
 absl::StatusOr<v1::JobState> ParseJobState(absl::string_view text) {
   std::string name = absl::AsciiStrToUpper(absl::StripAsciiWhitespace(text));
   if (!absl::StartsWith(name, "JOB_STATE_")) name = absl::StrCat("JOB_STATE_", name);

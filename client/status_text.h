@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/proto/job_state.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
 
@@ -28,9 +29,6 @@ namespace lathe {
 // unrecognised value.
 std::string JobStateName(v1::JobState state);
 std::string AttemptStateName(v1::AttemptState state);
-
-// True for SUCCEEDED, FAILED and CANCELLED.
-bool IsFinalState(v1::JobState state);
 
 // Parses a state as a user types it: "running", "RUNNING" or "JOB_STATE_RUNNING".
 // INVALID_ARGUMENT listing the accepted names otherwise.

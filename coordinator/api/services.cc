@@ -3,12 +3,16 @@
 #include <string>
 #include <vector>
 
+#include "common/proto/job_state.h"
+
 namespace lathe {
 namespace {
 
-bool IsTerminal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
+// Moves a successful result into the response; the status either way.
+template <typename T>
+grpc::Status Respond(absl::StatusOr<T> result, T* response) {
+  if (result.ok()) *response = *std::move(result);
+  return ToGrpcStatus(result.status());
 }
 
 }  // namespace
@@ -20,31 +24,22 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* response) {
-  absl::StatusOr<v1::SubmitJobResponse> result = jobs_->Submit(*request);
-  if (result.ok()) *response = *std::move(result);
-  return ToGrpcStatus(result.status());
+  return Respond(jobs_->Submit(*request), response);
 }
 
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
                                     v1::JobStatus* response) {
-  absl::StatusOr<v1::JobStatus> result = scheduler_->GetJob(request->job_id());
-  if (result.ok()) *response = *std::move(result);
-  return ToGrpcStatus(result.status());
+  return Respond(scheduler_->GetJob(request->job_id()), response);
 }
 
 grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* response) {
-  absl::StatusOr<v1::ListJobsResponse> result = jobs_->List(*request);
-  if (result.ok()) *response = *std::move(result);
-  return ToGrpcStatus(result.status());
+  return Respond(jobs_->List(*request), response);
 }
 
 grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
                                        v1::JobStatus* response) {
-  absl::StatusOr<v1::JobStatus> result =
-      scheduler_->CancelJob(request->job_id(), request->reason());
-  if (result.ok()) *response = *std::move(result);
-  return ToGrpcStatus(result.status());
+  return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
 }
 
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
@@ -58,7 +53,7 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
         scheduler_->WaitForJobChange(request->job_id(), &version, absl::Now() + absl::Seconds(1));
     if (!status.ok()) return ToGrpcStatus(status.status());
     if (version == seen) continue;
-    if (!writer->Write(*status) || IsTerminal(status->state())) break;
+    if (!writer->Write(*status) || IsFinalState(status->state())) break;
   }
   return grpc::Status::OK;
 }
@@ -66,9 +61,7 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
 grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext*,
                                                const v1::RegisterWorkerRequest* request,
                                                v1::RegisterWorkerResponse* response) {
-  absl::StatusOr<v1::RegisterWorkerResponse> result = scheduler_->RegisterWorker(*request);
-  if (result.ok()) *response = *std::move(result);
-  return ToGrpcStatus(result.status());
+  return Respond(scheduler_->RegisterWorker(*request), response);
 }
 
 grpc::Status WorkerServiceImpl::Heartbeat(

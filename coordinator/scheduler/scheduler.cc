@@ -6,16 +6,12 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/proto/job_state.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
 namespace lathe {
 namespace {
-
-bool IsTerminal(v1::JobState state) {
-  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED ||
-         state == v1::JOB_STATE_CANCELLED;
-}
 
 bool IsActive(const v1::Attempt& attempt) {
   return attempt.state() == v1::ATTEMPT_STATE_STARTING ||
@@ -151,7 +147,7 @@ absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
   JobState& job = it->second;
-  if (IsTerminal(job.status.state())) return job.status;
+  if (IsFinalState(job.status.state())) return job.status;
   const std::string why =
       reason.empty() ? "cancelled by the user" : absl::StrCat("cancelled: ", reason);
   if (job.status.state() == v1::JOB_STATE_QUEUED) {
@@ -366,11 +362,7 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
     if (slot.job_id().empty()) continue;
     *worker.status.add_running() = slot;
     reported.insert(slot.slot());
-    auto job = jobs_.find(slot.job_id());
-    bool current = job != jobs_.end() && !job->second.status.attempts().empty() &&
-                   job->second.status.attempts().rbegin()->generation() == slot.generation() &&
-                   IsActive(*job->second.status.attempts().rbegin());
-    if (!current) {
+    if (!IsActiveAttemptLocked(slot.job_id(), slot.generation())) {
       bool pending =
           std::any_of(worker.pending_cancellations.begin(), worker.pending_cancellations.end(),
                       [&](const v1::Cancellation& c) {
@@ -387,11 +379,8 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
   // Slots of ended attempts that the worker no longer runs are free again.
   bool freed = false;
   for (auto busy = worker.busy.begin(); busy != worker.busy.end();) {
-    auto job = jobs_.find(busy->second.job_id);
-    bool active = job != jobs_.end() && !job->second.status.attempts().empty() &&
-                  job->second.status.attempts().rbegin()->generation() == busy->second.generation &&
-                  IsActive(*job->second.status.attempts().rbegin());
-    if (!active && !reported.count(busy->first)) {
+    if (!IsActiveAttemptLocked(busy->second.job_id, busy->second.generation) &&
+        !reported.count(busy->first)) {
       busy = worker.busy.erase(busy);
       freed = true;
     } else {
@@ -516,11 +505,9 @@ void Scheduler::CheckHeartbeats() {
     worker.status.clear_running();
     PersistWorker(worker);
     for (const auto& [slot, ref] : busy) {
-      auto job = jobs_.find(ref.job_id);
-      if (job == jobs_.end() || job->second.status.attempts().empty()) continue;
-      const v1::Attempt& attempt = *job->second.status.attempts().rbegin();
-      if (attempt.generation() == ref.generation && IsActive(attempt)) {
-        EndAttempt(job->second, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
+      if (IsActiveAttemptLocked(ref.job_id, ref.generation)) {
+        EndAttempt(jobs_.find(ref.job_id)->second, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED,
+                   reason);
       }
     }
     changed = true;
@@ -537,6 +524,10 @@ std::vector<v1::WorkerStatus> Scheduler::ListWorkers() const {
 
 bool Scheduler::IsActiveAttempt(absl::string_view job_id, int64_t generation) const {
   absl::MutexLock lock(&mu_);
+  return IsActiveAttemptLocked(job_id, generation);
+}
+
+bool Scheduler::IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const {
   auto it = jobs_.find(job_id);
   if (it == jobs_.end() || it->second.status.attempts().empty()) return false;
   const v1::Attempt& attempt = *it->second.status.attempts().rbegin();

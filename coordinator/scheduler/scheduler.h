@@ -128,6 +128,9 @@ class Scheduler {
   void EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
                   const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // IsActiveAttempt with the lock held.
+  bool IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void PersistWorker(const WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t NowMs() const;
 
