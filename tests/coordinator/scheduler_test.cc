@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_model.h"
 #include "worker/tools/synthetic.h"
 
 namespace lathe {
@@ -306,16 +307,7 @@ class JobManagerTest : public SchedulerTest {
  protected:
   void SetUp() override {
     SchedulerTest::SetUp();
-    ModelConfig config;
-    config.model_type = "llama";
-    config.vocab_size = 32;
-    config.hidden_size = 16;
-    config.intermediate_size = 32;
-    config.num_hidden_layers = 1;
-    config.num_attention_heads = 2;
-    config.num_key_value_heads = 2;
-    config.head_dim = 8;
-    config.max_position_embeddings = 64;
+    ModelConfig config = testing::TinyModelConfig();
     ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, dir_.Path("model")).ok());
     dir_.Write("train.jsonl", "{\"input_ids\": [1, 2, 3]}\n");
     spec_.name = "job";

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_model.h"
 #include "worker/tools/synthetic.h"
 
 namespace lathe {
@@ -17,18 +18,10 @@ namespace {
 using ::testing::HasSubstr;
 using testing::TempDir;
 
+// The shared tiny architecture, with room for longer test sequences.
 ModelConfig TinyConfig(const std::string& type = "llama") {
-  ModelConfig c;
-  c.model_type = type;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
+  ModelConfig c = testing::TinyModelConfig(type);
   c.max_position_embeddings = 128;
-  c.qkv_bias = type == "qwen2";
   return c;
 }
 

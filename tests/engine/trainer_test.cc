@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_model.h"
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/memory_tracker.h"
@@ -22,15 +23,7 @@ using testing::TempDir;
 class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    config_.model_type = "llama";
-    config_.vocab_size = 64;
-    config_.hidden_size = 32;
-    config_.intermediate_size = 48;
-    config_.num_hidden_layers = 2;
-    config_.num_attention_heads = 4;
-    config_.num_key_value_heads = 2;
-    config_.head_dim = 8;
-    config_.max_position_embeddings = 64;
+    config_ = testing::TinyModelConfig();
     ASSERT_TRUE(WriteSyntheticModel(config_, DType::kF32, 1, 0, dir_.Path("model")).ok());
     SyntheticDataOptions data;
     data.vocab = 64;

@@ -19,8 +19,6 @@
 
 namespace lathe {
 
-inline constexpr bool kTorchHasFusedAttention = TORCH_VERSION_MAJOR >= 2;
-
 // c10::Allocator changed in libtorch 2.3: allocate() lost its const and copy_data() became a
 // pure virtual. An allocator declares
 //   c10::DataPtr allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST override;
