@@ -413,11 +413,11 @@ absl::Status ParseSchedule(const SpecReader& r, const YAML::Node& node, Schedule
 }
 
 absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* train) {
-  LATHE_RETURN_IF_ERROR(
-      r.ExpectMap(node, "train",
-                  {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
-                   "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm",
-                   "precision", "seed", "checkpoint_every", "keep_checkpoints", "eval_every"}));
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(
+      node, "train",
+      {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
+       "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm", "precision", "seed",
+       "checkpoint_every", "keep_checkpoints", "eval_every", "max_nonfinite_steps"}));
   if (const YAML::Node v = node["steps"]) {
     LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.steps", 0, &train->steps));
   }
@@ -489,6 +489,10 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   }
   if (const YAML::Node v = node["eval_every"]) {
     LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.eval_every", 0, &train->eval_every));
+  }
+  if (const YAML::Node v = node["max_nonfinite_steps"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadIntAtLeast(v, "train.max_nonfinite_steps", 1, &train->max_nonfinite_steps));
   }
   return absl::OkStatus();
 }

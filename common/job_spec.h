@@ -76,6 +76,9 @@ struct TrainSpec {
   int64_t checkpoint_every = 0;  // 0 = no periodic checkpoints
   int64_t keep_checkpoints = 3;  // newest complete checkpoints kept; >= 1
   int64_t eval_every = 0;        // steps between eval-loss reports (data.eval); 0 = at the end
+  // Consecutive steps with a non-finite loss or gradient (each one skipped) after which the
+  // job fails; >= 1.
+  int64_t max_nonfinite_steps = 10;
 };
 
 struct ResourcesSpec {

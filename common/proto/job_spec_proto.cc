@@ -213,6 +213,7 @@ Json TrainJson(const v1::TrainSpec& train) {
   if (train.has_checkpoint_every()) out["checkpoint_every"] = train.checkpoint_every();
   if (train.has_keep_checkpoints()) out["keep_checkpoints"] = train.keep_checkpoints();
   if (train.has_eval_every()) out["eval_every"] = train.eval_every();
+  if (train.has_max_nonfinite_steps()) out["max_nonfinite_steps"] = train.max_nonfinite_steps();
   return out;
 }
 
@@ -282,6 +283,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_checkpoint_every(spec.train.checkpoint_every);
   train->set_keep_checkpoints(spec.train.keep_checkpoints);
   train->set_eval_every(spec.train.eval_every);
+  train->set_max_nonfinite_steps(spec.train.max_nonfinite_steps);
 
   v1::ResourcesSpec* resources = out.mutable_resources();
   resources->set_ranks(spec.resources.ranks);

@@ -428,6 +428,8 @@ TEST(JobSpecTest, RejectsBadFields) {
        "job.yaml: train.keep_checkpoints: must be >= 1, got 0"},
       {{{"train", "{steps: 10, eval_every: -2}"}},
        "job.yaml: train.eval_every: must be >= 0, got -2"},
+      {{{"train", "{steps: 10, max_nonfinite_steps: 0}"}},
+       "job.yaml: train.max_nonfinite_steps: must be >= 1, got 0"},
       {{{"train", "{steps: 10, seed: -1}"}},
        "job.yaml: train.seed: must be a non-negative integer, got -1"},
       {{{"train", "{steps: 10, seed: 0.5}"}},

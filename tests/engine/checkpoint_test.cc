@@ -23,6 +23,9 @@ class CheckpointStoreTest : public ::testing::Test {
     state.cursor = {2, 5, 7};
     state.rng_state = std::string("\0\1\2rng", 6);
     state.last_loss = 1.5 + step;
+    state.loss_scale = {8192.0, 17};
+    state.skipped_steps = 4;
+    state.consecutive_nonfinite = 2;
     state.spec_fingerprint = "abc";
     return state;
   }
@@ -60,6 +63,10 @@ TEST_F(CheckpointStoreTest, RoundTripsTheNewestAndKeepsOnlyK) {
   EXPECT_EQ(state.cursor.offset_in_document, 7);
   EXPECT_EQ(state.rng_state, std::string("\0\1\2rng", 6));
   EXPECT_DOUBLE_EQ(*state.last_loss, 31.5);
+  EXPECT_EQ(state.loss_scale.scale, 8192.0);
+  EXPECT_EQ(state.loss_scale.clean_steps, 17);
+  EXPECT_EQ(state.skipped_steps, 4);
+  EXPECT_EQ(state.consecutive_nonfinite, 2);
   EXPECT_EQ(state.spec_fingerprint, "abc");
   const TensorView* w = (*loaded)->trainable->Find("w");
   ASSERT_NE(w, nullptr);

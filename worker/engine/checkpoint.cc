@@ -36,6 +36,10 @@ std::string StateJson(const TrainingState& state) {
                     {"offset_in_document", state.cursor.offset_in_document}};
   json["rng_state"] = absl::Base64Escape(state.rng_state);
   json["last_loss"] = state.last_loss ? nlohmann::json(*state.last_loss) : nlohmann::json(nullptr);
+  json["loss_scale"] = {{"scale", state.loss_scale.scale},
+                        {"clean_steps", state.loss_scale.clean_steps}};
+  json["nonfinite_steps"] = {{"skipped", state.skipped_steps},
+                             {"consecutive", state.consecutive_nonfinite}};
   json["spec_fingerprint"] = state.spec_fingerprint;
   return json.dump(2) + "\n";
 }
@@ -59,6 +63,15 @@ absl::StatusOr<TrainingState> ParseState(const std::string& text, const std::str
     }
     if (json.at("last_loss").is_number()) state.last_loss = json["last_loss"].get<double>();
     state.spec_fingerprint = json.at("spec_fingerprint").get<std::string>();
+    // Absent from checkpoints written before precision support (fp32: scale 1).
+    if (json.contains("loss_scale")) {
+      state.loss_scale.scale = json["loss_scale"].at("scale").get<double>();
+      state.loss_scale.clean_steps = json["loss_scale"].at("clean_steps").get<int64_t>();
+    }
+    if (json.contains("nonfinite_steps")) {
+      state.skipped_steps = json["nonfinite_steps"].at("skipped").get<int64_t>();
+      state.consecutive_nonfinite = json["nonfinite_steps"].at("consecutive").get<int64_t>();
+    }
   } catch (const nlohmann::json::exception& e) {
     return bad(e.what());
   }

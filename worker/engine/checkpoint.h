@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "common/safetensors.h"
+#include "worker/engine/loss_scaler.h"
 #include "worker/engine/token_dataset.h"
 
 namespace lathe {
@@ -36,7 +37,10 @@ struct TrainingState {
   SequenceSampler::Cursor cursor;
   std::string rng_state;  // the CPU generator's state bytes (dropout)
   std::optional<double> last_loss;
-  std::string spec_fingerprint;  // the run this checkpoint belongs to
+  LossScaler::State loss_scale;
+  int64_t skipped_steps = 0;          // steps skipped for a non-finite loss or gradient
+  int64_t consecutive_nonfinite = 0;  // of which the last ones in a row
+  std::string spec_fingerprint;       // the run this checkpoint belongs to
 };
 
 struct LoadedCheckpoint {

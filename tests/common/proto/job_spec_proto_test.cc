@@ -54,6 +54,7 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.train.checkpoint_every, expected.train.checkpoint_every);
   EXPECT_EQ(actual.train.keep_checkpoints, expected.train.keep_checkpoints);
   EXPECT_EQ(actual.train.eval_every, expected.train.eval_every);
+  EXPECT_EQ(actual.train.max_nonfinite_steps, expected.train.max_nonfinite_steps);
   EXPECT_EQ(actual.resources.ranks, expected.resources.ranks);
   EXPECT_EQ(actual.resources.device, expected.resources.device);
   EXPECT_EQ(actual.resources.memory_per_rank, expected.resources.memory_per_rank);
@@ -101,6 +102,7 @@ JobSpec FullSpec() {
   spec.train.checkpoint_every = 100;
   spec.train.keep_checkpoints = 5;
   spec.train.eval_every = 7;
+  spec.train.max_nonfinite_steps = 4;
   spec.resources.ranks = 8;
   spec.resources.device = DeviceKind::kCuda;
   spec.resources.memory_per_rank = UINT64_C(80) << 30;
