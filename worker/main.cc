@@ -146,6 +146,8 @@ absl::Status Train(const ParsedFlags& flags) {
                                   {"loss", Number(r.loss)},
                                   {"lr", r.lr},
                                   {"grad_norm", r.grad_norm},
+                                  {"skipped", r.skipped},
+                                  {"loss_scale", r.loss_scale},
                                   {"tokens", r.tokens},
                                   {"tokens_per_s", tokens_per_s},
                                   {"eval_loss", Number(r.eval_loss)},
@@ -156,8 +158,11 @@ absl::Status Train(const ParsedFlags& flags) {
       std::cout
           << absl::StrFormat(
                  "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  peak %.1f MiB",
-                 r.step, r.steps, r.loss ? absl::StrFormat("%.4f", *r.loss) : "skipped", r.lr,
-                 r.grad_norm, tokens_per_s, r.peak_bytes / 1048576.0)
+                 r.step, r.steps,
+                 !r.loss     ? "no targets"
+                 : r.skipped ? absl::StrFormat("%g (not finite: step skipped)", *r.loss)
+                             : absl::StrFormat("%.4f", *r.loss),
+                 r.lr, r.grad_norm, tokens_per_s, r.peak_bytes / 1048576.0)
           << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "") << std::endl;
     }
   };
@@ -165,6 +170,7 @@ absl::Status Train(const ParsedFlags& flags) {
   if (json) {
     std::cout << nlohmann::json{{"event", "done"},
                                 {"steps", result.steps},
+                                {"skipped_steps", result.skipped_steps},
                                 {"final_loss", Number(result.final_loss)},
                                 {"eval_loss", Number(result.eval_loss)},
                                 {"adapter", PathOrNull(result.adapter_dir)},

@@ -3,6 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <filesystem>
 
 #include "absl/strings/match.h"
 #include "common/safetensors.h"
@@ -26,11 +27,14 @@ ModelConfig TinyConfig(const std::string& type = "llama") {
 }
 
 std::unique_ptr<CausalLm> LoadModel(const TempDir& dir, const ModelConfig& config,
-                                    DType dtype = DType::kF32, bool trainable = false) {
-  absl::Status written = WriteSyntheticModel(config, dtype, 1, 1, dir.Path("model"));
-  EXPECT_TRUE(written.ok()) << written;
+                                    DType dtype = DType::kF32, bool trainable = false,
+                                    const ModelOptions& options = {}) {
+  if (!std::filesystem::exists(dir.Path("model"))) {
+    absl::Status written = WriteSyntheticModel(config, dtype, 1, 1, dir.Path("model"));
+    EXPECT_TRUE(written.ok()) << written;
+  }
   absl::StatusOr<std::unique_ptr<CausalLm>> model =
-      CausalLm::Load(dir.Path("model"), config, trainable);
+      CausalLm::Load(dir.Path("model"), config, trainable, options);
   EXPECT_TRUE(model.ok()) << model.status();
   return model.ok() ? *std::move(model) : nullptr;
 }
@@ -121,6 +125,99 @@ TEST(CausalLm, LoadsHalfPrecisionFilesAsFloat32) {
   at::Tensor logits = bf16->Logits(Ids(1, 5, config.vocab_size));
   EXPECT_EQ(logits.scalar_type(), at::kFloat);
   EXPECT_TRUE(logits.isfinite().all().item<bool>());
+}
+
+// Loss and gradients of the trainable tensors after one backward of SumLoss.
+struct LossAndGrads {
+  double loss;
+  std::vector<at::Tensor> grads;
+};
+
+LossAndGrads Backward(CausalLm& model, const at::Tensor& ids, uint64_t dropout_seed) {
+  at::Generator generator = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(dropout_seed);
+  }
+  at::Tensor loss = model.SumLoss(ids, ids);
+  loss.backward();
+  LossAndGrads out{loss.item<double>(), {}};
+  for (NamedParameter& p : model.TrainableParameters()) {
+    out.grads.push_back(p.tensor.grad().clone());
+    p.tensor.mutable_grad().reset();
+  }
+  return out;
+}
+
+TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
+  for (bool full : {false, true}) {
+    SCOPED_TRACE(full ? "full fine-tuning" : "LoRA with dropout");
+    TempDir dir;
+    ModelConfig config = TinyConfig("qwen2");
+    ModelOptions checkpointed;
+    checkpointed.activation_checkpointing = true;
+    auto plain = LoadModel(dir, config, DType::kF32, full);
+    auto recomputed = LoadModel(dir, config, DType::kF32, full, checkpointed);
+    if (!full) {
+      LoraSpec lora;
+      lora.rank = 4;
+      lora.dropout = 0.25;  // the recomputation must replay the same dropout masks
+      plain->InitLora(lora, 2);
+      recomputed->InitLora(lora, 2);
+      for (CausalLm* m : {plain.get(), recomputed.get()}) {
+        at::NoGradGuard no_grad;
+        for (NamedParameter& p : m->TrainableParameters()) {
+          if (absl::EndsWith(p.name, "lora_B.weight")) p.tensor.fill_(0.05);
+        }
+      }
+    }
+    plain->set_training(true);
+    recomputed->set_training(true);
+    at::Tensor ids = Ids(2, 16, config.vocab_size, 4);
+    LossAndGrads a = Backward(*plain, ids, 7);
+    LossAndGrads b = Backward(*recomputed, ids, 7);
+    EXPECT_EQ(a.loss, b.loss);
+    ASSERT_EQ(a.grads.size(), b.grads.size());
+    ASSERT_FALSE(a.grads.empty());
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      EXPECT_TRUE(at::equal(a.grads[i], b.grads[i]))
+          << "gradient " << i << " differs by " << (a.grads[i] - b.grads[i]).abs().max();
+    }
+    // A different dropout seed gives different gradients: the masks do matter above.
+    if (!full) {
+      LossAndGrads c = Backward(*recomputed, ids, 8);
+      EXPECT_NE(a.loss, c.loss);
+    }
+  }
+}
+
+TEST(CausalLm, Bf16WeightsComputeLikeFloat32OnTheRoundedWeights) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  // The file holds bf16 values, so float32 loading is exact: both models hold the same
+  // numbers, one widened at load time and one stored as bf16 and widened as used.
+  ModelOptions bf16;
+  bf16.weight_dtype = at::kBFloat16;
+  auto wide = LoadModel(dir, config, DType::kBF16);
+  auto narrow = LoadModel(dir, config, DType::kBF16, false, bf16);
+  LoraSpec lora;
+  lora.rank = 4;
+  wide->InitLora(lora, 3);
+  narrow->InitLora(lora, 3);
+  for (CausalLm* m : {wide.get(), narrow.get()}) {
+    at::NoGradGuard no_grad;
+    for (NamedParameter& p : m->TrainableParameters()) {
+      EXPECT_EQ(p.tensor.scalar_type(), at::kFloat) << p.name;  // masters stay float32
+      if (absl::EndsWith(p.name, "lora_B.weight")) p.tensor.fill_(0.05);
+    }
+  }
+  at::Tensor ids = Ids(2, 12, config.vocab_size, 5);
+  LossAndGrads a = Backward(*wide, ids, 0);
+  LossAndGrads b = Backward(*narrow, ids, 0);
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(a.loss));
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-5, 1e-7)) << "gradient " << i;
+  }
 }
 
 TEST(CausalLm, Llama3RopeScalingKeepsHighAndDividesLowFrequencies) {

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -240,7 +241,9 @@ class LoRALinear(nn.Module):
         self.dropout = dropout
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        # Frozen weights stored in bf16/fp16 are widened to x's type as they are used.
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        y = F.linear(x, self.weight.to(x.dtype), bias)
         if self.lora_A is not None:
             xd = F.dropout(x, p=self.dropout, training=True) if self.dropout > 0 else x
             y = y + self.scaling * F.linear(F.linear(xd, self.lora_A), self.lora_B)
@@ -254,7 +257,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
 
 
 def rotate_half(x):
@@ -336,10 +339,14 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg, weights, dtype=torch.float32, train_base=False):
+    def __init__(self, cfg, weights, dtype=torch.float32, train_base=False, storage=None,
+                 checkpointing=False):
+        """`storage`: the type frozen weights are kept in (bf16/fp16; default `dtype`).
+        `checkpointing`: recompute each decoder layer in backward (torch.utils.checkpoint)."""
         super().__init__()
         self.cfg = cfg
-        w = {k: v.to(dtype).clone() for k, v in weights.items()}
+        keep = storage if storage is not None and not train_base else dtype
+        w = {k: v.to(keep).clone() for k, v in weights.items()}
         v, hdim = cfg["vocab_size"], cfg["hidden_size"]
         if tuple(w["model.embed_tokens.weight"].shape) != (v, hdim):
             raise ReferenceError("model.embed_tokens.weight: shape "
@@ -355,6 +362,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Parameter(w["lm_head.weight"], requires_grad=train_base)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.dtype = dtype
+        self.checkpointing = checkpointing
 
     def projection(self, layer, module):
         blk = self.layers[layer]
@@ -371,10 +379,13 @@ class CausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos().to(self.dtype)
         sin = emb.sin().to(self.dtype)
-        h = F.embedding(ids, self.embed_tokens)
+        h = F.embedding(ids, self.embed_tokens).to(self.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        return F.linear(self.norm(h), self.head_weight())
+            if self.checkpointing and self.training and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        return F.linear(self.norm(h), self.head_weight().to(self.dtype))
 
     def named_trainable(self):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -690,7 +701,9 @@ def load_spec(path_or_dict):
             "max_grad_norm": float(train.get("max_grad_norm", 1.0)),
             "precision": train.get("precision", "fp32"),
             "seed": int(train.get("seed", 0)),
+            "max_nonfinite_steps": int(train.get("max_nonfinite_steps", 10)),
         },
+        "strategy": raw.get("strategy", "auto"),
         "output": raw.get("output"),
     }
     t = spec["train"]
@@ -701,6 +714,8 @@ def load_spec(path_or_dict):
     if spec["method"] not in ("lora", "full"):
         raise ReferenceError(f"{source}: method: the reference implements lora and full, "
                              f"not {spec['method']!r}")
+    if t["precision"] not in STORAGE:
+        raise ReferenceError(f"{source}: train.precision: unknown {t['precision']!r}")
     if t["optimizer"] != "adamw":
         raise ReferenceError(f"{source}: train.optimizer: the reference implements adamw only")
     if (t["steps"] > 0) == (float(t["epochs"]) > 0):
@@ -764,12 +779,22 @@ def build_optimizer(model, spec):
                              eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
 
 
+STORAGE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_model(spec, dtype):
     model_dir = spec["model"]["path"]
     cfg = load_model_config(model_dir)
     weights = load_model_weights(model_dir)
     full = spec["method"] == "full"
-    model = CausalLM(cfg, weights, dtype=dtype, train_base=full)
+    strategy = spec["strategy"]
+    checkpointing = isinstance(strategy, dict) and bool(
+        strategy.get("activation_checkpointing", False))
+    # Low precision keeps the frozen weights in bf16/fp16 and computes in `dtype`
+    # (docs/training.md, "Precision": what the C++ trainer does on the CPU).
+    storage = STORAGE[spec["train"]["precision"]] if dtype == torch.float32 else None
+    model = CausalLM(cfg, weights, dtype=dtype, train_base=full, storage=storage,
+                     checkpointing=checkpointing)
     del weights
     if not full:
         lo = spec["lora"]
@@ -784,9 +809,6 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
     "model": the trained CausalLM}. `spec` is a path or a dict (see load_spec)."""
     spec = load_spec(spec)
     t = spec["train"]
-    if t["precision"] != "fp32":
-        print(f"lathe_reference: train.precision {t['precision']}: the reference computes in "
-              f"{dtype}", file=sys.stderr)
     torch.manual_seed(t["seed"])  # only dropout draws from the global generator
     model = build_model(spec, dtype)
     records = read_records(spec["data"]["train"], model.cfg["vocab_size"])
@@ -801,6 +823,10 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
     sched = t["schedule"]
     events = []
     total_tokens = 0
+    # fp16: dynamic loss scaling (2^16, x0.5 and skip on overflow, x2 after 2000 clean steps).
+    scale = 65536.0 if t["precision"] == "fp16" else 1.0
+    clean = 0
+    bad_in_a_row = 0
     start = time.perf_counter()
     for k in range(n_steps):
         step_start = time.perf_counter()
@@ -810,6 +836,8 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
         lr = lr_at(k, n_steps, t["lr"], sched["warmup_steps"], sched["kind"])
         loss = None
         grad_norm = None
+        skipped = False
+        step_scale = scale
         if targets > 0:
             for p in params:
                 p.grad = None
@@ -817,12 +845,32 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
             for m in range(G // M):
                 ids, labels = collate(batch[m * M:(m + 1) * M])
                 s = loss_sum(model(ids), labels)
-                (s / targets).backward()
+                (s * (scale / targets)).backward()
                 total += s.item()
             loss = total / targets
             grads = [p.grad for p in params if p.grad is not None]
+            if scale != 1.0:
+                for g in grads:
+                    g.mul_(1.0 / scale)
             norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
             grad_norm = norm
+            skipped = not (math.isfinite(loss) and math.isfinite(norm))
+        if skipped:
+            for p in params:
+                p.grad = None
+            if t["precision"] == "fp16":
+                scale = max(1.0, scale / 2)
+            clean = 0
+            bad_in_a_row += 1
+            if bad_in_a_row >= t["max_nonfinite_steps"]:
+                raise ReferenceError(f"training step {k + 1}: not finite in {bad_in_a_row} "
+                                     "consecutive steps")
+        elif targets > 0:
+            bad_in_a_row = 0
+            if t["precision"] == "fp16":
+                clean += 1
+                if clean >= 2000:
+                    scale, clean = scale * 2, 0
             if t["max_grad_norm"] > 0:
                 coef = min(1.0, t["max_grad_norm"] / (norm + 1e-6))
                 if coef < 1.0:
@@ -834,13 +882,15 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
         total_tokens += tokens
         elapsed = time.perf_counter() - step_start
         ev = {"event": "step", "step": k + 1, "steps": n_steps, "loss": loss, "lr": lr,
-              "grad_norm": grad_norm, "tokens": tokens,
+              "grad_norm": grad_norm, "skipped": skipped, "loss_scale": step_scale,
+              "tokens": tokens,
               "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
         events.append(ev)
         if on_step:
             on_step(ev)
     seconds = time.perf_counter() - start
-    final = next((e["loss"] for e in reversed(events) if e["loss"] is not None), None)
+    final = next((e["loss"] for e in reversed(events)
+                  if e["loss"] is not None and not e["skipped"]), None)
     done = {"event": "done", "steps": n_steps, "final_loss": final,
             "tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
             "adapter": None, "model": None}

@@ -728,6 +728,35 @@ class FullQwen2Test(unittest.TestCase):
             self.assertLess(loss, ref_steps[0]["loss"])
 
 
+class PrecisionTest(unittest.TestCase):
+    """bf16 (with activation checkpointing) and fp16 (with loss scaling): frozen weights
+    stored in 16 bits, computed in float32 on the CPU, by both implementations."""
+
+    def setUp(self):
+        need_binaries(self, "lathe-synth", "lathe-worker")
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-precision-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_f_low_precision(self):
+        model = make_tiny_model(self.tmp, "model", "--seed", 16)
+        data = make_data(self.tmp, "train.jsonl", seed=8)
+        for precision, checkpointing in (("bf16", True), ("fp16", False)):
+            with self.subTest(precision=precision):
+                spec = base_spec(self.tmp, model, data, precision=precision)
+                spec["output"] = os.path.join(self.tmp, f"out-{precision}")
+                if checkpointing:
+                    spec["strategy"] = {"activation_checkpointing": True}
+                spec_path = write_spec(os.path.join(self.tmp, f"{precision}.yaml"), spec)
+                cpp_steps, _ = cpp_train(spec_path)
+                ref_steps, _ = ref_train(spec_path)
+                compare_series(self, ref_steps, cpp_steps)
+                scale = 65536.0 if precision == "fp16" else 1.0
+                self.assertTrue(all(s["loss_scale"] == scale and not s["skipped"]
+                                    for s in cpp_steps), f"{precision}: {cpp_steps[:2]}")
+
+
 class UnpackedMistralTest(unittest.TestCase):
     """(c) pack: false, prompt-masked labels, Mistral with sliding_window < seq_len."""
 

@@ -19,9 +19,101 @@
 namespace lathe {
 namespace {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Statistics in float32 whatever x's type (as Hugging Face's LlamaRMSNorm).
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return x * at::rsqrt(x.pow(2).mean(-1, /*keepdim=*/true) + eps) * weight;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return normed.to(x.scalar_type()) * weight.to(x.scalar_type());
 }
+
+// y = x W^T for a frozen W stored in another type than x: W is converted for the product
+// and again in backward, and only W itself (no converted copy, no x) is kept for backward.
+class FrozenLinear : public torch::autograd::Function<FrozenLinear> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    ctx->save_for_backward({weight});
+    return at::linear(x, weight.to(x.scalar_type()));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor& grad = grads[0];
+    const at::Tensor weight = ctx->get_saved_variables()[0];
+    return {at::matmul(grad, weight.to(grad.scalar_type())), at::Tensor()};
+  }
+};
+
+// x W^T (+ b) in x's type.
+at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) {
+  const at::ScalarType type = x.scalar_type();
+  at::Tensor y;
+  if (weight.scalar_type() == type) {
+    y = at::linear(x, weight);
+  } else if (weight.requires_grad()) {
+    y = at::linear(x, weight.to(type));  // a float32 master: the conversion is differentiated
+  } else {
+    y = FrozenLinear::apply(x, weight);
+  }
+  return bias.defined() ? y + bias.to(type) : y;
+}
+
+// The state of the generator that dropout on `device` draws from, and back. (Not held
+// locked across the recomputation: dropout takes the generator's lock itself.)
+at::Tensor GeneratorState(at::Device device) {
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void SetGeneratorState(at::Device device, const at::Tensor& state) {
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  generator.set_state(state);
+}
+
+// Activation checkpointing of one decoder block. Forward runs the block without recording
+// a graph and keeps its inputs; backward runs the block again with the dropout generator
+// state of the first run, and differentiates it. inputs = {x, cos, sin, mask, trainable...}.
+class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, at::TensorList inputs, const CausalLm* model,
+                            int64_t layer) {
+    ctx->save_for_backward(inputs.vec());
+    ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
+    ctx->saved_data["layer"] = layer;
+    ctx->saved_data["rng"] = GeneratorState(inputs[0].device());
+    return model->Block(layer, inputs[0], inputs[1], inputs[2], inputs[3]);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto* model = reinterpret_cast<const CausalLm*>(ctx->saved_data["model"].toInt());
+    const int64_t layer = ctx->saved_data["layer"].toInt();
+    variable_list saved = ctx->get_saved_variables();
+    const at::Tensor x = saved[0].detach().requires_grad_(true);
+    variable_list wrt = {x};
+    wrt.insert(wrt.end(), saved.begin() + 4, saved.end());
+    at::Tensor y;
+    {
+      const at::Tensor now = GeneratorState(x.device());
+      SetGeneratorState(x.device(), ctx->saved_data["rng"].toTensor());
+      at::AutoGradMode enable_grad(true);
+      MemoryScope scope(MemoryComponent::kActivations);
+      y = model->Block(layer, x, saved[1], saved[2], saved[3]);
+      SetGeneratorState(x.device(), now);
+    }
+    variable_list input_grads = torch::autograd::grad({y}, wrt, {grads[0]},
+                                                      /*retain_graph=*/false,
+                                                      /*create_graph=*/false,
+                                                      /*allow_unused=*/true);
+    // One gradient per forward input: x, cos, sin, mask, the trainable tensors, then the
+    // two non-tensor arguments.
+    variable_list result = {input_grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+    result.insert(result.end(), input_grads.begin() + 1, input_grads.end());
+    result.resize(result.size() + 2);
+    return result;
+  }
+};
 
 at::Tensor RotateHalf(const at::Tensor& x) {
   int64_t half = x.size(-1) / 2;
@@ -40,10 +132,10 @@ double LoraScale(const LoraSpec& spec) {
 }  // namespace
 
 at::Tensor Projection::Forward(const at::Tensor& x, double lora_dropout, bool training) const {
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = Linear(x, weight, bias);
   if (!lora_a.defined()) return y;
   at::Tensor lora_in = training && lora_dropout > 0 ? at::dropout(x, lora_dropout, true) : x;
-  return y + at::linear(at::linear(lora_in, lora_a), lora_b) * lora_scale;
+  return y + Linear(Linear(lora_in, lora_a), lora_b) * lora_scale;
 }
 
 Projection& DecoderLayer::projection(absl::string_view module) {
@@ -59,6 +151,20 @@ const Projection& DecoderLayer::projection(absl::string_view module) const {
   if (module == "up_proj") return up_proj;
   TORCH_CHECK(module == "down_proj", "unknown projection ", std::string(module));
   return down_proj;
+}
+
+std::vector<at::Tensor> DecoderLayer::TrainableTensors() const {
+  std::vector<at::Tensor> tensors;
+  auto add = [&tensors](const at::Tensor& t) {
+    if (t.defined() && t.requires_grad()) tensors.push_back(t);
+  };
+  add(input_norm);
+  add(post_attention_norm);
+  for (const std::string& module : LoraTargetModules()) {
+    const Projection& p = projection(module);
+    for (const at::Tensor* t : {&p.weight, &p.bias, &p.lora_a, &p.lora_b}) add(*t);
+  }
+  return tensors;
 }
 
 at::Tensor RopeInverseFrequencies(const ModelConfig& config) {
@@ -81,10 +187,11 @@ at::Tensor RopeInverseFrequencies(const ModelConfig& config) {
   return at::where(medium, smoothed, scaled);
 }
 
-CausalLm::CausalLm(const ModelConfig& config)
+CausalLm::CausalLm(const ModelConfig& config, const ModelOptions& options)
     : config_(config),
+      options_(options),
       layers_(config.num_hidden_layers),
-      inv_freq_(RopeInverseFrequencies(config)) {}
+      inv_freq_(RopeInverseFrequencies(config).to(options.device)) {}
 
 std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
   std::map<std::string, at::Tensor*> slots;
@@ -113,8 +220,10 @@ std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
 
 absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
                                                          const ModelConfig& config,
-                                                         bool trainable_base) {
-  std::unique_ptr<CausalLm> model(new CausalLm(config));
+                                                         bool trainable_base,
+                                                         const ModelOptions& options) {
+  std::unique_ptr<CausalLm> model(new CausalLm(config, options));
+  const at::ScalarType dtype = trainable_base ? at::kFloat : options.weight_dtype;
   LATHE_ASSIGN_OR_RETURN(SafetensorsDirectory files, SafetensorsDirectory::Open(dir));
   std::map<std::string, std::vector<int64_t>> expected;
   for (WeightSpec& w : ExpectedWeights(config)) expected[w.name] = std::move(w.shape);
@@ -132,7 +241,8 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
             entry.file->path(), ": tensor \"", name, "\": shape ", ShapeText(entry.tensor->shape),
             " in the file vs ", ShapeText(shape), " from config.json"));
       }
-      LATHE_ASSIGN_OR_RETURN(*slot, TensorFromFile(entry, at::kFloat, trainable_base));
+      LATHE_ASSIGN_OR_RETURN(*slot, TensorFromFile(entry, dtype, trainable_base));
+      *slot = slot->to(options.device);
       if (trainable_base) slot->set_requires_grad(true);
     }
   } catch (const c10::Error& e) {
@@ -156,8 +266,10 @@ void CausalLm::InitLora(const LoraSpec& spec, uint64_t seed) {
       double bound = 1.0 / std::sqrt(static_cast<double>(shape.in_features));
       p.lora_a = at::empty({spec.rank, shape.in_features}, at::kFloat)
                      .uniform_(-bound, bound, generator)
+                     .to(options_.device)
                      .set_requires_grad(true);
-      p.lora_b = at::zeros({shape.out_features, spec.rank}, at::kFloat).set_requires_grad(true);
+      p.lora_b = at::zeros({shape.out_features, spec.rank}, at::TensorOptions(options_.device))
+                     .set_requires_grad(true);
       p.lora_scale = LoraScale(spec);
     }
   }
@@ -196,7 +308,7 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
         }
         LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
                                TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
-        *tensor = loaded.set_requires_grad(true);
+        *tensor = loaded.to(options_.device).set_requires_grad(true);
       }
     }
   }
@@ -208,10 +320,10 @@ const at::Tensor& CausalLm::lm_head() const {
 }
 
 std::pair<at::Tensor, at::Tensor> CausalLm::RopeTables(int64_t seq) const {
-  at::Tensor positions = at::arange(seq, at::kFloat);
+  at::Tensor positions = at::arange(seq, at::TensorOptions(at::kFloat).device(options_.device));
   at::Tensor freqs = at::outer(positions, inv_freq_);
   at::Tensor emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos(), emb.sin()};
+  return {emb.cos().to(options_.compute_dtype), emb.sin().to(options_.compute_dtype)};
 }
 
 at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
@@ -235,34 +347,61 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
     k = k.repeat_interleave(heads / kv_heads, 1);
     v = v.repeat_interleave(heads / kv_heads, 1);
   }
+#if TORCH_VERSION_MAJOR >= 2
+  // libtorch's fused attention (flash or memory-efficient kernels where the device has
+  // them). Without a sliding window the mask is undefined and the kernel applies causality.
+  at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
+                                                    /*is_causal=*/!mask.defined());
+#else
   at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(head_dim)));
-  at::Tensor probs = at::softmax(scores + mask, -1);
-  at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({batch, seq, heads * head_dim});
+  at::Tensor out = at::matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
+#endif
+  out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
   return layer.o_proj.Forward(out, lora_dropout_, training_);
+}
+
+at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::Tensor& cos,
+                           const at::Tensor& sin, const at::Tensor& mask) const {
+  const DecoderLayer& layer = layers_[layer_index];
+  const double eps = config_.rms_norm_eps;
+  at::Tensor y = x + Attention(layer, RmsNorm(x, layer.input_norm, eps), cos, sin, mask);
+  at::Tensor h = RmsNorm(y, layer.post_attention_norm, eps);
+  at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_);
+  at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_);
+  return y + layer.down_proj.Forward(at::silu(gate) * up, lora_dropout_, training_);
 }
 
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const int64_t seq = input_ids.size(1);
-  at::Tensor x = at::embedding(embed_tokens_, input_ids);
+  const at::ScalarType type = options_.compute_dtype;
+  at::Tensor x = at::embedding(embed_tokens_, input_ids).to(type);
   auto [cos, sin] = RopeTables(seq);
+  const at::TensorOptions mask_options = at::TensorOptions(type).device(options_.device);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  at::Tensor mask = at::full({seq, seq}, neg_inf, at::kFloat).triu(1);
-  if (config_.sliding_window && *config_.sliding_window < seq) {
-    mask = mask + at::full({seq, seq}, neg_inf, at::kFloat).tril(-*config_.sliding_window);
+  const bool sliding = config_.sliding_window && *config_.sliding_window < seq;
+  at::Tensor mask;  // additive; undefined with fused attention and no sliding window
+  if (TORCH_VERSION_MAJOR < 2 || sliding) {
+    mask = at::full({seq, seq}, neg_inf, mask_options).triu(1);
   }
-  const double eps = config_.rms_norm_eps;
-  for (const DecoderLayer& layer : layers_) {
-    x = x + Attention(layer, RmsNorm(x, layer.input_norm, eps), cos, sin, mask);
-    at::Tensor h = RmsNorm(x, layer.post_attention_norm, eps);
-    at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_);
-    at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_);
-    x = x + layer.down_proj.Forward(at::silu(gate) * up, lora_dropout_, training_);
+  if (sliding) {
+    mask = mask + at::full({seq, seq}, neg_inf, mask_options).tril(-*config_.sliding_window);
   }
-  return RmsNorm(x, norm_, eps);
+  const bool checkpoint =
+      options_.activation_checkpointing && training_ && at::GradMode::is_enabled();
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    if (!checkpoint) {
+      x = Block(l, x, cos, sin, mask);
+      continue;
+    }
+    std::vector<at::Tensor> inputs = {x, cos, sin, mask};
+    for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
+    x = CheckpointedBlock::apply(at::TensorList(inputs), this, l);
+  }
+  return RmsNorm(x, norm_, config_.rms_norm_eps);
 }
 
 at::Tensor CausalLm::Logits(const at::Tensor& input_ids) const {
-  return at::matmul(Hidden(input_ids), lm_head().t());
+  return Linear(Hidden(input_ids), lm_head()).to(at::kFloat);
 }
 
 at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const {
@@ -272,7 +411,7 @@ at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labe
   // Only rows with a target need logits: prompts and padding cost nothing here.
   at::Tensor rows = targets.ne(-100).nonzero().squeeze(1);
   MemoryScope scope(MemoryComponent::kLogits);
-  at::Tensor logits = at::matmul(hidden.index_select(0, rows), lm_head().t());
+  at::Tensor logits = Linear(hidden.index_select(0, rows), lm_head()).to(at::kFloat);
   return at::cross_entropy_loss(logits, targets.index_select(0, rows), {}, at::Reduction::Sum);
 }
 

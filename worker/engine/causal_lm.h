@@ -20,7 +20,22 @@
 
 namespace lathe {
 
+// How a model holds its tensors and computes (docs/training.md, "Precision").
+struct ModelOptions {
+  // Storage type of the frozen base weights: float32, bfloat16 or float16. Trainable
+  // tensors (LoRA, or every weight in full fine-tuning) are always float32 masters.
+  at::ScalarType weight_dtype = at::kFloat;
+  // Type of the activations and of the matrix products. Low-precision weights are converted
+  // to it as they are used; RMSNorm statistics, softmax and the loss stay in float32.
+  at::ScalarType compute_dtype = at::kFloat;
+  at::Device device = at::kCPU;
+  // While training, keep only each decoder block's input for backward and recompute the
+  // block's forward there (with the same dropout masks) instead of storing its activations.
+  bool activation_checkpointing = false;
+};
+
 // A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.
+// Computes in x's type; a weight of another type is converted as it is used.
 struct Projection {
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out]; undefined when the model has none here
@@ -39,6 +54,8 @@ struct DecoderLayer {
   // The projection called `module` ("q_proj", ...). REQUIRES: IsLoraTargetModule(module).
   Projection& projection(absl::string_view module);
   const Projection& projection(absl::string_view module) const;
+  // The block's tensors that require grad.
+  std::vector<at::Tensor> TrainableTensors() const;
 };
 
 // A trainable tensor with its Hugging Face (or PEFT) name.
@@ -50,15 +67,17 @@ struct NamedParameter {
 
 class CausalLm {
  public:
-  // Loads the weights of model directory `dir` as float32 CPU tensors. With
-  // `trainable_base` every weight is an owned copy that requires grad (full fine-tuning);
-  // otherwise weights are frozen and, where possible, views of the mapped files.
+  // Loads the weights of model directory `dir` onto options.device. With `trainable_base`
+  // every weight is an owned float32 copy that requires grad (full fine-tuning); otherwise
+  // weights are frozen, of options.weight_dtype and, where the file holds that type on the
+  // CPU, views of the mapped files.
   // Errors name the tensor and the file: NOT_FOUND for a missing weights file,
   // INVALID_ARGUMENT for a missing tensor or a shape that disagrees with config.json,
   // and any error of SafetensorsDirectory::Open.
   static absl::StatusOr<std::unique_ptr<CausalLm>> Load(const std::string& dir,
                                                         const ModelConfig& config,
-                                                        bool trainable_base);
+                                                        bool trainable_base,
+                                                        const ModelOptions& options = {});
 
   // Adds fresh LoRA adapters per `spec` on its targets: A uniform in +-1/sqrt(in), B zero,
   // from a generator seeded with `seed`.
@@ -71,7 +90,7 @@ class CausalLm {
 
   // Final-normalised hidden states [batch, seq, hidden] of token ids [batch, seq].
   at::Tensor Hidden(const at::Tensor& input_ids) const;
-  // Logits [batch, seq, vocab].
+  // Float32 logits [batch, seq, vocab].
   at::Tensor Logits(const at::Tensor& input_ids) const;
   // Sum of the next-token cross-entropy over every target: position t predicts
   // labels[t + 1]; labels of -100 are skipped. input_ids and labels: [batch, seq].
@@ -88,10 +107,14 @@ class CausalLm {
 
   void set_training(bool training) { training_ = training; }
   const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  // One decoder block: x + attention, then + MLP. Public for the checkpointing node.
+  at::Tensor Block(int64_t layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                   const at::Tensor& mask) const;
   int64_t lora_rank() const { return lora_rank_; }
 
  private:
-  explicit CausalLm(const ModelConfig& config);
+  CausalLm(const ModelConfig& config, const ModelOptions& options);
 
   // Every base weight with its HF name, in ExpectedWeights order.
   std::vector<std::pair<std::string, at::Tensor*>> BaseWeights();
@@ -102,6 +125,7 @@ class CausalLm {
                        const at::Tensor& sin, const at::Tensor& mask) const;
 
   ModelConfig config_;
+  ModelOptions options_;
   at::Tensor embed_tokens_;  // [vocab, hidden]
   std::vector<DecoderLayer> layers_;
   at::Tensor norm_;      // [hidden]

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
@@ -16,6 +17,7 @@
 #include "worker/engine/adamw.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
+#include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
 
@@ -46,26 +48,26 @@ absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) 
   if (spec.method == Method::kQLora) {
     return absl::FailedPreconditionError("method: qlora is not supported by this worker yet");
   }
-  if (spec.train.precision != Precision::kFp32) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("train.precision: ", PrecisionName(spec.train.precision),
-                     " is not supported by this worker yet (fp32 only)"));
-  }
   if (spec.train.optimizer != OptimizerKind::kAdamW) {
     return absl::FailedPreconditionError(
         absl::StrCat("train.optimizer: ", OptimizerKindName(spec.train.optimizer),
                      " is not supported by this worker yet (adamw only)"));
   }
-  if (spec.resources.device != DeviceKind::kCpu) {
+  if (spec.resources.device == DeviceKind::kCuda && options.world_size > 1) {
     return absl::FailedPreconditionError(
-        "resources.device: cuda is not supported by this worker build (cpu only)");
+        "resources.ranks: several CUDA ranks need the NCCL communicator, which this worker "
+        "does not have yet; use one rank per job on cuda");
+  }
+  if (spec.resources.device == DeviceKind::kCuda && !at::hasCUDA()) {
+    return absl::FailedPreconditionError(
+        "resources.device: cuda: this worker's libtorch has no CUDA support or sees no GPU");
   }
   const StrategySpec& s = spec.strategy;
-  if (!s.automatic && (s.zero_stage != 0 || s.offload_optimizer || s.offload_params ||
-                       s.activation_checkpointing || s.chunked_loss)) {
+  if (!s.automatic &&
+      (s.zero_stage != 0 || s.offload_optimizer || s.offload_params || s.chunked_loss)) {
     return absl::FailedPreconditionError(
-        "strategy: sharding, offload, activation checkpointing and chunked loss are not "
-        "supported by this worker yet; use strategy: auto");
+        "strategy: sharding, offload and chunked loss are not supported by this worker yet; "
+        "use zero_stage: 0 without offload (activation_checkpointing is supported)");
   }
   return absl::OkStatus();
 }
@@ -148,6 +150,31 @@ std::pair<at::Tensor, at::Tensor> Collate(const std::vector<Sequence>& sequences
   return {ids, labels};
 }
 
+// How the model holds weights and computes for `spec` (docs/training.md, "Precision").
+ModelOptions ModelOptionsFor(const JobSpec& spec) {
+  ModelOptions options;
+  switch (spec.train.precision) {
+    case Precision::kFp32:
+      options.weight_dtype = at::kFloat;
+      break;
+    case Precision::kBf16:
+      options.weight_dtype = at::kBFloat16;
+      break;
+    case Precision::kFp16:
+      options.weight_dtype = at::kHalf;
+      break;
+  }
+  const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  options.device = cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  // On the CPU, low-precision weights are widened as they are used and the products run in
+  // float32: Debian's libtorch 1.13 has no fp16 CPU matmul, and its bf16 one ran ~50x slower
+  // than float32 on this project's machines (docs/training.md).
+  options.compute_dtype = cuda ? options.weight_dtype : at::kFloat;
+  options.activation_checkpointing =
+      !spec.strategy.automatic && spec.strategy.activation_checkpointing;
+  return options;
+}
+
 int64_t CountTargets(const Sequence& s) {
   int64_t n = 0;
   for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != kIgnoreLabel;
@@ -193,21 +220,22 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
         std::max<int64_t>(1, train.epochs * sampler.SequencesPerEpoch() / train.global_batch);
   }
 
+  const ModelOptions model_options = ModelOptionsFor(spec);
   MemoryTracker* tracker = MemoryTracker::Install();
   const int64_t weights_before = tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes;
   absl::StatusOr<std::unique_ptr<CausalLm>> model;
   {
     const bool full = spec.method == Method::kFull;
     MemoryScope scope(full ? MemoryComponent::kTrainable : MemoryComponent::kWeights);
-    model = CausalLm::Load(spec.model.path, *config, /*trainable_base=*/full);
+    model = CausalLm::Load(spec.model.path, *config, /*trainable_base=*/full, model_options);
   }
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
-  if (spec.method != Method::kFull) {
+  if (spec.method != Method::kFull && model_options.device.is_cpu()) {
     const int64_t loaded =
         tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
-    trainer->mapped_weight_bytes_ =
-        std::max<int64_t>(0, ParameterCount(*config) * 4 /* float32 */ - loaded);
+    const int64_t stored = ParameterCount(*config) * c10::elementSize(model_options.weight_dtype);
+    trainer->mapped_weight_bytes_ = std::max<int64_t>(0, stored - loaded);
   }
   MemoryScope trainable_scope(MemoryComponent::kTrainable);
   if (spec.method == Method::kLora) {
@@ -261,6 +289,8 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   AdamW optimizer(model_->TrainableParameters(),
                   {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
   optimizer_scope.reset();
+  LossScaler scaler(/*enabled=*/train.precision == Precision::kFp16);
+  NonFiniteSteps nonfinite;
   model_->set_training(true);
   TrainResult result;
   result.steps = total_steps_;
@@ -276,6 +306,8 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     LATHE_RETURN_IF_ERROR(Annotate(sampler.Restore(state.cursor), resume_->dir));
     LATHE_RETURN_IF_ERROR(optimizer.RestoreState(resume_->optimizer, state.optimizer_steps));
     SetCpuRngState(state.rng_state);
+    scaler.Restore(state.loss_scale);
+    nonfinite = {state.skipped_steps, state.consecutive_nonfinite};
     first_step = state.step;
     result.resumed_from_step = first_step;
     result.final_loss = state.last_loss;
@@ -292,49 +324,30 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     report.steps = total_steps_;
     report.lr = LearningRate(train.schedule, train.lr, step, total_steps_);
     std::vector<Sequence> batch;
-    int64_t targets = 0;
     for (int64_t i = 0; i < train.global_batch; ++i) {
       batch.push_back(sampler.Next());
-      targets += CountTargets(batch.back());
       report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
     }
     try {
-      if (targets > 0) {
-        double loss_sum = 0.0;
-        const int64_t per_rank = train.global_batch / options_.world_size;
-        const int64_t begin = options_.rank * per_rank;
-        for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
-          std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
-          auto [ids, labels] = Collate(micro);
-          at::Tensor loss;
-          {
-            MemoryScope scope(MemoryComponent::kActivations);
-            loss = model_->SumLoss(ids, labels);
-          }
-          MemoryScope scope(MemoryComponent::kGradients);
-          (loss / static_cast<double>(targets)).backward();
-          loss_sum += loss.item<double>();
-        }
-        if (options_.world_size > 1) {
-          MemoryScope scope(MemoryComponent::kCommBuffers);
-          LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
-        }
-        report.loss = loss_sum / static_cast<double>(targets);
-        report.grad_norm = optimizer.GradNorm();
-        if (train.max_grad_norm > 0) {
-          double coef = train.max_grad_norm / (report.grad_norm + 1e-6);
-          if (coef < 1.0) optimizer.ScaleGrads(coef);
-        }
-        {
-          MemoryScope scope(MemoryComponent::kOptimizer);
-          optimizer.Step(report.lr);
-        }
-        optimizer.ZeroGrad();
-        result.final_loss = report.loss;
-      }
+      LATHE_RETURN_IF_ERROR(TrainOn(batch, optimizer, scaler, report));
     } catch (const c10::Error& e) {
       return StatusFromTorchError(e, absl::StrCat("training step ", step + 1));
     }
+    if (report.skipped) {
+      ++nonfinite.skipped;
+      if (++nonfinite.consecutive >= train.max_nonfinite_steps) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "training step %d: the loss or the gradients were not finite in %d consecutive "
+            "steps (train.max_nonfinite_steps: %d; last loss %g, gradient norm %g, loss scale "
+            "%g); lower train.lr, check the data or the model's weights, or train in bf16",
+            step + 1, nonfinite.consecutive, train.max_nonfinite_steps,
+            report.loss.value_or(std::nan("")), report.grad_norm, report.loss_scale));
+      }
+    } else {
+      nonfinite.consecutive = 0;
+      if (report.loss) result.final_loss = report.loss;
+    }
+    result.skipped_steps = nonfinite.skipped;
     report.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     const MemorySnapshot memory = tracker->Snapshot();
@@ -359,7 +372,8 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     const bool periodic = train.checkpoint_every > 0 && (step + 1) % train.checkpoint_every == 0 &&
                           step + 1 < total_steps_;
     if ((stop || periodic) && options_.rank == 0) {
-      LATHE_RETURN_IF_ERROR(SaveCheckpoint(step + 1, optimizer, sampler, result.final_loss));
+      LATHE_RETURN_IF_ERROR(
+          SaveCheckpoint(step + 1, optimizer, sampler, scaler, nonfinite, result.final_loss));
     }
     if (stop) {
       return absl::CancelledError(absl::StrCat("stopped after step ", step + 1,
@@ -398,16 +412,71 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   return result;
 }
 
+absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimizer,
+                              LossScaler& scaler, StepReport& report) {
+  const TrainSpec& train = spec_.train;
+  int64_t targets = 0;
+  for (const Sequence& s : batch) targets += CountTargets(s);
+  if (targets == 0) return absl::OkStatus();  // nothing to learn from: no update
+  report.loss_scale = scaler.scale();
+  const at::Device device = model_->options().device;
+  double loss_sum = 0.0;
+  const int64_t per_rank = train.global_batch / options_.world_size;
+  const int64_t begin = options_.rank * per_rank;
+  for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
+    std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
+    auto [ids, labels] = Collate(micro);
+    at::Tensor loss;
+    {
+      MemoryScope scope(MemoryComponent::kActivations);
+      loss = model_->SumLoss(ids.to(device), labels.to(device));
+    }
+    MemoryScope scope(MemoryComponent::kGradients);
+    // Normalised over the whole step's targets, so that accumulation does not change the
+    // update; multiplied by the loss scale (1 unless fp16).
+    (loss * (scaler.scale() / static_cast<double>(targets))).backward();
+    loss_sum += loss.item<double>();
+  }
+  if (options_.world_size > 1) {
+    MemoryScope scope(MemoryComponent::kCommBuffers);
+    LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
+  }
+  report.loss = loss_sum / static_cast<double>(targets);
+  if (scaler.scale() != 1.0) optimizer.ScaleGrads(1.0 / scaler.scale());
+  report.grad_norm = optimizer.GradNorm();
+  // Every rank sees the same summed loss and gradients, so every rank decides alike.
+  const bool finite = std::isfinite(*report.loss) && std::isfinite(report.grad_norm);
+  if (!scaler.Update(finite)) {
+    report.skipped = true;
+    optimizer.ZeroGrad();
+    return absl::OkStatus();
+  }
+  if (train.max_grad_norm > 0) {
+    double coef = train.max_grad_norm / (report.grad_norm + 1e-6);
+    if (coef < 1.0) optimizer.ScaleGrads(coef);
+  }
+  {
+    MemoryScope scope(MemoryComponent::kOptimizer);
+    optimizer.Step(report.lr);
+  }
+  optimizer.ZeroGrad();
+  return absl::OkStatus();
+}
+
 int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0; }
 
 absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW& optimizer,
-                                     const SequenceSampler& sampler, std::optional<double> loss) {
+                                     const SequenceSampler& sampler, const LossScaler& scaler,
+                                     const NonFiniteSteps& nonfinite, std::optional<double> loss) {
   TrainingState state;
   state.step = step;
   state.optimizer_steps = optimizer.steps();
   state.cursor = sampler.cursor();
   state.rng_state = CpuRngState();
   state.last_loss = loss;
+  state.loss_scale = scaler.state();
+  state.skipped_steps = nonfinite.skipped;
+  state.consecutive_nonfinite = nonfinite.consecutive;
   state.spec_fingerprint = spec_fingerprint_;
   TensorsToWrite trainable, moments;
   try {
@@ -425,7 +494,8 @@ absl::Status Trainer::AllReduceGradients(AdamW& optimizer, double* loss_sum) {
   std::vector<at::Tensor> grads;
   for (const NamedParameter& p : optimizer.params()) {
     const at::Tensor& grad = p.tensor.grad();
-    grads.push_back(grad.defined() ? grad.reshape({-1}) : at::zeros({p.tensor.numel()}));
+    grads.push_back(grad.defined() ? grad.reshape({-1})
+                                   : at::zeros({p.tensor.numel()}, p.tensor.options()));
   }
   at::Tensor flat = at::cat(grads).contiguous();
   LATHE_RETURN_IF_ERROR(

@@ -36,6 +36,7 @@ namespace lathe {
 class AdamW;
 class CausalLm;
 class Communicator;
+class LossScaler;
 
 struct TrainerOptions {
   int threads = 0;         // intra-op threads; 0 = every core
@@ -53,7 +54,11 @@ struct StepReport {
   std::optional<double> loss;  // mean over the step's targets, before the update; unset
                                // when the step had no targets (and was skipped)
   double lr = 0.0;
-  double grad_norm = 0.0;           // before clipping
+  double grad_norm = 0.0;  // before clipping (after unscaling)
+  // The loss or the gradients were not finite: the step made no update (docs/training.md,
+  // "Precision"). `loss` then holds the non-finite value.
+  bool skipped = false;
+  double loss_scale = 1.0;          // fp16's dynamic loss scale during this step; else 1
   std::optional<double> eval_loss;  // at every train.eval_every-th step (rank 0)
   int64_t tokens = 0;               // input tokens, padding excluded
   double seconds = 0.0;
@@ -67,6 +72,7 @@ struct StepReport {
 struct TrainResult {
   int64_t steps = 0;
   int64_t resumed_from_step = 0;  // 0 when the run started fresh
+  int64_t skipped_steps = 0;      // steps skipped for a non-finite loss or gradient
   std::optional<double> final_loss;
   std::optional<double> eval_loss;  // when data.eval is set
   std::string adapter_dir;          // LoRA
@@ -106,9 +112,22 @@ class Trainer {
 
  private:
   Trainer() = default;
+  // Steps skipped for a non-finite loss or gradient: in all, and the current run of them.
+  struct NonFiniteSteps {
+    int64_t skipped = 0;
+    int64_t consecutive = 0;
+  };
+
+  // One optimizer step on `batch` (every rank's sequences of the step): forward and
+  // backward over this rank's micro-batches, the gradient sum across ranks, then, when the
+  // loss and the gradients are finite, clipping and the update. Fills report's loss,
+  // grad_norm, loss_scale and skipped. Throws c10::Error from libtorch.
+  absl::Status TrainOn(const std::vector<Sequence>& batch, AdamW& optimizer, LossScaler& scaler,
+                       StepReport& report);
   // Sums every gradient and `*loss_sum` across the ranks.
   absl::Status AllReduceGradients(AdamW& optimizer, double* loss_sum);
   absl::Status SaveCheckpoint(int64_t step, const AdamW& optimizer, const SequenceSampler& sampler,
+                              const LossScaler& scaler, const NonFiniteSteps& nonfinite,
                               std::optional<double> loss);
 
   JobSpec spec_;
