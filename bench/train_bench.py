@@ -6,10 +6,12 @@ reference (tests/reference/lathe_reference.py) on the same LoRA job.
                                         [--size tiny|small|medium] [--keep DIR]
 
 Generates a model and a data set with lathe-synth, writes one LoRA job (rank 16, all seven
-projections, fp32), then runs both implementations one after the other as child processes
-on that spec. Each child's peak RSS comes from os.wait4's rusage (ru_maxrss, KiB on
-Linux); tokens/s from its step events 2..N (step 1 is warm-up). Prints a markdown table
-and warns when the two final losses differ by more than 1e-3 (they implement the same
+projections) per configuration (fp32 and bf16, each with and without activation
+checkpointing; --configs picks), then runs both implementations one after the other as
+child processes on each spec. Each child's peak RSS comes from os.wait4's rusage (ru_maxrss, KiB on
+Linux); tokens/s and the per-phase times (forward, loss, backward, optimizer) from its step
+events 2..N (step 1 is warm-up). Prints markdown tables, with the C++ trainer's memory by
+component, and warns when the two final losses differ by more than 1e-3 (they implement the same
 semantics, docs/training.md). Run it with Debian's python3 (python3-torch).
 """
 
@@ -41,6 +43,12 @@ SIZES = {
                    max_len=1024),
 }
 LOSS_TOL = 1e-3
+PHASES = ("forward", "loss", "backward", "optimizer")
+# name -> (train.precision, activation checkpointing)
+CONFIGS = {"fp32": ("fp32", False), "bf16": ("bf16", False),
+           "fp32+ckpt": ("fp32", True), "bf16+ckpt": ("bf16", True)}
+COMPONENTS = ("weights", "trainable", "gradients", "optimizer", "activations", "logits",
+              "comm_buffers", "overhead")
 
 
 def run_quiet(cmd):
@@ -92,9 +100,14 @@ def measure(name, cmd, env):
     timed = steps[1:] if len(steps) > 1 else steps
     tokens = sum(s["tokens"] for s in timed)
     seconds = sum(s["tokens"] / s["tokens_per_s"] for s in timed if s["tokens_per_s"] > 0)
+    phases = {p: sum(s.get("phases", {}).get(p, 0.0) for s in timed) / len(timed)
+              for p in PHASES}
+    # The C++ trainer's own accounting: the components of its largest step peak.
+    memory = max((s["memory"] for s in steps if "memory" in s), key=lambda m: m["total"],
+                 default=None)
     return {"name": name, "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
             "peak_rss": usage.ru_maxrss * 1024, "final_loss": done.get("final_loss"),
-            "wall": wall, "steps": len(steps)}
+            "wall": wall, "steps": len(steps), "phases": phases, "memory": memory}
 
 
 def main():
@@ -106,9 +119,14 @@ def main():
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter for the reference (needs python3-torch)")
     ap.add_argument("--keep", help="generate into this directory and keep it")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated subset of " + ", ".join(CONFIGS))
     args = ap.parse_args()
     if args.steps < 2:
         sys.exit("train_bench: --steps must be >= 2 (step 1 is warm-up)")
+    for config in args.configs.split(","):
+        if config not in CONFIGS:
+            sys.exit(f"train_bench: --configs: unknown {config!r} (known: {', '.join(CONFIGS)})")
     synth = os.path.join(args.bin_dir, "lathe-synth")
     worker = os.path.join(args.bin_dir, "lathe-worker")
     for b in (synth, worker):
@@ -137,69 +155,85 @@ def main():
             run_quiet([synth, "data", "--out", data, "--vocab", str(size["vocab"]),
                        "--records", str(size["records"]), "--min-len", str(size["min_len"]),
                        "--max-len", str(size["max_len"]), "--seed", "2"])
-        out_dir = os.path.join(work, "out")
-        shutil.rmtree(out_dir, ignore_errors=True)
-        spec = {
-            "name": f"train-bench-{args.size}",
-            "model": {"path": model},
-            "data": {"train": data, "seq_len": size["seq_len"], "pack": True},
-            "method": "lora",
-            "lora": {"rank": 16, "alpha": 32, "dropout": 0.0,
-                     "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                 "up_proj", "down_proj"]},
-            "train": {"steps": args.steps, "global_batch": size["global_batch"],
-                      "micro_batch": size["micro_batch"], "lr": 1e-3,
-                      "schedule": {"kind": "cosine", "warmup_steps": 2},
-                      "weight_decay": 0.0, "max_grad_norm": 1.0, "precision": "fp32",
-                      "seed": 0},
-            "resources": {"ranks": 1, "device": "cpu"},
-            "output": out_dir,
-        }
-        spec_path = os.path.join(work, "job.json")
-        with open(spec_path, "w") as f:
-            json.dump(spec, f, indent=2)
-
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(args.threads)
-        results = [
-            measure("lathe-worker (C++)",
-                    [worker, "train", "--spec", spec_path, "--output", "json",
-                     "--threads", str(args.threads)], env),
-            measure("reference (eager PyTorch)",
-                    [args.python, REFERENCE, "train", "--spec", spec_path, "--output", "json",
-                     "--threads", str(args.threads)], env),
-        ]
+        results = {}
+        for config in args.configs.split(","):
+            precision, checkpointing = CONFIGS[config]
+            out_dir = os.path.join(work, "out")
+            shutil.rmtree(out_dir, ignore_errors=True)
+            spec = {
+                "name": f"train-bench-{args.size}",
+                "model": {"path": model},
+                "data": {"train": data, "seq_len": size["seq_len"], "pack": True},
+                "method": "lora",
+                "lora": {"rank": 16, "alpha": 32, "dropout": 0.0,
+                         "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj"]},
+                "train": {"steps": args.steps, "global_batch": size["global_batch"],
+                          "micro_batch": size["micro_batch"], "lr": 1e-3,
+                          "schedule": {"kind": "cosine", "warmup_steps": 2},
+                          "weight_decay": 0.0, "max_grad_norm": 1.0, "precision": precision,
+                          "seed": 0},
+                "resources": {"ranks": 1, "device": "cpu"},
+                "strategy": {"activation_checkpointing": True} if checkpointing else "auto",
+                "output": out_dir,
+            }
+            spec_path = os.path.join(work, f"job-{config}.json")
+            with open(spec_path, "w") as f:
+                json.dump(spec, f, indent=2)
+            cpp = measure(f"{config} C++", [worker, "train", "--spec", spec_path, "--output",
+                                              "json", "--threads", str(args.threads)], env)
+            shutil.rmtree(out_dir, ignore_errors=True)
+            py = measure(f"{config} reference", [args.python, REFERENCE, "train", "--spec",
+                                                  spec_path, "--output", "json", "--threads",
+                                                  str(args.threads)], env)
+            results[config] = (cpp, py)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    cpp, py = results
     mib = 1024 * 1024
     tokens_per_step = size["global_batch"] * size["seq_len"]
     print(f"## train_bench — size {args.size}: llama vocab {size['vocab']}, hidden "
           f"{size['hidden']}, {size['layers']} layers, heads {size['heads']}/{size['kv_heads']}, "
           f"intermediate {size['intermediate']}; seq_len {size['seq_len']}, global_batch "
           f"{size['global_batch']} (micro {size['micro_batch']}), {tokens_per_step} tokens/step; "
-          f"LoRA r16 x 7 targets, fp32; {args.steps} steps (tokens/s over steps 2..N), "
+          f"LoRA r16 x 7 targets; {args.steps} steps (tokens/s over steps 2..N), "
           f"{args.threads} threads")
     print(f"\n{platform.node()}, {os.cpu_count()} cores, {platform.platform()}, "
           f"{datetime.date.today().isoformat()}, cores {busy:.0%} busy before the run\n")
-    print("| implementation | tokens/s | peak RSS MiB | final loss | wall s |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for r in results:
-        loss = "n/a" if r["final_loss"] is None else f"{r['final_loss']:.6f}"
-        print(f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['peak_rss'] / mib:.1f} | {loss} | "
-              f"{r['wall']:.1f} |")
-    dl = (abs(cpp["final_loss"] - py["final_loss"])
-          if cpp["final_loss"] is not None and py["final_loss"] is not None else None)
-    print(f"| ratio C++ / reference | {cpp['tokens_per_s'] / py['tokens_per_s']:.2f}x | "
-          f"{cpp['peak_rss'] / py['peak_rss']:.2f}x | "
-          f"{'n/a' if dl is None else f'|diff| {dl:.2e}'} | "
-          f"{cpp['wall'] / py['wall']:.2f}x |")
-    if dl is None or dl > LOSS_TOL:
-        print(f"\nWARNING: final losses differ by {dl} (> {LOSS_TOL}): the two implementations "
-              "do not compute the same training (docs/training.md)", file=sys.stderr)
+    print("| config | C++ tokens/s | ref tokens/s | ratio | C++ peak RSS MiB | ref peak RSS MiB "
+          "| ratio | final loss C++ / ref |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    mismatched = []
+    for config, (cpp, py) in results.items():
+        losses = [r["final_loss"] for r in (cpp, py)]
+        if None in losses or abs(losses[0] - losses[1]) > LOSS_TOL:
+            mismatched.append(config)
+        loss_text = " / ".join("n/a" if x is None else f"{x:.6f}" for x in losses)
+        print(f"| {config} | {cpp['tokens_per_s']:.1f} | {py['tokens_per_s']:.1f} | "
+              f"{cpp['tokens_per_s'] / py['tokens_per_s']:.2f}x | {cpp['peak_rss'] / mib:.1f} | "
+              f"{py['peak_rss'] / mib:.1f} | {cpp['peak_rss'] / py['peak_rss']:.2f}x | "
+              f"{loss_text} |")
+    print("\nMean seconds per step by phase (steps 2..N), C++ / reference:\n")
+    print("| config | " + " | ".join(PHASES) + " |")
+    print("| --- |" + " ---: |" * len(PHASES))
+    for config, (cpp, py) in results.items():
+        cells = [f"{cpp['phases'][p]:.3f} / {py['phases'][p]:.3f}" for p in PHASES]
+        print(f"| {config} | " + " | ".join(cells) + " |")
+    print("\nC++ memory at its largest step peak, by component (MiB, the tracker's count):\n")
+    print("| config | " + " | ".join(COMPONENTS) + " | total |")
+    print("| --- |" + " ---: |" * (len(COMPONENTS) + 1))
+    for config, (cpp, _) in results.items():
+        m = cpp["memory"] or {}
+        cells = [f"{m.get(c, 0) / mib:.1f}" for c in COMPONENTS + ("total",)]
+        print(f"| {config} | " + " | ".join(cells) + " |")
+    if mismatched:
+        print(f"\nWARNING: final losses differ by more than {LOSS_TOL} in {mismatched}: the two "
+              "implementations do not compute the same training (docs/training.md)",
+              file=sys.stderr)
     return 0
 
 

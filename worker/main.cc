@@ -140,6 +140,11 @@ absl::Status Train(const ParsedFlags& flags) {
             r.memory_at_peak[i];
       }
       memory["total"] = r.peak_bytes;
+      const nlohmann::json phases = {{"forward", r.phases.forward},
+                                     {"loss", r.phases.loss},
+                                     {"backward", r.phases.backward},
+                                     {"comm", r.phases.comm},
+                                     {"optimizer", r.phases.optimizer}};
       std::cout << nlohmann::json{{"event", "step"},
                                   {"step", r.step},
                                   {"steps", r.steps},
@@ -151,7 +156,8 @@ absl::Status Train(const ParsedFlags& flags) {
                                   {"tokens", r.tokens},
                                   {"tokens_per_s", tokens_per_s},
                                   {"eval_loss", Number(r.eval_loss)},
-                                  {"memory", memory}}
+                                  {"memory", memory},
+                                  {"phases", phases}}
                        .dump()
                 << std::endl;
     } else {

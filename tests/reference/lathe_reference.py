@@ -373,6 +373,13 @@ class CausalLM(nn.Module):
         return self.embed_tokens if self.lm_head is None else self.lm_head
 
     def forward(self, ids):
+        return self.head(self.hidden(ids))
+
+    def head(self, hidden):
+        return F.linear(hidden, self.head_weight().to(self.dtype))
+
+    def hidden(self, ids):
+        """Final-normalised hidden states."""
         t = ids.shape[1]
         pos = torch.arange(t, dtype=torch.float64)
         freqs = torch.outer(pos, self.inv_freq)
@@ -385,7 +392,7 @@ class CausalLM(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
-        return F.linear(self.norm(h), self.head_weight().to(self.dtype))
+        return self.norm(h)
 
     def named_trainable(self):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
@@ -837,6 +844,7 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
         loss = None
         grad_norm = None
         skipped = False
+        phases = {"forward": 0.0, "loss": 0.0, "backward": 0.0, "comm": 0.0, "optimizer": 0.0}
         step_scale = scale
         if targets > 0:
             for p in params:
@@ -844,9 +852,17 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
             total = 0.0
             for m in range(G // M):
                 ids, labels = collate(batch[m * M:(m + 1) * M])
-                s = loss_sum(model(ids), labels)
+                t0 = time.perf_counter()
+                h = model.hidden(ids)
+                t1 = time.perf_counter()
+                s = loss_sum(model.head(h), labels)
+                t2 = time.perf_counter()
                 (s * (scale / targets)).backward()
                 total += s.item()
+                t3 = time.perf_counter()
+                phases["forward"] += t1 - t0
+                phases["loss"] += t2 - t1
+                phases["backward"] += t3 - t2
             loss = total / targets
             grads = [p.grad for p in params if p.grad is not None]
             if scale != 1.0:
@@ -879,10 +895,12 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
             for group in opt.param_groups:
                 group["lr"] = lr
             opt.step()
+            phases["optimizer"] = time.perf_counter() - t3
         total_tokens += tokens
         elapsed = time.perf_counter() - step_start
         ev = {"event": "step", "step": k + 1, "steps": n_steps, "loss": loss, "lr": lr,
               "grad_norm": grad_norm, "skipped": skipped, "loss_scale": step_scale,
+              "phases": phases,
               "tokens": tokens,
               "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0}
         events.append(ev)

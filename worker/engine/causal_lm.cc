@@ -405,8 +405,12 @@ at::Tensor CausalLm::Logits(const at::Tensor& input_ids) const {
 }
 
 at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const {
-  const int64_t seq = input_ids.size(1);
-  at::Tensor hidden = Hidden(input_ids).slice(1, 0, seq - 1).reshape({-1, config_.hidden_size});
+  return SumLossOfHidden(Hidden(input_ids), labels);
+}
+
+at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Tensor& labels) const {
+  const int64_t seq = all_hidden.size(1);
+  at::Tensor hidden = all_hidden.slice(1, 0, seq - 1).reshape({-1, config_.hidden_size});
   at::Tensor targets = labels.slice(1, 1, seq).reshape({-1});
   // Only rows with a target need logits: prompts and padding cost nothing here.
   at::Tensor rows = targets.ne(-100).nonzero().squeeze(1);

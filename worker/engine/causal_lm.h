@@ -95,6 +95,8 @@ class CausalLm {
   // Sum of the next-token cross-entropy over every target: position t predicts
   // labels[t + 1]; labels of -100 are skipped. input_ids and labels: [batch, seq].
   at::Tensor SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const;
+  // The same from Hidden(input_ids): the LM head and the cross-entropy alone.
+  at::Tensor SumLossOfHidden(const at::Tensor& hidden, const at::Tensor& labels) const;
 
   // Tensors that receive gradients: the LoRA A/B matrices (PEFT names) or, with a
   // trainable base, every weight (HF names; biases and norms without weight decay).

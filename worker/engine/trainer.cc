@@ -423,23 +423,36 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
   double loss_sum = 0.0;
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
+  PhaseSeconds& phases = report.phases;
+  auto time_into = [clock = std::chrono::steady_clock::now()](double& seconds) mutable {
+    const auto now = std::chrono::steady_clock::now();
+    seconds += std::chrono::duration<double>(now - clock).count();
+    clock = now;
+  };
+  double ignored = 0;
   for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
+    time_into(ignored);
     std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
     auto [ids, labels] = Collate(micro);
     at::Tensor loss;
     {
       MemoryScope scope(MemoryComponent::kActivations);
-      loss = model_->SumLoss(ids.to(device), labels.to(device));
+      at::Tensor hidden = model_->Hidden(ids.to(device));
+      time_into(phases.forward);
+      loss = model_->SumLossOfHidden(hidden, labels.to(device));
+      time_into(phases.loss);
     }
     MemoryScope scope(MemoryComponent::kGradients);
     // Normalised over the whole step's targets, so that accumulation does not change the
     // update; multiplied by the loss scale (1 unless fp16).
     (loss * (scaler.scale() / static_cast<double>(targets))).backward();
     loss_sum += loss.item<double>();
+    time_into(phases.backward);
   }
   if (options_.world_size > 1) {
     MemoryScope scope(MemoryComponent::kCommBuffers);
     LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
+    time_into(phases.comm);
   }
   report.loss = loss_sum / static_cast<double>(targets);
   if (scaler.scale() != 1.0) optimizer.ScaleGrads(1.0 / scaler.scale());
@@ -460,6 +473,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
     optimizer.Step(report.lr);
   }
   optimizer.ZeroGrad();
+  time_into(phases.optimizer);
   return absl::OkStatus();
 }
 

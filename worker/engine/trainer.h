@@ -47,6 +47,16 @@ struct TrainerOptions {
   Communicator* comm = nullptr;
 };
 
+// Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
+// (kernels run asynchronously; the loss read-back at the end of backward synchronises).
+struct PhaseSeconds {
+  double forward = 0.0;    // embeddings to the final norm
+  double loss = 0.0;       // LM head and cross-entropy
+  double backward = 0.0;   // everything's backward (recomputation included)
+  double comm = 0.0;       // gradient sum across ranks
+  double optimizer = 0.0;  // unscaling, norm, clipping, AdamW, zeroing
+};
+
 // What one optimizer step did.
 struct StepReport {
   int64_t step = 0;            // 1-based
@@ -62,6 +72,7 @@ struct StepReport {
   std::optional<double> eval_loss;  // at every train.eval_every-th step (rank 0)
   int64_t tokens = 0;               // input tokens, padding excluded
   double seconds = 0.0;
+  PhaseSeconds phases;
   // CPU memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
   // components sum to peak_bytes. Measured by the MemoryTracker; weights mapped from the
   // model file count as weights.
