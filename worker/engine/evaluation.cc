@@ -10,11 +10,14 @@ absl::StatusOr<Evaluation> Evaluate(const CausalLm& model, const TokenDataset& d
   double loss_sum = 0.0;
   try {
     at::NoGradGuard no_grad;
+    const at::Device device = model.options().device;
     for (const Document& doc : data.documents()) {
       int64_t len = std::min<int64_t>(seq_len, static_cast<int64_t>(doc.input_ids.size()));
-      at::Tensor ids = at::tensor(at::ArrayRef<int64_t>(doc.input_ids.data(), len)).view({1, len});
-      at::Tensor labels = at::tensor(at::ArrayRef<int64_t>(doc.labels.data(), len)).view({1, len});
-      if (keep_logits) result.logits.push_back(model.Logits(ids)[0].contiguous());
+      at::Tensor ids =
+          at::tensor(at::ArrayRef<int64_t>(doc.input_ids.data(), len)).view({1, len}).to(device);
+      at::Tensor labels =
+          at::tensor(at::ArrayRef<int64_t>(doc.labels.data(), len)).view({1, len}).to(device);
+      if (keep_logits) result.logits.push_back(model.Logits(ids)[0].cpu().contiguous());
       int64_t targets = labels.slice(1, 1).ne(kIgnoreLabel).sum().item<int64_t>();
       if (targets == 0) continue;
       loss_sum += model.SumLoss(ids, labels).item<double>();

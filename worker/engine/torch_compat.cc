@@ -1,5 +1,9 @@
 #include "worker/engine/torch_compat.h"
 
+#if LATHE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 
 namespace lathe {
@@ -12,5 +16,19 @@ absl::Status StatusFromTorchError(const c10::Error& error, absl::string_view con
   std::string text = absl::StrCat(context, ": ", message);
   return out_of_memory ? absl::ResourceExhaustedError(text) : absl::InternalError(text);
 }
+
+#if LATHE_TORCH_CUDA
+std::optional<CudaMemory> CudaMemoryOf(int device) {
+  namespace allocator = c10::cuda::CUDACachingAllocator;
+  const auto stats = allocator::getDeviceStats(device);
+  const auto& bytes = stats.allocated_bytes[static_cast<size_t>(allocator::StatType::AGGREGATE)];
+  return CudaMemory{bytes.current, bytes.peak};
+}
+
+void ResetCudaPeak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
+#else
+std::optional<CudaMemory> CudaMemoryOf(int) { return std::nullopt; }
+void ResetCudaPeak(int) {}
+#endif
 
 }  // namespace lathe

@@ -14,6 +14,8 @@
 #include <torch/csrc/autograd/generated/variable_factories.h>
 #include <torch/version.h>
 
+#include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -36,6 +38,16 @@ namespace lathe {
 // first line of the message and `context` prepended (RESOURCE_EXHAUSTED for allocation
 // failures, so callers can tell "does not fit").
 absl::Status StatusFromTorchError(const c10::Error& error, absl::string_view context);
+
+// Bytes that libtorch's CUDA caching allocator has handed out on `device` (not its cached
+// reserve): now, and at most since the last ResetCudaPeak. nullopt when this libtorch was
+// built without CUDA (LATHE_TORCH_CUDA unset: Debian's libtorch).
+struct CudaMemory {
+  int64_t current_bytes = 0;
+  int64_t peak_bytes = 0;
+};
+std::optional<CudaMemory> CudaMemoryOf(int device);
+void ResetCudaPeak(int device);
 
 }  // namespace lathe
 

@@ -316,9 +316,12 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   int64_t timed_tokens = 0;
   double timed_seconds = 0.0;
   const auto start = std::chrono::steady_clock::now();
+  const at::Device device = model_->options().device;
+  const int cuda_device = device.has_index() ? device.index() : 0;
   for (int64_t step = first_step; step < total_steps_; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
     tracker->ResetPeaks();
+    if (device.is_cuda()) ResetCudaPeak(cuda_device);
     StepReport report;
     report.step = step + 1;
     report.steps = total_steps_;
@@ -350,10 +353,15 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     result.skipped_steps = nonfinite.skipped;
     report.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-    const MemorySnapshot memory = tracker->Snapshot();
-    for (int i = 0; i < kNumMemoryComponents; ++i) report.memory_at_peak[i] = memory.at_peak[i];
-    report.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)] += mapped_weight_bytes_;
-    report.peak_bytes = memory.total.peak_bytes + mapped_weight_bytes_;
+    if (std::optional<CudaMemory> gpu;
+        device.is_cuda() && (gpu = CudaMemoryOf(cuda_device)).has_value()) {
+      CudaStepMemory(optimizer, gpu->peak_bytes, report);
+    } else {
+      const MemorySnapshot memory = tracker->Snapshot();
+      for (int i = 0; i < kNumMemoryComponents; ++i) report.memory_at_peak[i] = memory.at_peak[i];
+      report.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)] += mapped_weight_bytes_;
+      report.peak_bytes = memory.total.peak_bytes + mapped_weight_bytes_;
+    }
     result.peak_bytes = std::max(result.peak_bytes, report.peak_bytes);
     if (eval_data_ && train.eval_every > 0 && (step + 1) % train.eval_every == 0 &&
         options_.rank == 0) {
@@ -475,6 +483,24 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
   optimizer.ZeroGrad();
   time_into(phases.optimizer);
   return absl::OkStatus();
+}
+
+void Trainer::CudaStepMemory(const AdamW& optimizer, int64_t peak_bytes, StepReport& report) const {
+  auto& at_peak = report.memory_at_peak;
+  at_peak.fill(0);
+  int64_t trainable = 0;
+  for (const NamedParameter& p : optimizer.params()) trainable += p.tensor.nbytes();
+  const bool full = spec_.method == Method::kFull;
+  at_peak[static_cast<int>(MemoryComponent::kWeights)] =
+      full ? 0 : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype);
+  at_peak[static_cast<int>(MemoryComponent::kTrainable)] = trainable;
+  at_peak[static_cast<int>(MemoryComponent::kGradients)] = trainable;
+  at_peak[static_cast<int>(MemoryComponent::kOptimizer)] = 2 * trainable;  // AdamW's moments
+  int64_t fixed = 0;
+  for (int64_t bytes : at_peak) fixed += bytes;
+  at_peak[static_cast<int>(MemoryComponent::kActivations)] =
+      std::max<int64_t>(0, peak_bytes - fixed);
+  report.peak_bytes = std::max(peak_bytes, fixed);
 }
 
 int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0; }

@@ -73,9 +73,9 @@ struct StepReport {
   int64_t tokens = 0;               // input tokens, padding excluded
   double seconds = 0.0;
   PhaseSeconds phases;
-  // CPU memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
-  // components sum to peak_bytes. Measured by the MemoryTracker; weights mapped from the
-  // model file count as weights.
+  // Memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
+  // components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped
+  // from the model file count as weights); on CUDA see CudaStepMemory.
   std::array<int64_t, 8> memory_at_peak{};
   int64_t peak_bytes = 0;
 };
@@ -135,6 +135,9 @@ class Trainer {
   // grad_norm, loss_scale and skipped. Throws c10::Error from libtorch.
   absl::Status TrainOn(const std::vector<Sequence>& batch, AdamW& optimizer, LossScaler& scaler,
                        StepReport& report);
+  // The step's memory on CUDA: the caching allocator's peak, of which weights, trainable,
+  // gradients and optimizer are their tensors' sizes and the rest counts as activations.
+  void CudaStepMemory(const AdamW& optimizer, int64_t peak_bytes, StepReport& report) const;
   // Sums every gradient and `*loss_sum` across the ranks.
   absl::Status AllReduceGradients(AdamW& optimizer, double* loss_sum);
   absl::Status SaveCheckpoint(int64_t step, const AdamW& optimizer, const SequenceSampler& sampler,

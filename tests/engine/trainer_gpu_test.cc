@@ -1,0 +1,89 @@
+// The engine's numerical tests on CUDA (label gpu). They skip where libtorch has no CUDA or
+// sees no GPU, as on CI; docs/training.md says what to run on a GPU machine.
+#include <filesystem>
+
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_model.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/engine/memory_tracker.h"
+#include "worker/engine/trainer.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+using testing::TempDir;
+
+class TrainerGpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA: this libtorch has none or sees no GPU";
+    config_ = testing::TinyModelConfig();
+    ASSERT_TRUE(WriteSyntheticModel(config_, DType::kBF16, 1, 0, dir_.Path("model")).ok());
+    SyntheticDataOptions data;
+    data.vocab = 64;
+    data.records = 64;
+    data.min_len = 8;
+    data.max_len = 24;
+    dir_.Write("train.jsonl", SyntheticDataJsonl(data));
+    spec_.name = "gpu";
+    spec_.model.path = dir_.Path("model");
+    spec_.data.train = dir_.Path("train.jsonl");
+    spec_.data.seq_len = 16;
+    spec_.lora.rank = 4;
+    spec_.train.steps = 6;
+    spec_.train.global_batch = 4;
+    spec_.train.lr = 1e-2;
+  }
+
+  std::vector<StepReport> Reports(JobSpec spec, const std::string& output) {
+    spec.output = dir_.Path(output);
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, {1});
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return {};
+    std::vector<StepReport> reports;
+    absl::Status run = (*trainer)->Run([&](const StepReport& r) { reports.push_back(r); }).status();
+    EXPECT_TRUE(run.ok()) << run;
+    return reports;
+  }
+
+  TempDir dir_;
+  ModelConfig config_;
+  JobSpec spec_;
+};
+
+TEST_F(TrainerGpuTest, Bf16OnCudaTracksTheCpuRun) {
+  std::vector<StepReport> cpu = Reports(spec_, "cpu");
+  JobSpec gpu_spec = spec_;
+  gpu_spec.resources.device = DeviceKind::kCuda;
+  gpu_spec.train.precision = Precision::kBf16;
+  std::vector<StepReport> gpu = Reports(gpu_spec, "gpu");
+  ASSERT_EQ(cpu.size(), gpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    // bf16 activations: a few parts in a hundred, not more.
+    EXPECT_NEAR(*gpu[i].loss, *cpu[i].loss, 0.05 * *cpu[i].loss) << "step " << i + 1;
+    EXPECT_GT(gpu[i].peak_bytes, 0);
+    EXPECT_GT(gpu[i].memory_at_peak[static_cast<int>(MemoryComponent::kActivations)], 0);
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("gpu/adapter/adapter_model.safetensors")));
+}
+
+TEST_F(TrainerGpuTest, CheckpointingOnCudaKeepsTheLosses) {
+  JobSpec spec = spec_;
+  spec.resources.device = DeviceKind::kCuda;
+  spec.train.precision = Precision::kBf16;
+  std::vector<StepReport> plain = Reports(spec, "plain");
+  spec.strategy.automatic = false;
+  spec.strategy.activation_checkpointing = true;
+  std::vector<StepReport> recomputed = Reports(spec, "recomputed");
+  ASSERT_EQ(plain.size(), recomputed.size());
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_NEAR(*plain[i].loss, *recomputed[i].loss, 1e-3 * *plain[i].loss) << i + 1;
+    EXPECT_LT(recomputed[i].memory_at_peak[static_cast<int>(MemoryComponent::kActivations)],
+              plain[i].memory_at_peak[static_cast<int>(MemoryComponent::kActivations)]);
+  }
+}
+
+}  // namespace
+}  // namespace lathe
