@@ -91,6 +91,41 @@ const corpus = [
   '\n',
 ];
 
+// Random lines over many Unicode blocks (letters, marks, digits, spaces, symbols, emoji,
+// CJK, private use, unassigned and noncharacter code points) mixed with contractions,
+// digits and special tokens: the character classes of the scanners, beyond hand-picked text.
+function randomLines(count) {
+  let state = 20240601;
+  const next = () => (state = (state * 48271) % 2147483647) / 2147483647;
+  const ranges = [
+    [0x20, 0x7e], [0x20, 0x7e], [0x20, 0x7e], [0x0, 0x1f], [0x7f, 0x24f], [0x250, 0x36f],
+    [0x370, 0x52f], [0x530, 0x6ff], [0x700, 0xdff], [0xe00, 0xfff], [0x1000, 0x11ff],
+    [0x1200, 0x1fff], [0x2000, 0x206f], [0x2070, 0x218f], [0x2190, 0x2bff], [0x2c00, 0x2fff],
+    [0x3000, 0x30ff], [0x3100, 0x4dff], [0x4e00, 0x9fff], [0xa000, 0xabff], [0xac00, 0xd7ff],
+    [0xe000, 0xe0ff], [0xf900, 0xffff], [0x10000, 0x1ffff], [0x1f300, 0x1faff],
+    [0x20000, 0x2ffff], [0xe0000, 0xe01ff], [0x10fff0, 0x10ffff],
+  ];
+  const pieces = [' ', '  ', '\n', '\r\n', '\t', "'s", "'LL", "'ſ", '123', '45678', '\u00a0',
+                  '\u3000', '\u0085', '<|im_end|>', '<|eot_id|>', '<|endoftext|>'];
+  const lines = [];
+  for (let l = 0; l < count; ++l) {
+    let line = '';
+    const length = 1 + Math.floor(next() * 40);
+    for (let i = 0; i < length; ++i) {
+      if (next() < 0.25) {
+        line += pieces[Math.floor(next() * pieces.length)];
+        continue;
+      }
+      const [low, high] = ranges[Math.floor(next() * ranges.length)];
+      const c = low + Math.floor(next() * (high - low + 1));
+      line += String.fromCodePoint(c >= 0xd800 && c <= 0xdfff ? 0x41 : c);  // no surrogates
+    }
+    lines.push(line);
+  }
+  return lines;
+}
+corpus.push(...randomLines(32));
+
 // Variants: a flavor's file with top-level fields replaced and added tokens appended.
 function variants(sizes) {
   return [
