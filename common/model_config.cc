@@ -235,6 +235,36 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
   return window;
 }
 
+// bos_token_id / eos_token_id: an integer, a list of integers, or null, each a token id.
+absl::StatusOr<std::vector<int64_t>> ParseTokenIds(const ConfigFields& fields,
+                                                   absl::string_view key, int64_t vocab_size) {
+  const Json* value = fields.Find(key);
+  if (value == nullptr) return std::vector<int64_t>();
+  std::vector<Json> entries;
+  if (value->is_array()) {
+    entries.assign(value->begin(), value->end());
+  } else {
+    entries.push_back(*value);
+  }
+  std::vector<int64_t> ids;
+  for (const Json& entry : entries) {
+    if (!entry.is_number_integer()) {
+      return fields.Error(
+          key, absl::StrCat("expected an integer or a list of integers, got ", Describe(*value)));
+    }
+    const bool fits =
+        !entry.is_number_unsigned() ||
+        entry.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    const int64_t id = fits ? entry.get<int64_t>() : -1;
+    if (id < 0 || id >= vocab_size) {
+      return fields.Error(
+          key, absl::StrCat(entry.dump(), " is not a token id (vocab_size ", vocab_size, ")"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
@@ -332,6 +362,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     LATHE_ASSIGN_OR_RETURN(dtype, fields.String("dtype"));
   }
   config.torch_dtype = dtype.value_or("");
+
+  LATHE_ASSIGN_OR_RETURN(std::vector<int64_t> bos,
+                         ParseTokenIds(fields, "bos_token_id", config.vocab_size));
+  if (!bos.empty()) config.bos_token_id = bos.front();
+  LATHE_ASSIGN_OR_RETURN(config.eos_token_ids,
+                         ParseTokenIds(fields, "eos_token_id", config.vocab_size));
   return config;
 }
 
@@ -467,6 +503,12 @@ std::string ModelConfigToJson(const ModelConfig& config) {
         config.sliding_window.has_value() ? int64_t{0} : config.num_hidden_layers;
   }
   if (!config.torch_dtype.empty()) json["torch_dtype"] = config.torch_dtype;
+  if (config.bos_token_id.has_value()) json["bos_token_id"] = *config.bos_token_id;
+  if (config.eos_token_ids.size() == 1) {
+    json["eos_token_id"] = config.eos_token_ids.front();
+  } else if (!config.eos_token_ids.empty()) {
+    json["eos_token_id"] = config.eos_token_ids;
+  }
   return json.dump(2) + "\n";
 }
 

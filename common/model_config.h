@@ -49,13 +49,19 @@ struct ModelConfig {
   // Tokens a position may attend back to (itself included); unset means unlimited.
   std::optional<int64_t> sliding_window;
   std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
+  // Special tokens, when config.json names them (null or absent: unknown). A list of
+  // bos_token_id keeps its first entry; eos_token_id keeps every entry (Llama 3.1 Instruct
+  // lists three), the first being the one Lathe appends to text records.
+  std::optional<int64_t> bos_token_id;
+  std::vector<int64_t> eos_token_ids;
 };
 
 // Parses the text of a config.json. `source` names the file in error messages.
 // INVALID_ARGUMENT naming the field for: malformed JSON, a missing or non-positive size,
 // an unsupported model_type (supported: llama, mistral, qwen2), hidden_act other than
 // silu, num_attention_heads not divisible by num_key_value_heads, an unknown rope_scaling
-// type.
+// type, a bos_token_id or eos_token_id that is not an integer (or list of them) in
+// [0, vocab_size).
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source);
 
 // Reads `dir`/config.json. NOT_FOUND when missing; otherwise as ParseModelConfig.

@@ -149,6 +149,8 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.mlp_bias, b.mlp_bias);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
+  EXPECT_EQ(a.bos_token_id, b.bos_token_id);
+  EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
 }
 
 TEST(ModelConfigTest, ParsesLlama32_1B) {
@@ -408,6 +410,33 @@ TEST(ModelConfigTest, JsonRoundTrip) {
   EXPECT_EQ(qwen["sliding_window"], 1024);
 }
 
+TEST(ModelConfigTest, SpecialTokenIds) {
+  ModelConfig llama = MustParse(kLlama32_1B);
+  EXPECT_EQ(llama.bos_token_id, 128000);
+  EXPECT_THAT(llama.eos_token_ids, ElementsAre(128001));
+
+  // Llama 3.1 Instruct lists three end tokens; a list of bos ids keeps the first.
+  nlohmann::json instruct = nlohmann::json::parse(kLlama32_1B);
+  instruct["eos_token_id"] = {128001, 128008, 128009};
+  instruct["bos_token_id"] = {128000, 5};
+  ModelConfig config = MustParse(instruct.dump());
+  EXPECT_EQ(config.bos_token_id, 128000);
+  EXPECT_THAT(config.eos_token_ids, ElementsAre(128001, 128008, 128009));
+  nlohmann::json written = nlohmann::json::parse(ModelConfigToJson(config));
+  EXPECT_EQ(written["bos_token_id"], 128000);
+  EXPECT_EQ(written["eos_token_id"], nlohmann::json::array({128001, 128008, 128009}));
+
+  // Null and absent mean unknown, and are not written back.
+  nlohmann::json none = TinyLlama();
+  none["bos_token_id"] = nullptr;
+  config = MustParse(none.dump());
+  EXPECT_EQ(config.bos_token_id, std::nullopt);
+  EXPECT_TRUE(config.eos_token_ids.empty());
+  written = nlohmann::json::parse(ModelConfigToJson(config));
+  EXPECT_FALSE(written.contains("bos_token_id"));
+  EXPECT_FALSE(written.contains("eos_token_id"));
+}
+
 TEST(ModelConfigTest, ToJsonFillsArchitectureFromModelType) {
   ModelConfig config = MustParse(kMistral7B);
   config.architecture.clear();
@@ -557,7 +586,25 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
        },
        "/m/config.json: max_window_layers: sliding window on layers 1..1 only is not supported"},
   };
-  for (const ErrorCase& c : cases) {
+  const std::vector<ErrorCase> token_cases = {
+      {"eos not an integer", [](Json& j) { j["eos_token_id"] = "2"; },
+       "/m/config.json: eos_token_id: expected an integer or a list of integers, got \"2\""},
+      {"eos list with a string",
+       [](Json& j) {
+         j["eos_token_id"] = {1, "x"};
+       },
+       "/m/config.json: eos_token_id: expected an integer or a list of integers, got [1,\"x\"]"},
+      {"bos outside the vocabulary", [](Json& j) { j["bos_token_id"] = 10; },
+       "/m/config.json: bos_token_id: 10 is not a token id (vocab_size 10)"},
+      {"negative eos",
+       [](Json& j) {
+         j["eos_token_id"] = {2, -1};
+       },
+       "/m/config.json: eos_token_id: -1 is not a token id (vocab_size 10)"},
+  };
+  std::vector<ErrorCase> all_cases = cases;
+  all_cases.insert(all_cases.end(), token_cases.begin(), token_cases.end());
+  for (const ErrorCase& c : all_cases) {
     SCOPED_TRACE(c.description);
     nlohmann::json json = TinyLlama();
     c.mutate(json);

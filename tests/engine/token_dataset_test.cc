@@ -1,17 +1,25 @@
 #include "worker/engine/token_dataset.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <numeric>
+#include <optional>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
+#include "worker/engine/text_record_encoder.h"
+#include "worker/engine/tokenizer.h"
+#include "worker/tools/synthetic.h"
 
 namespace lathe {
 namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using testing::StatusIs;
 using testing::TempDir;
 
 absl::Status LoadStatus(const std::string& text, int64_t vocab = 100) {
@@ -144,6 +152,264 @@ TEST(AutoMicroBatch, LargestDivisorWithinTokenBudget) {
   EXPECT_EQ(AutoMicroBatch(7, 4096), 1);
   EXPECT_EQ(AutoMicroBatch(4, 32), 4);
   EXPECT_EQ(AutoMicroBatch(1, 100000), 1);
+}
+
+// Text, chat and instruction records, tokenised with the synthetic tokenizers.
+
+struct TextSetup {
+  TempDir dir;
+  ModelConfig config;
+  std::optional<Tokenizer> tokenizer;
+
+  explicit TextSetup(TokenizerFlavor flavor) {
+    absl::StatusOr<SyntheticTokenizer> made = MakeSyntheticTokenizer({flavor, 576});
+    EXPECT_TRUE(made.ok()) << made.status();
+    dir.Write("tokenizer.json", made->json);
+    config.vocab_size = 576;
+    config.eos_token_ids = made->eos_token_ids;
+    absl::StatusOr<Tokenizer> loaded = Tokenizer::Parse(made->json, "tokenizer.json");
+    EXPECT_TRUE(loaded.ok()) << loaded.status();
+    tokenizer = *std::move(loaded);
+  }
+  int64_t Id(absl::string_view token) const { return *tokenizer->TokenId(token); }
+  std::vector<int64_t> Encode(absl::string_view text, bool special = false) const {
+    return *tokenizer->Encode(text, special);
+  }
+  absl::StatusOr<TokenDataset> Load(const std::string& jsonl) {
+    TextRecordEncoder encoder(dir.path(), config);
+    return TokenDataset::Load(dir.Write("d.jsonl", jsonl), "data.train", config.vocab_size,
+                              &encoder);
+  }
+  Document LoadOne(const std::string& record) {
+    absl::StatusOr<TokenDataset> data = Load(record + "\n");
+    EXPECT_TRUE(data.ok()) << data.status();
+    return data.ok() ? data->documents().at(0) : Document();
+  }
+};
+
+// Concatenates pieces of ids, marking each as target or not.
+struct Expected {
+  std::vector<int64_t> ids;
+  std::vector<int64_t> labels;
+  Expected& Add(const std::vector<int64_t>& piece, bool target) {
+    for (int64_t id : piece) {
+      ids.push_back(id);
+      labels.push_back(target ? id : kIgnoreLabel);
+    }
+    return *this;
+  }
+};
+
+TEST(TextRecords, TextIsTheEncodingThenEos) {
+  TextSetup llama3(TokenizerFlavor::kLlama3);
+  const int64_t bos = llama3.Id("<|begin_of_text|>");
+  const int64_t eos = llama3.Id("<|end_of_text|>");
+  ASSERT_THAT(llama3.config.eos_token_ids, ElementsAre(eos));
+  Document doc = llama3.LoadOne(R"({"text": "The lathe turns. Grüße!"})");
+  std::vector<int64_t> want = {bos};
+  for (int64_t id : llama3.Encode("The lathe turns. Grüße!")) want.push_back(id);
+  want.push_back(eos);
+  EXPECT_EQ(doc.input_ids, want);
+  EXPECT_EQ(doc.labels, want);  // every position is a target
+  // No second eos when the text already ends with it; none at all when config.json names none.
+  doc = llama3.LoadOne(R"({"text": "done<|end_of_text|>"})");
+  EXPECT_EQ(doc.input_ids.back(), eos);
+  EXPECT_NE(doc.input_ids[doc.input_ids.size() - 2], eos);
+  llama3.config.eos_token_ids.clear();
+  doc = llama3.LoadOne(R"({"text": "done"})");
+  EXPECT_EQ(doc.input_ids, llama3.Encode("done", true));
+
+  TextSetup qwen2(TokenizerFlavor::kQwen2);  // no BOS; eos <|endoftext|>
+  doc = qwen2.LoadOne(R"({"text": "hi"})");
+  std::vector<int64_t> qwen_want = qwen2.Encode("hi");
+  qwen_want.push_back(qwen2.Id("<|endoftext|>"));
+  EXPECT_EQ(doc.input_ids, qwen_want);
+}
+
+TEST(TextRecords, ChatMlTrainsOnlyAssistantContentAndItsEnd) {
+  TextSetup qwen2(TokenizerFlavor::kQwen2);
+  const std::vector<int64_t> start = {qwen2.Id("<|im_start|>")};
+  const std::vector<int64_t> end = {qwen2.Id("<|im_end|>")};
+  const std::vector<int64_t> newline = qwen2.Encode("\n");
+  Document doc = qwen2.LoadOne(
+      R"({"messages": [{"role": "system", "content": "Be brief."},)"
+      R"( {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},)"
+      R"( {"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Sure."}]})");
+  Expected want;
+  want.Add(start, false).Add(qwen2.Encode("system\nBe brief."), false).Add(end, false);
+  want.Add(newline, false);
+  want.Add(start, false).Add(qwen2.Encode("user\nHi"), false).Add(end, false);
+  want.Add(newline, false);
+  want.Add(start, false).Add(qwen2.Encode("assistant\n"), false);
+  want.Add(qwen2.Encode("Hello!"), true).Add(end, true).Add(newline, false);
+  want.Add(start, false).Add(qwen2.Encode("user\nAgain?"), false).Add(end, false);
+  want.Add(newline, false);
+  want.Add(start, false).Add(qwen2.Encode("assistant\n"), false);
+  want.Add(qwen2.Encode("Sure."), true).Add(end, true).Add(newline, false);
+  EXPECT_EQ(doc.input_ids, want.ids);
+  EXPECT_EQ(doc.labels, want.labels);
+  // The ids are those of the rendered template, tokenised whole.
+  EXPECT_EQ(doc.input_ids,
+            qwen2.Encode("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nAgain?"
+                         "<|im_end|>\n<|im_start|>assistant\nSure.<|im_end|>\n"));
+}
+
+TEST(TextRecords, Llama3TrainsOnlyAssistantContentAndEotAndTrimsContent) {
+  TextSetup llama3(TokenizerFlavor::kLlama3);
+  const std::vector<int64_t> bos = {llama3.Id("<|begin_of_text|>")};
+  const std::vector<int64_t> header_start = {llama3.Id("<|start_header_id|>")};
+  const std::vector<int64_t> header_end = {llama3.Id("<|end_header_id|>")};
+  const std::vector<int64_t> eot = {llama3.Id("<|eot_id|>")};
+  Document doc = llama3.LoadOne(R"({"messages": [{"role": "user", "content": "  Hi there \n"},)"
+                                R"( {"role": "assistant", "content": "Hello!\n"}]})");
+  Expected want;
+  want.Add(bos, false);
+  want.Add(header_start, false).Add(llama3.Encode("user"), false).Add(header_end, false);
+  want.Add(llama3.Encode("\n\nHi there"), false).Add(eot, false);
+  want.Add(header_start, false).Add(llama3.Encode("assistant"), false).Add(header_end, false);
+  want.Add(llama3.Encode("\n\n"), false).Add(llama3.Encode("Hello!"), true).Add(eot, true);
+  EXPECT_EQ(doc.input_ids, want.ids);
+  EXPECT_EQ(doc.labels, want.labels);
+  EXPECT_EQ(doc.input_ids,
+            llama3.Encode("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there"
+                          "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello!"
+                          "<|eot_id|>"));
+}
+
+TEST(TextRecords, InstructionsAreAUserAndAnAssistantTurn) {
+  TextSetup qwen2(TokenizerFlavor::kQwen2);
+  Document chat =
+      qwen2.LoadOne(R"({"messages": [{"role": "user", "content": "Translate.\n\nGuten Tag"},)"
+                    R"( {"role": "assistant", "content": "Good day"}]})");
+  Document instruction =
+      qwen2.LoadOne(R"({"instruction": "Translate.", "input": "Guten Tag", "output": "Good day"})");
+  EXPECT_EQ(instruction.input_ids, chat.input_ids);
+  EXPECT_EQ(instruction.labels, chat.labels);
+  Document no_input = qwen2.LoadOne(R"({"instruction": "Say hi.", "input": "", "output": "Hi"})");
+  Document null_input =
+      qwen2.LoadOne(R"({"instruction": "Say hi.", "input": null, "output": "Hi"})");
+  Document same_chat = qwen2.LoadOne(R"({"messages": [{"role": "user", "content": "Say hi."},)"
+                                     R"( {"role": "assistant", "content": "Hi"}]})");
+  EXPECT_EQ(no_input.input_ids, same_chat.input_ids);
+  EXPECT_EQ(null_input.input_ids, same_chat.input_ids);
+}
+
+TEST(TextRecords, InstructionsWithoutAChatFormatUseTheAlpacaPrompt) {
+  TextSetup gpt2(TokenizerFlavor::kGpt2);
+  const int64_t eos = gpt2.Id("<|endoftext|>");
+  Document doc = gpt2.LoadOne(R"({"instruction": "Add 2 and 3.", "output": "5"})");
+  Expected want;
+  want.Add(gpt2.Encode("Below is an instruction that describes a task. Write a response that "
+                       "appropriately completes the request.\n\n### Instruction:\nAdd 2 and 3."
+                       "\n\n### Response:\n"),
+           false);
+  want.Add(gpt2.Encode("5"), true).Add({eos}, true);
+  EXPECT_EQ(doc.input_ids, want.ids);
+  EXPECT_EQ(doc.labels, want.labels);
+
+  doc = gpt2.LoadOne(R"({"instruction": "Sum.", "input": "2 3", "output": "5"})");
+  want = Expected();
+  want.Add(gpt2.Encode("Below is an instruction that describes a task, paired with an input that "
+                       "provides further context. Write a response that appropriately completes "
+                       "the request.\n\n### Instruction:\nSum.\n\n### Input:\n2 3\n\n"
+                       "### Response:\n"),
+           false);
+  want.Add(gpt2.Encode("5"), true).Add({eos}, true);
+  EXPECT_EQ(doc.input_ids, want.ids);
+  EXPECT_EQ(doc.labels, want.labels);
+
+  gpt2.config.eos_token_ids.clear();
+  EXPECT_THAT(gpt2.Load(R"({"instruction": "Sum.", "output": "5"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "line 1: instruction records need an eos_token_id in config.json"));
+}
+
+TEST(TextRecords, KindsMixInOneFile) {
+  TextSetup qwen2(TokenizerFlavor::kQwen2);
+  absl::StatusOr<TokenDataset> data = qwen2.Load(
+      "{\"input_ids\": [1, 2, 3], \"labels\": [-100, 2, 3]}\n"
+      "{\"text\": \"plain text\", \"source\": \"ignored\"}\n\n"
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}, "
+      "{\"role\": \"assistant\", \"content\": \"Hello\"}]}\n"
+      "{\"instruction\": \"Say hi.\", \"output\": \"Hi\"}\n");
+  ASSERT_TRUE(data.ok()) << data.status();
+  ASSERT_EQ(data->documents().size(), 4u);
+  EXPECT_THAT(data->documents()[0].labels, ElementsAre(-100, 2, 3));
+  EXPECT_EQ(data->documents()[1].labels, data->documents()[1].input_ids);
+  int64_t total = 0;
+  for (const Document& doc : data->documents()) total += doc.input_ids.size();
+  EXPECT_EQ(data->total_tokens(), total);
+}
+
+TEST(TextRecords, RejectsBadRecordsNamingFileAndLine) {
+  TextSetup qwen2(TokenizerFlavor::kQwen2);
+  const std::string path = qwen2.dir.Path("d.jsonl");
+  struct Case {
+    std::string record;
+    std::string message;  // after "data.train: <path>: line 2: "
+  } cases[] = {
+      {R"({"text": 5})", "text is not a string"},
+      {R"({"text": ""})", "text is empty"},
+      {R"({"text": "a", "labels": [1]})", R"("labels" go with "input_ids" only, not with "text")"},
+      {R"({"text": "a", "input_ids": [1]})",
+       R"(has both "input_ids" and "text"; give one per record)"},
+      {R"({"messages": []})", "messages is empty"},
+      {R"({"messages": "hi"})", "messages is not a list"},
+      {R"({"messages": ["hi"]})", "messages[0] is not an object"},
+      {R"({"messages": [{"role": "user"}]})", R"(messages[0] has no "content")"},
+      {R"({"messages": [{"content": "x"}]})", R"(messages[0] has no "role")"},
+      {R"({"messages": [{"role": "user", "content": 3}]})", "messages[0].content is not a string"},
+      {R"({"messages": [{"role": "tool", "content": "x"}]})",
+       R"(messages[0].role: "tool" is not one of system, user, assistant)"},
+      {R"({"messages": [{"role": "user", "content": "x", "name": "bob"}]})",
+       R"(messages[0]: unknown field "name" (only role and content))"},
+      {R"({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]})",
+       "messages has no assistant turn, so nothing to train on"},
+      {R"({"instruction": 1, "output": "x"})", "instruction is not a string"},
+      {R"({"instruction": "x"})", R"(no "output")"},
+      {R"({"instruction": "x", "input": 2, "output": "y"})", "input is not a string"},
+      {R"({"labels": [1]})", R"(no "input_ids", "text", "messages" or "instruction")"},
+      {"{\"text\": \"bad \xC3\x28\"}", "invalid UTF-8 at byte 14"},
+  };
+  for (const Case& c : cases) {
+    absl::Status status = qwen2.Load("{\"input_ids\": [1]}\n" + c.record + "\n").status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.record;
+    EXPECT_EQ(status.message(), absl::StrCat("data.train: ", path, ": line 2: ", c.message));
+  }
+}
+
+TEST(TextRecords, NeedTheModelsTokenizer) {
+  TextSetup gpt2(TokenizerFlavor::kGpt2);
+  const std::string path = gpt2.dir.Path("d.jsonl");
+  // A chat format is needed for chat records.
+  EXPECT_THAT(gpt2.Load(R"({"messages": [{"role": "assistant", "content": "x"}]})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("data.train: ", path,
+                                    ": line 1: chat records need a chat "
+                                    "format, but ",
+                                    gpt2.dir.Path("tokenizer.json"),
+                                    " has the special tokens of neither ChatML")));
+  // The model's vocabulary must hold every id of the tokenizer.
+  gpt2.config.vocab_size = 300;
+  EXPECT_THAT(gpt2.Load(R"({"text": "x"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("line 1: ", gpt2.dir.Path("tokenizer.json"),
+                                    " has 576 token ids, more than the model's vocab_size 300")));
+  // Without tokenizer.json, token ids still load and text does not.
+  std::filesystem::remove(gpt2.dir.Path("tokenizer.json"));
+  gpt2.config.vocab_size = 576;
+  EXPECT_TRUE(gpt2.Load("{\"input_ids\": [1, 2]}\n").ok());
+  EXPECT_EQ(gpt2.Load("{\"input_ids\": [1, 2]}\n\n{\"text\": \"x\"}\n").status().message(),
+            absl::StrCat("data.train: ", path, ": line 3: text records need ",
+                         gpt2.dir.Path("tokenizer.json"), ", which does not exist"));
+  EXPECT_THAT(gpt2.Load(R"({"instruction": "x", "output": "y"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument, "line 1: instruction records need "));
+  // A tokenizer.json that Lathe cannot read: its own error, after the line.
+  gpt2.dir.Write("tokenizer.json", "{\"model\": {\"type\": \"Unigram\"}}");
+  EXPECT_THAT(gpt2.Load(R"({"text": "x"})"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("line 1: ", gpt2.dir.Path("tokenizer.json"))));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "worker/engine/token_dataset.h"
 
 #include <fstream>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -9,6 +10,8 @@
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/engine/pre_tokenizer.h"
+#include "worker/engine/text_record_encoder.h"
 
 namespace lathe {
 namespace {
@@ -27,30 +30,124 @@ absl::StatusOr<std::vector<int64_t>> IdArray(const nlohmann::json& value, absl::
   return ids;
 }
 
-absl::StatusOr<Document> ParseRecord(absl::string_view line, int64_t vocab_size) {
-  nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-  if (record.is_discarded()) return absl::InvalidArgumentError("not valid JSON");
-  if (!record.is_object()) return absl::InvalidArgumentError("not a JSON object");
-  auto ids_it = record.find("input_ids");
-  if (ids_it == record.end()) {
-    if (record.contains("text") || record.contains("messages")) {
-      return absl::InvalidArgumentError(
-          "text records need a tokenizer, which this worker does not have yet; give "
-          "\"input_ids\"");
-    }
-    return absl::InvalidArgumentError("no \"input_ids\"");
-  }
-  Document doc;
-  LATHE_ASSIGN_OR_RETURN(doc.input_ids, IdArray(*ids_it, "input_ids"));
-  if (doc.input_ids.empty()) return absl::InvalidArgumentError("input_ids is empty");
-  for (size_t i = 0; i < doc.input_ids.size(); ++i) {
-    int64_t id = doc.input_ids[i];
+absl::Status CheckIdsInVocabulary(const std::vector<int64_t>& ids, int64_t vocab_size,
+                                  absl::string_view what) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    int64_t id = ids[i];
     if (id < 0 || id >= vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("input_ids[", i, "]: token id ", id,
+      return absl::InvalidArgumentError(absl::StrCat(what, "[", i, "]: token id ", id,
                                                      " is outside the vocabulary (vocab_size ",
                                                      vocab_size, ")"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> StringField(const nlohmann::json& value, absl::string_view key) {
+  if (!value.is_string()) return absl::InvalidArgumentError(absl::StrCat(key, " is not a string"));
+  return value.get<std::string>();
+}
+
+absl::StatusOr<std::vector<ChatMessage>> ParseMessages(const nlohmann::json& value) {
+  if (!value.is_array()) return absl::InvalidArgumentError("messages is not a list");
+  if (value.empty()) return absl::InvalidArgumentError("messages is empty");
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < value.size(); ++i) {
+    const nlohmann::json& message = value[i];
+    const std::string name = absl::StrCat("messages[", i, "]");
+    if (!message.is_object()) return absl::InvalidArgumentError(name + " is not an object");
+    for (auto it = message.begin(); it != message.end(); ++it) {
+      if (it.key() != "role" && it.key() != "content") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": unknown field \"", it.key(), "\" (only role and content)"));
+      }
+    }
+    if (!message.contains("role")) return absl::InvalidArgumentError(name + " has no \"role\"");
+    if (!message.contains("content")) {
+      return absl::InvalidArgumentError(name + " has no \"content\"");
+    }
+    LATHE_ASSIGN_OR_RETURN(std::string role, StringField(message["role"], name + ".role"));
+    ChatMessage parsed;
+    if (role == "system") {
+      parsed.role = ChatMessage::Role::kSystem;
+    } else if (role == "user") {
+      parsed.role = ChatMessage::Role::kUser;
+    } else if (role == "assistant") {
+      parsed.role = ChatMessage::Role::kAssistant;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".role: \"", role, "\" is not one of system, user, assistant"));
+    }
+    LATHE_ASSIGN_OR_RETURN(parsed.content, StringField(message["content"], name + ".content"));
+    messages.push_back(std::move(parsed));
+  }
+  return messages;
+}
+
+// A record of text, messages or an instruction, tokenised by `encoder`.
+absl::StatusOr<Document> EncodeTextRecord(const nlohmann::json& record, absl::string_view kind,
+                                          TextRecordEncoder* encoder) {
+  if (auto labels = record.find("labels"); labels != record.end() && !labels->is_null()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("\"labels\" go with \"input_ids\" only, not with \"", kind, "\""));
+  }
+  if (encoder == nullptr) {
+    return absl::InvalidArgumentError(
+        "text records need a tokenizer (the model's tokenizer.json), which this caller does not "
+        "pass; give \"input_ids\"");
+  }
+  if (kind == "text") {
+    LATHE_ASSIGN_OR_RETURN(std::string text, StringField(record["text"], "text"));
+    if (text.empty()) return absl::InvalidArgumentError("text is empty");
+    return encoder->EncodeText(text);
+  }
+  if (kind == "messages") {
+    LATHE_ASSIGN_OR_RETURN(std::vector<ChatMessage> messages, ParseMessages(record["messages"]));
+    return encoder->EncodeChat(messages);
+  }
+  LATHE_ASSIGN_OR_RETURN(std::string instruction,
+                         StringField(record["instruction"], "instruction"));
+  std::string input;
+  if (auto it = record.find("input"); it != record.end() && !it->is_null()) {
+    LATHE_ASSIGN_OR_RETURN(input, StringField(*it, "input"));
+  }
+  auto output = record.find("output");
+  if (output == record.end()) return absl::InvalidArgumentError("no \"output\"");
+  LATHE_ASSIGN_OR_RETURN(std::string output_text, StringField(*output, "output"));
+  return encoder->EncodeInstruction(instruction, input, output_text);
+}
+
+absl::StatusOr<Document> ParseRecord(absl::string_view line, int64_t vocab_size,
+                                     TextRecordEncoder* encoder) {
+  nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (record.is_discarded()) {
+    if (std::optional<size_t> bad = FindInvalidUtf8(line); bad.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("invalid UTF-8 at byte ", *bad));
+    }
+    return absl::InvalidArgumentError("not valid JSON");
+  }
+  if (!record.is_object()) return absl::InvalidArgumentError("not a JSON object");
+  std::vector<absl::string_view> kinds;
+  for (absl::string_view kind : {"input_ids", "text", "messages", "instruction"}) {
+    if (record.contains(kind)) kinds.push_back(kind);
+  }
+  if (kinds.empty()) {
+    return absl::InvalidArgumentError(
+        "no \"input_ids\", \"text\", \"messages\" or \"instruction\"");
+  }
+  if (kinds.size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("has both \"", kinds[0], "\" and \"", kinds[1], "\"; give one per record"));
+  }
+  Document doc;
+  if (kinds[0] != "input_ids") {
+    LATHE_ASSIGN_OR_RETURN(doc, EncodeTextRecord(record, kinds[0], encoder));
+    LATHE_RETURN_IF_ERROR(CheckIdsInVocabulary(doc.input_ids, vocab_size, "tokens"));
+    return doc;
+  }
+  LATHE_ASSIGN_OR_RETURN(doc.input_ids, IdArray(record["input_ids"], "input_ids"));
+  if (doc.input_ids.empty()) return absl::InvalidArgumentError("input_ids is empty");
+  LATHE_RETURN_IF_ERROR(CheckIdsInVocabulary(doc.input_ids, vocab_size, "input_ids"));
   auto labels_it = record.find("labels");
   if (labels_it == record.end() || labels_it->is_null()) {
     doc.labels = doc.input_ids;
@@ -83,6 +180,11 @@ uint64_t SplitMix64Next(uint64_t& state) {
 
 absl::StatusOr<TokenDataset> TokenDataset::Load(const std::string& path, absl::string_view field,
                                                 int64_t vocab_size) {
+  return Load(path, field, vocab_size, nullptr);
+}
+
+absl::StatusOr<TokenDataset> TokenDataset::Load(const std::string& path, absl::string_view field,
+                                                int64_t vocab_size, TextRecordEncoder* encoder) {
   std::ifstream in(path);
   if (!in) {
     return absl::NotFoundError(absl::StrCat(field, ": ", path, ": no such file or not readable"));
@@ -93,7 +195,7 @@ absl::StatusOr<TokenDataset> TokenDataset::Load(const std::string& path, absl::s
   while (std::getline(in, line)) {
     ++line_number;
     if (absl::StripAsciiWhitespace(line).empty()) continue;
-    absl::StatusOr<Document> doc = ParseRecord(line, vocab_size);
+    absl::StatusOr<Document> doc = ParseRecord(line, vocab_size, encoder);
     if (!doc.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": ", path, ": line ", line_number, ": ", doc.status().message()));

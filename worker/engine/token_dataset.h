@@ -17,6 +17,8 @@ namespace lathe {
 
 inline constexpr int64_t kIgnoreLabel = -100;
 
+class TextRecordEncoder;
+
 // One document: token ids and, aligned with them, labels (-100 where not a target).
 struct Document {
   std::vector<int64_t> input_ids;
@@ -32,6 +34,18 @@ class TokenDataset {
   // NOT_FOUND when the file does not exist.
   static absl::StatusOr<TokenDataset> Load(const std::string& path, absl::string_view field,
                                            int64_t vocab_size);
+
+  // As above, and also reads records of text ({"text": "..."}), chats ({"messages":
+  // [{"role", "content"}, ...]}) and instructions ({"instruction", "input"?, "output"}),
+  // which `encoder` tokenises (see TextRecordEncoder); kinds may be mixed in one file. Each
+  // record has exactly one of "input_ids", "text", "messages", "instruction"; other keys are
+  // ignored. INVALID_ARGUMENT "<field>: <path>: line N: ..." also for a record of two
+  // kinds, a text that is not a non-empty string, a malformed message (not an object, a
+  // missing or unknown role, missing or non-string content, another key), an empty list of
+  // messages, and whatever `encoder` refuses (no tokenizer.json, no assistant turn, ...).
+  // With a null `encoder` those records are refused as the first overload does.
+  static absl::StatusOr<TokenDataset> Load(const std::string& path, absl::string_view field,
+                                           int64_t vocab_size, TextRecordEncoder* encoder);
 
   const std::vector<Document>& documents() const { return documents_; }
   int64_t total_tokens() const { return total_tokens_; }

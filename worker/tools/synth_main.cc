@@ -3,6 +3,7 @@
 //   model    a Hugging Face model directory (config.json + safetensors) with random weights
 //   data     a JSONL token data set drawn from a learnable Markov chain
 //   adapter  a PEFT LoRA adapter for a model directory
+//   tokenizer  a byte-level BPE tokenizer.json in the style of GPT-2, Llama 3 or Qwen2
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -35,7 +37,8 @@ namespace {
 const std::vector<FlagSpec> kModelFlags = {
     {"out", true, "output directory (created)"},
     {"type", true, "llama | mistral | qwen2 (default llama)"},
-    {"vocab", true, "vocabulary size (default 256)"},
+    {"vocab", true, "vocabulary size (default 256, or 576 with --tokenizer)"},
+    {"tokenizer", true, "also write a tokenizer.json of this flavor: gpt2 | llama3 | qwen2"},
     {"hidden", true, "hidden size (default 64)"},
     {"layers", true, "decoder layers (default 2)"},
     {"heads", true, "attention heads (default 4)"},
@@ -61,7 +64,25 @@ absl::Status WriteModel(const ParsedFlags& flags) {
     return absl::InvalidArgumentError(
         absl::StrCat("--type: expected llama, mistral or qwen2, got \"", config.model_type, "\""));
   }
-  LATHE_ASSIGN_OR_RETURN(config.vocab_size, flags.GetInt("vocab", 256));
+  std::optional<SyntheticTokenizer> tokenizer;
+  if (flags.Has("tokenizer")) {
+    SyntheticTokenizerOptions options;
+    absl::StatusOr<TokenizerFlavor> flavor = ParseTokenizerFlavor(flags.Get("tokenizer"));
+    if (!flavor.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--tokenizer: ", flavor.status().message()));
+    }
+    options.flavor = *flavor;
+    LATHE_ASSIGN_OR_RETURN(options.vocab_size, flags.GetInt("vocab", options.vocab_size));
+    absl::StatusOr<SyntheticTokenizer> made = MakeSyntheticTokenizer(options);
+    if (!made.ok())
+      return absl::InvalidArgumentError(absl::StrCat("--vocab: ", made.status().message()));
+    tokenizer = *std::move(made);
+    config.bos_token_id = tokenizer->bos_token_id;
+    config.eos_token_ids = tokenizer->eos_token_ids;
+  }
+  LATHE_ASSIGN_OR_RETURN(
+      config.vocab_size,
+      flags.GetInt("vocab", tokenizer ? SyntheticTokenizerOptions().vocab_size : 256));
   LATHE_ASSIGN_OR_RETURN(config.hidden_size, flags.GetInt("hidden", 64));
   LATHE_ASSIGN_OR_RETURN(config.num_hidden_layers, flags.GetInt("layers", 2));
   LATHE_ASSIGN_OR_RETURN(config.num_attention_heads, flags.GetInt("heads", 4));
@@ -93,8 +114,47 @@ absl::Status WriteModel(const ParsedFlags& flags) {
   LATHE_ASSIGN_OR_RETURN(int64_t seed, flags.GetInt("seed", 0));
   LATHE_RETURN_IF_ERROR(
       WriteSyntheticModel(config, dtype, shards, static_cast<uint64_t>(seed), out));
+  if (tokenizer) {
+    LATHE_RETURN_IF_ERROR(WriteFileAtomically(out + "/tokenizer.json", tokenizer->json));
+  }
   std::cout << "wrote " << out << " (" << config.model_type << ", " << ParameterCount(config)
-            << " parameters, " << DTypeName(dtype) << ")\n";
+            << " parameters, " << DTypeName(dtype)
+            << (tokenizer ? absl::StrCat(", ", flags.Get("tokenizer"), " tokenizer of ",
+                                         tokenizer->size, " ids")
+                          : "")
+            << ")\n";
+  return absl::OkStatus();
+}
+
+const std::vector<FlagSpec> kTokenizerFlags = {
+    {"out", true, "output directory (created); the file is <out>/tokenizer.json"},
+    {"flavor", true, "gpt2 | llama3 | qwen2"},
+    {"vocab-size", true, "ids in all: 256 bytes + merges + special tokens (default 576)"},
+};
+
+absl::Status WriteTokenizer(const ParsedFlags& flags) {
+  std::string out = flags.Get("out");
+  if (out.empty() || !flags.Has("flavor")) {
+    return absl::InvalidArgumentError("--out and --flavor are required");
+  }
+  SyntheticTokenizerOptions options;
+  absl::StatusOr<TokenizerFlavor> flavor = ParseTokenizerFlavor(flags.Get("flavor"));
+  if (!flavor.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--flavor: ", flavor.status().message()));
+  }
+  options.flavor = *flavor;
+  LATHE_ASSIGN_OR_RETURN(options.vocab_size, flags.GetInt("vocab-size", options.vocab_size));
+  absl::StatusOr<SyntheticTokenizer> tokenizer = MakeSyntheticTokenizer(options);
+  if (!tokenizer.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--vocab-size: ", tokenizer.status().message()));
+  }
+  std::error_code error;
+  std::filesystem::create_directories(out, error);
+  if (error) return absl::InternalError(absl::StrCat(out, ": ", error.message()));
+  const std::string path = out + "/tokenizer.json";
+  LATHE_RETURN_IF_ERROR(WriteFileAtomically(path, tokenizer->json));
+  std::cout << "wrote " << path << " (" << flags.Get("flavor") << ", " << tokenizer->size
+            << " ids)\n";
   return absl::OkStatus();
 }
 
@@ -204,10 +264,11 @@ absl::Status WriteAdapter(const ParsedFlags& flags) {
 }
 
 int Usage() {
-  std::cerr << "usage: lathe-synth model|data|adapter [flags]\n\nmodel:\n"
+  std::cerr << "usage: lathe-synth model|data|adapter|tokenizer [flags]\n\nmodel:\n"
             << FlagsHelp(kModelFlags) << "\ndata:\n"
             << FlagsHelp(kDataFlags) << "\nadapter:\n"
-            << FlagsHelp(kAdapterFlags);
+            << FlagsHelp(kAdapterFlags) << "\ntokenizer:\n"
+            << FlagsHelp(kTokenizerFlags);
   return 2;
 }
 
@@ -215,19 +276,21 @@ int Main(int argc, char** argv) {
   if (argc < 2) return Usage();
   std::string command = argv[1];
   std::vector<std::string> args(argv + 2, argv + argc);
-  const std::vector<FlagSpec>* specs = command == "model"     ? &kModelFlags
-                                       : command == "data"    ? &kDataFlags
-                                       : command == "adapter" ? &kAdapterFlags
-                                                              : nullptr;
+  const std::vector<FlagSpec>* specs = command == "model"       ? &kModelFlags
+                                       : command == "data"      ? &kDataFlags
+                                       : command == "adapter"   ? &kAdapterFlags
+                                       : command == "tokenizer" ? &kTokenizerFlags
+                                                                : nullptr;
   if (specs == nullptr) return Usage();
   absl::StatusOr<ParsedFlags> flags = ParseFlags(args, *specs);
   if (!flags.ok()) {
     std::cerr << "lathe-synth " << command << ": " << flags.status().message() << "\n";
     return 2;
   }
-  absl::Status status = command == "model"  ? WriteModel(*flags)
-                        : command == "data" ? WriteData(*flags)
-                                            : WriteAdapter(*flags);
+  absl::Status status = command == "model"     ? WriteModel(*flags)
+                        : command == "data"    ? WriteData(*flags)
+                        : command == "adapter" ? WriteAdapter(*flags)
+                                               : WriteTokenizer(*flags);
   if (!status.ok()) {
     std::cerr << "lathe-synth " << command << ": " << status.message() << "\n";
     return status.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
