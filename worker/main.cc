@@ -31,6 +31,7 @@
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/text_record_encoder.h"
 #include "worker/engine/trainer.h"
 #include "worker/engine/weights.h"
 
@@ -202,7 +203,7 @@ absl::Status Train(const ParsedFlags& flags) {
 const std::vector<FlagSpec> kScoreFlags = {
     {"model", true, "Hugging Face model directory"},
     {"adapter", true, "PEFT LoRA adapter directory to apply (optional)"},
-    {"data", true, "JSONL token data"},
+    {"data", true, "JSONL data (token ids, text, chat or instruction records)"},
     {"seq-len", true, "truncate each record to this many tokens (default 1024)"},
     {"logits-out", true, "write logits.N [len, vocab] per record to this safetensors file"},
     {"output", true, "table | json (default table)"},
@@ -220,8 +221,9 @@ absl::Status Score(const ParsedFlags& flags) {
   if (threads > 0) at::set_num_threads(static_cast<int>(threads));
   std::string model_dir = flags.Get("model");
   LATHE_ASSIGN_OR_RETURN(ModelConfig config, LoadModelConfig(model_dir));
-  LATHE_ASSIGN_OR_RETURN(TokenDataset data,
-                         TokenDataset::Load(flags.Get("data"), "--data", config.vocab_size));
+  TextRecordEncoder text_encoder(model_dir, config);
+  LATHE_ASSIGN_OR_RETURN(TokenDataset data, TokenDataset::Load(flags.Get("data"), "--data",
+                                                               config.vocab_size, &text_encoder));
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model,
                          CausalLm::Load(model_dir, config, /*trainable_base=*/false));
   if (flags.Has("adapter")) {

@@ -505,6 +505,45 @@ TEST_F(TrainerTest, FailsAfterTooManyNonFiniteStepsInARow) {
   EXPECT_FALSE(std::filesystem::exists(dir_.Path("out/adapter")));
 }
 
+TEST_F(TrainerTest, TrainsOnChatRecordsWithTheModelsTokenizer) {
+  // A model whose vocabulary is a synthetic Qwen2-style tokenizer's (ChatML chat format).
+  absl::StatusOr<SyntheticTokenizer> tokenizer =
+      MakeSyntheticTokenizer({TokenizerFlavor::kQwen2, 576});
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  config_.vocab_size = 576;
+  ASSERT_TRUE(WriteSyntheticModel(config_, DType::kF32, 1, 0, dir_.Path("chat-model")).ok());
+  dir_.Write("chat-model/tokenizer.json", tokenizer->json);
+  // The assistant repeats the user's word: learnable, and only the answers are targets.
+  const std::vector<std::string> words = {"alpha", "beta", "gamma", "delta", "lambda", "sigma"};
+  std::string data;
+  for (int i = 0; i < 24; ++i) {
+    const std::string& w = words[i % words.size()];
+    data += "{\"messages\": [{\"role\": \"user\", \"content\": \"say " + w +
+            "\"}, {\"role\": \"assistant\", \"content\": \"" + w + " " + w + "\"}]}\n";
+  }
+  spec_.model.path = dir_.Path("chat-model");
+  spec_.data.train = dir_.Write("chat.jsonl", data);
+  spec_.data.eval = spec_.data.train;
+  spec_.data.seq_len = 32;
+  spec_.data.pack = false;
+  spec_.train.steps = 40;
+  spec_.train.lr = 3e-2;
+  spec_.lora.rank = 8;
+  spec_.train.schedule.kind = ScheduleKind::kConstant;
+  std::vector<StepReport> reports = Reports(spec_);
+  ASSERT_EQ(reports.size(), 40u);
+  EXPECT_LT(*reports.back().loss, *reports.front().loss - 1.0);
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("out/adapter/adapter_config.json")));
+
+  // Without tokenizer.json the same data is refused before anything is written.
+  std::filesystem::remove(dir_.Path("chat-model/tokenizer.json"));
+  spec_.output = dir_.Path("out-no-tokenizer");
+  absl::Status status = CreateStatus(spec_);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("chat-model/tokenizer.json, which does not exist"));
+  EXPECT_THAT(status.message(), HasSubstr("data.train: "));
+}
+
 TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   JobSpec spec = spec_;
   spec.data.seq_len = 65;

@@ -20,6 +20,7 @@
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/text_record_encoder.h"
 
 namespace lathe {
 namespace {
@@ -200,11 +201,15 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
                                                    " exceeds the model's max_position_embeddings ",
                                                    config->max_position_embeddings));
   }
-  LATHE_ASSIGN_OR_RETURN(trainer->train_data_,
-                         TokenDataset::Load(spec.data.train, "data.train", config->vocab_size));
+  // Text, chat and instruction records are tokenised with the model's tokenizer.json.
+  TextRecordEncoder text_encoder(spec.model.path, *config);
+  LATHE_ASSIGN_OR_RETURN(
+      trainer->train_data_,
+      TokenDataset::Load(spec.data.train, "data.train", config->vocab_size, &text_encoder));
   if (!spec.data.eval.empty()) {
-    LATHE_ASSIGN_OR_RETURN(trainer->eval_data_,
-                           TokenDataset::Load(spec.data.eval, "data.eval", config->vocab_size));
+    LATHE_ASSIGN_OR_RETURN(
+        trainer->eval_data_,
+        TokenDataset::Load(spec.data.eval, "data.eval", config->vocab_size, &text_encoder));
   }
   LATHE_RETURN_IF_ERROR(CheckOutput(spec.output));
 
