@@ -108,7 +108,9 @@ TEST_F(TrainerTest, AccumulationGivesTheSameUpdateAsOneBigBatch) {
 TEST_F(TrainerTest, FullFineTuningWritesALoadableModel) {
   spec_.method = Method::kFull;
   spec_.train.steps = 2;
+  dir_.Write("model/tokenizer.json", "{\"model\": {}}");
   Losses(spec_);
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("out/model/tokenizer.json")));
   absl::StatusOr<ModelConfig> config = LoadModelConfig(dir_.Path("out/model"));
   ASSERT_TRUE(config.ok()) << config.status();
   EXPECT_TRUE(CausalLm::Load(dir_.Path("out/model"), *config, false).ok());

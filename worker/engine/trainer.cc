@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/file_util.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "worker/comm/communicator.h"
@@ -420,6 +421,14 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   } else {
     result.model_dir = (fs::path(spec_.output) / "model").string();
     LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
+    // The tokenizer travels with the model, so that the output is a usable model directory.
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
+      const fs::path from = fs::path(spec_.model.path) / name;
+      if (!fs::exists(from)) continue;
+      LATHE_ASSIGN_OR_RETURN(std::string bytes, ReadFile(from.string()));
+      LATHE_RETURN_IF_ERROR(
+          WriteFileAtomically((fs::path(result.model_dir) / name).string(), bytes));
+    }
   }
   result.peak_rss_bytes = PeakRssBytes();
   return result;
