@@ -90,8 +90,12 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     const auto* model = reinterpret_cast<const CausalLm*>(ctx->saved_data["model"].toInt());
     const int64_t layer = ctx->saved_data["layer"].toInt();
     variable_list saved = ctx->get_saved_variables();
-    const at::Tensor x = saved[0].detach().requires_grad_(true);
-    variable_list wrt = {x};
+    // The first block's input (the frozen embeddings' output) needs no gradient: skipping
+    // it saves the backward of its frozen projections, as plain autograd would.
+    const bool need_x = ctx->needs_input_grad(0);
+    const at::Tensor x = saved[0].detach().requires_grad_(need_x);
+    variable_list wrt;
+    if (need_x) wrt.push_back(x);
     wrt.insert(wrt.end(), saved.begin() + 4, saved.end());
     at::Tensor y;
     {
@@ -108,8 +112,10 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
                                                       /*allow_unused=*/true);
     // One gradient per forward input: x, cos, sin, mask, the trainable tensors, then the
     // two non-tensor arguments.
-    variable_list result = {input_grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
-    result.insert(result.end(), input_grads.begin() + 1, input_grads.end());
+    auto trainable = input_grads.begin() + (need_x ? 1 : 0);
+    variable_list result = {need_x ? input_grads[0] : at::Tensor(), at::Tensor(), at::Tensor(),
+                            at::Tensor()};
+    result.insert(result.end(), trainable, input_grads.end());
     result.resize(result.size() + 2);
     return result;
   }
