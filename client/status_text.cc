@@ -106,6 +106,7 @@ std::string PlanText(const v1::Plan& plan) {
   if (plan.offload_params()) options.push_back("offload params");
   if (plan.activation_checkpointing()) options.push_back("activation checkpointing");
   if (plan.chunked_loss()) options.push_back("chunked loss");
+  if (plan.fused_kernels()) options.push_back("fused kernels");
   if (!options.empty()) absl::StrAppend(&text, "\n", absl::StrJoin(options, ", "));
   if (!plan.explanation().empty()) absl::StrAppend(&text, "\n", plan.explanation());
   return text;

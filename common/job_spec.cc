@@ -530,7 +530,7 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
   }
   LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "strategy",
                                     {"zero_stage", "offload_optimizer", "offload_params",
-                                     "activation_checkpointing", "chunked_loss"}));
+                                     "activation_checkpointing", "chunked_loss", "fused_kernels"}));
   strategy->automatic = false;
   if (const YAML::Node v = node["zero_stage"]) {
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "strategy.zero_stage", &strategy->zero_stage));
@@ -552,6 +552,9 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
   }
   if (const YAML::Node v = node["chunked_loss"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.chunked_loss", &strategy->chunked_loss));
+  }
+  if (const YAML::Node v = node["fused_kernels"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.fused_kernels", &strategy->fused_kernels));
   }
   // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
   if (strategy->offload_params && strategy->zero_stage != 3) {

@@ -94,6 +94,9 @@ struct StrategySpec {
   bool offload_params = false;
   bool activation_checkpointing = false;
   bool chunked_loss = false;
+  // The engine's fused kernels (kernels/); false runs the plain ATen composition. Applies
+  // under "strategy: auto" too.
+  bool fused_kernels = true;
 };
 
 struct JobSpec {

@@ -238,6 +238,7 @@ Json StrategyJson(const v1::JobSpec& spec) {
   out["offload_params"] = strategy.offload_params();
   out["activation_checkpointing"] = strategy.activation_checkpointing();
   out["chunked_loss"] = strategy.chunked_loss();
+  if (strategy.has_fused_kernels()) out["fused_kernels"] = strategy.fused_kernels();
   return out;
 }
 
@@ -300,6 +301,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   strategy->set_offload_params(spec.strategy.offload_params);
   strategy->set_activation_checkpointing(spec.strategy.activation_checkpointing);
   strategy->set_chunked_loss(spec.strategy.chunked_loss);
+  strategy->set_fused_kernels(spec.strategy.fused_kernels);
 
   out.set_priority(spec.priority);
   out.set_max_restarts(spec.max_restarts);

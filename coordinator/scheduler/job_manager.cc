@@ -41,6 +41,7 @@ v1::Plan MakePlan(const JobSpec& spec) {
   plan.set_offload_params(s.offload_params);
   plan.set_activation_checkpointing(s.activation_checkpointing);
   plan.set_chunked_loss(s.chunked_loss);
+  plan.set_fused_kernels(s.fused_kernels);
   plan.set_micro_batch(spec.train.micro_batch);
   if (spec.train.micro_batch > 0) {
     plan.set_gradient_accumulation(spec.train.global_batch /

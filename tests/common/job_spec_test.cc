@@ -244,6 +244,11 @@ TEST(JobSpecTest, StrategyAutoVersusMap) {
   EXPECT_FALSE(map.strategy.offload_optimizer);
   EXPECT_FALSE(map.strategy.offload_params);
   EXPECT_FALSE(map.strategy.activation_checkpointing);
+  EXPECT_TRUE(map.strategy.fused_kernels);
+  EXPECT_TRUE(quoted.strategy.fused_kernels);
+  JobSpec unfused = MustParse(std::string(kMinimalPrefix) +
+                              "train: {steps: 1}\nstrategy: {fused_kernels: false}\n");
+  EXPECT_FALSE(unfused.strategy.fused_kernels);
 
   // An empty map still fixes the strategy: ZeRO-0, nothing offloaded.
   JobSpec empty = MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: {}\n");

@@ -64,6 +64,7 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.strategy.offload_params, expected.strategy.offload_params);
   EXPECT_EQ(actual.strategy.activation_checkpointing, expected.strategy.activation_checkpointing);
   EXPECT_EQ(actual.strategy.chunked_loss, expected.strategy.chunked_loss);
+  EXPECT_EQ(actual.strategy.fused_kernels, expected.strategy.fused_kernels);
   EXPECT_EQ(actual.priority, expected.priority);
   EXPECT_EQ(actual.max_restarts, expected.max_restarts);
   EXPECT_EQ(actual.output, expected.output);
@@ -112,6 +113,7 @@ JobSpec FullSpec() {
   spec.strategy.offload_params = true;
   spec.strategy.activation_checkpointing = true;
   spec.strategy.chunked_loss = true;
+  spec.strategy.fused_kernels = false;
   spec.priority = -2;
   spec.max_restarts = 5;
   spec.output = "/runs/demo-lora";
