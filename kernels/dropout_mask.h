@@ -44,7 +44,9 @@ LATHE_HOST_DEVICE bool DropoutKeep(uint64_t row_key, int64_t col, uint32_t thres
 }
 
 // The 24-bit threshold for drop probability p. REQUIRES: 0 <= p < 1.
-inline uint32_t DropoutThreshold(double p) { return static_cast<uint32_t>(p * 16777216.0 + 0.5); }
+LATHE_HOST_DEVICE uint32_t DropoutThreshold(double p) {
+  return static_cast<uint32_t>(p * 16777216.0 + 0.5);
+}
 
 }  // namespace lathe::kernels
 

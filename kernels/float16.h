@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/host_device.h"
+
 namespace lathe::kernels {
 
 struct BFloat16 {
@@ -29,13 +31,13 @@ static_assert(sizeof(Half) == 2 && alignof(Half) == 2);
 
 namespace float16_internal {
 
-inline uint32_t Bits(float value) {
+LATHE_KERNEL_INLINE uint32_t Bits(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return bits;
 }
 
-inline float FromBits(uint32_t bits) {
+LATHE_KERNEL_INLINE float FromBits(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
@@ -44,7 +46,7 @@ inline float FromBits(uint32_t bits) {
 // c ? a : b without a branch. GCC leaves some ?: on floats (those it cannot turn into
 // min/max under IEEE semantics) as control flow that stops the loop vectoriser; a mask
 // select vectorises.
-inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
+LATHE_KERNEL_INLINE uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
   const uint32_t mask = 0u - static_cast<uint32_t>(c);
   return (mask & a) | (~mask & b);
 }
@@ -52,20 +54,20 @@ inline uint32_t SelectBits(bool c, uint32_t a, uint32_t b) {
 }  // namespace float16_internal
 
 // c ? a : b for floats, without a branch (see SelectBits).
-inline float Select(bool c, float a, float b) {
+LATHE_KERNEL_INLINE float Select(bool c, float a, float b) {
   using float16_internal::Bits;
   return float16_internal::FromBits(float16_internal::SelectBits(c, Bits(a), Bits(b)));
 }
 
-inline float Load(float value) { return value; }
+LATHE_KERNEL_INLINE float Load(float value) { return value; }
 
-inline float Load(BFloat16 value) {
+LATHE_KERNEL_INLINE float Load(BFloat16 value) {
   return float16_internal::FromBits(static_cast<uint32_t>(value.bits) << 16);
 }
 
 // After F. Giesen's half_to_float (public domain): rebias the exponent, then fix up
 // infinities/NaN and subnormals.
-inline float Load(Half value) {
+LATHE_KERNEL_INLINE float Load(Half value) {
   using float16_internal::Bits;
   using float16_internal::FromBits;
   const uint32_t shifted_exponent = 0x7C00u << 13;
@@ -85,12 +87,12 @@ template <typename T>
 T Store(float value);
 
 template <>
-inline float Store<float>(float value) {
+LATHE_KERNEL_INLINE float Store<float>(float value) {
   return value;
 }
 
 template <>
-inline BFloat16 Store<BFloat16>(float value) {
+LATHE_KERNEL_INLINE BFloat16 Store<BFloat16>(float value) {
   const uint32_t bits = float16_internal::Bits(value);
   const uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
   const uint32_t quiet_nan = (bits >> 16) | 0x40;
@@ -100,7 +102,7 @@ inline BFloat16 Store<BFloat16>(float value) {
 
 // After F. Giesen's float_to_half_fast3_rtne (public domain).
 template <>
-inline Half Store<Half>(float value) {
+LATHE_KERNEL_INLINE Half Store<Half>(float value) {
   using float16_internal::Bits;
   using float16_internal::FromBits;
   const uint32_t f32_infinity = 255u << 23;

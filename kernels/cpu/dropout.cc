@@ -1,11 +1,13 @@
 #include "kernels/cpu/dropout.h"
 
+#include "kernels/cpu/vector_math.h"
 #include "kernels/dropout_mask.h"
 
 namespace lathe::kernels::cpu {
 
 template <typename T>
-void Dropout(const T* x, uint64_t seed, double p, int64_t cols, int64_t begin, int64_t end, T* y) {
+LATHE_CPU_DISPATCH void Dropout(const T* x, uint64_t seed, double p, int64_t cols, int64_t begin,
+                                int64_t end, T* y) {
   const uint32_t threshold = DropoutThreshold(p);
   const float scale = static_cast<float>(1.0 / (1.0 - p));
   for (int64_t r = begin; r < end; ++r) {

@@ -7,8 +7,8 @@
 namespace lathe::kernels::cpu {
 
 template <typename T>
-void RmsNormForward(const T* x, const float* weight, int64_t hidden, float eps, int64_t begin,
-                    int64_t end, T* y, float* rstd) {
+LATHE_CPU_DISPATCH void RmsNormForward(const T* x, const float* weight, int64_t hidden, float eps,
+                                       int64_t begin, int64_t end, T* y, float* rstd) {
   const float* __restrict w = weight;
   for (int64_t r = begin; r < end; ++r) {
     const T* __restrict in = x + r * hidden;
@@ -20,8 +20,9 @@ void RmsNormForward(const T* x, const float* weight, int64_t hidden, float eps, 
 }
 
 template <typename T>
-void RmsNormBackward(const T* dy, const T* x, const float* weight, const float* rstd,
-                     int64_t hidden, int64_t begin, int64_t end, T* dx, float* dweight) {
+LATHE_CPU_DISPATCH void RmsNormBackward(const T* dy, const T* x, const float* weight,
+                                        const float* rstd, int64_t hidden, int64_t begin,
+                                        int64_t end, T* dx, float* dweight) {
   const float* __restrict w = weight;
   for (int64_t r = begin; r < end; ++r) {
     const T* __restrict g = dy + r * hidden;

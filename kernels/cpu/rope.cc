@@ -1,13 +1,16 @@
 #include "kernels/cpu/rope.h"
 
+#include "kernels/cpu/vector_math.h"
+
 namespace lathe::kernels::cpu {
 namespace {
 
 // One row: out = [a * c_lo - b * n_lo, b * c_hi + a * n_hi] with a, b the halves of `in`.
 // The forward rotation has sign -1, its transpose (backward) uses the other table half.
 template <typename T>
-void RotateRow(const T* __restrict in, const T* __restrict c, const T* __restrict n, int64_t half,
-               bool transpose, T* __restrict out) {
+LATHE_KERNEL_INLINE void RotateRow(const T* __restrict in, const T* __restrict c,
+                                   const T* __restrict n, int64_t half, bool transpose,
+                                   T* __restrict out) {
   const T* __restrict a = in;
   const T* __restrict b = in + half;
   if (!transpose) {
@@ -24,8 +27,8 @@ void RotateRow(const T* __restrict in, const T* __restrict c, const T* __restric
 }
 
 template <typename T>
-void Rope(const T* x, const T* cos, const T* sin, const RopeLayout& layout, int64_t begin,
-          int64_t end, bool transpose, T* y) {
+LATHE_CPU_DISPATCH void Rope(const T* x, const T* cos, const T* sin, const RopeLayout& layout,
+                             int64_t begin, int64_t end, bool transpose, T* y) {
   const int64_t dim = layout.head_dim;
   for (int64_t r = begin; r < end; ++r) {
     const int64_t offset = layout.Offset(r);

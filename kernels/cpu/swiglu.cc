@@ -5,7 +5,8 @@
 namespace lathe::kernels::cpu {
 
 template <typename T>
-void SwiGluForward(const T* gate, const T* up, int64_t cols, int64_t begin, int64_t end, T* y) {
+LATHE_CPU_DISPATCH void SwiGluForward(const T* gate, const T* up, int64_t cols, int64_t begin,
+                                      int64_t end, T* y) {
   const T* __restrict g = gate + begin * cols;
   const T* __restrict u = up + begin * cols;
   T* __restrict out = y + begin * cols;
@@ -17,8 +18,8 @@ void SwiGluForward(const T* gate, const T* up, int64_t cols, int64_t begin, int6
 }
 
 template <typename T>
-void SwiGluBackward(const T* dy, const T* gate, const T* up, int64_t cols, int64_t begin,
-                    int64_t end, T* dgate, T* dup) {
+LATHE_CPU_DISPATCH void SwiGluBackward(const T* dy, const T* gate, const T* up, int64_t cols,
+                                       int64_t begin, int64_t end, T* dgate, T* dup) {
   const T* __restrict d = dy + begin * cols;
   const T* __restrict g = gate + begin * cols;
   const T* __restrict u = up + begin * cols;

@@ -11,6 +11,18 @@
 #include <cstring>
 
 #include "kernels/float16.h"
+#include "kernels/host_device.h"
+
+// On x86-64 with GCC, a kernel marked LATHE_CPU_DISPATCH is compiled twice, for the baseline
+// (SSE2) and for x86-64-v3 (AVX2, FMA, F16C: Haswell, Zen and later), and the loader picks
+// the clone by the CPU's feature bits (an ifunc), as ATen does with its CPU_CAPABILITY builds:
+// 8-wide loops where the machine has them, without -march flags that would tie the binary to
+// it. ("arch=haswell" would test the CPU model, which is false on AMD.)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LATHE_CPU_DISPATCH __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define LATHE_CPU_DISPATCH
+#endif
 
 namespace lathe::kernels::cpu {
 
@@ -19,7 +31,7 @@ inline constexpr int kLanes = 16;
 
 // sum_i a[i] * b[i] over n elements, in float, whatever T is.
 template <typename A, typename B>
-float Dot(const A* __restrict a, const B* __restrict b, int64_t n) {
+LATHE_KERNEL_INLINE float Dot(const A* __restrict a, const B* __restrict b, int64_t n) {
   float partial[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -33,7 +45,8 @@ float Dot(const A* __restrict a, const B* __restrict b, int64_t n) {
 
 // sum_i a[i] * b[i] * c[i] over n elements, in float.
 template <typename A, typename B, typename C>
-float Dot3(const A* __restrict a, const B* __restrict b, const C* __restrict c, int64_t n) {
+LATHE_KERNEL_INLINE float Dot3(const A* __restrict a, const B* __restrict b, const C* __restrict c,
+                               int64_t n) {
   float partial[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -51,7 +64,7 @@ float Dot3(const A* __restrict a, const B* __restrict b, const C* __restrict c, 
 // exp(88.3) ~ 2e38 instead of inf above it, never a subnormal below), which is what sigmoid
 // needs. Cephes' expf: x = n ln2 + r with
 // |r| <= ln2/2, a degree-5 polynomial for exp(r), 2^n built in the exponent bits.
-inline float Exp(float x) {
+LATHE_KERNEL_INLINE float Exp(float x) {
   x = Select(x < -87.3f, -87.3f, x);
   x = Select(x > 88.3f, 88.3f, x);
   // n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to nearest (no roundps
@@ -73,7 +86,7 @@ inline float Exp(float x) {
 }
 
 // 1 / (1 + exp(-x)).
-inline float Sigmoid(float x) { return 1.0f / (1.0f + Exp(-x)); }
+LATHE_KERNEL_INLINE float Sigmoid(float x) { return 1.0f / (1.0f + Exp(-x)); }
 
 }  // namespace lathe::kernels::cpu
 
