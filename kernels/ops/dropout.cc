@@ -11,7 +11,7 @@
 #include "kernels/cuda/dropout.h"
 #endif
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 at::Tensor ApplyDropoutMask(const at::Tensor& x, double p, uint64_t seed) {
   TORCH_CHECK(p >= 0 && p < 1, "dropout probability ", p, " is not in [0, 1)");
@@ -41,4 +41,4 @@ uint64_t DrawDropoutSeed(c10::optional<at::Generator> generator) {
   return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();
 }
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels

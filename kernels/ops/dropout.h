@@ -11,7 +11,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // A new tensor: x / (1 - p) where the mask of `seed` keeps an element, else 0. x: float32,
 // bfloat16 or float16 on the CPU (or CUDA with a CUDA libtorch). Not differentiable (the
@@ -24,6 +24,6 @@ at::Tensor ApplyDropoutMask(const at::Tensor& x, double p, uint64_t seed);
 // generator's state (as activation checkpointing does) reproduces the masks.
 uint64_t DrawDropoutSeed(c10::optional<at::Generator> generator = c10::nullopt);
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_DROPOUT_H_

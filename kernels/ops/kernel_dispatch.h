@@ -14,7 +14,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // Calls f(T{}) with T the kernel element type of `type` (float, kernels::BFloat16 or
 // kernels::Half); other dtypes are an error naming `op`.
@@ -55,6 +55,6 @@ inline int64_t RowGrain(int64_t cols) {
 inline cudaStream_t CurrentStream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 #endif
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_KERNEL_DISPATCH_H_

@@ -5,7 +5,7 @@
 
 #include "kernels/ops/dropout.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -157,4 +157,4 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                             dropout ? DrawDropoutSeed(std::move(generator)) : 0);
 }
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels

@@ -10,7 +10,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // y = x W^T (+ b) + scale * dropout(x) A^T B^T, in x's dtype.
 //   x: [..., in]; weight W: [out, in]; bias b: [out] or undefined; lora_a A: [r, in] and
@@ -40,6 +40,6 @@ at::Tensor LoraLinearWithSeed(const at::Tensor& x, const at::Tensor& weight, con
                               const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
                               double dropout_p, uint64_t seed);
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_LORA_LINEAR_H_

@@ -7,7 +7,7 @@
 #include "kernels/cuda/rms_norm.h"
 #endif
 
-namespace lathe::ops {
+namespace lathe::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -106,4 +106,4 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return RmsNormFunction::apply(x, weight, eps);
 }
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels

@@ -6,7 +6,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // y = x * rsqrt(mean(x^2) + eps) * weight over x's last dimension, in x's dtype (float32,
 // bfloat16 or float16) with the statistics in float32, as Hugging Face's LlamaRMSNorm (one
@@ -16,6 +16,6 @@ namespace lathe::ops {
 // row and weight. Not twice differentiable.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_RMS_NORM_H_

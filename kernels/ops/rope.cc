@@ -7,7 +7,7 @@
 #include "kernels/cuda/rope.h"
 #endif
 
-namespace lathe::ops {
+namespace lathe::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -91,4 +91,4 @@ std::pair<at::Tensor, at::Tensor> ApplyRope(const at::Tensor& q, const at::Tenso
   return {Rope(q, cos, sin), Rope(k, cos, sin)};
 }
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels

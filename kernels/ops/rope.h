@@ -8,7 +8,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // x * cos + rotate_half(x) * sin for x: [batch, heads, seq, head_dim] (float32, bfloat16 or
 // float16; head_dim even) and tables cos, sin: [seq, head_dim] (converted to x's dtype, as
@@ -24,6 +24,6 @@ at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 std::pair<at::Tensor, at::Tensor> ApplyRope(const at::Tensor& q, const at::Tensor& k,
                                             const at::Tensor& cos, const at::Tensor& sin);
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_ROPE_H_

@@ -7,7 +7,7 @@
 #include "kernels/cuda/swiglu.h"
 #endif
 
-namespace lathe::ops {
+namespace lathe::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -80,4 +80,4 @@ at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) {
   return SwiGluFunction::apply(gate, up);
 }
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels

@@ -6,7 +6,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops {
+namespace lathe::kernels {
 
 // silu(gate) * up, elementwise, for gate and up of one shape and dtype (float32, bfloat16 or
 // float16), computed in float32 with one rounding. Saved for backward: gate and up only (the
@@ -14,6 +14,6 @@ namespace lathe::ops {
 // sigmoid. Not twice differentiable.
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
 
-}  // namespace lathe::ops
+}  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_OPS_SWIGLU_H_

@@ -1,6 +1,6 @@
 #include "kernels/ops/unfused.h"
 
-namespace lathe::ops::unfused {
+namespace lathe::kernels::unfused {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -67,4 +67,4 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
   return y + Linear(Linear(lora_in, lora_a), lora_b) * scale;
 }
 
-}  // namespace lathe::ops::unfused
+}  // namespace lathe::kernels::unfused

@@ -9,7 +9,7 @@
 
 #include "worker/engine/torch_compat.h"
 
-namespace lathe::ops::unfused {
+namespace lathe::kernels::unfused {
 
 // x * rsqrt(mean(x^2) + eps) with x widened to at least float32, rounded back to x's dtype,
 // times weight in x's dtype.
@@ -29,6 +29,6 @@ at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::T
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
                       double dropout_p, bool training, const at::Tensor& dropout_mask = {});
 
-}  // namespace lathe::ops::unfused
+}  // namespace lathe::kernels::unfused
 
 #endif  // LATHE_KERNELS_OPS_UNFUSED_H_

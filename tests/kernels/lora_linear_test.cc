@@ -58,7 +58,7 @@ TEST_P(LoraLinearTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
   }
   const uint64_t mask_seed = FreshSeed();
 
-  at::Tensor y = ops::LoraLinearWithSeed(x, weight, bias, a, b, scale, c.dropout, mask_seed);
+  at::Tensor y = kernels::LoraLinearWithSeed(x, weight, bias, a, b, scale, c.dropout, mask_seed);
   std::vector<int64_t> y_shape = c.x_shape;
   y_shape.back() = c.out;
   ASSERT_EQ(y.sizes(), at::IntArrayRef(y_shape));
@@ -70,15 +70,15 @@ TEST_P(LoraLinearTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
   // scaled by 1 / (1 - p)).
   at::Tensor mask;
   if (c.dropout > 0) {
-    mask = ops::ApplyDropoutMask(at::ones(c.x_shape), c.dropout, mask_seed).to(at::kDouble);
+    mask = kernels::ApplyDropoutMask(at::ones(c.x_shape), c.dropout, mask_seed).to(at::kDouble);
   }
   auto leaf64 = [](const at::Tensor& t) {
     return t.defined() ? t.detach().to(at::kDouble).requires_grad_(true) : at::Tensor();
   };
   at::Tensor x64 = leaf64(x), w64 = leaf64(weight), b64 = leaf64(bias), a64 = leaf64(a),
              bb64 = leaf64(b);
-  at::Tensor y64 = ops::unfused::LoraLinear(x64, w64, b64, a64, bb64, scale, c.dropout,
-                                            /*training=*/true, mask);
+  at::Tensor y64 = kernels::unfused::LoraLinear(x64, w64, b64, a64, bb64, scale, c.dropout,
+                                                /*training=*/true, mask);
   y64.backward(dy.to(at::kDouble));
 
   const double tol = Tolerance(c.x_type);
@@ -122,34 +122,36 @@ TEST(LoraLinearOpTest, TrainingDrawsOneMaskPerCallAndEvalNone) {
   at::Tensor b = Randn({24, 4}, at::kFloat, data);
   const uint64_t seed = FreshSeed();
   at::Generator g1 = testing::Generator(seed), g2 = testing::Generator(seed);
-  at::Tensor y1 = ops::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
-  at::Tensor y2 = ops::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g2);
+  at::Tensor y1 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
+  at::Tensor y2 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g2);
   EXPECT_TRUE(at::equal(y1, y2)) << "same generator state, same mask";
-  at::Tensor y3 = ops::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
+  at::Tensor y3 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
   EXPECT_FALSE(at::equal(y1, y3)) << "the next call draws another mask";
-  at::Tensor eval = ops::LoraLinear(x, w, {}, a, b, 1.0, 0.5, /*training=*/false, g1);
-  EXPECT_TRUE(at::allclose(eval, ops::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.0, 0)));
+  at::Tensor eval = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, /*training=*/false, g1);
+  EXPECT_TRUE(at::allclose(eval, kernels::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.0, 0)));
   // The seed is the generator's next 64-bit number.
   at::Generator g3 = testing::Generator(seed);
-  EXPECT_TRUE(
-      at::equal(y1, ops::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.5, ops::DrawDropoutSeed(g3))));
+  EXPECT_TRUE(at::equal(
+      y1, kernels::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.5, kernels::DrawDropoutSeed(g3))));
 }
 
 TEST(LoraLinearOpTest, RejectsMismatchedShapes) {
   at::Tensor x = at::ones({2, 8});
-  EXPECT_THROW(ops::LoraLinearWithSeed(x, at::ones({4, 7}), {}, {}, {}, 1.0, 0.0, 0), c10::Error);
-  EXPECT_THROW(ops::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}), at::ones({4, 3}),
-                                       1.0, 0.0, 0),
+  EXPECT_THROW(kernels::LoraLinearWithSeed(x, at::ones({4, 7}), {}, {}, {}, 1.0, 0.0, 0),
                c10::Error);
-  EXPECT_THROW(ops::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}), {}, 1.0, 0.0, 0),
+  EXPECT_THROW(kernels::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}),
+                                           at::ones({4, 3}), 1.0, 0.0, 0),
                c10::Error);
+  EXPECT_THROW(
+      kernels::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}), {}, 1.0, 0.0, 0),
+      c10::Error);
 }
 
 TEST(DropoutMaskTest, KeepsAboutOneMinusPScaledAndDependsOnTheSeed) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   for (double p : {0.1, 0.5, 0.9}) {
-    at::Tensor mask = ops::ApplyDropoutMask(at::ones({500, 401}), p, seed);
+    at::Tensor mask = kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed);
     const double kept = mask.ne(0).to(at::kDouble).mean().item<double>();
     // 200500 Bernoulli draws: 5 standard deviations is under 0.006.
     EXPECT_NEAR(kept, 1 - p, 0.006) << "p " << p;
@@ -159,10 +161,10 @@ TEST(DropoutMaskTest, KeepsAboutOneMinusPScaledAndDependsOnTheSeed) {
     // Rows and columns are not correlated: every row and every column keeps some.
     EXPECT_TRUE(mask.ne(0).any(0).all().item<bool>());
     EXPECT_TRUE(mask.ne(0).any(1).all().item<bool>());
-    EXPECT_TRUE(at::equal(mask, ops::ApplyDropoutMask(at::ones({500, 401}), p, seed)));
-    EXPECT_FALSE(at::equal(mask, ops::ApplyDropoutMask(at::ones({500, 401}), p, seed + 1)));
+    EXPECT_TRUE(at::equal(mask, kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed)));
+    EXPECT_FALSE(at::equal(mask, kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed + 1)));
   }
-  at::Tensor none = ops::ApplyDropoutMask(at::ones({3, 5}), 0.0, seed);
+  at::Tensor none = kernels::ApplyDropoutMask(at::ones({3, 5}), 0.0, seed);
   EXPECT_TRUE(at::equal(none, at::ones({3, 5})));
 }
 

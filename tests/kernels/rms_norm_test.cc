@@ -42,13 +42,13 @@ TEST_P(RmsNormTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
   at::Tensor weight = (1.0 + 0.2 * at::randn({hidden}, gen, at::kDouble)).to(c.weight_type);
   weight.set_requires_grad(c.weight_trainable);
 
-  at::Tensor y = ops::RmsNorm(x, weight, eps);
+  at::Tensor y = kernels::RmsNorm(x, weight, eps);
   const at::Tensor dy = Randn(c.shape, c.x_type, gen);
   y.backward(dy);
 
   at::Tensor x64 = x.detach().to(at::kDouble).requires_grad_(true);
   at::Tensor w64 = weight.detach().to(at::kDouble).requires_grad_(true);
-  at::Tensor y64 = ops::unfused::RmsNorm(x64, w64, eps);
+  at::Tensor y64 = kernels::unfused::RmsNorm(x64, w64, eps);
   y64.backward(dy.to(at::kDouble));
 
   const double tol = Tolerance(c.x_type);
@@ -84,12 +84,13 @@ TEST(RmsNormOpTest, NonContiguousInputIsHandled) {
   at::Tensor base = Randn({65, 8}, at::kFloat, gen);
   at::Tensor x = base.t().requires_grad_(false);  // [8, 65], not contiguous
   at::Tensor weight = Randn({65}, at::kFloat, gen);
-  EXPECT_LT(RelErr(ops::RmsNorm(x, weight, 1e-5), ops::unfused::RmsNorm(x, weight, 1e-5)), 1e-5);
+  EXPECT_LT(RelErr(kernels::RmsNorm(x, weight, 1e-5), kernels::unfused::RmsNorm(x, weight, 1e-5)),
+            1e-5);
 }
 
 TEST(RmsNormOpTest, RejectsAWeightOfTheWrongSize) {
   at::Tensor x = at::ones({2, 8});
-  EXPECT_THROW(ops::RmsNorm(x, at::ones({7}), 1e-6), c10::Error);
+  EXPECT_THROW(kernels::RmsNorm(x, at::ones({7}), 1e-6), c10::Error);
 }
 
 // Every element of every output is written: the buffers start as NaN, and the rows are

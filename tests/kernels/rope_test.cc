@@ -62,7 +62,7 @@ TEST_P(RopeTest, ForwardAndGradientMatchTheUnfusedCompositionInFloat64) {
     sin = at::randn({c.seq, c.head_dim}, gen, at::kFloat);
   }
 
-  at::Tensor y = ops::Rope(x, cos, sin);
+  at::Tensor y = kernels::Rope(x, cos, sin);
   EXPECT_EQ(y.strides(), x.strides()) << "the output keeps x's layout";
   const at::Tensor dy = Randn(y.sizes(), c.type, gen);
   y.backward(dy);
@@ -70,7 +70,7 @@ TEST_P(RopeTest, ForwardAndGradientMatchTheUnfusedCompositionInFloat64) {
   // The reference sees the tables as the op does: rounded to x's dtype.
   at::Tensor x64 = x.detach().to(at::kDouble).requires_grad_(true);
   at::Tensor y64 =
-      ops::unfused::Rope(x64, cos.to(c.type).to(at::kDouble), sin.to(c.type).to(at::kDouble));
+      kernels::unfused::Rope(x64, cos.to(c.type).to(at::kDouble), sin.to(c.type).to(at::kDouble));
   y64.backward(dy.to(at::kDouble));
 
   const double tol = Tolerance(c.type);
@@ -96,9 +96,9 @@ TEST(RopeOpTest, ApplyRopeRotatesQueriesAndKeysAlike) {
   at::Tensor q = Randn({1, 4, 7, 8}, at::kFloat, gen);
   at::Tensor k = Randn({1, 2, 7, 8}, at::kFloat, gen);  // fewer key heads (GQA)
   auto [cos, sin] = RopeTables(7, 8);
-  auto [rq, rk] = ops::ApplyRope(q, k, cos, sin);
-  EXPECT_LT(RelErr(rq, ops::unfused::Rope(q, cos, sin)), 1e-6);
-  EXPECT_LT(RelErr(rk, ops::unfused::Rope(k, cos, sin)), 1e-6);
+  auto [rq, rk] = kernels::ApplyRope(q, k, cos, sin);
+  EXPECT_LT(RelErr(rq, kernels::unfused::Rope(q, cos, sin)), 1e-6);
+  EXPECT_LT(RelErr(rk, kernels::unfused::Rope(k, cos, sin)), 1e-6);
 }
 
 TEST(RopeOpTest, BackwardIsTheInverseRotation) {
@@ -106,14 +106,16 @@ TEST(RopeOpTest, BackwardIsTheInverseRotation) {
   at::Generator gen = testing::Generator(FreshSeed());
   at::Tensor x = Randn({2, 3, 11, 10}, at::kFloat, gen).requires_grad_(true);
   auto [cos, sin] = RopeTables(11, 10);
-  at::Tensor y = ops::Rope(x, cos, sin);
+  at::Tensor y = kernels::Rope(x, cos, sin);
   at::Tensor grad = torch::autograd::grad({y}, {x}, {y.detach()})[0];
   EXPECT_LT(RelErr(grad, x.detach()), 1e-6);
 }
 
 TEST(RopeOpTest, RejectsAnOddHeadDimAndMismatchedTables) {
-  EXPECT_THROW(ops::Rope(at::ones({1, 1, 2, 5}), at::ones({2, 5}), at::ones({2, 5})), c10::Error);
-  EXPECT_THROW(ops::Rope(at::ones({1, 1, 2, 4}), at::ones({3, 4}), at::ones({3, 4})), c10::Error);
+  EXPECT_THROW(kernels::Rope(at::ones({1, 1, 2, 5}), at::ones({2, 5}), at::ones({2, 5})),
+               c10::Error);
+  EXPECT_THROW(kernels::Rope(at::ones({1, 1, 2, 4}), at::ones({3, 4}), at::ones({3, 4})),
+               c10::Error);
 }
 
 template <typename T>

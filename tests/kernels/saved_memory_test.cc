@@ -29,19 +29,19 @@ class SavedMemoryTest : public ::testing::Test {
 TEST_F(SavedMemoryTest, RmsNormKeepsOnlyTheRowStatistics) {
   at::Tensor x = at::randn({48, 256}).requires_grad_(true);
   at::Tensor w = at::ones({256}).requires_grad_(true);
-  EXPECT_EQ(SavedBytes([&] { return ops::RmsNorm(x, w, 1e-6); }), 48 * 4);
+  EXPECT_EQ(SavedBytes([&] { return kernels::RmsNorm(x, w, 1e-6); }), 48 * 4);
 }
 
 TEST_F(SavedMemoryTest, RopeKeepsNothingNew) {
   at::Tensor q = at::randn({2, 8, 4, 16}).transpose(1, 2).requires_grad_(true);
   at::Tensor cos = at::randn({8, 16}), sin = at::randn({8, 16});
-  EXPECT_EQ(SavedBytes([&] { return ops::Rope(q, cos, sin); }), 0);
+  EXPECT_EQ(SavedBytes([&] { return kernels::Rope(q, cos, sin); }), 0);
 }
 
 TEST_F(SavedMemoryTest, SwiGluKeepsNothingNew) {
   at::Tensor gate = at::randn({32, 96}).requires_grad_(true);
   at::Tensor up = at::randn({32, 96}).requires_grad_(true);
-  EXPECT_EQ(SavedBytes([&] { return ops::SwiGlu(gate, up); }), 0);
+  EXPECT_EQ(SavedBytes([&] { return kernels::SwiGlu(gate, up); }), 0);
 }
 
 TEST_F(SavedMemoryTest, LoraLinearWithDropoutKeepsOnlyTheRankRProduct) {
@@ -50,7 +50,7 @@ TEST_F(SavedMemoryTest, LoraLinearWithDropoutKeepsOnlyTheRankRProduct) {
   at::Tensor w = at::randn({out, in}).to(at::kBFloat16);  // frozen, widened as used
   at::Tensor a = at::randn({rank, in}).requires_grad_(true);
   at::Tensor b = at::randn({out, rank}).requires_grad_(true);
-  EXPECT_EQ(SavedBytes([&] { return ops::LoraLinear(x, w, {}, a, b, 2.0, 0.1, true); }),
+  EXPECT_EQ(SavedBytes([&] { return kernels::LoraLinear(x, w, {}, a, b, 2.0, 0.1, true); }),
             tokens * rank * 4);
 }
 

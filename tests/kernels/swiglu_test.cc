@@ -47,13 +47,13 @@ TEST_P(SwiGluTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
     gate = Randn(c.shape, c.type, gen, 3.0).requires_grad_(true);  // into the sigmoid's tails
     up = Randn(c.shape, c.type, gen).requires_grad_(true);
   }
-  at::Tensor y = ops::SwiGlu(gate, up);
+  at::Tensor y = kernels::SwiGlu(gate, up);
   const at::Tensor dy = Randn(c.shape, c.type, gen);
   y.backward(dy);
 
   at::Tensor gate64 = gate.detach().to(at::kDouble).requires_grad_(true);
   at::Tensor up64 = up.detach().to(at::kDouble).requires_grad_(true);
-  at::Tensor y64 = ops::unfused::SwiGlu(gate64, up64);
+  at::Tensor y64 = kernels::unfused::SwiGlu(gate64, up64);
   y64.backward(dy.to(at::kDouble));
 
   const double tol = Tolerance(c.type);
@@ -76,11 +76,11 @@ TEST(SwiGluOpTest, ExtremeGatesStayFinite) {
   at::Tensor gate = at::tensor({-1e4f, -100.0f, -88.5f, -20.0f, 0.0f, 20.0f, 88.5f, 100.0f, 1e4f})
                         .requires_grad_(true);
   at::Tensor up = at::ones_like(gate).requires_grad_(true);
-  at::Tensor y = ops::SwiGlu(gate, up);
+  at::Tensor y = kernels::SwiGlu(gate, up);
   y.backward(at::ones_like(y));
   at::Tensor gate64 = gate.detach().to(at::kDouble).requires_grad_(true);
   at::Tensor up64 = up.detach().to(at::kDouble).requires_grad_(true);
-  at::Tensor y64 = ops::unfused::SwiGlu(gate64, up64);
+  at::Tensor y64 = kernels::unfused::SwiGlu(gate64, up64);
   y64.backward(at::ones_like(y64));
   EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << y;
   EXPECT_TRUE(at::isfinite(gate.grad()).all().item<bool>()) << gate.grad();
@@ -90,7 +90,7 @@ TEST(SwiGluOpTest, ExtremeGatesStayFinite) {
 }
 
 TEST(SwiGluOpTest, RejectsMismatchedShapes) {
-  EXPECT_THROW(ops::SwiGlu(at::ones({2, 3}), at::ones({2, 4})), c10::Error);
+  EXPECT_THROW(kernels::SwiGlu(at::ones({2, 3}), at::ones({2, 4})), c10::Error);
 }
 
 template <typename T>
