@@ -23,8 +23,9 @@ at::Tensor ApplyDropoutMask(const at::Tensor& x, double p, uint64_t seed) {
     using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
     if (in.is_cuda()) {
+      const c10::cuda::CUDAGuard device_guard(in.device());
       C10_CUDA_CHECK(kernels::cuda::Dropout(Data<T>(in), seed, p, rows, cols, MutableData<T>(out),
-                                            CurrentStream()));
+                                            CurrentStream(in.device())));
       return;
     }
 #endif

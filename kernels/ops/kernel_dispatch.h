@@ -11,6 +11,7 @@
 
 #ifdef LATHE_TORCH_CUDA
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -52,7 +53,11 @@ inline int64_t RowGrain(int64_t cols) {
 }
 
 #ifdef LATHE_TORCH_CUDA
-inline cudaStream_t CurrentStream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+// libtorch's current stream on `device`. Callers hold a c10::cuda::CUDAGuard for `device`
+// while they launch, so that the kernel runs on the tensors' GPU.
+inline cudaStream_t CurrentStream(const at::Device& device) {
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+}
 #endif
 
 }  // namespace lathe::kernels

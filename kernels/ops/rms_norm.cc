@@ -30,9 +30,10 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
       if (input.is_cuda()) {
+        const c10::cuda::CUDAGuard device_guard(input.device());
         C10_CUDA_CHECK(kernels::cuda::RmsNormForward(
             Data<T>(input), w.data_ptr<float>(), rows, hidden, static_cast<float>(eps),
-            MutableData<T>(y), rstd.data_ptr<float>(), CurrentStream()));
+            MutableData<T>(y), rstd.data_ptr<float>(), CurrentStream(input.device())));
         return;
       }
 #endif
@@ -62,6 +63,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
       if (x.is_cuda()) {
+        const c10::cuda::CUDAGuard device_guard(x.device());
         if (weight_grad) {
           dw_partial =
               at::empty({kernels::cuda::RmsNormBackwardPartialRows(rows), hidden}, w.options());
@@ -69,7 +71,7 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
         C10_CUDA_CHECK(kernels::cuda::RmsNormBackward(
             Data<T>(dy), Data<T>(x), w.data_ptr<float>(), rstd.data_ptr<float>(), rows, hidden,
             MutableData<T>(dx), weight_grad ? dw_partial.data_ptr<float>() : nullptr,
-            CurrentStream()));
+            CurrentStream(x.device())));
         return;
       }
 #endif

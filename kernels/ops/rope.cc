@@ -40,9 +40,10 @@ at::Tensor RunRope(const at::Tensor& in, const at::Tensor& cos, const at::Tensor
     using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
     if (in.is_cuda()) {
+      const c10::cuda::CUDAGuard device_guard(in.device());
       auto launch = transpose ? kernels::cuda::RopeBackward<T> : kernels::cuda::RopeForward<T>;
       C10_CUDA_CHECK(launch(Data<T>(in), Data<T>(cos), Data<T>(sin), layout, MutableData<T>(out),
-                            CurrentStream()));
+                            CurrentStream(in.device())));
       return;
     }
 #endif

@@ -34,8 +34,9 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
       using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
       if (g.is_cuda()) {
+        const c10::cuda::CUDAGuard device_guard(g.device());
         C10_CUDA_CHECK(kernels::cuda::SwiGluForward(Data<T>(g), Data<T>(u), g.numel(),
-                                                    MutableData<T>(y), CurrentStream()));
+                                                    MutableData<T>(y), CurrentStream(g.device())));
         return;
       }
 #endif
@@ -59,9 +60,10 @@ class SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
       using T = decltype(tag);
 #ifdef LATHE_TORCH_CUDA
       if (g.is_cuda()) {
+        const c10::cuda::CUDAGuard device_guard(g.device());
         C10_CUDA_CHECK(kernels::cuda::SwiGluBackward(Data<T>(dy), Data<T>(g), Data<T>(u), g.numel(),
                                                      MutableData<T>(dgate), MutableData<T>(dup),
-                                                     CurrentStream()));
+                                                     CurrentStream(g.device())));
         return;
       }
 #endif
