@@ -62,14 +62,16 @@ LATHE_KERNEL_INLINE float Dot3(const A* __restrict a, const B* __restrict b, con
 
 // exp(x) for float x, within 2 ulp of expf over [-87.3, 88.3]; clamps x to that range (so
 // exp(88.3) ~ 2e38 instead of inf above it, never a subnormal below), which is what sigmoid
-// needs. Cephes' expf: x = n ln2 + r with
-// |r| <= ln2/2, a degree-5 polynomial for exp(r), 2^n built in the exponent bits.
+// needs. NaN stays NaN. Cephes' expf: x = n ln2 + r with |r| <= ln2/2, a degree-5 polynomial
+// for exp(r), 2^n built in the exponent bits.
 LATHE_KERNEL_INLINE float Exp(float x) {
   x = Select(x < -87.3f, -87.3f, x);
   x = Select(x > 88.3f, 88.3f, x);
   // n = round(x / ln2): adding and subtracting 1.5 * 2^23 rounds to nearest (no roundps
-  // before SSE4.1, and a select here would keep GCC from vectorising the loop).
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  // before SSE4.1, and a ?: here would keep GCC from vectorising the loop). A NaN x gives
+  // n = 0, which keeps the int conversion below defined; p stays NaN.
+  const float rounded = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float n = Select(rounded == rounded, rounded, 0.0f);
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
