@@ -1,0 +1,91 @@
+// Shared helpers of the kernel tests: fresh random inputs, error measures against a float64
+// reference, and the tolerance per dtype.
+#ifndef LATHE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
+#define LATHE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/float16.h"
+#include "worker/engine/torch_compat.h"
+
+namespace lathe::testing {
+
+// A seed that differs from run to run (fresh inputs); tests print it on failure.
+inline uint64_t FreshSeed() {
+  std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) | device();
+}
+
+// A CPU generator seeded with a fresh seed, reported through SCOPED_TRACE by the caller.
+inline at::Generator Generator(uint64_t seed) {
+  return at::make_generator<at::CPUGeneratorImpl>(seed);
+}
+
+// Normal(0, std) values rounded to `type`.
+inline at::Tensor Randn(at::IntArrayRef shape, at::ScalarType type, at::Generator& gen,
+                        double std = 1.0) {
+  return (at::randn(shape, gen, at::kDouble) * std).to(type);
+}
+
+// max |got - want| / max |want|, in float64: the normwise relative error, which stays
+// meaningful where individual elements of `want` are near zero.
+inline double RelErr(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.detach().to(at::kDouble);
+  const at::Tensor w = want.detach().to(at::kDouble);
+  EXPECT_EQ(g.sizes(), w.sizes());
+  const double scale = w.numel() == 0 ? 0.0 : w.abs().max().item<double>();
+  const double diff = w.numel() == 0 ? 0.0 : (g - w).abs().max().item<double>();
+  if (!std::isfinite(diff)) return std::numeric_limits<double>::infinity();
+  return diff / std::max(scale, 1e-30);
+}
+
+// The tolerance of the task for each dtype: float32 1e-5, bfloat16 1e-2, float16 2e-3.
+inline double Tolerance(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return 1e-5;
+    case at::kBFloat16:
+      return 1e-2;
+    case at::kHalf:
+      return 2e-3;
+    default:
+      return 0;
+  }
+}
+
+// A vector of n NaNs of kernel element type T: a poisoned output buffer.
+template <typename T>
+std::vector<T> Poisoned(int64_t n) {
+  return std::vector<T>(n, kernels::Store<T>(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// Index of the first non-finite element of v, or -1.
+template <typename T>
+int64_t FirstNonFinite(const std::vector<T>& v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (!std::isfinite(kernels::Load(v[i]))) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+// n values from Normal(0, 1) rounded to T.
+template <typename T>
+std::vector<T> RandomVector(int64_t n, std::mt19937_64& rng, float std = 1.0f) {
+  std::normal_distribution<float> normal(0.0f, std);
+  std::vector<T> v(n);
+  for (T& e : v) e = kernels::Store<T>(normal(rng));
+  return v;
+}
+
+}  // namespace lathe::testing
+
+#endif  // LATHE_TESTS_KERNELS_KERNEL_TEST_UTIL_H_

@@ -1,0 +1,189 @@
+#include "kernels/ops/lora_linear.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/dropout.h"
+#include "kernels/ops/dropout.h"
+#include "kernels/ops/unfused.h"
+#include "tests/kernels/kernel_test_util.h"
+
+namespace lathe {
+namespace {
+
+using testing::FreshSeed;
+using testing::Randn;
+using testing::RelErr;
+using testing::Tolerance;
+
+struct LoraCase {
+  std::vector<int64_t> x_shape;  // [..., in]
+  int64_t out;
+  int64_t rank;  // 0: no LoRA, W trainable (full fine-tuning)
+  at::ScalarType x_type;
+  at::ScalarType weight_type;
+  bool bias;
+  double dropout;
+};
+
+std::string Name(const LoraCase& c) {
+  std::string name;
+  for (int64_t d : c.x_shape) name += std::to_string(d) + "x";
+  name += "out" + std::to_string(c.out) + "_r" + std::to_string(c.rank) + "_" +
+          c10::toString(c.x_type) + "_w" + c10::toString(c.weight_type);
+  if (c.bias) name += "_bias";
+  if (c.dropout > 0) name += "_dropout" + std::to_string(int(c.dropout * 100));
+  return name;
+}
+
+class LoraLinearTest : public ::testing::TestWithParam<LoraCase> {};
+
+TEST_P(LoraLinearTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
+  const LoraCase& c = GetParam();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  at::Generator gen = testing::Generator(seed);
+  const int64_t in = c.x_shape.back();
+  const bool lora = c.rank > 0;
+  const double scale = 2.0;
+
+  at::Tensor x = Randn(c.x_shape, c.x_type, gen).requires_grad_(true);
+  at::Tensor weight = Randn({c.out, in}, c.weight_type, gen, 0.2).requires_grad_(!lora);
+  at::Tensor bias;
+  if (c.bias) bias = Randn({c.out}, c.weight_type, gen).requires_grad_(!lora);
+  at::Tensor a, b;  // float32 masters; B random (not zero as at init) so every gradient flows
+  if (lora) {
+    a = Randn({c.rank, in}, at::kFloat, gen, 0.2).requires_grad_(true);
+    b = Randn({c.out, c.rank}, at::kFloat, gen, 0.2).requires_grad_(true);
+  }
+  const uint64_t mask_seed = FreshSeed();
+
+  at::Tensor y = kernels::LoraLinearWithSeed(x, weight, bias, a, b, scale, c.dropout, mask_seed);
+  std::vector<int64_t> y_shape = c.x_shape;
+  y_shape.back() = c.out;
+  ASSERT_EQ(y.sizes(), at::IntArrayRef(y_shape));
+  EXPECT_EQ(y.scalar_type(), c.x_type);
+  const at::Tensor dy = Randn(y_shape, c.x_type, gen);
+  y.backward(dy);
+
+  // The unfused composition in float64 with the same mask (the op's mask of mask_seed,
+  // scaled by 1 / (1 - p)).
+  at::Tensor mask;
+  if (c.dropout > 0) {
+    mask = kernels::ApplyDropoutMask(at::ones(c.x_shape), c.dropout, mask_seed).to(at::kDouble);
+  }
+  auto leaf64 = [](const at::Tensor& t) {
+    return t.defined() ? t.detach().to(at::kDouble).requires_grad_(true) : at::Tensor();
+  };
+  at::Tensor x64 = leaf64(x), w64 = leaf64(weight), b64 = leaf64(bias), a64 = leaf64(a),
+             bb64 = leaf64(b);
+  at::Tensor y64 = kernels::unfused::LoraLinear(x64, w64, b64, a64, bb64, scale, c.dropout,
+                                                /*training=*/true, mask);
+  y64.backward(dy.to(at::kDouble));
+
+  const double tol = Tolerance(c.x_type);
+  EXPECT_LT(RelErr(y, y64), tol);
+  EXPECT_LT(RelErr(x.grad(), x64.grad()), tol);
+  if (lora) {
+    EXPECT_EQ(a.grad().scalar_type(), at::kFloat);
+    EXPECT_LT(RelErr(a.grad(), a64.grad()), tol);
+    EXPECT_LT(RelErr(b.grad(), bb64.grad()), tol);
+    EXPECT_FALSE(weight.grad().defined());
+  } else {
+    EXPECT_EQ(weight.grad().scalar_type(), c.weight_type);
+    EXPECT_LT(RelErr(weight.grad(), w64.grad()), tol);
+    if (c.bias) {
+      EXPECT_LT(RelErr(bias.grad(), b64.grad()), tol);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LoraLinearTest,
+    ::testing::Values(
+        LoraCase{{1, 65}, 33, 3, at::kFloat, at::kFloat, false, 0.0},  // a single token
+        LoraCase{{7, 65}, 33, 3, at::kFloat, at::kFloat, true, 0.0},
+        LoraCase{{7, 65}, 33, 3, at::kFloat, at::kFloat, true, 0.3},
+        LoraCase{{2, 5, 64}, 96, 16, at::kFloat, at::kFloat, false, 0.1},
+        LoraCase{{2, 5, 64}, 96, 16, at::kFloat, at::kBFloat16, true, 0.1},  // CPU bf16
+        LoraCase{{7, 65}, 33, 3, at::kFloat, at::kHalf, false, 0.0},         // CPU fp16
+        LoraCase{{1, 65}, 33, 3, at::kBFloat16, at::kBFloat16, true, 0.3},   // CUDA-style bf16
+        LoraCase{{2, 5, 64}, 96, 16, at::kBFloat16, at::kBFloat16, false, 0.0},
+        LoraCase{{7, 65}, 33, 0, at::kFloat, at::kFloat, true, 0.0},  // full fine-tuning
+        LoraCase{{1, 65}, 33, 0, at::kFloat, at::kFloat, false, 0.0},
+        LoraCase{{7, 65}, 33, 0, at::kBFloat16, at::kFloat, true, 0.0}),
+    [](const ::testing::TestParamInfo<LoraCase>& case_info) { return Name(case_info.param); });
+
+TEST(LoraLinearOpTest, TrainingDrawsOneMaskPerCallAndEvalNone) {
+  at::Generator data = testing::Generator(FreshSeed());
+  at::Tensor x = Randn({9, 40}, at::kFloat, data);
+  at::Tensor w = Randn({24, 40}, at::kFloat, data);
+  at::Tensor a = Randn({4, 40}, at::kFloat, data);
+  at::Tensor b = Randn({24, 4}, at::kFloat, data);
+  const uint64_t seed = FreshSeed();
+  at::Generator g1 = testing::Generator(seed), g2 = testing::Generator(seed);
+  at::Tensor y1 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
+  at::Tensor y2 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g2);
+  EXPECT_TRUE(at::equal(y1, y2)) << "same generator state, same mask";
+  at::Tensor y3 = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, true, g1);
+  EXPECT_FALSE(at::equal(y1, y3)) << "the next call draws another mask";
+  at::Tensor eval = kernels::LoraLinear(x, w, {}, a, b, 1.0, 0.5, /*training=*/false, g1);
+  EXPECT_TRUE(at::allclose(eval, kernels::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.0, 0)));
+  // The seed is the generator's next 64-bit number.
+  at::Generator g3 = testing::Generator(seed);
+  EXPECT_TRUE(at::equal(
+      y1, kernels::LoraLinearWithSeed(x, w, {}, a, b, 1.0, 0.5, kernels::DrawDropoutSeed(g3))));
+}
+
+TEST(LoraLinearOpTest, RejectsMismatchedShapes) {
+  at::Tensor x = at::ones({2, 8});
+  EXPECT_THROW(kernels::LoraLinearWithSeed(x, at::ones({4, 7}), {}, {}, {}, 1.0, 0.0, 0),
+               c10::Error);
+  EXPECT_THROW(kernels::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}),
+                                           at::ones({4, 3}), 1.0, 0.0, 0),
+               c10::Error);
+  EXPECT_THROW(
+      kernels::LoraLinearWithSeed(x, at::ones({4, 8}), {}, at::ones({2, 8}), {}, 1.0, 0.0, 0),
+      c10::Error);
+}
+
+TEST(DropoutMaskTest, KeepsAboutOneMinusPScaledAndDependsOnTheSeed) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  for (double p : {0.1, 0.5, 0.9}) {
+    at::Tensor mask = kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed);
+    const double kept = mask.ne(0).to(at::kDouble).mean().item<double>();
+    // 200500 Bernoulli draws: 5 standard deviations is under 0.006.
+    EXPECT_NEAR(kept, 1 - p, 0.006) << "p " << p;
+    at::Tensor values = std::get<0>(at::_unique(mask));
+    ASSERT_EQ(values.numel(), 2);
+    EXPECT_FLOAT_EQ(values[1].item<float>(), static_cast<float>(1 / (1 - p)));
+    // Rows and columns are not correlated: every row and every column keeps some.
+    EXPECT_TRUE(mask.ne(0).any(0).all().item<bool>());
+    EXPECT_TRUE(mask.ne(0).any(1).all().item<bool>());
+    EXPECT_TRUE(at::equal(mask, kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed)));
+    EXPECT_FALSE(at::equal(mask, kernels::ApplyDropoutMask(at::ones({500, 401}), p, seed + 1)));
+  }
+  at::Tensor none = kernels::ApplyDropoutMask(at::ones({3, 5}), 0.0, seed);
+  EXPECT_TRUE(at::equal(none, at::ones({3, 5})));
+}
+
+template <typename T>
+void ExpectEveryElementWritten() {
+  const int64_t rows = 4, cols = 29;
+  std::mt19937_64 rng(FreshSeed());
+  const std::vector<T> x = testing::RandomVector<T>(rows * cols, rng);
+  std::vector<T> y = testing::Poisoned<T>(rows * cols);
+  kernels::cpu::Dropout(x.data(), 42, 0.4, cols, 0, 1, y.data());
+  kernels::cpu::Dropout(x.data(), 42, 0.4, cols, 1, rows, y.data());
+  EXPECT_EQ(testing::FirstNonFinite(y), -1);
+}
+
+TEST(DropoutKernelTest, WritesEveryElementFloat) { ExpectEveryElementWritten<float>(); }
+TEST(DropoutKernelTest, WritesEveryElementBFloat16) {
+  ExpectEveryElementWritten<kernels::BFloat16>();
+}
+TEST(DropoutKernelTest, WritesEveryElementHalf) { ExpectEveryElementWritten<kernels::Half>(); }
+
+}  // namespace
+}  // namespace lathe
