@@ -419,6 +419,26 @@ TEST_F(TrainerTest, ActivationCheckpointingKeepsTheLossesAndLowersActivations) {
   }
 }
 
+TEST_F(TrainerTest, FusedKernelsTrainLikeThePlainComposition) {
+  for (Method method : {Method::kLora, Method::kFull}) {
+    SCOPED_TRACE(MethodName(method));
+    spec_.method = method;
+    spec_.train.steps = 5;
+    spec_.output = dir_.Path(std::string("fused-") + std::string(MethodName(method)));
+    std::vector<StepReport> fused = Reports(spec_);
+    JobSpec plain = spec_;
+    plain.strategy.automatic = false;
+    plain.strategy.fused_kernels = false;
+    plain.output = spec_.output + "-plain";
+    std::vector<StepReport> unfused = Reports(plain);
+    ASSERT_EQ(fused.size(), unfused.size());
+    for (size_t i = 0; i < fused.size(); ++i) {
+      EXPECT_NEAR(*fused[i].loss, *unfused[i].loss, 1e-5 * *unfused[i].loss) << i + 1;
+      EXPECT_NEAR(fused[i].grad_norm, unfused[i].grad_norm, 1e-4 * unfused[i].grad_norm);
+    }
+  }
+}
+
 TEST_F(TrainerTest, Bf16StoresTheFrozenWeightsInHalfTheBytes) {
   spec_.train.steps = 3;
   std::vector<StepReport> fp32 = Reports(spec_);

@@ -13,6 +13,11 @@
 #include "common/file_util.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "kernels/ops/lora_linear.h"
+#include "kernels/ops/rms_norm.h"
+#include "kernels/ops/rope.h"
+#include "kernels/ops/swiglu.h"
+#include "kernels/ops/unfused.h"
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/weights.h"
 
@@ -22,54 +27,27 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Statistics in float32 whatever x's type (as Hugging Face's LlamaRMSNorm).
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return normed.to(x.scalar_type()) * weight.to(x.scalar_type());
+// The states of the generators dropout on `device` may draw from (the CPU one, which also
+// seeds the fused LoRA's masks, and the device's own), and back. (Not held locked across the
+// recomputation: dropout takes a generator's lock itself.)
+std::vector<at::Tensor> GeneratorStates(at::Device device) {
+  std::vector<at::Tensor> states;
+  for (at::Device d : {at::Device(at::kCPU), device}) {
+    if (!states.empty() && d.is_cpu()) break;
+    at::Generator generator = at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.push_back(generator.get_state());
+  }
+  return states;
 }
 
-// y = x W^T for a frozen W stored in another type than x: W is converted for the product
-// and again in backward, and only W itself (no converted copy, no x) is kept for backward.
-class FrozenLinear : public torch::autograd::Function<FrozenLinear> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
-    ctx->save_for_backward({weight});
-    return at::linear(x, weight.to(x.scalar_type()));
+void SetGeneratorStates(at::Device device, const std::vector<at::Tensor>& states) {
+  const at::Device devices[] = {at::Device(at::kCPU), device};
+  for (size_t i = 0; i < states.size(); ++i) {
+    at::Generator generator = at::globalContext().defaultGenerator(devices[i]);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(states[i]);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor& grad = grads[0];
-    const at::Tensor weight = ctx->get_saved_variables()[0];
-    return {at::matmul(grad, weight.to(grad.scalar_type())), at::Tensor()};
-  }
-};
-
-// x W^T (+ b) in x's type.
-at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {}) {
-  const at::ScalarType type = x.scalar_type();
-  at::Tensor y;
-  if (weight.scalar_type() == type) {
-    y = at::linear(x, weight);
-  } else if (weight.requires_grad()) {
-    y = at::linear(x, weight.to(type));  // a float32 master: the conversion is differentiated
-  } else {
-    y = FrozenLinear::apply(x, weight);
-  }
-  return bias.defined() ? y + bias.to(type) : y;
-}
-
-// The state of the generator that dropout on `device` draws from, and back. (Not held
-// locked across the recomputation: dropout takes the generator's lock itself.)
-at::Tensor GeneratorState(at::Device device) {
-  at::Generator generator = at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
-}
-
-void SetGeneratorState(at::Device device, const at::Tensor& state) {
-  at::Generator generator = at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  generator.set_state(state);
 }
 
 // Activation checkpointing of one decoder block. Forward runs the block without recording
@@ -82,7 +60,7 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
     ctx->saved_data["layer"] = layer;
-    ctx->saved_data["rng"] = GeneratorState(inputs[0].device());
+    ctx->saved_data["rng"] = GeneratorStates(inputs[0].device());
     return model->Block(layer, inputs[0], inputs[1], inputs[2], inputs[3]);
   }
 
@@ -99,12 +77,12 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     wrt.insert(wrt.end(), saved.begin() + 4, saved.end());
     at::Tensor y;
     {
-      const at::Tensor now = GeneratorState(x.device());
-      SetGeneratorState(x.device(), ctx->saved_data["rng"].toTensor());
+      const std::vector<at::Tensor> now = GeneratorStates(x.device());
+      SetGeneratorStates(x.device(), ctx->saved_data["rng"].toTensorVector());
       at::AutoGradMode enable_grad(true);
       MemoryScope scope(MemoryComponent::kActivations);
       y = model->Block(layer, x, saved[1], saved[2], saved[3]);
-      SetGeneratorState(x.device(), now);
+      SetGeneratorStates(x.device(), now);
     }
     variable_list input_grads = torch::autograd::grad({y}, wrt, {grads[0]},
                                                       /*retain_graph=*/false,
@@ -121,11 +99,6 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
   }
 };
 
-at::Tensor RotateHalf(const at::Tensor& x) {
-  int64_t half = x.size(-1) / 2;
-  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
-}
-
 std::string ShapeText(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -137,11 +110,12 @@ double LoraScale(const LoraSpec& spec) {
 
 }  // namespace
 
-at::Tensor Projection::Forward(const at::Tensor& x, double lora_dropout, bool training) const {
-  at::Tensor y = Linear(x, weight, bias);
-  if (!lora_a.defined()) return y;
-  at::Tensor lora_in = training && lora_dropout > 0 ? at::dropout(x, lora_dropout, true) : x;
-  return y + Linear(Linear(lora_in, lora_a), lora_b) * lora_scale;
+at::Tensor Projection::Forward(const at::Tensor& x, double lora_dropout, bool training,
+                               bool fused) const {
+  return fused ? kernels::LoraLinear(x, weight, bias, lora_a, lora_b, lora_scale, lora_dropout,
+                                     training)
+               : kernels::unfused::LoraLinear(x, weight, bias, lora_a, lora_b, lora_scale,
+                                              lora_dropout, training);
 }
 
 Projection& DecoderLayer::projection(absl::string_view module) {
@@ -338,17 +312,22 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   const int64_t batch = x.size(0), seq = x.size(1);
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t head_dim = config_.head_dim;
-  at::Tensor q = layer.q_proj.Forward(x, lora_dropout_, training_)
+  const bool fused = options_.fused_kernels;
+  at::Tensor q = layer.q_proj.Forward(x, lora_dropout_, training_, fused)
                      .view({batch, seq, heads, head_dim})
                      .transpose(1, 2);
-  at::Tensor k = layer.k_proj.Forward(x, lora_dropout_, training_)
+  at::Tensor k = layer.k_proj.Forward(x, lora_dropout_, training_, fused)
                      .view({batch, seq, kv_heads, head_dim})
                      .transpose(1, 2);
-  at::Tensor v = layer.v_proj.Forward(x, lora_dropout_, training_)
+  at::Tensor v = layer.v_proj.Forward(x, lora_dropout_, training_, fused)
                      .view({batch, seq, kv_heads, head_dim})
                      .transpose(1, 2);
-  q = q * cos + RotateHalf(q) * sin;
-  k = k * cos + RotateHalf(k) * sin;
+  if (fused) {
+    std::tie(q, k) = kernels::ApplyRope(q, k, cos, sin);
+  } else {
+    q = kernels::unfused::Rope(q, cos, sin);
+    k = kernels::unfused::Rope(k, cos, sin);
+  }
   if (kv_heads != heads) {
     k = k.repeat_interleave(heads / kv_heads, 1);
     v = v.repeat_interleave(heads / kv_heads, 1);
@@ -363,18 +342,20 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   at::Tensor out = at::matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
 #endif
   out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
-  return layer.o_proj.Forward(out, lora_dropout_, training_);
+  return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
 }
 
 at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& mask) const {
   const DecoderLayer& layer = layers_[layer_index];
-  const double eps = config_.rms_norm_eps;
-  at::Tensor y = x + Attention(layer, RmsNorm(x, layer.input_norm, eps), cos, sin, mask);
-  at::Tensor h = RmsNorm(y, layer.post_attention_norm, eps);
-  at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_);
-  at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_);
-  return y + layer.down_proj.Forward(at::silu(gate) * up, lora_dropout_, training_);
+  const bool fused = options_.fused_kernels;
+  at::Tensor y = x + Attention(layer, Norm(x, layer.input_norm), cos, sin, mask);
+  at::Tensor h = Norm(y, layer.post_attention_norm);
+  at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
+  at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_, fused);
+  return y + layer.down_proj.Forward(
+                 fused ? kernels::SwiGlu(gate, up) : kernels::unfused::SwiGlu(gate, up),
+                 lora_dropout_, training_, fused);
 }
 
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
@@ -403,11 +384,23 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
     for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
     x = CheckpointedBlock::apply(at::TensorList(inputs), this, l);
   }
-  return RmsNorm(x, norm_, config_.rms_norm_eps);
+  return Norm(x, norm_);
+}
+
+at::Tensor CausalLm::Norm(const at::Tensor& x, const at::Tensor& weight) const {
+  return options_.fused_kernels ? kernels::RmsNorm(x, weight, config_.rms_norm_eps)
+                                : kernels::unfused::RmsNorm(x, weight, config_.rms_norm_eps);
+}
+
+at::Tensor CausalLm::HeadLogits(const at::Tensor& hidden) const {
+  return (options_.fused_kernels
+              ? kernels::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false)
+              : kernels::unfused::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false))
+      .to(at::kFloat);
 }
 
 at::Tensor CausalLm::Logits(const at::Tensor& input_ids) const {
-  return Linear(Hidden(input_ids), lm_head()).to(at::kFloat);
+  return HeadLogits(Hidden(input_ids));
 }
 
 at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const {
@@ -421,7 +414,7 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
   // Only rows with a target need logits: prompts and padding cost nothing here.
   at::Tensor rows = targets.ne(-100).nonzero().squeeze(1);
   MemoryScope scope(MemoryComponent::kLogits);
-  at::Tensor logits = Linear(hidden.index_select(0, rows), lm_head()).to(at::kFloat);
+  at::Tensor logits = HeadLogits(hidden.index_select(0, rows));
   return at::cross_entropy_loss(logits, targets.index_select(0, rows), {}, at::Reduction::Sum);
 }
 

@@ -32,6 +32,9 @@ struct ModelOptions {
   // While training, keep only each decoder block's input for backward and recompute the
   // block's forward there (with the same dropout masks) instead of storing its activations.
   bool activation_checkpointing = false;
+  // The fused kernels of kernels/ (RMSNorm, RoPE, SwiGLU, LoRA linear); otherwise the plain
+  // ATen compositions (kernels/ops/unfused.h).
+  bool fused_kernels = true;
 };
 
 // A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.
@@ -43,7 +46,8 @@ struct Projection {
   at::Tensor lora_b;  // [out, r]
   double lora_scale = 0.0;
 
-  at::Tensor Forward(const at::Tensor& x, double lora_dropout, bool training) const;
+  // `fused`: one kernels::LoraLinear node; otherwise the ATen composition.
+  at::Tensor Forward(const at::Tensor& x, double lora_dropout, bool training, bool fused) const;
 };
 
 struct DecoderLayer {
@@ -121,6 +125,9 @@ class CausalLm {
   // Every base weight with its HF name, in ExpectedWeights order.
   std::vector<std::pair<std::string, at::Tensor*>> BaseWeights();
   const at::Tensor& lm_head() const;
+  at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
+  // Float32 logits of `hidden` [..., hidden].
+  at::Tensor HeadLogits(const at::Tensor& hidden) const;
   // cos/sin tables [seq, head_dim] for positions 0..seq-1.
   std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq) const;
   at::Tensor Attention(const DecoderLayer& layer, const at::Tensor& x, const at::Tensor& cos,

@@ -174,6 +174,7 @@ ModelOptions ModelOptionsFor(const JobSpec& spec) {
   options.compute_dtype = cuda ? options.weight_dtype : at::kFloat;
   options.activation_checkpointing =
       !spec.strategy.automatic && spec.strategy.activation_checkpointing;
+  options.fused_kernels = spec.strategy.fused_kernels;
   return options;
 }
 
