@@ -102,6 +102,54 @@ void SoftCapRow(float* __restrict row, int64_t n, float cap) {
   for (int64_t j = 0; j < n; ++j) row[j] = cap * Tanh(row[j] * inv_cap);
 }
 
+// row[j] <- exp(row[j] - shift); returns their sum.
+float RowExpInPlace(float* __restrict row, int64_t n, float shift) {
+  float partial[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      row[j + l] = Exp(row[j + l] - shift);
+      partial[l] += row[j + l];
+    }
+  }
+  for (int l = 0; j < n; ++j, ++l) {
+    row[j] = Exp(row[j] - shift);
+    partial[l] += row[j];
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += partial[l];
+  return sum;
+}
+
+// row (soft-capped logits z_j) <- exp(z_j - shift) * (1 - (z_j / cap)^2), the exponential
+// times dz/dlogit; returns the sum of the exponentials alone.
+float RowExpSlopeInPlace(float* __restrict row, int64_t n, float shift, float cap) {
+  const float inv_cap = 1.0f / cap;
+  float partial[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float e = Exp(row[j + l] - shift);
+      const float t = row[j + l] * inv_cap;
+      partial[l] += e;
+      row[j + l] = e * (1.0f - t * t);
+    }
+  }
+  for (int l = 0; j < n; ++j, ++l) {
+    const float e = Exp(row[j] - shift);
+    const float t = row[j] * inv_cap;
+    partial[l] += e;
+    row[j] = e * (1.0f - t * t);
+  }
+  float sum = 0.0f;
+  for (int l = 0; l < kLanes; ++l) sum += partial[l];
+  return sum;
+}
+
+void ScaleRow(float* __restrict row, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; ++j) row[j] *= factor;
+}
+
 // row (raw logits a_j) <- scale * d(loss)/d(a_j) for the row's non-target entries:
 // scale * exp(z_j - lse) * (1 + 2 z_loss_weight lse) * dz_j/da_j.
 void GradientRow(float* __restrict row, int64_t n, float lse, float factor, float cap) {
@@ -164,9 +212,10 @@ struct ForwardWorkspace {
   float* row_target;
   float* hidden_stage;  // bfloat16 only
   float* weight_stage;  // bfloat16 only
+  float* grad_hidden;   // bfloat16 with the hidden gradient only: its float32 sums, [N, H]
 };
 
-ForwardWorkspace CarveForward(const Sizes& s, WorkspaceLayout& layout) {
+ForwardWorkspace CarveForward(const Sizes& s, bool grad_hidden, WorkspaceLayout& layout) {
   ForwardWorkspace w;
   w.tile = layout.Take(s.tn * s.tv);
   w.row_max = layout.Take(s.n);
@@ -174,6 +223,7 @@ ForwardWorkspace CarveForward(const Sizes& s, WorkspaceLayout& layout) {
   w.row_target = layout.Take(s.n);
   w.hidden_stage = s.bf16 ? layout.Take(s.tn * s.h) : nullptr;
   w.weight_stage = s.bf16 ? layout.Take(s.tv * s.h) : nullptr;
+  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take(s.n * s.h) : nullptr;
   return w;
 }
 
@@ -197,6 +247,9 @@ BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weig
   }
   return w;
 }
+
+// The single pass: one [tn, V] tile (float32 only).
+float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) { return layout.Take(s.tn * s.v); }
 
 // Chunk c of the tokens holds at least one non-ignored target.
 std::vector<char> ChunksWithTargets(const Sizes& s, const int64_t* targets, int64_t ignore_index) {
@@ -273,9 +326,10 @@ void SerialFor(int64_t n, const std::function<void(int64_t begin, int64_t end)>&
 }
 
 int64_t LinearCrossEntropyForwardWorkspaceBytes(const LinearCrossEntropyProblem& problem,
-                                                const LinearCrossEntropyChunks& chunks) {
+                                                const LinearCrossEntropyChunks& chunks,
+                                                bool grad_hidden) {
   WorkspaceLayout layout(nullptr);
-  CarveForward(Sizes(problem, chunks), layout);
+  CarveForward(Sizes(problem, chunks), grad_hidden, layout);
   return layout.bytes();
 }
 
@@ -287,17 +341,30 @@ int64_t LinearCrossEntropyBackwardWorkspaceBytes(const LinearCrossEntropyProblem
   return layout.bytes();
 }
 
+int64_t LinearCrossEntropySinglePassWorkspaceBytes(const LinearCrossEntropyProblem& problem,
+                                                   int64_t token_chunk) {
+  WorkspaceLayout layout(nullptr);
+  CarveSinglePass(Sizes(problem, {token_chunk, problem.vocab}), layout);
+  return layout.bytes();
+}
+
 double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
                                  const LinearCrossEntropyChunks& chunks, const void* hidden,
-                                 const int64_t* targets, const void* weight, float* lse,
-                                 void* workspace, const ParallelFor& parallel_for) {
+                                 const int64_t* targets, const void* weight, float grad_scale,
+                                 float* lse, void* grad_hidden, void* workspace,
+                                 const ParallelFor& parallel_for) {
   const Sizes s(problem, chunks);
-  if (s.n == 0) return 0.0;
   WorkspaceLayout layout(workspace);
-  const ForwardWorkspace w = CarveForward(s, layout);
+  const ForwardWorkspace w = CarveForward(s, grad_hidden != nullptr, layout);
+  // The hidden gradient's float32 sums: the output itself in float32.
+  float* hidden_sum = grad_hidden == nullptr ? nullptr
+                      : s.bf16               ? w.grad_hidden
+                                             : static_cast<float*>(grad_hidden);
+  if (s.n == 0) return 0.0;
   std::fill(w.row_max, w.row_max + s.n, -std::numeric_limits<float>::infinity());
   std::fill(w.row_sum, w.row_sum + s.n, 0.0f);
   std::fill(w.row_target, w.row_target + s.n, 0.0f);
+  if (hidden_sum != nullptr) FillZero(hidden_sum, s.n, s.h, parallel_for);
   const std::vector<char> has_targets = ChunksWithTargets(s, targets, problem.ignore_index);
   FloatInputs inputs(s, hidden, weight, w.hidden_stage, w.weight_stage, parallel_for);
   const float cap = problem.softcap;
@@ -315,31 +382,76 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
         for (int64_t r = begin; r < end; ++r) {
           const int64_t i = n0 + r;
           const int64_t target = targets[i];
-          if (target == problem.ignore_index) continue;
           float* row = w.tile + r * tv;
+          if (target == problem.ignore_index) {
+            if (hidden_sum != nullptr) std::fill(row, row + tv, 0.0f);
+            continue;
+          }
           if (cap > 0.0f) SoftCapRow(row, tv, cap);
-          const float chunk_max = RowMax(row, tv);
-          const float chunk_sum = RowSumExp(row, tv, chunk_max);
-          const float new_max = std::max(w.row_max[i], chunk_max);
-          w.row_sum[i] = w.row_sum[i] * std::exp(w.row_max[i] - new_max) +
-                         chunk_sum * std::exp(chunk_max - new_max);
-          w.row_max[i] = new_max;
           if (target >= v0 && target < v0 + tv) w.row_target[i] = row[target - v0];
+          const float old_max = w.row_max[i];
+          const float new_max = std::max(old_max, RowMax(row, tv));
+          const float rescale = std::exp(old_max - new_max);  // 0 for the first chunk
+          if (hidden_sum == nullptr) {
+            w.row_sum[i] = w.row_sum[i] * rescale + RowSumExp(row, tv, new_max);
+          } else {
+            // As flash attention's output: the sum over the vocabulary so far of
+            // exp(z - max) dz/dlogit W_j, rescaled whenever the running maximum grows; the
+            // chunk's share is added by the product below.
+            w.row_sum[i] =
+                w.row_sum[i] * rescale + (cap > 0.0f ? RowExpSlopeInPlace(row, tv, new_max, cap)
+                                                     : RowExpInPlace(row, tv, new_max));
+            if (rescale != 1.0f) {
+              float* sum_row = hidden_sum + i * s.h;
+              for (int64_t k = 0; k < s.h; ++k) sum_row[k] *= rescale;
+            }
+          }
+          w.row_max[i] = new_max;
         }
       });
+      if (hidden_sum != nullptr) {
+        Gemm(false, false, tn, s.h, tv, w.tile, tv, weight_rows, s.h, 1.0f, hidden_sum + n0 * s.h,
+             s.h);
+      }
     }
   }
 
-  double loss = 0.0;
-  for (int64_t i = 0; i < s.n; ++i) {
-    if (targets[i] == problem.ignore_index) {
-      lse[i] = 0.0f;
-      continue;
+  // lse, the loss and (normalising the sums, less the target's row of W) the hidden gradient.
+  std::vector<double> row_loss(s.n, 0.0);
+  parallel_for(s.n, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t target = targets[i];
+      if (target == problem.ignore_index) {
+        lse[i] = 0.0f;
+        continue;  // the gradient row is still zero
+      }
+      const double row_lse = static_cast<double>(w.row_max[i]) + std::log(w.row_sum[i]);
+      lse[i] = static_cast<float>(row_lse);
+      row_loss[i] = row_lse - w.row_target[i] + problem.z_loss_weight * row_lse * row_lse;
+      if (hidden_sum == nullptr) continue;
+      const float t = cap > 0.0f ? w.row_target[i] / cap : 0.0f;
+      const float target_scale = grad_scale * (1.0f - t * t);
+      const float sum_scale = static_cast<float>(
+          grad_scale * (1.0 + 2.0 * problem.z_loss_weight * row_lse) / w.row_sum[i]);
+      float* sum_row = hidden_sum + i * s.h;
+      if (s.bf16) {
+        const uint16_t* weight_row = static_cast<const uint16_t*>(weight) + target * s.h;
+        for (int64_t k = 0; k < s.h; ++k) {
+          sum_row[k] = sum_scale * sum_row[k] - target_scale * LoadBFloat16(weight_row[k]);
+        }
+      } else {
+        const float* weight_row = static_cast<const float*>(weight) + target * s.h;
+        for (int64_t k = 0; k < s.h; ++k) {
+          sum_row[k] = sum_scale * sum_row[k] - target_scale * weight_row[k];
+        }
+      }
     }
-    const double row_lse = static_cast<double>(w.row_max[i]) + std::log(w.row_sum[i]);
-    lse[i] = static_cast<float>(row_lse);
-    loss += row_lse - w.row_target[i] + problem.z_loss_weight * row_lse * row_lse;
+  });
+  if (hidden_sum != nullptr && s.bf16) {
+    StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
   }
+  double loss = 0.0;
+  for (int64_t i = 0; i < s.n; ++i) loss += row_loss[i];
   return loss;
 }
 
@@ -429,6 +541,67 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
   if (hidden_sum != nullptr && s.bf16 && !one_vocab_chunk) {
     StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
   }
+}
+
+double LinearCrossEntropySinglePass(const LinearCrossEntropyProblem& problem, int64_t token_chunk,
+                                    const void* hidden, const int64_t* targets, const void* weight,
+                                    float grad_scale, float* lse, void* grad_hidden,
+                                    void* grad_weight, void* workspace,
+                                    const ParallelFor& parallel_for) {
+  const Sizes s(problem, {token_chunk, problem.vocab});
+  WorkspaceLayout layout(workspace);
+  float* tile = CarveSinglePass(s, layout);
+  const float* w = static_cast<const float*>(weight);
+  float* dh = static_cast<float*>(grad_hidden);
+  float* dw = static_cast<float*>(grad_weight);
+  if (dw != nullptr) FillZero(dw, s.v, s.h, parallel_for);
+  if (s.n == 0) return 0.0;
+  const std::vector<char> has_targets = ChunksWithTargets(s, targets, problem.ignore_index);
+  const float cap = problem.softcap;
+  std::vector<double> row_loss(s.n, 0.0);
+
+  for (int64_t n0 = 0; n0 < s.n; n0 += s.tn) {
+    const int64_t tn = std::min(s.tn, s.n - n0);
+    if (!has_targets[n0 / s.tn]) {
+      std::fill(lse + n0, lse + n0 + tn, 0.0f);
+      if (dh != nullptr) FillZero(dh + n0 * s.h, tn, s.h, parallel_for);
+      continue;
+    }
+    const float* h = static_cast<const float*>(hidden) + n0 * s.h;
+    Gemm(false, true, tn, s.v, s.h, h, s.h, w, s.h, 0.0f, tile, s.v);
+    parallel_for(tn, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t i = n0 + r;
+        const int64_t target = targets[i];
+        float* row = tile + r * s.v;
+        if (target == problem.ignore_index) {
+          lse[i] = 0.0f;
+          std::fill(row, row + s.v, 0.0f);
+          continue;
+        }
+        if (cap > 0.0f) SoftCapRow(row, s.v, cap);
+        const float target_logit = row[target];
+        const float max = RowMax(row, s.v);
+        // The row becomes exp(z - max) dz/dlogit; the softmax is that over the sum.
+        const float sum =
+            cap > 0.0f ? RowExpSlopeInPlace(row, s.v, max, cap) : RowExpInPlace(row, s.v, max);
+        const float row_lse = max + std::log(sum);
+        ScaleRow(row, s.v, grad_scale * (1.0f + 2.0f * problem.z_loss_weight * row_lse) / sum);
+        const float t = cap > 0.0f ? target_logit / cap : 0.0f;
+        row[target] -= grad_scale * (1.0f - t * t);
+        lse[i] = row_lse;
+        row_loss[i] = static_cast<double>(row_lse) - target_logit +
+                      static_cast<double>(problem.z_loss_weight) * row_lse * row_lse;
+      }
+    });
+    if (dh != nullptr) {
+      Gemm(false, false, tn, s.h, s.v, tile, s.v, w, s.h, 0.0f, dh + n0 * s.h, s.h);
+    }
+    if (dw != nullptr) Gemm(true, false, s.v, s.h, tn, tile, s.v, h, s.h, 1.0f, dw, s.h);
+  }
+  double loss = 0.0;
+  for (int64_t i = 0; i < s.n; ++i) loss += row_loss[i];
+  return loss;
 }
 
 }  // namespace lathe::kernels::cpu

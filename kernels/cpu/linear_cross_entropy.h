@@ -31,9 +31,11 @@ using ParallelFor =
 // A ParallelFor that runs body(0, n) on the calling thread.
 void SerialFor(int64_t n, const std::function<void(int64_t begin, int64_t end)>& body);
 
-// Workspace bytes that LinearCrossEntropyForward needs with these chunks.
+// Workspace bytes that LinearCrossEntropyForward needs with these chunks, with or without the
+// hidden gradient.
 int64_t LinearCrossEntropyForwardWorkspaceBytes(const LinearCrossEntropyProblem& problem,
-                                                const LinearCrossEntropyChunks& chunks);
+                                                const LinearCrossEntropyChunks& chunks,
+                                                bool grad_hidden);
 
 // Workspace bytes that LinearCrossEntropyBackward needs with these chunks when it computes the
 // gradients selected by grad_hidden and grad_weight.
@@ -44,12 +46,21 @@ int64_t LinearCrossEntropyBackwardWorkspaceBytes(const LinearCrossEntropyProblem
 // Writes lse[i], the log-sum-exp of token i's (soft-capped) logits, for every token (0 for a
 // token whose target is ignore_index) and returns the loss summed over the other tokens,
 // accumulated in double (0 when every token is ignored).
+//
+// When grad_hidden is not null, also writes grad_scale times the gradient of the summed loss
+// with respect to hidden into it (every element; zero rows for ignored tokens), in the same
+// pass: each chunk's exponentials, taken against the token's running maximum, are multiplied
+// into the weight rows and summed as flash attention sums its output, rescaled whenever the
+// running maximum grows and normalised at the end. That costs one more chunk product, and
+// saves recomputing the logits in LinearCrossEntropyBackward (which then needs to compute
+// only the weight gradient, if any).
 // REQUIRES: each target is ignore_index or in [0, vocab); chunk sizes >= 1; workspace holds
-// LinearCrossEntropyForwardWorkspaceBytes(problem, chunks) bytes.
+// LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, grad_hidden != nullptr) bytes.
 double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
                                  const LinearCrossEntropyChunks& chunks, const void* hidden,
-                                 const int64_t* targets, const void* weight, float* lse,
-                                 void* workspace, const ParallelFor& parallel_for);
+                                 const int64_t* targets, const void* weight, float grad_scale,
+                                 float* lse, void* grad_hidden, void* workspace,
+                                 const ParallelFor& parallel_for);
 
 // Writes grad_scale times the gradient of the summed loss with respect to hidden (into
 // grad_hidden, [N, H]) and weight (into grad_weight, [V, H]); either may be null to skip it.
@@ -63,6 +74,24 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
                                 const int64_t* targets, const void* weight, const float* lse,
                                 float grad_scale, void* grad_hidden, void* grad_weight,
                                 void* workspace, const ParallelFor& parallel_for);
+
+// Forward and backward in one pass, for when the backward is sure to follow and the weight
+// trains: one chunk of tokens over the whole vocabulary at a time, so that each token's
+// log-sum-exp is final before its gradient row is formed. Three chunk products per chunk (the
+// unfused composition's arithmetic) where LinearCrossEntropyForward with the hidden gradient
+// followed by LinearCrossEntropyBackward for the weight gradient takes four. Writes lse as
+// LinearCrossEntropyForward does and grad_hidden, grad_weight as LinearCrossEntropyBackward
+// does (either may be null); returns the summed loss.
+// REQUIRES: problem.dtype is kFloat32; token_chunk >= 1; workspace holds
+// LinearCrossEntropySinglePassWorkspaceBytes(problem, token_chunk) bytes; targets as
+// LinearCrossEntropyForward.
+int64_t LinearCrossEntropySinglePassWorkspaceBytes(const LinearCrossEntropyProblem& problem,
+                                                   int64_t token_chunk);
+double LinearCrossEntropySinglePass(const LinearCrossEntropyProblem& problem, int64_t token_chunk,
+                                    const void* hidden, const int64_t* targets, const void* weight,
+                                    float grad_scale, float* lse, void* grad_hidden,
+                                    void* grad_weight, void* workspace,
+                                    const ParallelFor& parallel_for);
 
 }  // namespace lathe::kernels::cpu
 

@@ -157,14 +157,14 @@ TEST_P(LinearCrossEntropyCudaTest, MatchesCpuKernel) {
   // The CPU kernel.
   std::vector<float> cpu_lse(c.tokens);
   std::vector<char> cpu_workspace(
-      std::max(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c.chunks),
+      std::max(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c.chunks, false),
                cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, c.chunks, true, true)) +
       64);
   void* aligned =
       cpu_workspace.data() + (64 - reinterpret_cast<uintptr_t>(cpu_workspace.data()) % 64);
-  const double cpu_loss =
-      cpu::LinearCrossEntropyForward(problem, c.chunks, hidden.bytes.data(), targets.data(),
-                                     weight.bytes.data(), cpu_lse.data(), aligned, cpu::SerialFor);
+  const double cpu_loss = cpu::LinearCrossEntropyForward(
+      problem, c.chunks, hidden.bytes.data(), targets.data(), weight.bytes.data(), 1.0f,
+      cpu_lse.data(), nullptr, aligned, cpu::SerialFor);
   const float grad_scale = 0.5f;
   std::vector<char> cpu_grad_hidden(hidden.bytes.size());
   std::vector<char> cpu_grad_weight(weight.bytes.size());

@@ -72,14 +72,15 @@ Result Reference(const Inputs& in, const LinearCrossEntropyOptions& options, boo
   return result;
 }
 
+// The gradients are those of loss * grad_output (backward scales what it computed).
 Result Fused(const Inputs& in, const LinearCrossEntropyOptions& options, bool grad_hidden,
-             bool grad_weight) {
+             bool grad_weight, double grad_output = 1.0) {
   at::Tensor hidden = in.hidden.detach().requires_grad_(grad_hidden);
   at::Tensor weight = in.weight.detach().requires_grad_(grad_weight);
   at::Tensor loss = LinearCrossEntropy(hidden, weight, in.targets, options);
   EXPECT_EQ(loss.scalar_type(), at::kFloat);
   EXPECT_EQ(loss.dim(), 0);
-  if (grad_hidden || grad_weight) loss.backward();
+  if (grad_hidden || grad_weight) (loss * grad_output).backward();
   Result result;
   result.loss = loss.item<double>();
   if (grad_hidden) result.grad_hidden = hidden.grad();
@@ -102,23 +103,32 @@ double RelativeError(double actual, double expected) {
   return std::abs(actual - expected) / std::abs(expected);
 }
 
-void ExpectMatchesReference(const Inputs& in, const LinearCrossEntropyOptions& options,
-                            bool grad_hidden = true, bool grad_weight = true) {
+// Checks the op, with the hidden gradient computed in forward and in backward, against the
+// float64 reference.
+void ExpectMatchesReference(const Inputs& in, LinearCrossEntropyOptions options,
+                            bool grad_hidden = true, bool grad_weight = true,
+                            double grad_output = 1.0) {
   const double tolerance =
       in.hidden.scalar_type() == at::kBFloat16 ? kBFloat16Tolerance : kFloatTolerance;
-  const Result expected = Reference(in, options, grad_hidden, grad_weight);
-  const Result actual = Fused(in, options, grad_hidden, grad_weight);
-  EXPECT_LT(RelativeError(actual.loss, expected.loss), tolerance)
-      << "loss " << actual.loss << " vs " << expected.loss;
-  ASSERT_EQ(actual.grad_hidden.defined(), grad_hidden);
-  ASSERT_EQ(actual.grad_weight.defined(), grad_weight);
-  if (grad_hidden) {
-    EXPECT_EQ(actual.grad_hidden.scalar_type(), in.hidden.scalar_type());
-    EXPECT_LT(RelativeError(actual.grad_hidden, expected.grad_hidden), tolerance);
-  }
-  if (grad_weight) {
-    EXPECT_EQ(actual.grad_weight.scalar_type(), in.weight.scalar_type());
-    EXPECT_LT(RelativeError(actual.grad_weight, expected.grad_weight), tolerance);
+  Result expected = Reference(in, options, grad_hidden, grad_weight);
+  if (grad_hidden) expected.grad_hidden *= grad_output;
+  if (grad_weight) expected.grad_weight *= grad_output;
+  for (const bool in_forward : {true, false}) {
+    SCOPED_TRACE(in_forward ? "hidden gradient in forward" : "hidden gradient in backward");
+    options.gradient_in_forward = in_forward;
+    const Result actual = Fused(in, options, grad_hidden, grad_weight, grad_output);
+    EXPECT_LT(RelativeError(actual.loss, expected.loss), tolerance)
+        << "loss " << actual.loss << " vs " << expected.loss;
+    ASSERT_EQ(actual.grad_hidden.defined(), grad_hidden);
+    ASSERT_EQ(actual.grad_weight.defined(), grad_weight);
+    if (grad_hidden) {
+      EXPECT_EQ(actual.grad_hidden.scalar_type(), in.hidden.scalar_type());
+      EXPECT_LT(RelativeError(actual.grad_hidden, expected.grad_hidden), tolerance);
+    }
+    if (grad_weight) {
+      EXPECT_EQ(actual.grad_weight.scalar_type(), in.weight.scalar_type());
+      EXPECT_LT(RelativeError(actual.grad_weight, expected.grad_weight), tolerance);
+    }
   }
 }
 
@@ -131,6 +141,36 @@ LinearCrossEntropyOptions Chunked(int64_t tokens, int64_t vocab) {
 
 TEST(LinearCrossEntropyTest, MatchesReferenceWithOddVocabAndHidden) {
   ExpectMatchesReference(RandomInputs(37, 65, 32003, at::kFloat, 5), {});
+}
+
+TEST(LinearCrossEntropyTest, BackwardScalesByTheIncomingGradient) {
+  const Inputs in = RandomInputs(37, 65, 3001, at::kFloat, 5);
+  ExpectMatchesReference(in, {}, true, true, /*grad_output=*/-2.5);
+  LinearCrossEntropyOptions mean = Chunked(8, 1000);
+  mean.reduction = LinearCrossEntropyReduction::kMean;
+  ExpectMatchesReference(in, mean, true, false, /*grad_output=*/0.25);
+}
+
+// Token chunks with the whole vocabulary: both gradients in forward, in one pass (float32,
+// weight trains).
+TEST(LinearCrossEntropyTest, SinglePassWithTokenChunksThatDoNotDivide) {
+  const Inputs in = RandomInputs(37, 65, 3001, at::kFloat, 5);
+  ExpectMatchesReference(in, Chunked(7, 0));
+  ExpectMatchesReference(in, Chunked(1, 0));
+  // The default budget holds 131 tokens of a 32003 vocabulary: three chunks.
+  ExpectMatchesReference(RandomInputs(300, 33, 32003, at::kFloat, 5), {});
+}
+
+TEST(LinearCrossEntropyTest, SinglePassSoftCapZLossMeanAndFrozenHidden) {
+  const Inputs in = RandomInputs(37, 65, 3001, at::kFloat, 5);
+  LinearCrossEntropyOptions options = Chunked(10, 0);
+  options.softcap = 4.0;
+  ExpectMatchesReference(in, options);
+  options.z_loss_weight = 1e-2;
+  ExpectMatchesReference(in, options);
+  options.reduction = LinearCrossEntropyReduction::kMean;
+  ExpectMatchesReference(in, options, true, true, /*grad_output=*/3.0);
+  ExpectMatchesReference(in, options, /*grad_hidden=*/false, /*grad_weight=*/true);
 }
 
 TEST(LinearCrossEntropyTest, MatchesReferenceWithChunksThatDoNotDivide) {
@@ -188,12 +228,15 @@ TEST(LinearCrossEntropyTest, AllTokensIgnoredGiveZeroLossAndZeroGradients) {
   for (LinearCrossEntropyReduction reduction :
        {LinearCrossEntropyReduction::kSum, LinearCrossEntropyReduction::kMean}) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-      LinearCrossEntropyOptions options = Chunked(4, 300);
-      options.reduction = reduction;
-      const Result result = Fused(RandomInputs(10, 16, 1000, dtype, 1), options, true, true);
-      EXPECT_EQ(result.loss, 0.0);
-      EXPECT_TRUE(result.grad_hidden.eq(0).all().item<bool>());
-      EXPECT_TRUE(result.grad_weight.eq(0).all().item<bool>());
+      for (const bool in_forward : {true, false}) {
+        LinearCrossEntropyOptions options = Chunked(4, 300);
+        options.reduction = reduction;
+        options.gradient_in_forward = in_forward;
+        const Result result = Fused(RandomInputs(10, 16, 1000, dtype, 1), options, true, true);
+        EXPECT_EQ(result.loss, 0.0);
+        EXPECT_TRUE(result.grad_hidden.eq(0).all().item<bool>());
+        EXPECT_TRUE(result.grad_weight.eq(0).all().item<bool>());
+      }
     }
   }
 }
@@ -311,7 +354,7 @@ TEST(LinearCrossEntropyChunksTest, TooSmallABudgetGivesTheSmallestSensibleChunks
   problem.vocab = 32000;
   const LinearCrossEntropyChunks chunks =
       ChooseLinearCrossEntropyChunks(problem, 100 << 10, [&](const LinearCrossEntropyChunks& c) {
-        return cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c);
+        return cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, false);
       });
   EXPECT_EQ(chunks.tokens, 64);
   EXPECT_EQ(chunks.vocab, 1024);
@@ -342,17 +385,33 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
   for (const LinearCrossEntropyChunks chunks :
        {LinearCrossEntropyChunks{3, 300}, LinearCrossEntropyChunks{3, 700}}) {
     SCOPED_TRACE(chunks.vocab);
+    const double tolerance = dtype == at::kBFloat16 ? kBFloat16Tolerance : kFloatTolerance;
     const int64_t workspace_bytes =
-        std::max(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks),
+        std::max(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, true),
                  cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks, true, true));
     at::Tensor workspace = at::full({workspace_bytes / 4}, NAN, at::kFloat);
-    at::Tensor lse = at::full({10}, NAN, at::kFloat);
-    const double loss = cpu::LinearCrossEntropyForward(
-        problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
-        lse.data_ptr<float>(), workspace.data_ptr(), cpu::SerialFor);
-    EXPECT_LT(RelativeError(loss, expected.loss), 1e-5);
-    EXPECT_TRUE(lse.isfinite().all().item<bool>());
 
+    // Forward, the loss only, then with the hidden gradient.
+    at::Tensor lse = at::full({10}, NAN, at::kFloat);
+    double loss = cpu::LinearCrossEntropyForward(
+        problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+        1.0f, lse.data_ptr<float>(), nullptr, workspace.data_ptr(), cpu::SerialFor);
+    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_TRUE(lse.isfinite().all().item<bool>());
+    at::Tensor forward_grad_hidden = at::full_like(in.hidden, NAN);
+    lse.fill_(NAN);
+    workspace.fill_(NAN);
+    loss = cpu::LinearCrossEntropyForward(
+        problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+        1.0f, lse.data_ptr<float>(), forward_grad_hidden.data_ptr(), workspace.data_ptr(),
+        cpu::SerialFor);
+    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_TRUE(lse.isfinite().all().item<bool>());
+    EXPECT_TRUE(forward_grad_hidden.isfinite().all().item<bool>());
+    EXPECT_LT(RelativeError(forward_grad_hidden, expected.grad_hidden), tolerance);
+    EXPECT_TRUE(forward_grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
+
+    // Backward, both gradients.
     at::Tensor grad_hidden = at::full_like(in.hidden, NAN);
     at::Tensor grad_weight = at::full_like(in.weight, NAN);
     workspace.fill_(NAN);
@@ -362,9 +421,40 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
                                     grad_weight.data_ptr(), workspace.data_ptr(), cpu::SerialFor);
     EXPECT_TRUE(grad_hidden.isfinite().all().item<bool>());
     EXPECT_TRUE(grad_weight.isfinite().all().item<bool>());
-    const double tolerance = dtype == at::kBFloat16 ? kBFloat16Tolerance : kFloatTolerance;
     EXPECT_LT(RelativeError(grad_hidden, expected.grad_hidden), tolerance);
     EXPECT_LT(RelativeError(grad_weight, expected.grad_weight), tolerance);
+    EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
+  }
+}
+
+TEST(RawSinglePassKernelTest, WritesEveryOutputElement) {
+  Inputs in = RandomInputs(10, 24, 700, at::kFloat, 4);
+  for (int64_t i = 3; i < 6; ++i) in.targets[i] = -100;  // the second chunk: skipped
+  LinearCrossEntropyProblem problem;
+  problem.tokens = 10;
+  problem.hidden_size = 24;
+  problem.vocab = 700;
+  problem.z_loss_weight = 1e-3f;
+  for (const float softcap : {0.0f, 6.0f}) {
+    SCOPED_TRACE(softcap);
+    problem.softcap = softcap;
+    LinearCrossEntropyOptions options;
+    options.softcap = softcap;
+    options.z_loss_weight = 1e-3;
+    const Result expected = Reference(in, options, true, true);
+    at::Tensor workspace = at::full(
+        {cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, 3) / 4}, NAN, at::kFloat);
+    at::Tensor lse = at::full({10}, NAN, at::kFloat);
+    at::Tensor grad_hidden = at::full_like(in.hidden, NAN);
+    at::Tensor grad_weight = at::full_like(in.weight, NAN);
+    const double loss = cpu::LinearCrossEntropySinglePass(
+        problem, 3, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+        1.0f, lse.data_ptr<float>(), grad_hidden.data_ptr(), grad_weight.data_ptr(),
+        workspace.data_ptr(), cpu::SerialFor);
+    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_TRUE(lse.isfinite().all().item<bool>());
+    EXPECT_LT(RelativeError(grad_hidden, expected.grad_hidden), kFloatTolerance);
+    EXPECT_LT(RelativeError(grad_weight, expected.grad_weight), kFloatTolerance);
     EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
   }
 }
