@@ -523,7 +523,8 @@ TEST_F(TrainerTest, FailsAfterTooManyNonFiniteStepsInARow) {
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(),
               HasSubstr("training step 3: the loss or the gradients were not finite in 3 "
-                        "consecutive steps (train.max_nonfinite_steps: 3; last loss nan"));
+                        "consecutive steps (train.max_nonfinite_steps: 3; last loss nan"))
+      << status;
   EXPECT_FALSE(std::filesystem::exists(dir_.Path("out/adapter")));
 }
 

@@ -13,6 +13,7 @@
 #include "common/file_util.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
+#include "kernels/ops/linear_cross_entropy.h"
 #include "kernels/ops/lora_linear.h"
 #include "kernels/ops/rms_norm.h"
 #include "kernels/ops/rope.h"
@@ -414,8 +415,19 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
   // Only rows with a target need logits: prompts and padding cost nothing here.
   at::Tensor rows = targets.ne(-100).nonzero().squeeze(1);
   MemoryScope scope(MemoryComponent::kLogits);
-  at::Tensor logits = HeadLogits(hidden.index_select(0, rows));
-  return at::cross_entropy_loss(logits, targets.index_select(0, rows), {}, at::Reduction::Sum);
+  at::Tensor target_hidden = hidden.index_select(0, rows);
+  at::Tensor target_ids = targets.index_select(0, rows);
+  if (!options_.fused_kernels) {
+    return at::cross_entropy_loss(HeadLogits(target_hidden), target_ids, {}, at::Reduction::Sum);
+  }
+  // Chunk by chunk, never the [targets, vocab] logits. The kernel takes one dtype: a 16-bit
+  // frozen head under float32 compute (bf16/fp16 on the CPU) is widened for the call.
+  const at::Tensor& head = lm_head();
+  return kernels::LinearCrossEntropy(target_hidden,
+                                     head.scalar_type() == target_hidden.scalar_type()
+                                         ? head
+                                         : head.to(target_hidden.scalar_type()),
+                                     target_ids);
 }
 
 std::vector<NamedParameter> CausalLm::TrainableParameters() {

@@ -178,6 +178,9 @@ ModelOptions ModelOptionsFor(const JobSpec& spec) {
   return options;
 }
 
+// %g, but NaN without its sign bit ("nan", never "-nan").
+std::string NumberText(double x) { return std::isnan(x) ? "nan" : absl::StrFormat("%g", x); }
+
 int64_t CountTargets(const Sequence& s) {
   int64_t n = 0;
   for (size_t i = 1; i < s.labels.size(); ++i) n += s.labels[i] != kIgnoreLabel;
@@ -348,10 +351,11 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
       if (++nonfinite.consecutive >= train.max_nonfinite_steps) {
         return absl::FailedPreconditionError(absl::StrFormat(
             "training step %d: the loss or the gradients were not finite in %d consecutive "
-            "steps (train.max_nonfinite_steps: %d; last loss %g, gradient norm %g, loss scale "
+            "steps (train.max_nonfinite_steps: %d; last loss %s, gradient norm %s, loss scale "
             "%g); lower train.lr, check the data or the model's weights, or train in bf16",
             step + 1, nonfinite.consecutive, train.max_nonfinite_steps,
-            report.loss.value_or(std::nan("")), report.grad_norm, report.loss_scale));
+            NumberText(report.loss.value_or(std::nan(""))), NumberText(report.grad_norm),
+            report.loss_scale));
       }
     } else {
       nonfinite.consecutive = 0;
