@@ -4,11 +4,11 @@
 
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/trainer.h"
-#include "worker/tools/synthetic.h"
 
 namespace lathe {
 namespace {
@@ -19,22 +19,8 @@ class TrainerGpuTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA: this libtorch has none or sees no GPU";
-    config_ = testing::TinyModelConfig();
-    ASSERT_TRUE(WriteSyntheticModel(config_, DType::kBF16, 1, 0, dir_.Path("model")).ok());
-    SyntheticDataOptions data;
-    data.vocab = 64;
-    data.records = 64;
-    data.min_len = 8;
-    data.max_len = 24;
-    dir_.Write("train.jsonl", SyntheticDataJsonl(data));
-    spec_.name = "gpu";
-    spec_.model.path = dir_.Path("model");
-    spec_.data.train = dir_.Path("train.jsonl");
-    spec_.data.seq_len = 16;
-    spec_.lora.rank = 4;
+    spec_ = testing::TinyLoraJob(dir_, testing::TinyModelConfig(), DType::kBF16);
     spec_.train.steps = 6;
-    spec_.train.global_batch = 4;
-    spec_.train.lr = 1e-2;
   }
 
   std::vector<StepReport> Reports(JobSpec spec, const std::string& output) {
@@ -49,7 +35,6 @@ class TrainerGpuTest : public ::testing::Test {
   }
 
   TempDir dir_;
-  ModelConfig config_;
   JobSpec spec_;
 };
 

@@ -9,6 +9,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
@@ -25,23 +26,7 @@ class TrainerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     config_ = testing::TinyModelConfig();
-    ASSERT_TRUE(WriteSyntheticModel(config_, DType::kF32, 1, 0, dir_.Path("model")).ok());
-    SyntheticDataOptions data;
-    data.vocab = 64;
-    data.records = 64;
-    data.min_len = 8;
-    data.max_len = 24;
-    dir_.Write("train.jsonl", SyntheticDataJsonl(data));
-
-    spec_.name = "t";
-    spec_.model.path = dir_.Path("model");
-    spec_.data.train = dir_.Path("train.jsonl");
-    spec_.data.seq_len = 16;
-    spec_.lora.rank = 4;
-    spec_.train.steps = 4;
-    spec_.train.global_batch = 4;
-    spec_.train.lr = 1e-2;
-    spec_.output = dir_.Path("out");
+    spec_ = testing::TinyLoraJob(dir_, config_);
   }
 
   // Trains `spec` and returns the per-step losses.
