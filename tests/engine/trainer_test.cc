@@ -416,10 +416,15 @@ TEST_F(TrainerTest, FusedKernelsTrainLikeThePlainComposition) {
     plain.strategy.fused_kernels = false;
     plain.output = spec_.output + "-plain";
     std::vector<StepReport> unfused = Reports(plain);
+    plain.strategy.chunked_loss = true;  // the fused loss alone
+    plain.output = spec_.output + "-chunked";
+    std::vector<StepReport> chunked = Reports(plain);
     ASSERT_EQ(fused.size(), unfused.size());
+    ASSERT_EQ(chunked.size(), unfused.size());
     for (size_t i = 0; i < fused.size(); ++i) {
       EXPECT_NEAR(*fused[i].loss, *unfused[i].loss, 1e-5 * *unfused[i].loss) << i + 1;
       EXPECT_NEAR(fused[i].grad_norm, unfused[i].grad_norm, 1e-4 * unfused[i].grad_norm);
+      EXPECT_NEAR(*chunked[i].loss, *unfused[i].loss, 1e-5 * *unfused[i].loss) << i + 1;
     }
   }
 }

@@ -417,7 +417,7 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
   MemoryScope scope(MemoryComponent::kLogits);
   at::Tensor target_hidden = hidden.index_select(0, rows);
   at::Tensor target_ids = targets.index_select(0, rows);
-  if (!options_.fused_kernels) {
+  if (!options_.chunked_loss) {
     return at::cross_entropy_loss(HeadLogits(target_hidden), target_ids, {}, at::Reduction::Sum);
   }
   // Chunk by chunk, never the [targets, vocab] logits. The kernel takes one dtype: a 16-bit

@@ -35,6 +35,9 @@ struct ModelOptions {
   // The fused kernels of kernels/ (RMSNorm, RoPE, SwiGLU, LoRA linear); otherwise the plain
   // ATen compositions (kernels/ops/unfused.h).
   bool fused_kernels = true;
+  // The loss by the fused linear cross-entropy (chunked, no [targets, vocab] logits);
+  // otherwise the logits and at::cross_entropy_loss.
+  bool chunked_loss = true;
 };
 
 // A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.

@@ -65,11 +65,11 @@ absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) 
         "resources.device: cuda: this worker's libtorch has no CUDA support or sees no GPU");
   }
   const StrategySpec& s = spec.strategy;
-  if (!s.automatic &&
-      (s.zero_stage != 0 || s.offload_optimizer || s.offload_params || s.chunked_loss)) {
+  if (!s.automatic && (s.zero_stage != 0 || s.offload_optimizer || s.offload_params)) {
     return absl::FailedPreconditionError(
-        "strategy: sharding, offload and chunked loss are not supported by this worker yet; "
-        "use zero_stage: 0 without offload (activation_checkpointing is supported)");
+        "strategy: sharding and offload are not supported by this worker yet; use zero_stage: "
+        "0 without offload (activation_checkpointing, chunked_loss and fused_kernels are "
+        "supported)");
   }
   return absl::OkStatus();
 }
@@ -175,6 +175,9 @@ ModelOptions ModelOptionsFor(const JobSpec& spec) {
   options.activation_checkpointing =
       !spec.strategy.automatic && spec.strategy.activation_checkpointing;
   options.fused_kernels = spec.strategy.fused_kernels;
+  // The fused linear cross-entropy is the chunked loss.
+  options.chunked_loss =
+      spec.strategy.fused_kernels || (!spec.strategy.automatic && spec.strategy.chunked_loss);
   return options;
 }
 
