@@ -8,37 +8,12 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/vector_math.h"
+
 namespace lathe::kernels::cpu {
 namespace {
 
 using Dtype = LinearCrossEntropyDtype;
-
-// Partial sums and maxima per lane, so that GCC vectorises the reductions without
-// -ffast-math (a float reduction is not reassociated otherwise).
-constexpr int kLanes = 16;
-
-// exp(x) within 2 ulp of expf over [-87.3, 88.7], clamped outside: Cephes' expf (x = n ln2 + r,
-// a degree-5 polynomial for exp(r), 2^n built in the exponent bits), branch-free so that the
-// loops calling it vectorise.
-inline float Exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.7f ? 88.7f : x;
-  const float n = static_cast<float>(
-      static_cast<int32_t>(x * 1.44269504088896341f + (x < 0.0f ? -0.5f : 0.5f)));
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t scale_bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof(scale));
-  return p * scale;
-}
 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, absolute error a few
 // ulp of 1.
