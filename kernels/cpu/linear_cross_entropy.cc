@@ -22,29 +22,12 @@ inline float Tanh(float x) {
   return std::copysign((1.0f - e) / (1.0f + e), x);
 }
 
-inline float LoadBFloat16(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
+void BFloat16ToFloat(const BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Load(src[i]);
 }
 
-// Rounds to nearest even; NaN stays a (quiet) NaN.
-inline uint16_t StoreBFloat16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
-  const uint32_t quiet_nan = (bits >> 16) | 0x40;
-  const bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
-  return static_cast<uint16_t>(nan ? quiet_nan : rounded);
-}
-
-void BFloat16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = LoadBFloat16(src[i]);
-}
-
-void FloatToBFloat16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = StoreBFloat16(src[i]);
+void FloatToBFloat16(const float* __restrict src, BFloat16* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Store<BFloat16>(src[i]);
 }
 
 float RowMax(const float* __restrict row, int64_t n) {
@@ -252,7 +235,7 @@ class FloatInputs {
   const float* Hidden(int64_t n0, int64_t tn) {
     if (!s_.bf16) return static_cast<const float*>(hidden_) + n0 * s_.h;
     if (staged_hidden_row_ != n0) {
-      Convert(static_cast<const uint16_t*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
+      Convert(static_cast<const BFloat16*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
       staged_hidden_row_ = n0;
     }
     return hidden_stage_;
@@ -260,12 +243,12 @@ class FloatInputs {
 
   const float* Weight(int64_t v0, int64_t tv) {
     if (!s_.bf16) return static_cast<const float*>(weight_) + v0 * s_.h;
-    Convert(static_cast<const uint16_t*>(weight_) + v0 * s_.h, weight_stage_, tv);
+    Convert(static_cast<const BFloat16*>(weight_) + v0 * s_.h, weight_stage_, tv);
     return weight_stage_;
   }
 
  private:
-  void Convert(const uint16_t* src, float* dst, int64_t rows) {
+  void Convert(const BFloat16* src, float* dst, int64_t rows) {
     const int64_t h = s_.h;
     parallel_for_(rows, [&](int64_t begin, int64_t end) {
       BFloat16ToFloat(src + begin * h, dst + begin * h, (end - begin) * h);
@@ -287,7 +270,7 @@ void FillZero(float* data, int64_t rows, int64_t cols, const ParallelFor& parall
   });
 }
 
-void StoreRows(const float* src, uint16_t* dst, int64_t rows, int64_t cols,
+void StoreRows(const float* src, BFloat16* dst, int64_t rows, int64_t cols,
                const ParallelFor& parallel_for) {
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     FloatToBFloat16(src + begin * cols, dst + begin * cols, (end - begin) * cols);
@@ -410,9 +393,9 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
           grad_scale * (1.0 + 2.0 * problem.z_loss_weight * row_lse) / w.row_sum[i]);
       float* sum_row = hidden_sum + i * s.h;
       if (s.bf16) {
-        const uint16_t* weight_row = static_cast<const uint16_t*>(weight) + target * s.h;
+        const BFloat16* weight_row = static_cast<const BFloat16*>(weight) + target * s.h;
         for (int64_t k = 0; k < s.h; ++k) {
-          sum_row[k] = sum_scale * sum_row[k] - target_scale * LoadBFloat16(weight_row[k]);
+          sum_row[k] = sum_scale * sum_row[k] - target_scale * Load(weight_row[k]);
         }
       } else {
         const float* weight_row = static_cast<const float*>(weight) + target * s.h;
@@ -423,7 +406,7 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
     }
   });
   if (hidden_sum != nullptr && s.bf16) {
-    StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
+    StoreRows(hidden_sum, static_cast<BFloat16*>(grad_hidden), s.n, s.h, parallel_for);
   }
   double loss = 0.0;
   for (int64_t i = 0; i < s.n; ++i) loss += row_loss[i];
@@ -471,8 +454,8 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
       const bool hidden_by_chunk = hidden_sum != nullptr && s.bf16 && one_vocab_chunk;
       if (!has_targets[n0 / s.tn]) {
         if (hidden_by_chunk) {
-          std::memset(static_cast<uint16_t*>(grad_hidden) + n0 * s.h, 0,
-                      tn * s.h * sizeof(uint16_t));
+          std::memset(static_cast<BFloat16*>(grad_hidden) + n0 * s.h, 0,
+                      tn * s.h * sizeof(BFloat16));
         }
         continue;
       }
@@ -502,7 +485,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
         Gemm(false, false, tn, s.h, tv, w.tile, tv, weight_rows, s.h, hidden_by_chunk ? 0.0f : 1.0f,
              rows, s.h);
         if (hidden_by_chunk) {
-          StoreRows(rows, static_cast<uint16_t*>(grad_hidden) + n0 * s.h, tn, s.h, parallel_for);
+          StoreRows(rows, static_cast<BFloat16*>(grad_hidden) + n0 * s.h, tn, s.h, parallel_for);
         }
       }
       if (weight_sum != nullptr) {
@@ -510,11 +493,11 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
       }
     }
     if (weight_sum != nullptr && s.bf16) {
-      StoreRows(weight_sum, static_cast<uint16_t*>(grad_weight) + v0 * s.h, tv, s.h, parallel_for);
+      StoreRows(weight_sum, static_cast<BFloat16*>(grad_weight) + v0 * s.h, tv, s.h, parallel_for);
     }
   }
   if (hidden_sum != nullptr && s.bf16 && !one_vocab_chunk) {
-    StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
+    StoreRows(hidden_sum, static_cast<BFloat16*>(grad_hidden), s.n, s.h, parallel_for);
   }
 }
 
