@@ -9,11 +9,10 @@
 #include <vector>
 
 #include "kernels/cpu/vector_math.h"
+#include "kernels/linear_cross_entropy_workspace.h"
 
 namespace lathe::kernels::cpu {
 namespace {
-
-using Dtype = LinearCrossEntropyDtype;
 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, absolute error a few
 // ulp of 1.
@@ -132,36 +131,9 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
               c, static_cast<int>(ldc));
 }
 
-// Carves 64-byte aligned float arrays out of the workspace, in a fixed order, so that the
-// size functions and the kernels agree.
-class WorkspaceLayout {
- public:
-  explicit WorkspaceLayout(void* base) : base_(static_cast<char*>(base)) {}
-
-  float* Take(int64_t floats) {
-    float* p = base_ == nullptr ? nullptr : reinterpret_cast<float*>(base_ + bytes_);
-    bytes_ += (floats * static_cast<int64_t>(sizeof(float)) + 63) / 64 * 64;
-    return p;
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  char* base_;
-  int64_t bytes_ = 0;
-};
-
-struct Sizes {
-  Sizes(const LinearCrossEntropyProblem& problem, const LinearCrossEntropyChunks& chunks)
-      : n(problem.tokens),
-        h(problem.hidden_size),
-        v(problem.vocab),
-        tn(std::clamp<int64_t>(chunks.tokens, 1, std::max<int64_t>(n, 1))),
-        tv(std::clamp<int64_t>(chunks.vocab, 1, std::max<int64_t>(v, 1))),
-        bf16(problem.dtype == Dtype::kBFloat16) {}
-  int64_t n, h, v, tn, tv;
-  bool bf16;
-  int64_t vocab_chunks() const { return (v + tv - 1) / tv; }
-};
+// Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.
+using WorkspaceLayout = LinearCrossEntropyWorkspaceLayout<64>;
+using Sizes = LinearCrossEntropySizes;
 
 struct ForwardWorkspace {
   float* tile;
@@ -175,13 +147,13 @@ struct ForwardWorkspace {
 
 ForwardWorkspace CarveForward(const Sizes& s, bool grad_hidden, WorkspaceLayout& layout) {
   ForwardWorkspace w;
-  w.tile = layout.Take(s.tn * s.tv);
-  w.row_max = layout.Take(s.n);
-  w.row_sum = layout.Take(s.n);
-  w.row_target = layout.Take(s.n);
-  w.hidden_stage = s.bf16 ? layout.Take(s.tn * s.h) : nullptr;
-  w.weight_stage = s.bf16 ? layout.Take(s.tv * s.h) : nullptr;
-  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take(s.n * s.h) : nullptr;
+  w.tile = layout.Take<float>(s.tn * s.tv);
+  w.row_max = layout.Take<float>(s.n);
+  w.row_sum = layout.Take<float>(s.n);
+  w.row_target = layout.Take<float>(s.n);
+  w.hidden_stage = s.bf16 ? layout.Take<float>(s.tn * s.h) : nullptr;
+  w.weight_stage = s.bf16 ? layout.Take<float>(s.tv * s.h) : nullptr;
+  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take<float>(s.n * s.h) : nullptr;
   return w;
 }
 
@@ -196,18 +168,20 @@ struct BackwardWorkspace {
 BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
                                 WorkspaceLayout& layout) {
   BackwardWorkspace w{};
-  w.tile = layout.Take(s.tn * s.tv);
+  w.tile = layout.Take<float>(s.tn * s.tv);
   if (s.bf16) {
-    w.hidden_stage = layout.Take(s.tn * s.h);
-    w.weight_stage = layout.Take(s.tv * s.h);
-    if (grad_weight) w.grad_weight = layout.Take(s.tv * s.h);
-    if (grad_hidden) w.grad_hidden = layout.Take((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
+    w.hidden_stage = layout.Take<float>(s.tn * s.h);
+    w.weight_stage = layout.Take<float>(s.tv * s.h);
+    if (grad_weight) w.grad_weight = layout.Take<float>(s.tv * s.h);
+    if (grad_hidden) w.grad_hidden = layout.Take<float>((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
   }
   return w;
 }
 
 // The single pass: one [tn, V] tile (float32 only).
-float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) { return layout.Take(s.tn * s.v); }
+float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) {
+  return layout.Take<float>(s.tn * s.v);
+}
 
 // Chunk c of the tokens holds at least one non-ignored target.
 std::vector<char> ChunksWithTargets(const Sizes& s, const int64_t* targets, int64_t ignore_index) {

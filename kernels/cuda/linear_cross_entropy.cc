@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/linear_cross_entropy_workspace.h"
 
 namespace lathe::kernels::cuda {
 namespace {
@@ -68,43 +69,10 @@ absl::Status Gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation
   return absl::OkStatus();
 }
 
-// Carves 256-byte aligned arrays out of the workspace, in a fixed order, so that the size
-// functions and the kernels agree.
-class WorkspaceLayout {
- public:
-  explicit WorkspaceLayout(void* base) : base_(static_cast<char*>(base)) {}
-
-  template <typename T>
-  T* Take(int64_t count) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + bytes_);
-    bytes_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-    return p;
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  char* base_;
-  int64_t bytes_ = 0;
-};
-
-struct Sizes {
-  Sizes(const LinearCrossEntropyProblem& problem, const LinearCrossEntropyChunks& chunks)
-      : n(problem.tokens),
-        h(problem.hidden_size),
-        v(problem.vocab),
-        tn(std::clamp<int64_t>(chunks.tokens, 1, std::max<int64_t>(n, 1))),
-        tv(std::clamp<int64_t>(chunks.vocab, 1, std::max<int64_t>(v, 1))),
-        bf16(problem.dtype == Dtype::kBFloat16),
-        element_bytes(ElementBytes(problem.dtype)) {}
-  int64_t n, h, v, tn, tv;
-  bool bf16;
-  int64_t element_bytes;
-  int64_t vocab_chunks() const { return (v + tv - 1) / tv; }
-  // Row `row` of a [rows, h] matrix of the problem's dtype.
-  const void* Row(const void* base, int64_t row) const {
-    return static_cast<const char*>(base) + row * h * element_bytes;
-  }
-};
+// Each array starts on a 256-byte boundary of the (256-byte aligned) workspace, as cudaMalloc
+// would place it.
+using WorkspaceLayout = LinearCrossEntropyWorkspaceLayout<256>;
+using Sizes = LinearCrossEntropySizes;
 
 struct ForwardWorkspace {
   float* tile;
