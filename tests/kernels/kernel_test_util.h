@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -76,6 +77,27 @@ int64_t FirstNonFinite(const std::vector<T>& v) {
   }
   return -1;
 }
+
+// The element types every raw CPU kernel takes, for typed tests of the kernels:
+//   template <typename T> class FooKernelTest : public ::testing::Test {};
+//   TYPED_TEST_SUITE(FooKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+using KernelElementTypes = ::testing::Types<float, kernels::BFloat16, kernels::Half>;
+
+// Names the typed tests after their element type: FooKernelTest/Float.Bar.
+struct KernelElementTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, kernels::BFloat16> ||
+                  std::is_same_v<T, kernels::Half>);
+    if constexpr (std::is_same_v<T, float>) {
+      return "Float";
+    } else if constexpr (std::is_same_v<T, kernels::BFloat16>) {
+      return "BFloat16";
+    } else {
+      return "Half";
+    }
+  }
+};
 
 // n values from Normal(0, 1) rounded to T.
 template <typename T>
