@@ -62,6 +62,30 @@ class LinearCrossEntropyWorkspaceLayout {
   int64_t bytes_ = 0;
 };
 
+// Where a bfloat16 backward accumulates its gradients in float32 (a float32 backward
+// accumulates in the outputs themselves): grad_weight holds one vocabulary chunk's rows
+// [tv, H], rounded into the output after each vocabulary chunk; grad_hidden holds all rows
+// [N, H], or with a single vocabulary chunk one token chunk's rows [tn, H], which that token
+// chunk finishes. Null where not wanted.
+struct LinearCrossEntropyGradientSums {
+  float* grad_weight = nullptr;
+  float* grad_hidden = nullptr;
+};
+
+// Takes the sums of the wanted gradients out of `layout`; nothing in float32.
+template <int64_t kAlignment>
+LinearCrossEntropyGradientSums TakeGradientSums(
+    const LinearCrossEntropySizes& s, bool grad_hidden, bool grad_weight,
+    LinearCrossEntropyWorkspaceLayout<kAlignment>& layout) {
+  LinearCrossEntropyGradientSums sums;
+  if (!s.bf16) return sums;
+  if (grad_weight) sums.grad_weight = layout.template Take<float>(s.tv * s.h);
+  if (grad_hidden) {
+    sums.grad_hidden = layout.template Take<float>((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
+  }
+  return sums;
+}
+
 }  // namespace lathe::kernels
 
 #endif  // LATHE_KERNELS_LINEAR_CROSS_ENTROPY_WORKSPACE_H_

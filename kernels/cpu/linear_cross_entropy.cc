@@ -161,8 +161,7 @@ struct BackwardWorkspace {
   float* tile;
   float* hidden_stage;  // bfloat16 only
   float* weight_stage;  // bfloat16 only
-  float* grad_weight;   // bfloat16 only: one vocabulary chunk's gradient
-  float* grad_hidden;   // bfloat16 only: all rows, or one token chunk's with one vocab chunk
+  LinearCrossEntropyGradientSums sums;
 };
 
 BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
@@ -172,9 +171,8 @@ BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weig
   if (s.bf16) {
     w.hidden_stage = layout.Take<float>(s.tn * s.h);
     w.weight_stage = layout.Take<float>(s.tv * s.h);
-    if (grad_weight) w.grad_weight = layout.Take<float>(s.tv * s.h);
-    if (grad_hidden) w.grad_hidden = layout.Take<float>((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
   }
+  w.sums = TakeGradientSums(s, grad_hidden, grad_weight, layout);
   return w;
 }
 
@@ -407,7 +405,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
   // workspace, stored into the outputs once complete.
   float* hidden_sum = nullptr;
   if (grad_hidden != nullptr) {
-    hidden_sum = s.bf16 ? w.grad_hidden : static_cast<float*>(grad_hidden);
+    hidden_sum = s.bf16 ? w.sums.grad_hidden : static_cast<float*>(grad_hidden);
     if (!s.bf16 || !one_vocab_chunk) FillZero(hidden_sum, s.n, s.h, parallel_for);
   }
   if (grad_weight != nullptr && !s.bf16) {
@@ -419,7 +417,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
     const float* weight_rows = inputs.Weight(v0, tv);
     float* weight_sum = nullptr;
     if (grad_weight != nullptr) {
-      weight_sum = s.bf16 ? w.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
+      weight_sum = s.bf16 ? w.sums.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
       if (s.bf16) FillZero(weight_sum, tv, s.h, parallel_for);
     }
     for (int64_t n0 = 0; n0 < s.n; n0 += s.tn) {

@@ -93,21 +93,15 @@ ForwardWorkspace CarveForward(const Sizes& s, WorkspaceLayout& layout) {
 struct BackwardWorkspace {
   float* tile;
   uint16_t* tile_bf16;  // bfloat16 only: the gradient chunk for the products
-  float* grad_weight;   // bfloat16 only: one vocabulary chunk's gradient
-  float* grad_hidden;   // bfloat16 only: all rows, or one token chunk's with one vocab chunk
+  LinearCrossEntropyGradientSums sums;
 };
 
 BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
                                 WorkspaceLayout& layout) {
   BackwardWorkspace w{};
   w.tile = layout.Take<float>(s.tn * s.tv);
-  if (s.bf16) {
-    w.tile_bf16 = layout.Take<uint16_t>(s.tn * s.tv);
-    if (grad_weight) w.grad_weight = layout.Take<float>(s.tv * s.h);
-    if (grad_hidden) {
-      w.grad_hidden = layout.Take<float>((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
-    }
-  }
+  if (s.bf16) w.tile_bf16 = layout.Take<uint16_t>(s.tn * s.tv);
+  w.sums = TakeGradientSums(s, grad_hidden, grad_weight, layout);
   return w;
 }
 
@@ -182,7 +176,7 @@ absl::Status LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem
   // the outputs once complete.
   float* hidden_sum = nullptr;
   if (grad_hidden != nullptr) {
-    hidden_sum = s.bf16 ? w.grad_hidden : static_cast<float*>(grad_hidden);
+    hidden_sum = s.bf16 ? w.sums.grad_hidden : static_cast<float*>(grad_hidden);
     if (!s.bf16 || !one_vocab_chunk) {
       LATHE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(hidden_sum, 0, s.n * s.h * sizeof(float), stream));
     }
@@ -195,7 +189,7 @@ absl::Status LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem
     const int64_t tv = std::min(s.tv, s.v - v0);
     float* weight_sum = nullptr;
     if (grad_weight != nullptr) {
-      weight_sum = s.bf16 ? w.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
+      weight_sum = s.bf16 ? w.sums.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
       if (s.bf16) {
         LATHE_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(weight_sum, 0, tv * s.h * sizeof(float), stream));
