@@ -49,6 +49,13 @@ inline double RelErr(const at::Tensor& got, const at::Tensor& want) {
   return diff / std::max(scale, 1e-30);
 }
 
+// |got - want| / |want|, the same measure for one value.
+inline double RelErr(double got, double want) {
+  const double diff = std::abs(got - want);
+  if (!std::isfinite(diff)) return std::numeric_limits<double>::infinity();
+  return diff / std::max(std::abs(want), 1e-30);
+}
+
 // The tolerance of the task for each dtype: float32 1e-5, bfloat16 1e-2, float16 2e-3.
 inline double Tolerance(at::ScalarType type) {
   switch (type) {
