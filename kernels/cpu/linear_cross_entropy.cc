@@ -8,37 +8,11 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/vector_math.h"
+#include "kernels/linear_cross_entropy_workspace.h"
+
 namespace lathe::kernels::cpu {
 namespace {
-
-using Dtype = LinearCrossEntropyDtype;
-
-// Partial sums and maxima per lane, so that GCC vectorises the reductions without
-// -ffast-math (a float reduction is not reassociated otherwise).
-constexpr int kLanes = 16;
-
-// exp(x) within 2 ulp of expf over [-87.3, 88.7], clamped outside: Cephes' expf (x = n ln2 + r,
-// a degree-5 polynomial for exp(r), 2^n built in the exponent bits), branch-free so that the
-// loops calling it vectorise.
-inline float Exp(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  x = x > 88.7f ? 88.7f : x;
-  const float n = static_cast<float>(
-      static_cast<int32_t>(x * 1.44269504088896341f + (x < 0.0f ? -0.5f : 0.5f)));
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const uint32_t scale_bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &scale_bits, sizeof(scale));
-  return p * scale;
-}
 
 // tanh(x) = sign(x) (1 - e) / (1 + e) with e = exp(-2|x|): no overflow, absolute error a few
 // ulp of 1.
@@ -47,29 +21,12 @@ inline float Tanh(float x) {
   return std::copysign((1.0f - e) / (1.0f + e), x);
 }
 
-inline float LoadBFloat16(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &wide, sizeof(value));
-  return value;
+void BFloat16ToFloat(const BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Load(src[i]);
 }
 
-// Rounds to nearest even; NaN stays a (quiet) NaN.
-inline uint16_t StoreBFloat16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
-  const uint32_t quiet_nan = (bits >> 16) | 0x40;
-  const bool nan = (bits & 0x7FFFFFFF) > 0x7F800000;
-  return static_cast<uint16_t>(nan ? quiet_nan : rounded);
-}
-
-void BFloat16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = LoadBFloat16(src[i]);
-}
-
-void FloatToBFloat16(const float* __restrict src, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = StoreBFloat16(src[i]);
+void FloatToBFloat16(const float* __restrict src, BFloat16* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = Store<BFloat16>(src[i]);
 }
 
 float RowMax(const float* __restrict row, int64_t n) {
@@ -174,36 +131,9 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
               c, static_cast<int>(ldc));
 }
 
-// Carves 64-byte aligned float arrays out of the workspace, in a fixed order, so that the
-// size functions and the kernels agree.
-class WorkspaceLayout {
- public:
-  explicit WorkspaceLayout(void* base) : base_(static_cast<char*>(base)) {}
-
-  float* Take(int64_t floats) {
-    float* p = base_ == nullptr ? nullptr : reinterpret_cast<float*>(base_ + bytes_);
-    bytes_ += (floats * static_cast<int64_t>(sizeof(float)) + 63) / 64 * 64;
-    return p;
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  char* base_;
-  int64_t bytes_ = 0;
-};
-
-struct Sizes {
-  Sizes(const LinearCrossEntropyProblem& problem, const LinearCrossEntropyChunks& chunks)
-      : n(problem.tokens),
-        h(problem.hidden_size),
-        v(problem.vocab),
-        tn(std::clamp<int64_t>(chunks.tokens, 1, std::max<int64_t>(n, 1))),
-        tv(std::clamp<int64_t>(chunks.vocab, 1, std::max<int64_t>(v, 1))),
-        bf16(problem.dtype == Dtype::kBFloat16) {}
-  int64_t n, h, v, tn, tv;
-  bool bf16;
-  int64_t vocab_chunks() const { return (v + tv - 1) / tv; }
-};
+// Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.
+using WorkspaceLayout = LinearCrossEntropyWorkspaceLayout<64>;
+using Sizes = LinearCrossEntropySizes;
 
 struct ForwardWorkspace {
   float* tile;
@@ -217,13 +147,13 @@ struct ForwardWorkspace {
 
 ForwardWorkspace CarveForward(const Sizes& s, bool grad_hidden, WorkspaceLayout& layout) {
   ForwardWorkspace w;
-  w.tile = layout.Take(s.tn * s.tv);
-  w.row_max = layout.Take(s.n);
-  w.row_sum = layout.Take(s.n);
-  w.row_target = layout.Take(s.n);
-  w.hidden_stage = s.bf16 ? layout.Take(s.tn * s.h) : nullptr;
-  w.weight_stage = s.bf16 ? layout.Take(s.tv * s.h) : nullptr;
-  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take(s.n * s.h) : nullptr;
+  w.tile = layout.Take<float>(s.tn * s.tv);
+  w.row_max = layout.Take<float>(s.n);
+  w.row_sum = layout.Take<float>(s.n);
+  w.row_target = layout.Take<float>(s.n);
+  w.hidden_stage = s.bf16 ? layout.Take<float>(s.tn * s.h) : nullptr;
+  w.weight_stage = s.bf16 ? layout.Take<float>(s.tv * s.h) : nullptr;
+  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take<float>(s.n * s.h) : nullptr;
   return w;
 }
 
@@ -231,25 +161,25 @@ struct BackwardWorkspace {
   float* tile;
   float* hidden_stage;  // bfloat16 only
   float* weight_stage;  // bfloat16 only
-  float* grad_weight;   // bfloat16 only: one vocabulary chunk's gradient
-  float* grad_hidden;   // bfloat16 only: all rows, or one token chunk's with one vocab chunk
+  LinearCrossEntropyGradientSums sums;
 };
 
 BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
                                 WorkspaceLayout& layout) {
   BackwardWorkspace w{};
-  w.tile = layout.Take(s.tn * s.tv);
+  w.tile = layout.Take<float>(s.tn * s.tv);
   if (s.bf16) {
-    w.hidden_stage = layout.Take(s.tn * s.h);
-    w.weight_stage = layout.Take(s.tv * s.h);
-    if (grad_weight) w.grad_weight = layout.Take(s.tv * s.h);
-    if (grad_hidden) w.grad_hidden = layout.Take((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
+    w.hidden_stage = layout.Take<float>(s.tn * s.h);
+    w.weight_stage = layout.Take<float>(s.tv * s.h);
   }
+  w.sums = TakeGradientSums(s, grad_hidden, grad_weight, layout);
   return w;
 }
 
 // The single pass: one [tn, V] tile (float32 only).
-float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) { return layout.Take(s.tn * s.v); }
+float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) {
+  return layout.Take<float>(s.tn * s.v);
+}
 
 // Chunk c of the tokens holds at least one non-ignored target.
 std::vector<char> ChunksWithTargets(const Sizes& s, const int64_t* targets, int64_t ignore_index) {
@@ -277,7 +207,7 @@ class FloatInputs {
   const float* Hidden(int64_t n0, int64_t tn) {
     if (!s_.bf16) return static_cast<const float*>(hidden_) + n0 * s_.h;
     if (staged_hidden_row_ != n0) {
-      Convert(static_cast<const uint16_t*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
+      Convert(static_cast<const BFloat16*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
       staged_hidden_row_ = n0;
     }
     return hidden_stage_;
@@ -285,12 +215,12 @@ class FloatInputs {
 
   const float* Weight(int64_t v0, int64_t tv) {
     if (!s_.bf16) return static_cast<const float*>(weight_) + v0 * s_.h;
-    Convert(static_cast<const uint16_t*>(weight_) + v0 * s_.h, weight_stage_, tv);
+    Convert(static_cast<const BFloat16*>(weight_) + v0 * s_.h, weight_stage_, tv);
     return weight_stage_;
   }
 
  private:
-  void Convert(const uint16_t* src, float* dst, int64_t rows) {
+  void Convert(const BFloat16* src, float* dst, int64_t rows) {
     const int64_t h = s_.h;
     parallel_for_(rows, [&](int64_t begin, int64_t end) {
       BFloat16ToFloat(src + begin * h, dst + begin * h, (end - begin) * h);
@@ -312,7 +242,7 @@ void FillZero(float* data, int64_t rows, int64_t cols, const ParallelFor& parall
   });
 }
 
-void StoreRows(const float* src, uint16_t* dst, int64_t rows, int64_t cols,
+void StoreRows(const float* src, BFloat16* dst, int64_t rows, int64_t cols,
                const ParallelFor& parallel_for) {
   parallel_for(rows, [&](int64_t begin, int64_t end) {
     FloatToBFloat16(src + begin * cols, dst + begin * cols, (end - begin) * cols);
@@ -435,9 +365,9 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
           grad_scale * (1.0 + 2.0 * problem.z_loss_weight * row_lse) / w.row_sum[i]);
       float* sum_row = hidden_sum + i * s.h;
       if (s.bf16) {
-        const uint16_t* weight_row = static_cast<const uint16_t*>(weight) + target * s.h;
+        const BFloat16* weight_row = static_cast<const BFloat16*>(weight) + target * s.h;
         for (int64_t k = 0; k < s.h; ++k) {
-          sum_row[k] = sum_scale * sum_row[k] - target_scale * LoadBFloat16(weight_row[k]);
+          sum_row[k] = sum_scale * sum_row[k] - target_scale * Load(weight_row[k]);
         }
       } else {
         const float* weight_row = static_cast<const float*>(weight) + target * s.h;
@@ -448,7 +378,7 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
     }
   });
   if (hidden_sum != nullptr && s.bf16) {
-    StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
+    StoreRows(hidden_sum, static_cast<BFloat16*>(grad_hidden), s.n, s.h, parallel_for);
   }
   double loss = 0.0;
   for (int64_t i = 0; i < s.n; ++i) loss += row_loss[i];
@@ -475,7 +405,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
   // workspace, stored into the outputs once complete.
   float* hidden_sum = nullptr;
   if (grad_hidden != nullptr) {
-    hidden_sum = s.bf16 ? w.grad_hidden : static_cast<float*>(grad_hidden);
+    hidden_sum = s.bf16 ? w.sums.grad_hidden : static_cast<float*>(grad_hidden);
     if (!s.bf16 || !one_vocab_chunk) FillZero(hidden_sum, s.n, s.h, parallel_for);
   }
   if (grad_weight != nullptr && !s.bf16) {
@@ -487,7 +417,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
     const float* weight_rows = inputs.Weight(v0, tv);
     float* weight_sum = nullptr;
     if (grad_weight != nullptr) {
-      weight_sum = s.bf16 ? w.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
+      weight_sum = s.bf16 ? w.sums.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
       if (s.bf16) FillZero(weight_sum, tv, s.h, parallel_for);
     }
     for (int64_t n0 = 0; n0 < s.n; n0 += s.tn) {
@@ -496,8 +426,8 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
       const bool hidden_by_chunk = hidden_sum != nullptr && s.bf16 && one_vocab_chunk;
       if (!has_targets[n0 / s.tn]) {
         if (hidden_by_chunk) {
-          std::memset(static_cast<uint16_t*>(grad_hidden) + n0 * s.h, 0,
-                      tn * s.h * sizeof(uint16_t));
+          std::memset(static_cast<BFloat16*>(grad_hidden) + n0 * s.h, 0,
+                      tn * s.h * sizeof(BFloat16));
         }
         continue;
       }
@@ -527,7 +457,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
         Gemm(false, false, tn, s.h, tv, w.tile, tv, weight_rows, s.h, hidden_by_chunk ? 0.0f : 1.0f,
              rows, s.h);
         if (hidden_by_chunk) {
-          StoreRows(rows, static_cast<uint16_t*>(grad_hidden) + n0 * s.h, tn, s.h, parallel_for);
+          StoreRows(rows, static_cast<BFloat16*>(grad_hidden) + n0 * s.h, tn, s.h, parallel_for);
         }
       }
       if (weight_sum != nullptr) {
@@ -535,11 +465,11 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
       }
     }
     if (weight_sum != nullptr && s.bf16) {
-      StoreRows(weight_sum, static_cast<uint16_t*>(grad_weight) + v0 * s.h, tv, s.h, parallel_for);
+      StoreRows(weight_sum, static_cast<BFloat16*>(grad_weight) + v0 * s.h, tv, s.h, parallel_for);
     }
   }
   if (hidden_sum != nullptr && s.bf16 && !one_vocab_chunk) {
-    StoreRows(hidden_sum, static_cast<uint16_t*>(grad_hidden), s.n, s.h, parallel_for);
+    StoreRows(hidden_sum, static_cast<BFloat16*>(grad_hidden), s.n, s.h, parallel_for);
   }
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cuda/linear_cross_entropy_kernels.h"
+#include "kernels/linear_cross_entropy_workspace.h"
 
 namespace lathe::kernels::cuda {
 namespace {
@@ -68,43 +69,10 @@ absl::Status Gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation
   return absl::OkStatus();
 }
 
-// Carves 256-byte aligned arrays out of the workspace, in a fixed order, so that the size
-// functions and the kernels agree.
-class WorkspaceLayout {
- public:
-  explicit WorkspaceLayout(void* base) : base_(static_cast<char*>(base)) {}
-
-  template <typename T>
-  T* Take(int64_t count) {
-    T* p = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + bytes_);
-    bytes_ += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256;
-    return p;
-  }
-  int64_t bytes() const { return bytes_; }
-
- private:
-  char* base_;
-  int64_t bytes_ = 0;
-};
-
-struct Sizes {
-  Sizes(const LinearCrossEntropyProblem& problem, const LinearCrossEntropyChunks& chunks)
-      : n(problem.tokens),
-        h(problem.hidden_size),
-        v(problem.vocab),
-        tn(std::clamp<int64_t>(chunks.tokens, 1, std::max<int64_t>(n, 1))),
-        tv(std::clamp<int64_t>(chunks.vocab, 1, std::max<int64_t>(v, 1))),
-        bf16(problem.dtype == Dtype::kBFloat16),
-        element_bytes(ElementBytes(problem.dtype)) {}
-  int64_t n, h, v, tn, tv;
-  bool bf16;
-  int64_t element_bytes;
-  int64_t vocab_chunks() const { return (v + tv - 1) / tv; }
-  // Row `row` of a [rows, h] matrix of the problem's dtype.
-  const void* Row(const void* base, int64_t row) const {
-    return static_cast<const char*>(base) + row * h * element_bytes;
-  }
-};
+// Each array starts on a 256-byte boundary of the (256-byte aligned) workspace, as cudaMalloc
+// would place it.
+using WorkspaceLayout = LinearCrossEntropyWorkspaceLayout<256>;
+using Sizes = LinearCrossEntropySizes;
 
 struct ForwardWorkspace {
   float* tile;
@@ -125,21 +93,15 @@ ForwardWorkspace CarveForward(const Sizes& s, WorkspaceLayout& layout) {
 struct BackwardWorkspace {
   float* tile;
   uint16_t* tile_bf16;  // bfloat16 only: the gradient chunk for the products
-  float* grad_weight;   // bfloat16 only: one vocabulary chunk's gradient
-  float* grad_hidden;   // bfloat16 only: all rows, or one token chunk's with one vocab chunk
+  LinearCrossEntropyGradientSums sums;
 };
 
 BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
                                 WorkspaceLayout& layout) {
   BackwardWorkspace w{};
   w.tile = layout.Take<float>(s.tn * s.tv);
-  if (s.bf16) {
-    w.tile_bf16 = layout.Take<uint16_t>(s.tn * s.tv);
-    if (grad_weight) w.grad_weight = layout.Take<float>(s.tv * s.h);
-    if (grad_hidden) {
-      w.grad_hidden = layout.Take<float>((s.vocab_chunks() > 1 ? s.n : s.tn) * s.h);
-    }
-  }
+  if (s.bf16) w.tile_bf16 = layout.Take<uint16_t>(s.tn * s.tv);
+  w.sums = TakeGradientSums(s, grad_hidden, grad_weight, layout);
   return w;
 }
 
@@ -214,7 +176,7 @@ absl::Status LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem
   // the outputs once complete.
   float* hidden_sum = nullptr;
   if (grad_hidden != nullptr) {
-    hidden_sum = s.bf16 ? w.grad_hidden : static_cast<float*>(grad_hidden);
+    hidden_sum = s.bf16 ? w.sums.grad_hidden : static_cast<float*>(grad_hidden);
     if (!s.bf16 || !one_vocab_chunk) {
       LATHE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(hidden_sum, 0, s.n * s.h * sizeof(float), stream));
     }
@@ -227,7 +189,7 @@ absl::Status LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem
     const int64_t tv = std::min(s.tv, s.v - v0);
     float* weight_sum = nullptr;
     if (grad_weight != nullptr) {
-      weight_sum = s.bf16 ? w.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
+      weight_sum = s.bf16 ? w.sums.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
       if (s.bf16) {
         LATHE_RETURN_IF_CUDA_ERROR(
             cudaMemsetAsync(weight_sum, 0, tv * s.h * sizeof(float), stream));

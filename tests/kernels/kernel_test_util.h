@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -48,6 +49,13 @@ inline double RelErr(const at::Tensor& got, const at::Tensor& want) {
   return diff / std::max(scale, 1e-30);
 }
 
+// |got - want| / |want|, the same measure for one value.
+inline double RelErr(double got, double want) {
+  const double diff = std::abs(got - want);
+  if (!std::isfinite(diff)) return std::numeric_limits<double>::infinity();
+  return diff / std::max(std::abs(want), 1e-30);
+}
+
 // The tolerance of the task for each dtype: float32 1e-5, bfloat16 1e-2, float16 2e-3.
 inline double Tolerance(at::ScalarType type) {
   switch (type) {
@@ -76,6 +84,27 @@ int64_t FirstNonFinite(const std::vector<T>& v) {
   }
   return -1;
 }
+
+// The element types every raw CPU kernel takes, for typed tests of the kernels:
+//   template <typename T> class FooKernelTest : public ::testing::Test {};
+//   TYPED_TEST_SUITE(FooKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+using KernelElementTypes = ::testing::Types<float, kernels::BFloat16, kernels::Half>;
+
+// Names the typed tests after their element type: FooKernelTest/Float.Bar.
+struct KernelElementTypeNames {
+  template <typename T>
+  static std::string GetName(int) {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, kernels::BFloat16> ||
+                  std::is_same_v<T, kernels::Half>);
+    if constexpr (std::is_same_v<T, float>) {
+      return "Float";
+    } else if constexpr (std::is_same_v<T, kernels::BFloat16>) {
+      return "BFloat16";
+    } else {
+      return "Half";
+    }
+  }
+};
 
 // n values from Normal(0, 1) rounded to T.
 template <typename T>

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/linear_cross_entropy.h"
 #include "kernels/cuda/linear_cross_entropy.h"
+#include "kernels/float16.h"
 #include "kernels/linear_cross_entropy_problem.h"
 
 namespace lathe::kernels {
@@ -24,19 +25,6 @@ using Dtype = LinearCrossEntropyDtype;
 bool HaveDevice() {
   int count = 0;
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
-}
-
-uint16_t ToBFloat16(float value) {  // round to nearest even; inputs are finite
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
-float FromBFloat16(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof(result));
-  return result;
 }
 
 // A matrix in the problem's dtype, as bytes, and its values as floats.
@@ -53,9 +41,9 @@ Matrix RandomMatrix(int64_t count, float scale, Dtype dtype, std::mt19937& rng) 
   for (int64_t k = 0; k < count; ++k) {
     const float x = normal(rng);
     if (dtype == Dtype::kBFloat16) {
-      const uint16_t b = ToBFloat16(x);
+      const BFloat16 b = Store<BFloat16>(x);
       std::memcpy(m.bytes.data() + 2 * k, &b, 2);
-      m.values[k] = FromBFloat16(b);
+      m.values[k] = Load(b);
     } else {
       std::memcpy(m.bytes.data() + 4 * k, &x, 4);
       m.values[k] = x;
@@ -69,9 +57,9 @@ std::vector<float> ToFloats(const std::vector<char>& bytes, Dtype dtype) {
   std::vector<float> values(count);
   for (int64_t k = 0; k < count; ++k) {
     if (dtype == Dtype::kBFloat16) {
-      uint16_t b;
+      BFloat16 b;
       std::memcpy(&b, bytes.data() + 2 * k, 2);
-      values[k] = FromBFloat16(b);
+      values[k] = Load(b);
     } else {
       std::memcpy(&values[k], bytes.data() + 4 * k, 4);
     }

@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <string>
 #include <vector>
 
@@ -12,15 +11,15 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/linear_cross_entropy.h"
 #include "kernels/linear_cross_entropy_problem.h"
+#include "tests/kernels/kernel_test_util.h"
 #include "worker/engine/torch_compat.h"
 
 namespace lathe::kernels {
 namespace {
 
 using ::testing::HasSubstr;
-
-constexpr double kFloatTolerance = 1e-5;
-constexpr double kBFloat16Tolerance = 1e-2;
+using testing::RelErr;
+using testing::Tolerance;
 
 struct Inputs {
   at::Tensor hidden;   // [N, H], float32 or bfloat16
@@ -88,28 +87,12 @@ Result Fused(const Inputs& in, const LinearCrossEntropyOptions& options, bool gr
   return result;
 }
 
-// max |actual - expected| / max |expected|; 0 when both are all zeros.
-double RelativeError(const at::Tensor& actual, const at::Tensor& expected) {
-  const at::Tensor a = actual.to(at::kDouble);
-  const at::Tensor e = expected.to(at::kDouble);
-  const double scale = e.abs().max().item<double>();
-  const double diff = (a - e).abs().max().item<double>();
-  if (scale == 0.0) return diff == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
-  return diff / scale;
-}
-
-double RelativeError(double actual, double expected) {
-  if (expected == 0.0) return actual == 0.0 ? 0.0 : std::numeric_limits<double>::infinity();
-  return std::abs(actual - expected) / std::abs(expected);
-}
-
 // Checks the op, with the hidden gradient computed in forward and in backward, against the
 // float64 reference.
 void ExpectMatchesReference(const Inputs& in, LinearCrossEntropyOptions options,
                             bool grad_hidden = true, bool grad_weight = true,
                             double grad_output = 1.0) {
-  const double tolerance =
-      in.hidden.scalar_type() == at::kBFloat16 ? kBFloat16Tolerance : kFloatTolerance;
+  const double tolerance = Tolerance(in.hidden.scalar_type());
   Result expected = Reference(in, options, grad_hidden, grad_weight);
   if (grad_hidden) expected.grad_hidden *= grad_output;
   if (grad_weight) expected.grad_weight *= grad_output;
@@ -117,17 +100,17 @@ void ExpectMatchesReference(const Inputs& in, LinearCrossEntropyOptions options,
     SCOPED_TRACE(in_forward ? "hidden gradient in forward" : "hidden gradient in backward");
     options.gradient_in_forward = in_forward;
     const Result actual = Fused(in, options, grad_hidden, grad_weight, grad_output);
-    EXPECT_LT(RelativeError(actual.loss, expected.loss), tolerance)
+    EXPECT_LT(RelErr(actual.loss, expected.loss), tolerance)
         << "loss " << actual.loss << " vs " << expected.loss;
     ASSERT_EQ(actual.grad_hidden.defined(), grad_hidden);
     ASSERT_EQ(actual.grad_weight.defined(), grad_weight);
     if (grad_hidden) {
       EXPECT_EQ(actual.grad_hidden.scalar_type(), in.hidden.scalar_type());
-      EXPECT_LT(RelativeError(actual.grad_hidden, expected.grad_hidden), tolerance);
+      EXPECT_LT(RelErr(actual.grad_hidden, expected.grad_hidden), tolerance);
     }
     if (grad_weight) {
       EXPECT_EQ(actual.grad_weight.scalar_type(), in.weight.scalar_type());
-      EXPECT_LT(RelativeError(actual.grad_weight, expected.grad_weight), tolerance);
+      EXPECT_LT(RelErr(actual.grad_weight, expected.grad_weight), tolerance);
     }
   }
 }
@@ -276,7 +259,7 @@ TEST(LinearCrossEntropyTest, ForwardWithoutGradient) {
   const Inputs in = RandomInputs(37, 65, 3001, at::kFloat, 5);
   const at::NoGradGuard no_grad;
   const double loss = LinearCrossEntropy(in.hidden, in.weight, in.targets).item<double>();
-  EXPECT_LT(RelativeError(loss, Reference(in, {}, false, false).loss), kFloatTolerance);
+  EXPECT_LT(RelErr(loss, Reference(in, {}, false, false).loss), Tolerance(at::kFloat));
 }
 
 TEST(LinearCrossEntropyTest, RejectsBadInputs) {
@@ -385,7 +368,7 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
   for (const LinearCrossEntropyChunks chunks :
        {LinearCrossEntropyChunks{3, 300}, LinearCrossEntropyChunks{3, 700}}) {
     SCOPED_TRACE(chunks.vocab);
-    const double tolerance = dtype == at::kBFloat16 ? kBFloat16Tolerance : kFloatTolerance;
+    const double tolerance = Tolerance(dtype);
     const int64_t workspace_bytes =
         std::max(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, true),
                  cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks, true, true));
@@ -396,7 +379,7 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
     double loss = cpu::LinearCrossEntropyForward(
         problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
         1.0f, lse.data_ptr<float>(), nullptr, workspace.data_ptr(), cpu::SerialFor);
-    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat));
     EXPECT_TRUE(lse.isfinite().all().item<bool>());
     at::Tensor forward_grad_hidden = at::full_like(in.hidden, NAN);
     lse.fill_(NAN);
@@ -405,10 +388,10 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
         problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
         1.0f, lse.data_ptr<float>(), forward_grad_hidden.data_ptr(), workspace.data_ptr(),
         cpu::SerialFor);
-    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat));
     EXPECT_TRUE(lse.isfinite().all().item<bool>());
     EXPECT_TRUE(forward_grad_hidden.isfinite().all().item<bool>());
-    EXPECT_LT(RelativeError(forward_grad_hidden, expected.grad_hidden), tolerance);
+    EXPECT_LT(RelErr(forward_grad_hidden, expected.grad_hidden), tolerance);
     EXPECT_TRUE(forward_grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
 
     // Backward, both gradients.
@@ -421,8 +404,8 @@ TEST_P(RawKernelTest, WritesEveryOutputElement) {
                                     grad_weight.data_ptr(), workspace.data_ptr(), cpu::SerialFor);
     EXPECT_TRUE(grad_hidden.isfinite().all().item<bool>());
     EXPECT_TRUE(grad_weight.isfinite().all().item<bool>());
-    EXPECT_LT(RelativeError(grad_hidden, expected.grad_hidden), tolerance);
-    EXPECT_LT(RelativeError(grad_weight, expected.grad_weight), tolerance);
+    EXPECT_LT(RelErr(grad_hidden, expected.grad_hidden), tolerance);
+    EXPECT_LT(RelErr(grad_weight, expected.grad_weight), tolerance);
     EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
   }
 }
@@ -451,10 +434,10 @@ TEST(RawSinglePassKernelTest, WritesEveryOutputElement) {
         problem, 3, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
         1.0f, lse.data_ptr<float>(), grad_hidden.data_ptr(), grad_weight.data_ptr(),
         workspace.data_ptr(), cpu::SerialFor);
-    EXPECT_LT(RelativeError(loss, expected.loss), kFloatTolerance);
+    EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat));
     EXPECT_TRUE(lse.isfinite().all().item<bool>());
-    EXPECT_LT(RelativeError(grad_hidden, expected.grad_hidden), kFloatTolerance);
-    EXPECT_LT(RelativeError(grad_weight, expected.grad_weight), kFloatTolerance);
+    EXPECT_LT(RelErr(grad_hidden, expected.grad_hidden), Tolerance(at::kFloat));
+    EXPECT_LT(RelErr(grad_weight, expected.grad_weight), Tolerance(at::kFloat));
     EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
   }
 }

@@ -169,7 +169,11 @@ TEST(DropoutMaskTest, KeepsAboutOneMinusPScaledAndDependsOnTheSeed) {
 }
 
 template <typename T>
-void ExpectEveryElementWritten() {
+class DropoutKernelTest : public ::testing::Test {};
+TYPED_TEST_SUITE(DropoutKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+
+TYPED_TEST(DropoutKernelTest, WritesEveryElement) {
+  using T = TypeParam;
   const int64_t rows = 4, cols = 29;
   std::mt19937_64 rng(FreshSeed());
   const std::vector<T> x = testing::RandomVector<T>(rows * cols, rng);
@@ -178,12 +182,6 @@ void ExpectEveryElementWritten() {
   kernels::cpu::Dropout(x.data(), 42, 0.4, cols, 1, rows, y.data());
   EXPECT_EQ(testing::FirstNonFinite(y), -1);
 }
-
-TEST(DropoutKernelTest, WritesEveryElementFloat) { ExpectEveryElementWritten<float>(); }
-TEST(DropoutKernelTest, WritesEveryElementBFloat16) {
-  ExpectEveryElementWritten<kernels::BFloat16>();
-}
-TEST(DropoutKernelTest, WritesEveryElementHalf) { ExpectEveryElementWritten<kernels::Half>(); }
 
 }  // namespace
 }  // namespace lathe

@@ -96,7 +96,11 @@ TEST(RmsNormOpTest, RejectsAWeightOfTheWrongSize) {
 // Every element of every output is written: the buffers start as NaN, and the rows are
 // processed in two ranges as two threads would.
 template <typename T>
-void ExpectEveryElementWritten() {
+class RmsNormKernelTest : public ::testing::Test {};
+TYPED_TEST_SUITE(RmsNormKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+
+TYPED_TEST(RmsNormKernelTest, WritesEveryElement) {
+  using T = TypeParam;
   const int64_t rows = 5, hidden = 67;
   std::mt19937_64 rng(FreshSeed());
   const std::vector<T> x = testing::RandomVector<T>(rows * hidden, rng);
@@ -119,12 +123,6 @@ void ExpectEveryElementWritten() {
   EXPECT_EQ(testing::FirstNonFinite(dx), -1);
   EXPECT_EQ(testing::FirstNonFinite(dw), -1);
 }
-
-TEST(RmsNormKernelTest, WritesEveryElementFloat) { ExpectEveryElementWritten<float>(); }
-TEST(RmsNormKernelTest, WritesEveryElementBFloat16) {
-  ExpectEveryElementWritten<kernels::BFloat16>();
-}
-TEST(RmsNormKernelTest, WritesEveryElementHalf) { ExpectEveryElementWritten<kernels::Half>(); }
 
 }  // namespace
 }  // namespace lathe

@@ -119,7 +119,11 @@ TEST(RopeOpTest, RejectsAnOddHeadDimAndMismatchedTables) {
 }
 
 template <typename T>
-void ExpectEveryElementWritten() {
+class RopeKernelTest : public ::testing::Test {};
+TYPED_TEST_SUITE(RopeKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+
+TYPED_TEST(RopeKernelTest, WritesEveryElement) {
+  using T = TypeParam;
   // A [batch, seq, heads, head_dim] buffer read as [batch, heads, seq, head_dim].
   kernels::RopeLayout layout;
   layout.batch = 2;
@@ -144,10 +148,6 @@ void ExpectEveryElementWritten() {
   EXPECT_EQ(testing::FirstNonFinite(y), -1);
   EXPECT_EQ(testing::FirstNonFinite(dx), -1);
 }
-
-TEST(RopeKernelTest, WritesEveryElementFloat) { ExpectEveryElementWritten<float>(); }
-TEST(RopeKernelTest, WritesEveryElementBFloat16) { ExpectEveryElementWritten<kernels::BFloat16>(); }
-TEST(RopeKernelTest, WritesEveryElementHalf) { ExpectEveryElementWritten<kernels::Half>(); }
 
 }  // namespace
 }  // namespace lathe

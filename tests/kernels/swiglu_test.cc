@@ -94,7 +94,11 @@ TEST(SwiGluOpTest, RejectsMismatchedShapes) {
 }
 
 template <typename T>
-void ExpectEveryElementWritten() {
+class SwiGluKernelTest : public ::testing::Test {};
+TYPED_TEST_SUITE(SwiGluKernelTest, testing::KernelElementTypes, testing::KernelElementTypeNames);
+
+TYPED_TEST(SwiGluKernelTest, WritesEveryElement) {
+  using T = TypeParam;
   const int64_t rows = 3, cols = 37;
   std::mt19937_64 rng(FreshSeed());
   const std::vector<T> gate = testing::RandomVector<T>(rows * cols, rng, 4.0f);
@@ -112,12 +116,6 @@ void ExpectEveryElementWritten() {
   EXPECT_EQ(testing::FirstNonFinite(dgate), -1);
   EXPECT_EQ(testing::FirstNonFinite(dup), -1);
 }
-
-TEST(SwiGluKernelTest, WritesEveryElementFloat) { ExpectEveryElementWritten<float>(); }
-TEST(SwiGluKernelTest, WritesEveryElementBFloat16) {
-  ExpectEveryElementWritten<kernels::BFloat16>();
-}
-TEST(SwiGluKernelTest, WritesEveryElementHalf) { ExpectEveryElementWritten<kernels::Half>(); }
 
 }  // namespace
 }  // namespace lathe
