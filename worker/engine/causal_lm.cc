@@ -31,10 +31,14 @@ using torch::autograd::variable_list;
 // The states of the generators dropout on `device` may draw from (the CPU one, which also
 // seeds the fused LoRA's masks, and the device's own), and back. (Not held locked across the
 // recomputation: dropout takes a generator's lock itself.)
+std::vector<at::Device> DropoutGeneratorDevices(at::Device device) {
+  if (device.is_cpu()) return {device};
+  return {at::Device(at::kCPU), device};
+}
+
 std::vector<at::Tensor> GeneratorStates(at::Device device) {
   std::vector<at::Tensor> states;
-  for (at::Device d : {at::Device(at::kCPU), device}) {
-    if (!states.empty() && d.is_cpu()) break;
+  for (at::Device d : DropoutGeneratorDevices(device)) {
     at::Generator generator = at::globalContext().defaultGenerator(d);
     std::lock_guard<std::mutex> lock(generator.mutex());
     states.push_back(generator.get_state());
@@ -43,7 +47,7 @@ std::vector<at::Tensor> GeneratorStates(at::Device device) {
 }
 
 void SetGeneratorStates(at::Device device, const std::vector<at::Tensor>& states) {
-  const at::Device devices[] = {at::Device(at::kCPU), device};
+  const std::vector<at::Device> devices = DropoutGeneratorDevices(device);
   for (size_t i = 0; i < states.size(); ++i) {
     at::Generator generator = at::globalContext().defaultGenerator(devices[i]);
     std::lock_guard<std::mutex> lock(generator.mutex());

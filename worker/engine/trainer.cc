@@ -454,35 +454,36 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
-  auto time_into = [clock = std::chrono::steady_clock::now()](double& seconds) mutable {
+  // Seconds since the previous lap.
+  auto lap = [clock = std::chrono::steady_clock::now()]() mutable {
     const auto now = std::chrono::steady_clock::now();
-    seconds += std::chrono::duration<double>(now - clock).count();
+    const double seconds = std::chrono::duration<double>(now - clock).count();
     clock = now;
+    return seconds;
   };
-  double ignored = 0;
   for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
-    time_into(ignored);
     std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
     auto [ids, labels] = Collate(micro);
+    lap();  // collating is not one of the phases
     at::Tensor loss;
     {
       MemoryScope scope(MemoryComponent::kActivations);
       at::Tensor hidden = model_->Hidden(ids.to(device));
-      time_into(phases.forward);
+      phases.forward += lap();
       loss = model_->SumLossOfHidden(hidden, labels.to(device));
-      time_into(phases.loss);
+      phases.loss += lap();
     }
     MemoryScope scope(MemoryComponent::kGradients);
     // Normalised over the whole step's targets, so that accumulation does not change the
     // update; multiplied by the loss scale (1 unless fp16).
     (loss * (scaler.scale() / static_cast<double>(targets))).backward();
     loss_sum += loss.item<double>();
-    time_into(phases.backward);
+    phases.backward += lap();
   }
   if (options_.world_size > 1) {
     MemoryScope scope(MemoryComponent::kCommBuffers);
     LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
-    time_into(phases.comm);
+    phases.comm += lap();
   }
   report.loss = loss_sum / static_cast<double>(targets);
   if (scaler.scale() != 1.0) optimizer.ScaleGrads(1.0 / scaler.scale());
@@ -503,7 +504,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
     optimizer.Step(report.lr);
   }
   optimizer.ZeroGrad();
-  time_into(phases.optimizer);
+  phases.optimizer += lap();
   return absl::OkStatus();
 }
 
