@@ -23,6 +23,7 @@
 #include "common/file_util.h"
 #include "common/model_config.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace lathe {
 
@@ -507,7 +508,8 @@ absl::Status ParseResources(const SpecReader& r, const YAML::Node& node, Resourc
         v, "resources.device", {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}},
         &resources->device));
   }
-  if (const YAML::Node v = node["memory_per_rank"]) {
+  // null: not given, as JobSpecToJson writes it.
+  if (const YAML::Node v = node["memory_per_rank"]; v && !v.IsNull()) {
     constexpr absl::string_view kField = "resources.memory_per_rank";
     if (!v.IsScalar()) {
       return r.Error(kField, absl::StrCat("expected a byte size such as 80GiB, got ", Describe(v)));
@@ -690,6 +692,72 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
   LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   return ParseJobSpec(text, path);
+}
+
+std::string JobSpecToJson(const JobSpec& spec) {
+  using Json = nlohmann::ordered_json;
+  auto name = [](absl::string_view word) { return std::string(word); };
+  const TrainSpec& t = spec.train;
+  const StrategySpec& s = spec.strategy;
+  Json strategy = "auto";
+  if (!s.automatic) {
+    strategy = {{"zero_stage", s.zero_stage},
+                {"offload_optimizer", s.offload_optimizer},
+                {"offload_params", s.offload_params},
+                {"activation_checkpointing", s.activation_checkpointing},
+                {"chunked_loss", s.chunked_loss},
+                {"fused_kernels", s.fused_kernels}};
+  }
+  Json out = {
+      {"name", spec.name},
+      {"model", {{"path", spec.model.path}}},
+      {"data",
+       {{"train", spec.data.train},
+        {"eval", spec.data.eval},
+        {"seq_len", spec.data.seq_len},
+        {"pack", spec.data.pack}}},
+      {"method", name(MethodName(spec.method))},
+      {"lora",
+       {{"rank", spec.lora.rank},
+        {"alpha", spec.lora.alpha},
+        {"dropout", spec.lora.dropout},
+        {"targets", spec.lora.targets},
+        {"use_rslora", spec.lora.use_rslora}}},
+      {"train",
+       {{"steps", t.steps},
+        {"epochs", t.epochs},
+        {"global_batch", t.global_batch},
+        {"micro_batch", t.micro_batch > 0 ? Json(t.micro_batch) : Json("auto")},
+        {"lr", t.lr},
+        {"schedule",
+         {{"kind", name(ScheduleKindName(t.schedule.kind))},
+          {"warmup_steps", t.schedule.warmup_steps}}},
+        {"optimizer", name(OptimizerKindName(t.optimizer))},
+        {"adam_beta1", t.adam_beta1},
+        {"adam_beta2", t.adam_beta2},
+        {"adam_eps", t.adam_eps},
+        {"weight_decay", t.weight_decay},
+        {"max_grad_norm", t.max_grad_norm},
+        {"precision", name(PrecisionName(t.precision))},
+        {"seed", t.seed},
+        {"checkpoint_every", t.checkpoint_every},
+        {"keep_checkpoints", t.keep_checkpoints},
+        {"eval_every", t.eval_every},
+        {"max_nonfinite_steps", t.max_nonfinite_steps}}},
+      {"resources",
+       {{"ranks", spec.resources.ranks},
+        {"device", name(DeviceKindName(spec.resources.device))},
+        {"memory_per_rank", spec.resources.memory_per_rank > 0
+                                ? Json(spec.resources.memory_per_rank)
+                                : Json(nullptr)}}},
+      {"strategy", std::move(strategy)},
+      {"priority", spec.priority},
+      {"max_restarts", spec.max_restarts},
+      {"output", spec.output},
+  };
+  // init_from is a path or nothing; the schema has no empty spelling for it.
+  if (!spec.lora.init_from.empty()) out["lora"]["init_from"] = spec.lora.init_from;
+  return out.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {

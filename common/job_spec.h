@@ -124,6 +124,11 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
 // Reads and parses the file at `path`. NOT_FOUND naming the file when it is missing.
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);
 
+// The spec as one line of JSON in its own schema (docs/job-spec.md), every field present
+// with its value (defaults filled in, enums in their lowercase words, micro_batch 0 as
+// "auto", memory_per_rank in bytes or null). ParseJobSpec reads it back to an equal spec.
+std::string JobSpecToJson(const JobSpec& spec);
+
 // Parses a byte size: a plain integer, or a number with a unit B, KB, MB, GB, TB (powers of
 // 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "80GiB", "1.5GB". INVALID_ARGUMENT
 // otherwise.

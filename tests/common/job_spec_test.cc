@@ -227,6 +227,32 @@ output: /out
 
 constexpr char kMinimalPrefix[] = "name: t\nmodel: {path: /m}\ndata: {train: /d}\noutput: /o\n";
 
+// JobSpecToJson writes every field, and ParseJobSpec reads it back to the same spec.
+TEST(JobSpecTest, JsonFormRoundTrips) {
+  for (const char* text : {kFullYaml, kFullJson, kMinimalPrefix}) {
+    std::string source = text;
+    if (source == kMinimalPrefix) source += "train: {epochs: 2}\n";
+    const JobSpec spec = MustParse(source);
+    const std::string json = JobSpecToJson(spec);
+    EXPECT_EQ(json.find('\n'), std::string::npos) << json;
+    absl::StatusOr<JobSpec> again = ParseJobSpec(json, "round-trip");
+    ASSERT_TRUE(again.ok()) << again.status() << "\n" << json;
+    EXPECT_EQ(JobSpecToJson(*again), json);
+  }
+  const JobSpec full = MustParse(kFullYaml);
+  const std::string json = JobSpecToJson(full);
+  EXPECT_THAT(json, HasSubstr(R"("method":"qlora")"));
+  EXPECT_THAT(json, HasSubstr(R"("micro_batch":4)"));
+  EXPECT_THAT(json, HasSubstr(R"("memory_per_rank":85899345920)"));
+  EXPECT_THAT(json, HasSubstr(R"("zero_stage":3)"));
+  const std::string minimal =
+      JobSpecToJson(MustParse(std::string(kMinimalPrefix) + "train: {epochs: 2}\n"));
+  EXPECT_THAT(minimal, HasSubstr(R"("micro_batch":"auto")"));
+  EXPECT_THAT(minimal, HasSubstr(R"("memory_per_rank":null)"));
+  EXPECT_THAT(minimal, HasSubstr(R"("strategy":"auto")"));
+  EXPECT_THAT(minimal, Not(HasSubstr("init_from")));
+}
+
 TEST(JobSpecTest, StrategyAutoVersusMap) {
   JobSpec automatic =
       MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: auto\n");
