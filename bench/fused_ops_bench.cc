@@ -27,7 +27,7 @@
 #include "kernels/ops/swiglu.h"
 #include "kernels/ops/unfused.h"
 #include "worker/engine/memory_tracker.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 namespace {

@@ -22,7 +22,7 @@
 #include "common/command_line.h"
 #include "kernels/ops/linear_cross_entropy.h"
 #include "worker/engine/memory_tracker.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 namespace {

@@ -11,6 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/rpc/grpc_status.h"
 
 namespace lathe {
 namespace {
@@ -22,26 +23,6 @@ std::string OneLine(absl::string_view text) {
 }
 
 }  // namespace
-
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view address) {
-  if (status.ok()) return absl::OkStatus();
-  const auto code = static_cast<absl::StatusCode>(status.error_code());
-  std::string message = OneLine(status.error_message());
-  if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
-    if (message.empty()) {
-      message = code == absl::StatusCode::kUnavailable ? "unavailable" : "deadline exceeded";
-    }
-    return absl::Status(code,
-                        absl::StrCat("cannot reach the coordinator at ", address, ": ", message));
-  }
-  if (code == absl::StatusCode::kUnimplemented) {
-    return absl::Status(code, absl::StrCat("the server at ", address,
-                                           " does not serve this call (is it a Lathe "
-                                           "coordinator of this version?): ",
-                                           message));
-  }
-  return absl::Status(code, message);
-}
 
 JobClient::JobClient(std::string address, JobClientOptions options)
     : JobClient(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()), address,
@@ -55,8 +36,34 @@ JobClient::JobClient(std::shared_ptr<grpc::Channel> channel, std::string address
       jobs_(v1::JobService::NewStub(channel_)),
       workers_(v1::WorkerService::NewStub(channel_)) {}
 
-void JobClient::SetDeadline(grpc::ClientContext* context) const {
-  context->set_deadline(absl::ToChronoTime(absl::Now() + options_.call_timeout));
+absl::Status JobClient::Describe(const absl::Status& status) const {
+  if (status.ok()) return status;
+  const absl::StatusCode code = status.code();
+  std::string message = OneLine(status.message());
+  if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kDeadlineExceeded) {
+    if (message.empty()) {
+      message = code == absl::StatusCode::kUnavailable ? "unavailable" : "deadline exceeded";
+    }
+    return absl::Status(code,
+                        absl::StrCat("cannot reach the coordinator at ", address_, ": ", message));
+  }
+  // gRPC answers a method the server does not have with UNIMPLEMENTED and no message; the
+  // coordinator's own UNIMPLEMENTED (a feature this build lacks) always says what is missing.
+  if (code == absl::StatusCode::kUnimplemented && message.empty()) {
+    return absl::Status(code, absl::StrCat("the server at ", address_,
+                                           " does not serve this call (is it a Lathe "
+                                           "coordinator of this version?)"));
+  }
+  return absl::Status(code, message);
+}
+
+absl::Status JobClient::Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const {
+  const absl::Time deadline = absl::Now() + options_.call_timeout;
+  return Describe(RetryCall(options_.retry, deadline, [&] {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(deadline));
+    return FromGrpcStatus(rpc(&context));
+  }));
 }
 
 absl::StatusOr<v1::SubmitJobResponse> JobClient::SubmitJob(const v1::JobSpec& spec,
@@ -65,10 +72,9 @@ absl::StatusOr<v1::SubmitJobResponse> JobClient::SubmitJob(const v1::JobSpec& sp
   *request.mutable_spec() = spec;
   request.set_request_id(std::string(request_id));
   v1::SubmitJobResponse response;
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::Status status = jobs_->SubmitJob(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status, address_);
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->SubmitJob(c, request, &response); });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -76,10 +82,9 @@ absl::StatusOr<v1::JobStatus> JobClient::GetJob(absl::string_view job_id) const 
   v1::GetJobRequest request;
   request.set_job_id(std::string(job_id));
   v1::JobStatus response;
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::Status status = jobs_->GetJob(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status, address_);
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->GetJob(c, request, &response); });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -90,10 +95,9 @@ absl::StatusOr<v1::ListJobsResponse> JobClient::ListJobs(const std::vector<v1::J
   request.set_page_size(options_.list_page_size);
   request.set_page_token(std::string(page_token));
   v1::ListJobsResponse response;
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::Status status = jobs_->ListJobs(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status, address_);
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->ListJobs(c, request, &response); });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -121,10 +125,9 @@ absl::StatusOr<v1::JobStatus> JobClient::CancelJob(absl::string_view job_id,
   request.set_job_id(std::string(job_id));
   request.set_reason(std::string(reason));
   v1::JobStatus response;
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::Status status = jobs_->CancelJob(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status, address_);
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->CancelJob(c, request, &response); });
+  if (!status.ok()) return status;
   return response;
 }
 
@@ -145,16 +148,15 @@ absl::Status JobClient::WatchJob(absl::string_view job_id,
       return absl::OkStatus();
     }
   }
-  return FromGrpcStatus(reader->Finish(), address_);
+  return Describe(FromGrpcStatus(reader->Finish()));
 }
 
 absl::StatusOr<std::vector<v1::WorkerStatus>> JobClient::ListWorkers() const {
   v1::ListWorkersRequest request;
   v1::ListWorkersResponse response;
-  grpc::ClientContext context;
-  SetDeadline(&context);
-  grpc::Status status = workers_->ListWorkers(&context, request, &response);
-  if (!status.ok()) return FromGrpcStatus(status, address_);
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return workers_->ListWorkers(c, request, &response); });
+  if (!status.ok()) return status;
   return std::vector<v1::WorkerStatus>(response.workers().begin(), response.workers().end());
 }
 

@@ -3,10 +3,13 @@
 // coordinator's answer or its error as an absl::Status with the gRPC code kept, and never
 // throws.
 //
-// Errors: the code and message of the coordinator's status; UNAVAILABLE and
-// DEADLINE_EXCEEDED (the coordinator cannot be reached, or did not answer in time) keep
-// their code and read "cannot reach the coordinator at <address>: <reason>" on one line;
-// UNIMPLEMENTED (something else, or another version, listens there) says so.
+// Errors: the code and message of the coordinator's status (common/rpc/grpc_status.h);
+// UNAVAILABLE and DEADLINE_EXCEEDED (the coordinator cannot be reached, or did not answer in
+// time) keep their code and read "cannot reach the coordinator at <address>: <reason>" on
+// one line; gRPC's own UNIMPLEMENTED (no such method: something else, or another version,
+// listens there) says so, while the coordinator's UNIMPLEMENTED (a feature this build of
+// Lathe lacks) keeps its message. Unary calls are retried under the retry policy
+// (common/rpc/retry_policy.h), all tries within call_timeout.
 //
 // Thread-safety: a JobClient is immutable after construction; every method may be called
 // from several threads at once (gRPC channels and stubs are thread-safe).
@@ -25,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/rpc/retry_policy.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
@@ -32,17 +36,22 @@
 namespace lathe {
 
 struct JobClientOptions {
-  // Deadline of each unary RPC. WatchJob has none: a job may run for days.
+  // Deadline of each unary RPC, its retries included. WatchJob has none: a job may run for
+  // days.
   absl::Duration call_timeout = absl::Seconds(10);
+  // A person waits on the CLI: a few quick tries, then the error.
+  RetryOptions retry = QuickRetries();
+
+  static RetryOptions QuickRetries() {
+    RetryOptions quick;
+    quick.initial_backoff = absl::Milliseconds(100);
+    quick.max_backoff = absl::Seconds(1);
+    quick.max_attempts = 3;
+    return quick;
+  }
   // Jobs asked for per ListJobs page.
   int32_t list_page_size = 100;
 };
-
-// Converts a gRPC status to an absl::Status with the same code and message. UNAVAILABLE and
-// DEADLINE_EXCEEDED read "cannot reach the coordinator at <address>: <reason>", UNIMPLEMENTED
-// "the server at <address> does not serve this call ...". Line breaks
-// in the message are folded so that the result prints on one line.
-absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view address);
 
 class JobClient {
  public:
@@ -90,8 +99,11 @@ class JobClient {
   absl::StatusOr<std::vector<v1::WorkerStatus>> ListWorkers() const;
 
  private:
-  // Sets the per-call deadline on `context`.
-  void SetDeadline(grpc::ClientContext* context) const;
+  // Runs `rpc` (one call on a fresh context) under the retry policy and the call deadline,
+  // and describes a failure for a person (see the file comment).
+  absl::Status Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const;
+  // `status` with the coordinator's address where that helps, on one line.
+  absl::Status Describe(const absl::Status& status) const;
 
   std::string address_;
   JobClientOptions options_;

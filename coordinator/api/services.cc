@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "common/proto/job_state.h"
+#include "common/rpc/grpc_status.h"
 
 namespace lathe {
 namespace {
@@ -16,11 +17,6 @@ grpc::Status Respond(absl::StatusOr<T> result, T* response) {
 }
 
 }  // namespace
-
-grpc::Status ToGrpcStatus(const absl::Status& status) {
-  if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
-}
 
 grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* response) {
@@ -88,43 +84,6 @@ grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext*, const v1::List
     *response->add_workers() = std::move(worker);
   }
   return grpc::Status::OK;
-}
-
-grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext*,
-                                        const v1::RendezvousSetRequest* request,
-                                        v1::RendezvousSetResponse*) {
-  return ToGrpcStatus(store_->Set(request->scope().job_id(), request->scope().generation(),
-                                  request->key(), request->value()));
-}
-
-grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext*,
-                                        const v1::RendezvousGetRequest* request,
-                                        v1::RendezvousGetResponse* response) {
-  absl::StatusOr<std::string> value =
-      store_->Get(request->scope().job_id(), request->scope().generation(), request->key());
-  if (value.ok()) response->set_value(*std::move(value));
-  return ToGrpcStatus(value.status());
-}
-
-grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
-                                         const v1::RendezvousWaitRequest* request,
-                                         v1::RendezvousWaitResponse*) {
-  absl::Time deadline = absl::Now() + absl::Milliseconds(request->timeout_ms());
-  // Never wait past the client's own deadline.
-  absl::Time client_deadline = absl::FromChrono(context->deadline());
-  if (client_deadline < deadline) deadline = client_deadline;
-  std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-  return ToGrpcStatus(
-      store_->Wait(request->scope().job_id(), request->scope().generation(), keys, deadline));
-}
-
-grpc::Status RendezvousServiceImpl::Add(grpc::ServerContext*,
-                                        const v1::RendezvousAddRequest* request,
-                                        v1::RendezvousAddResponse* response) {
-  absl::StatusOr<int64_t> value = store_->Add(
-      request->scope().job_id(), request->scope().generation(), request->key(), request->delta());
-  if (value.ok()) response->set_value(*value);
-  return ToGrpcStatus(value.status());
 }
 
 }  // namespace lathe

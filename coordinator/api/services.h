@@ -1,22 +1,17 @@
 // The coordinator's gRPC services: thin adapters from the generated service classes to the
-// domain (JobManager, Scheduler, RendezvousStore). Each handler converts its request, calls
+// domain (JobManager, Scheduler). Each handler converts its request, calls
 // one domain method and converts the absl::Status to a grpc::Status; no logic lives here.
 //
 // Thread-safety: thread-safe (the domain classes are).
 #ifndef LATHE_COORDINATOR_API_SERVICES_H_
 #define LATHE_COORDINATOR_API_SERVICES_H_
 
-#include "absl/status/status.h"
 #include "coordinator/scheduler/job_manager.h"
-#include "coordinator/scheduler/rendezvous_store.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "grpcpp/grpcpp.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 
 namespace lathe {
-
-// The code and message of `status` as a grpc::Status.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
@@ -56,23 +51,6 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
 
  private:
   Scheduler* const scheduler_;
-};
-
-class RendezvousServiceImpl final : public v1::RendezvousService::Service {
- public:
-  explicit RendezvousServiceImpl(RendezvousStore* store) : store_(store) {}
-
-  grpc::Status Set(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
-                   v1::RendezvousSetResponse* response) override;
-  grpc::Status Get(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,
-                   v1::RendezvousGetResponse* response) override;
-  grpc::Status Wait(grpc::ServerContext* context, const v1::RendezvousWaitRequest* request,
-                    v1::RendezvousWaitResponse* response) override;
-  grpc::Status Add(grpc::ServerContext* context, const v1::RendezvousAddRequest* request,
-                   v1::RendezvousAddResponse* response) override;
-
- private:
-  RendezvousStore* const store_;
 };
 
 }  // namespace lathe

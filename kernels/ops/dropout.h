@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe::kernels {
 

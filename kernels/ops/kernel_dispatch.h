@@ -7,7 +7,7 @@
 #include <cstdint>
 
 #include "kernels/float16.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 #ifdef LATHE_TORCH_CUDA
 #include <c10/cuda/CUDAException.h>

@@ -5,7 +5,7 @@
 #include <functional>
 
 #include "kernels/cpu/linear_cross_entropy.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 #if LATHE_TORCH_CUDA
 #include <c10/cuda/CUDAGuard.h>

@@ -6,7 +6,7 @@
 
 #include <utility>
 
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe::kernels {
 

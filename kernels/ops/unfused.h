@@ -7,7 +7,7 @@
 #ifndef LATHE_KERNELS_OPS_UNFUSED_H_
 #define LATHE_KERNELS_OPS_UNFUSED_H_
 
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe::kernels::unfused {
 

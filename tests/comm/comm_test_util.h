@@ -1,4 +1,4 @@
-// Helpers shared by the collectives' tests: ranks in threads, an in-process
+// Helpers shared by the collectives' tests: ranks in threads, the coordinator's
 // RendezvousService on 127.0.0.1, and a gloo group connected over a store.
 #ifndef LATHE_TESTS_COMM_COMM_TEST_UTIL_H_
 #define LATHE_TESTS_COMM_COMM_TEST_UTIL_H_
@@ -15,6 +15,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "coordinator/rendezvous/rendezvous_service.h"
+#include "coordinator/rendezvous/rendezvous_store.h"
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -22,7 +24,6 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
-#include "lathe/v1/coordinator.grpc.pb.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/kv_store.h"
@@ -55,89 +56,18 @@ inline std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> ConnectGlooRan
   return results;
 }
 
-// A RendezvousService over a MemoryKvStore, with the coordinator's semantics: keys scoped
-// by job and generation, NOT_FOUND from Get for an absent key, a server-side Wait bounded
-// by timeout_ms and the client's deadline, and FAILED_PRECONDITION for a generation below
-// min_generation (a stale attempt).
-class FakeRendezvousService final : public v1::RendezvousService::Service {
+// The coordinator's own RendezvousService and RendezvousStore served on 127.0.0.1 at a free
+// port, with a generation below min_generation counting as a stale attempt (the scheduler's
+// IsActiveAttempt in the coordinator). Stops in its destructor.
+class RendezvousServer {
  public:
-  void set_min_generation(int64_t generation) { min_generation_ = generation; }
-
-  // The value stored for a scoped key, or NOT_FOUND.
-  absl::StatusOr<std::string> Peek(const std::string& job_id, int64_t generation,
-                                   const std::string& key) {
-    return store_.Get(Scoped(job_id, generation, key), absl::ZeroDuration());
-  }
-
-  grpc::Status Set(grpc::ServerContext*, const v1::RendezvousSetRequest* request,
-                   v1::RendezvousSetResponse*) override {
-    if (grpc::Status s = CheckScope(request->scope()); !s.ok()) return s;
-    return ToGrpc(store_.Set(Scoped(request->scope(), request->key()), request->value()));
-  }
-
-  grpc::Status Get(grpc::ServerContext*, const v1::RendezvousGetRequest* request,
-                   v1::RendezvousGetResponse* response) override {
-    if (grpc::Status s = CheckScope(request->scope()); !s.ok()) return s;
-    absl::StatusOr<std::string> value =
-        store_.Get(Scoped(request->scope(), request->key()), absl::ZeroDuration());
-    if (!value.ok()) return grpc::Status(grpc::StatusCode::NOT_FOUND, "key not set");
-    response->set_value(*value);
-    return grpc::Status::OK;
-  }
-
-  grpc::Status Wait(grpc::ServerContext* context, const v1::RendezvousWaitRequest* request,
-                    v1::RendezvousWaitResponse*) override {
-    if (grpc::Status s = CheckScope(request->scope()); !s.ok()) return s;
-    std::vector<std::string> keys;
-    for (const std::string& key : request->keys()) keys.push_back(Scoped(request->scope(), key));
-    absl::Duration timeout = absl::Milliseconds(request->timeout_ms());
-    timeout = std::min(timeout, absl::FromChrono(context->deadline()) - absl::Now());
-    return ToGrpc(store_.Wait(keys, timeout));
-  }
-
-  grpc::Status Add(grpc::ServerContext*, const v1::RendezvousAddRequest* request,
-                   v1::RendezvousAddResponse* response) override {
-    if (grpc::Status s = CheckScope(request->scope()); !s.ok()) return s;
-    absl::StatusOr<int64_t> value =
-        store_.Add(Scoped(request->scope(), request->key()), request->delta());
-    if (!value.ok()) return ToGrpc(value.status());
-    response->set_value(*value);
-    return grpc::Status::OK;
-  }
-
- private:
-  static std::string Scoped(const std::string& job_id, int64_t generation, const std::string& key) {
-    return absl::StrCat(job_id, "\x1f", generation, "\x1f", key);
-  }
-  static std::string Scoped(const v1::RendezvousScope& scope, const std::string& key) {
-    return Scoped(scope.job_id(), scope.generation(), key);
-  }
-  static grpc::Status ToGrpc(const absl::Status& status) {
-    if (status.ok()) return grpc::Status::OK;
-    return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
-                        std::string(status.message()));
-  }
-  grpc::Status CheckScope(const v1::RendezvousScope& scope) const {
-    if (scope.generation() >= min_generation_) return grpc::Status::OK;
-    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
-                        absl::StrCat("job ", scope.job_id(), " generation ", scope.generation(),
-                                     " is not an active attempt"));
-  }
-
-  MemoryKvStore store_;
-  std::atomic<int64_t> min_generation_{0};
-};
-
-// FakeRendezvousService served on 127.0.0.1 at a free port. Stops in its destructor.
-class FakeRendezvousServer {
- public:
-  FakeRendezvousServer() {
+  RendezvousServer() {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.RegisterService(&service_);
     server_ = builder.BuildAndStart();
   }
-  ~FakeRendezvousServer() { Shutdown(); }
+  ~RendezvousServer() { Shutdown(); }
 
   void Shutdown() {
     if (server_ == nullptr) return;
@@ -151,10 +81,15 @@ class FakeRendezvousServer {
   std::shared_ptr<grpc::Channel> NewChannel() const {
     return grpc::CreateChannel(address(), grpc::InsecureChannelCredentials());
   }
-  FakeRendezvousService& service() { return service_; }
+  void set_min_generation(int64_t generation) { min_generation_.store(generation); }
+  RendezvousStore& store() { return store_; }
 
  private:
-  FakeRendezvousService service_;
+  std::atomic<int64_t> min_generation_{0};
+  RendezvousStore store_{[this](absl::string_view, int64_t generation) {
+    return generation >= min_generation_.load();
+  }};
+  RendezvousServiceImpl service_{&store_};
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };

@@ -21,8 +21,8 @@ namespace lathe {
 namespace {
 
 using ::lathe::testing::ConnectGlooRanks;
-using ::lathe::testing::FakeRendezvousServer;
 using ::lathe::testing::kWaitLimit;
+using ::lathe::testing::RendezvousServer;
 using ::lathe::testing::RunRanks;
 using ::lathe::testing::StatusIs;
 
@@ -64,9 +64,9 @@ TEST(GlooCommunicatorTest, UnknownInterfaceIsInvalidArgument) {
 }
 
 TEST(GlooCommunicatorTest, RendezvousOverTheCoordinatorsService) {
-  FakeRendezvousServer server;
+  RendezvousServer server;
   ASSERT_TRUE(server.started());
-  GrpcKvStoreOptions scope{"job-7", 3, absl::Seconds(10)};
+  GrpcKvStoreOptions scope{"job-7", 3, absl::Seconds(10), {}};
   std::vector<std::unique_ptr<Communicator>> comms(2);
   RunRanks(2, [&](int rank) {
     GrpcKvStore store(server.NewChannel(), scope);
@@ -78,8 +78,8 @@ TEST(GlooCommunicatorTest, RendezvousOverTheCoordinatorsService) {
   ASSERT_NE(comms[0], nullptr);
   ASSERT_NE(comms[1], nullptr);
   // gloo's keys live under the default prefix in the attempt's scope.
-  EXPECT_TRUE(server.service().Peek("job-7", 3, "gloo/0").ok());
-  EXPECT_TRUE(server.service().Peek("job-7", 3, "gloo/1").ok());
+  EXPECT_TRUE(server.store().Get("job-7", 3, "gloo/0").ok());
+  EXPECT_TRUE(server.store().Get("job-7", 3, "gloo/1").ok());
 
   RunRanks(2, [&](int rank) {
     float values[3] = {1.0f, static_cast<float>(rank), -2.0f};
@@ -91,10 +91,10 @@ TEST(GlooCommunicatorTest, RendezvousOverTheCoordinatorsService) {
 }
 
 TEST(GlooCommunicatorTest, StaleGenerationFailsConnectWithTheStoresError) {
-  FakeRendezvousServer server;
+  RendezvousServer server;
   ASSERT_TRUE(server.started());
-  server.service().set_min_generation(4);
-  GrpcKvStore store(server.NewChannel(), {"job-7", 3, absl::Seconds(10)});
+  server.set_min_generation(4);
+  GrpcKvStore store(server.NewChannel(), {"job-7", 3, absl::Seconds(10), {}});
   absl::Status s = ConnectGloo(&store, 0, 2, WithTimeout(kWaitLimit)).status();
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "gloo connect, rank 0 of 2"));
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "not an active attempt"));

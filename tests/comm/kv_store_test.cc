@@ -23,8 +23,8 @@
 namespace lathe {
 namespace {
 
-using ::lathe::testing::FakeRendezvousServer;
 using ::lathe::testing::kWaitLimit;
+using ::lathe::testing::RendezvousServer;
 using ::lathe::testing::RunRanks;
 using ::lathe::testing::StatusIs;
 
@@ -60,8 +60,8 @@ class GrpcUnderTest final : public StoreUnderTest {
   KvStore& store() override { return store_; }
 
  private:
-  FakeRendezvousServer server_;
-  GrpcKvStore store_{server_.NewChannel(), {"job-1", 1, absl::Seconds(10)}};
+  RendezvousServer server_;
+  GrpcKvStore store_{server_.NewChannel(), {"job-1", 1, absl::Seconds(10), {}}};
 };
 
 struct StoreParam {
@@ -178,24 +178,24 @@ TEST(PrefixKvStoreTest, KeepsUsersOfOneStoreApart) {
 }
 
 TEST(GrpcKvStoreTest, KeysAreScopedByJobAndGeneration) {
-  FakeRendezvousServer server;
+  RendezvousServer server;
   ASSERT_TRUE(server.started());
-  GrpcKvStore attempt1(server.NewChannel(), {"job-1", 1, absl::Seconds(10)});
-  GrpcKvStore attempt2(server.NewChannel(), {"job-1", 2, absl::Seconds(10)});
-  GrpcKvStore other_job(server.NewChannel(), {"job-2", 1, absl::Seconds(10)});
+  GrpcKvStore attempt1(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}});
+  GrpcKvStore attempt2(server.NewChannel(), {"job-1", 2, absl::Seconds(10), {}});
+  GrpcKvStore other_job(server.NewChannel(), {"job-2", 1, absl::Seconds(10), {}});
   ASSERT_TRUE(attempt1.Set("k", "v1").ok());
   EXPECT_EQ(attempt2.Get("k", absl::ZeroDuration()).status().code(),
             absl::StatusCode::kDeadlineExceeded);
   EXPECT_EQ(other_job.Get("k", absl::ZeroDuration()).status().code(),
             absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(server.service().Peek("job-1", 1, "k").value_or(""), "v1");
+  EXPECT_EQ(server.store().Get("job-1", 1, "k").value_or(""), "v1");
 }
 
 TEST(GrpcKvStoreTest, StaleGenerationIsFailedPreconditionNamingTheScope) {
-  FakeRendezvousServer server;
+  RendezvousServer server;
   ASSERT_TRUE(server.started());
-  server.service().set_min_generation(2);
-  GrpcKvStore stale(server.NewChannel(), {"job-1", 1, absl::Seconds(10)});
+  server.set_min_generation(2);
+  GrpcKvStore stale(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}});
   for (absl::Status s : {stale.Set("k", "v"), stale.Get("k", absl::Seconds(1)).status(),
                          stale.Wait({"k"}, absl::Seconds(1)), stale.Add("k", 1).status()}) {
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "job job-1 generation 1"));
@@ -205,11 +205,11 @@ TEST(GrpcKvStoreTest, StaleGenerationIsFailedPreconditionNamingTheScope) {
 TEST(GrpcKvStoreTest, UnreachableCoordinatorMeetsTheCallDeadline) {
   std::string address;
   {
-    FakeRendezvousServer server;  // a port that nothing listens on once it stops
+    RendezvousServer server;  // a port that nothing listens on once it stops
     address = server.address();
   }
   GrpcKvStore store(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()),
-                    {"job-1", 1, absl::Milliseconds(200)});
+                    {"job-1", 1, absl::Milliseconds(200), {}});
   absl::Status s = store.Set("k", "v");
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, "rendezvous Set k"));
 }

@@ -4,7 +4,7 @@
 
 #include "common/proto/job_spec_proto.h"
 #include "coordinator/scheduler/job_manager.h"
-#include "coordinator/scheduler/rendezvous_store.h"
+#include "coordinator/rendezvous/rendezvous_store.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"

@@ -28,19 +28,6 @@ class MemoryTrackerTest : public ::testing::Test {
   MemoryTracker* tracker_ = MemoryTracker::Install();
 };
 
-TEST(MemoryComponentNameTest, NamesMatchDesign) {
-  const std::vector<std::pair<C, absl::string_view>> expected = {
-      {C::kWeights, "weights"},          {C::kTrainable, "trainable"},
-      {C::kGradients, "gradients"},      {C::kOptimizer, "optimizer"},
-      {C::kActivations, "activations"},  {C::kLogits, "logits"},
-      {C::kCommBuffers, "comm_buffers"}, {C::kOverhead, "overhead"},
-  };
-  ASSERT_EQ(expected.size(), static_cast<size_t>(kNumMemoryComponents));
-  for (const auto& [component, name] : expected) {
-    EXPECT_EQ(MemoryComponentName(component), name);
-  }
-}
-
 TEST(MemoryScopeTest, NestedScopesRestoreTheOuterTag) {
   EXPECT_EQ(MemoryScope::Current(), C::kOverhead);
   {

@@ -16,7 +16,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/float16.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe::testing {
 

@@ -12,7 +12,7 @@
 #include "kernels/cpu/linear_cross_entropy.h"
 #include "kernels/linear_cross_entropy_problem.h"
 #include "tests/kernels/kernel_test_util.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe::kernels {
 namespace {

@@ -297,17 +297,16 @@ class WorkerAgentTest : public ::testing::Test {
     options.trainer.work_dir = dir_.Path("work");
     options.trainer.coordinator_address = absl::StrCat("127.0.0.1:", port_);
     options.trainer.cancel_grace = absl::Seconds(10);
-    options.reconnect_backoff_initial = absl::Milliseconds(10);
-    options.reconnect_backoff_max = absl::Milliseconds(100);
-    options.reporter.retry_initial = absl::Milliseconds(10);
-    options.reporter.retry_max = absl::Milliseconds(100);
+    options.reconnect.initial_backoff = absl::Milliseconds(10);
+    options.reconnect.max_backoff = absl::Milliseconds(100);
+    options.reporter.retry = options.reconnect;
     return options;
   }
 
   void StartAgent(WorkerAgentOptions options, const std::string& address = "") {
     channel_ = CoordinatorChannel(address.empty() ? absl::StrCat("127.0.0.1:", port_) : address);
     stub_ = v1::WorkerService::NewStub(channel_);
-    agent_ = std::make_unique<WorkerAgent>(std::move(options), stub_.get(), &launcher_);
+    agent_ = std::make_unique<WorkerAgent>(std::move(options), stub_.get(), &launcher_, &clock_);
     runner_ = std::thread([this] { run_status_ = agent_->Run(); });
   }
 
@@ -325,6 +324,7 @@ class WorkerAgentTest : public ::testing::Test {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   PosixProcessLauncher launcher_;
+  FakeClock clock_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::WorkerService::Stub> stub_;
   std::unique_ptr<WorkerAgent> agent_;
@@ -451,6 +451,12 @@ TEST_F(WorkerAgentTest, RegistersAgainWhenTheSessionIsUnknown) {
 TEST_F(WorkerAgentTest, SilentCoordinatorLeadsToANewSession) {
   service_.SetSilent(true, /*heartbeat_timeout_ms=*/100);
   StartAgent(Options());
+  // Heartbeats flow but none is answered; on the agent's clock no time passes yet.
+  ASSERT_TRUE(service_.WaitUntil([](const FakeWorkerService& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return s.heartbeats().size() >= 3;
+  }));
+  EXPECT_EQ(service_.Registrations().size(), 1u);
+  clock_.Advance(absl::Milliseconds(101));  // past the heartbeat timeout
   ASSERT_TRUE(service_.WaitUntil([](const FakeWorkerService& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return s.registrations().size() >= 2;
   }));
@@ -644,7 +650,7 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
 TEST_F(WorkerAgentTest, BadOptionsAreRefused) {
   WorkerAgentOptions options = Options();
   options.slots = 0;
-  WorkerAgent agent(std::move(options), nullptr, &launcher_);
+  WorkerAgent agent(std::move(options), nullptr, &launcher_, &clock_);
   absl::Status status = agent.Run();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("slots"));

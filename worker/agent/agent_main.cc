@@ -164,7 +164,8 @@ int RunAgentCommand(int argc, char** argv) {
 
   std::unique_ptr<v1::WorkerService::Stub> stub =
       v1::WorkerService::NewStub(CoordinatorChannel(coordinator));
-  WorkerAgent agent(*std::move(options), stub.get(), &launcher);
+  RealClock clock;
+  WorkerAgent agent(*std::move(options), stub.get(), &launcher, &clock);
 
   absl::Status result;
   std::thread runner([&] {

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/rpc/grpc_status.h"
 #include "grpcpp/client_context.h"
 #include "spdlog/spdlog.h"
 
@@ -15,21 +16,6 @@ namespace {
 bool IsTerminal(v1::RankEvent event) {
   return event == v1::RANK_EVENT_SUCCEEDED || event == v1::RANK_EVENT_FAILED ||
          event == v1::RANK_EVENT_CANCELLED;
-}
-
-bool IsRetryable(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::UNAVAILABLE:
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
-    case grpc::StatusCode::ABORTED:
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
-    case grpc::StatusCode::INTERNAL:
-    case grpc::StatusCode::UNKNOWN:
-    case grpc::StatusCode::CANCELLED:
-      return true;
-    default:
-      return false;
-  }
 }
 
 bool SameRank(const v1::ReportProgressRequest& a, const v1::ReportProgressRequest& b) {
@@ -97,32 +83,28 @@ void ProgressReporter::Loop() {
 }
 
 void ProgressReporter::Deliver(const v1::ReportProgressRequest& request) {
-  absl::Duration backoff = options_.retry_initial;
+  Backoff backoff(options_.retry);
   while (true) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
     v1::ReportProgressResponse response;
-    grpc::Status status = stub_->ReportProgress(&context, request, &response);
+    const absl::Status status = FromGrpcStatus(stub_->ReportProgress(&context, request, &response));
     if (status.ok()) return;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);
       stopping = stopping_;
     }
-    const bool retry = IsTerminal(request.event()) && IsRetryable(status.error_code()) && !stopping;
-    spdlog::warn(
-        "job={} attempt={} rank={}: reporting {} failed: {}{}", request.job_id(),
-        request.generation(), request.rank(), v1::RankEvent_Name(request.event()),
-        absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message())
-            .ToString(),
-        retry ? absl::StrCat("; retrying in ", absl::FormatDuration(backoff))
-              : std::string("; dropped"));
+    const bool retry = IsTerminal(request.event()) && IsRetryable(status.code()) && !stopping;
+    const absl::Duration delay = retry ? backoff.Next() : absl::ZeroDuration();
+    spdlog::warn("job={} attempt={} rank={}: reporting {} failed: {}{}", request.job_id(),
+                 request.generation(), request.rank(), v1::RankEvent_Name(request.event()),
+                 status.ToString(),
+                 retry ? absl::StrCat("; retrying in ", absl::FormatDuration(delay))
+                       : std::string("; dropped"));
     if (!retry) return;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&stopping_), backoff);
-    }
-    backoff = std::min(backoff * 2, options_.retry_max);
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), delay);
   }
 }
 

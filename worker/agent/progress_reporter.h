@@ -2,10 +2,10 @@
 // that a slow or unreachable coordinator never blocks a trainer's reader thread.
 //
 // Delivery: each report is tried once; the end of a rank (SUCCEEDED, FAILED, CANCELLED) is
-// retried with capped exponential backoff while the error says "try again" (UNAVAILABLE,
-// DEADLINE_EXCEEDED, ABORTED, RESOURCE_EXHAUSTED, INTERNAL, UNKNOWN, CANCELLED), since the
-// coordinator must learn how each rank ended. Other errors (FAILED_PRECONDITION for a stale
-// generation, NOT_FOUND for an unknown job) drop the report: the coordinator has moved on. A
+// retried under the retry policy (common/rpc/retry_policy.h: UNAVAILABLE and
+// DEADLINE_EXCEEDED, with its backoff, until Stop), since the coordinator must learn how
+// each rank ended. Other errors (FAILED_PRECONDITION for a stale generation, NOT_FOUND for
+// an unknown job) drop the report: the coordinator has moved on. A
 // queued PROGRESS report not yet sent is replaced by a newer one for the same rank, so a
 // backlog never builds up.
 //
@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/rpc/retry_policy.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
 
@@ -27,8 +28,7 @@ namespace lathe {
 
 struct ProgressReporterOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
-  absl::Duration retry_initial = absl::Milliseconds(200);
-  absl::Duration retry_max = absl::Seconds(10);
+  RetryOptions retry;  // max_attempts is not used: an end is retried until Stop
 };
 
 class ProgressReporter {

@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/retry_policy.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -20,10 +22,6 @@ bool SameRank(const v1::Assignment& a, const v1::Assignment& b) {
 bool IsTerminal(v1::RankEvent event) {
   return event == v1::RANK_EVENT_SUCCEEDED || event == v1::RANK_EVENT_FAILED ||
          event == v1::RANK_EVENT_CANCELLED;
-}
-
-absl::Status FromGrpc(const grpc::Status& status) {
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
 // The assignment without its spec and plan: what event callbacks need to name the rank.
@@ -40,10 +38,11 @@ v1::Assignment RankOf(const v1::Assignment& assignment) {
 }  // namespace
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInterface* stub,
-                         ProcessLauncher* launcher)
+                         ProcessLauncher* launcher, const Clock* clock)
     : options_(std::move(options)),
       stub_(stub),
       launcher_(launcher),
+      clock_(clock),
       reporter_(stub, options_.reporter) {
   absl::MutexLock lock(&mu_);
   worker_id_ = options_.worker_id;
@@ -80,8 +79,7 @@ absl::Status WorkerAgent::Run() {
     return absl::InternalError(
         absl::StrCat("creating work directory ", options_.trainer.work_dir, ": ", error.message()));
   }
-  absl::Duration backoff = options_.reconnect_backoff_initial;
-  auto next_backoff = [&] { backoff = std::min(backoff * 2, options_.reconnect_backoff_max); };
+  Backoff backoff(options_.reconnect);
   bool registered_once = false;
   while (true) {
     {
@@ -95,15 +93,18 @@ absl::Status WorkerAgent::Run() {
         absl::MutexLock lock(&mu_);
         if (shutdown_) break;
       }
-      if (!registered_once && registration.status().code() == absl::StatusCode::kInvalidArgument) {
+      // Before the first registration a code the retry policy refuses (a bad worker id, a
+      // refused credential) is a misconfiguration: fail now, visibly. Later the agent keeps
+      // trying whatever the code, since its running trainers must not be orphaned.
+      if (!registered_once && !IsRetryable(registration.status().code())) {
         StopTrainers();
         return Annotate(registration.status(), "registering with the coordinator");
       }
+      const absl::Duration delay = backoff.Next();
       spdlog::warn("worker={} registering with the coordinator failed: {}; retrying in {}",
                    options_.worker_id, registration.status().ToString(),
-                   absl::FormatDuration(backoff));
-      SleepUnlessShutdown(backoff);
-      next_backoff();
+                   absl::FormatDuration(delay));
+      SleepUnlessShutdown(delay);
       continue;
     }
     registered_once = true;
@@ -115,11 +116,11 @@ absl::Status WorkerAgent::Run() {
       absl::MutexLock lock(&mu_);
       if (shutdown_) break;
     }
-    if (answered) backoff = options_.reconnect_backoff_initial;
+    if (answered) backoff.Reset();
+    const absl::Duration delay = backoff.Next();
     spdlog::warn("worker={} heartbeat stream ended: {}; registering again in {}", worker_id(),
-                 FromGrpc(ended).ToString(), absl::FormatDuration(backoff));
-    SleepUnlessShutdown(backoff);
-    next_backoff();
+                 FromGrpcStatus(ended).ToString(), absl::FormatDuration(delay));
+    SleepUnlessShutdown(delay);
   }
   StopTrainers();
   spdlog::info("worker={} stopped", worker_id());
@@ -154,7 +155,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> WorkerAgent::Register() {
     absl::MutexLock lock(&mu_);
     call_context_ = nullptr;
   }
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
@@ -177,7 +178,7 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
     call_context_ = &context;
     stream_ended_ = false;
     answered_ = false;
-    last_answer_ = absl::Now();
+    last_answer_ = clock_->Now();
   }
   std::unique_ptr<grpc::ClientReaderWriterInterface<v1::HeartbeatRequest, v1::HeartbeatResponse>>
       stream = stub_->Heartbeat(&context);
@@ -187,7 +188,7 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
       {
         absl::MutexLock lock(&mu_);
         answered_ = true;
-        last_answer_ = absl::Now();
+        last_answer_ = clock_->Now();
       }
       HandleResponse(response);
       response.Clear();
@@ -202,7 +203,7 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
     absl::MutexLock lock(&mu_);
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return shutdown_ || stream_ended_; };
     if (mu_.AwaitWithTimeout(absl::Condition(&stop), interval)) break;
-    if (absl::Now() - last_answer_ > silence_limit) {
+    if (clock_->Now() - last_answer_ > silence_limit) {
       silent = true;
       context.TryCancel();
       break;

@@ -18,13 +18,14 @@
 // this agent holds) is ignored; one for a slot out of range is reported FAILED.
 //
 // Failures: a broken stream, or FAILED_PRECONDITION / NOT_FOUND from the coordinator (it
-// restarted and forgot the session), leads to a new registration and a new stream with
-// capped exponential backoff (back to the start once a session has received an answer); so
-// does a coordinator that answers no heartbeat for its heartbeat timeout (a hung process or
-// a dead connection);
-// running trainers are not touched, and the coordinator learns of them from the next
-// heartbeat. A coordinator that is unreachable at start is retried the same way. A trainer
-// that crashes is a FAILED report; nothing it does stops the agent.
+// restarted and forgot the session), leads to a new registration and a new stream with the
+// retry policy's backoff (back to the start once a session has received an answer); so does
+// a coordinator that answers no heartbeat for its heartbeat timeout (a hung process or a
+// dead connection); running trainers are not touched, and the coordinator learns of them
+// from the next heartbeat. A coordinator that is unreachable at start is retried the same
+// way; one that refuses the very first registration with a code the retry policy does not
+// retry ends Run with that error. A trainer that crashes is a FAILED report; nothing it does
+// stops the agent.
 //
 // Thread-safety: thread-safe. Run blocks on the calling thread; Shutdown may be called from
 // any thread (not from a signal handler).
@@ -43,6 +44,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
+#include "common/rpc/retry_policy.h"
 #include "grpcpp/client_context.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
@@ -69,9 +72,8 @@ struct WorkerAgentOptions {
 
   // Heartbeat interval when the coordinator's registration answer gives none.
   absl::Duration default_heartbeat_interval = absl::Seconds(2);
-  // Between registration attempts: starts at `initial`, doubles up to `max`.
-  absl::Duration reconnect_backoff_initial = absl::Milliseconds(200);
-  absl::Duration reconnect_backoff_max = absl::Seconds(10);
+  // Between registration attempts (common/rpc/retry_policy.h; max_attempts is not used).
+  RetryOptions reconnect;
   // Deadline of RegisterWorker.
   absl::Duration rpc_timeout = absl::Seconds(10);
   ProgressReporterOptions reporter;
@@ -79,9 +81,11 @@ struct WorkerAgentOptions {
 
 class WorkerAgent {
  public:
-  // REQUIRES: `stub` and `launcher` outlive the agent.
+  // `clock` times the coordinator's silence (the heartbeat timeout); waits between
+  // heartbeats and retries are real time.
+  // REQUIRES: `stub`, `launcher` and `clock` outlive the agent.
   WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInterface* stub,
-              ProcessLauncher* launcher);
+              ProcessLauncher* launcher, const Clock* clock);
   // REQUIRES: Run is not running (it has returned, or was never called).
   ~WorkerAgent();
 
@@ -89,9 +93,10 @@ class WorkerAgent {
   WorkerAgent& operator=(const WorkerAgent&) = delete;
 
   // Serves until Shutdown: returns OK then, after cancelling every trainer, waiting for them
-  // to exit and trying once to report how they ended. INVALID_ARGUMENT for bad options or
-  // when the coordinator refuses the very first registration as INVALID_ARGUMENT; INTERNAL
-  // when the work directory cannot be created. Call at most once.
+  // to exit and trying once to report how they ended. INVALID_ARGUMENT for bad options;
+  // the coordinator's error when it refuses the very first registration with a code that
+  // is not retried (common/rpc/retry_policy.h); INTERNAL when the work directory cannot be
+  // created. Call at most once.
   absl::Status Run();
 
   // Makes Run return (promptly: trainers get their cancel grace, no more). Idempotent.
@@ -131,6 +136,7 @@ class WorkerAgent {
   const WorkerAgentOptions options_;
   v1::WorkerService::StubInterface* const stub_;
   ProcessLauncher* const launcher_;
+  const Clock* const clock_;
   // Declared before the slots: trainers are destroyed first, while it can still take reports.
   ProgressReporter reporter_;
 

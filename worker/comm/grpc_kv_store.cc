@@ -1,10 +1,13 @@
 #include "worker/comm/grpc_kv_store.h"
 
 #include <algorithm>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/rpc/grpc_status.h"
+#include "common/rpc/retry_policy.h"
 #include "grpcpp/client_context.h"
 
 namespace lathe {
@@ -17,14 +20,20 @@ absl::Duration Clamp(absl::Duration timeout) {
   return std::clamp(timeout, absl::ZeroDuration(), kLongestWait);
 }
 
-absl::Status FromGrpc(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
-
 void PrepareContext(grpc::ClientContext* context, absl::Time deadline) {
   context->set_deadline(absl::ToChronoTime(deadline));
   context->set_wait_for_ready(true);
+}
+
+// Runs `rpc` (one call on a fresh context) under the retry policy, every try ending by
+// `deadline`.
+absl::Status Call(const RetryOptions& retry, absl::Time deadline,
+                  const std::function<grpc::Status(grpc::ClientContext*)>& rpc) {
+  return RetryCall(retry, deadline, [&] {
+    grpc::ClientContext context;
+    PrepareContext(&context, deadline);
+    return FromGrpcStatus(rpc(&context));
+  });
 }
 
 }  // namespace
@@ -52,9 +61,9 @@ absl::Status GrpcKvStore::Set(absl::string_view key, absl::string_view value) {
   request.set_key(std::string(key));
   request.set_value(std::string(value));
   v1::RendezvousSetResponse response;
-  grpc::ClientContext context;
-  PrepareContext(&context, absl::Now() + options_.rpc_timeout);
-  return Annotate(FromGrpc(stub_->Set(&context, request, &response)), "Set", key);
+  return Annotate(Call(options_.retry, absl::Now() + options_.rpc_timeout,
+                       [&](grpc::ClientContext* c) { return stub_->Set(c, request, &response); }),
+                  "Set", key);
 }
 
 absl::StatusOr<std::string> GrpcKvStore::GetOnce(absl::string_view key) {
@@ -62,9 +71,9 @@ absl::StatusOr<std::string> GrpcKvStore::GetOnce(absl::string_view key) {
   FillScope(request.mutable_scope());
   request.set_key(std::string(key));
   v1::RendezvousGetResponse response;
-  grpc::ClientContext context;
-  PrepareContext(&context, absl::Now() + options_.rpc_timeout);
-  absl::Status status = FromGrpc(stub_->Get(&context, request, &response));
+  absl::Status status =
+      Call(options_.retry, absl::Now() + options_.rpc_timeout,
+           [&](grpc::ClientContext* c) { return stub_->Get(c, request, &response); });
   if (!status.ok()) return Annotate(status, "Get", key);
   return std::move(*response.mutable_value());
 }
@@ -94,9 +103,10 @@ absl::Status GrpcKvStore::Wait(absl::Span<const std::string> keys, absl::Duratio
   for (const std::string& key : keys) request.add_keys(key);
   request.set_timeout_ms(absl::ToInt64Milliseconds(timeout));
   v1::RendezvousWaitResponse response;
+  // Not retried: the server's DEADLINE_EXCEEDED is the answer ("not set in time").
   grpc::ClientContext context;
   PrepareContext(&context, absl::Now() + timeout + options_.rpc_timeout);
-  return Annotate(FromGrpc(stub_->Wait(&context, request, &response)), "Wait",
+  return Annotate(FromGrpcStatus(stub_->Wait(&context, request, &response)), "Wait",
                   absl::StrJoin(keys, ", "));
 }
 
@@ -106,9 +116,9 @@ absl::StatusOr<int64_t> GrpcKvStore::Add(absl::string_view key, int64_t delta) {
   request.set_key(std::string(key));
   request.set_delta(delta);
   v1::RendezvousAddResponse response;
-  grpc::ClientContext context;
-  PrepareContext(&context, absl::Now() + options_.rpc_timeout);
-  absl::Status status = FromGrpc(stub_->Add(&context, request, &response));
+  absl::Status status =
+      Call(options_.retry, absl::Now() + options_.rpc_timeout,
+           [&](grpc::ClientContext* c) { return stub_->Add(c, request, &response); });
   if (!status.ok()) return Annotate(status, "Add", key);
   return response.value();
 }

@@ -5,11 +5,12 @@
 //
 // Each RPC carries a deadline: `rpc_timeout` for Set, Get and Add, the caller's timeout
 // plus `rpc_timeout` for Wait (the server's own wait is bounded by timeout_ms). RPCs wait
-// for the channel to be ready rather than failing fast, so a coordinator that is briefly
-// unreachable shows up as DEADLINE_EXCEEDED at the deadline, not as an immediate
-// UNAVAILABLE. Get polls for a missing key with Wait, as gloo's store contract needs.
-// Other codes are the server's (absl and gRPC codes coincide), with the call and key
-// prepended to the message.
+// for the channel to be ready rather than failing fast, and a Set, Get or Add that fails
+// with a code the retry policy retries (common/rpc/retry_policy.h) is tried again within
+// its deadline, so a coordinator that is briefly unreachable shows up as DEADLINE_EXCEEDED
+// at the deadline. Wait is not retried: its DEADLINE_EXCEEDED is the server's answer. Get polls for
+// a missing key with Wait, as gloo's store contract needs. Other codes are the server's (absl and
+// gRPC codes coincide), with the call and key prepended to the message.
 //
 // Thread-safety: thread-safe (gRPC stubs are).
 #ifndef LATHE_WORKER_COMM_GRPC_KV_STORE_H_
@@ -19,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "common/rpc/retry_policy.h"
 #include "grpcpp/channel.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "worker/comm/kv_store.h"
@@ -30,6 +32,7 @@ struct GrpcKvStoreOptions {
   int64_t generation = 0;
   // Deadline of one Set, Get or Add call, and the slack added to a Wait's own timeout.
   absl::Duration rpc_timeout = absl::Seconds(10);
+  RetryOptions retry;
 };
 
 class GrpcKvStore final : public KvStore {

@@ -16,7 +16,7 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/peft.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 

@@ -31,28 +31,6 @@ void Add(MemoryUsage& usage, int64_t bytes) {
 
 }  // namespace
 
-absl::string_view MemoryComponentName(MemoryComponent component) {
-  switch (component) {
-    case MemoryComponent::kWeights:
-      return "weights";
-    case MemoryComponent::kTrainable:
-      return "trainable";
-    case MemoryComponent::kGradients:
-      return "gradients";
-    case MemoryComponent::kOptimizer:
-      return "optimizer";
-    case MemoryComponent::kActivations:
-      return "activations";
-    case MemoryComponent::kLogits:
-      return "logits";
-    case MemoryComponent::kCommBuffers:
-      return "comm_buffers";
-    case MemoryComponent::kOverhead:
-      return "overhead";
-  }
-  return "overhead";
-}
-
 MemoryScope::MemoryScope(MemoryComponent component) : previous_(current_component) {
   current_component = component;
 }

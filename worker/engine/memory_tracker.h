@@ -37,27 +37,10 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "worker/engine/torch_compat.h"
+#include "common/memory_components.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
-
-// The eight components of DESIGN.md, in the order of MemoryBreakdown.
-enum class MemoryComponent : uint8_t {
-  kWeights,
-  kTrainable,
-  kGradients,
-  kOptimizer,
-  kActivations,
-  kLogits,
-  kCommBuffers,
-  kOverhead,
-};
-inline constexpr int kNumMemoryComponents = 8;
-
-// Returns the component's name as used in the proto, the CLI and the Prometheus label
-// `component`: "weights", "trainable", "gradients", "optimizer", "activations", "logits",
-// "comm_buffers", "overhead".
-absl::string_view MemoryComponentName(MemoryComponent component);
 
 // Tags the calling thread's CPU allocations with `component` for the scope's lifetime, then
 // restores the tag that was in force before (so scopes nest).

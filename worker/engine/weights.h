@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/safetensors.h"
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 

@@ -1,4 +1,4 @@
-#include "coordinator/scheduler/rendezvous_store.h"
+#include "coordinator/rendezvous/rendezvous_store.h"
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"

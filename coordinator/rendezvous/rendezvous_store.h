@@ -4,8 +4,8 @@
 // of ended attempts are dropped.
 //
 // Thread-safety: thread-safe.
-#ifndef LATHE_COORDINATOR_SCHEDULER_RENDEZVOUS_STORE_H_
-#define LATHE_COORDINATOR_SCHEDULER_RENDEZVOUS_STORE_H_
+#ifndef LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_STORE_H_
+#define LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_STORE_H_
 
 #include <cstdint>
 #include <functional>
@@ -52,4 +52,4 @@ class RendezvousStore {
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_SCHEDULER_RENDEZVOUS_STORE_H_
+#endif  // LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_STORE_H_

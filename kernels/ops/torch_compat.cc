@@ -1,4 +1,4 @@
-#include "worker/engine/torch_compat.h"
+#include "kernels/ops/torch_compat.h"
 
 #if LATHE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>

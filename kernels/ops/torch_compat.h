@@ -3,9 +3,10 @@
 // header instead of <torch/torch.h> (which costs ~30 s per file) and keeps to the API both
 // versions share; where they differ, a helper here hides the difference.
 //
-// It is also the engine's precompiled header.
-#ifndef LATHE_WORKER_ENGINE_TORCH_COMPAT_H_
-#define LATHE_WORKER_ENGINE_TORCH_COMPAT_H_
+// It lives in kernels/ops, the lowest floor that includes libtorch, so that kernels/ops and
+// worker/engine both include it downwards. It is also their precompiled header.
+#ifndef LATHE_KERNELS_OPS_TORCH_COMPAT_H_
+#define LATHE_KERNELS_OPS_TORCH_COMPAT_H_
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -51,4 +52,4 @@ void ResetCudaPeak(int device);
 
 }  // namespace lathe
 
-#endif  // LATHE_WORKER_ENGINE_TORCH_COMPAT_H_
+#endif  // LATHE_KERNELS_OPS_TORCH_COMPAT_H_

@@ -1,0 +1,47 @@
+#include "coordinator/rendezvous/rendezvous_service.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "common/rpc/grpc_status.h"
+
+namespace lathe {
+
+grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext*,
+                                        const v1::RendezvousSetRequest* request,
+                                        v1::RendezvousSetResponse*) {
+  return ToGrpcStatus(store_->Set(request->scope().job_id(), request->scope().generation(),
+                                  request->key(), request->value()));
+}
+
+grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext*,
+                                        const v1::RendezvousGetRequest* request,
+                                        v1::RendezvousGetResponse* response) {
+  absl::StatusOr<std::string> value =
+      store_->Get(request->scope().job_id(), request->scope().generation(), request->key());
+  if (value.ok()) response->set_value(*std::move(value));
+  return ToGrpcStatus(value.status());
+}
+
+grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
+                                         const v1::RendezvousWaitRequest* request,
+                                         v1::RendezvousWaitResponse*) {
+  absl::Time deadline = absl::Now() + absl::Milliseconds(request->timeout_ms());
+  const absl::Time client_deadline = absl::FromChrono(context->deadline());
+  if (client_deadline < deadline) deadline = client_deadline;
+  std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+  return ToGrpcStatus(
+      store_->Wait(request->scope().job_id(), request->scope().generation(), keys, deadline));
+}
+
+grpc::Status RendezvousServiceImpl::Add(grpc::ServerContext*,
+                                        const v1::RendezvousAddRequest* request,
+                                        v1::RendezvousAddResponse* response) {
+  absl::StatusOr<int64_t> value = store_->Add(
+      request->scope().job_id(), request->scope().generation(), request->key(), request->delta());
+  if (value.ok()) response->set_value(*value);
+  return ToGrpcStatus(value.status());
+}
+
+}  // namespace lathe

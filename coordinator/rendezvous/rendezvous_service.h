@@ -1,0 +1,36 @@
+// lathe.v1.RendezvousService over a RendezvousStore: the thin gRPC adapter through which the
+// trainer ranks of one attempt meet (worker/comm/grpc_kv_store.h is its client). Each handler
+// converts its request, calls the store and converts the status; no logic lives here.
+//
+// Thread-safety: thread-safe (the store is).
+#ifndef LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_SERVICE_H_
+#define LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_SERVICE_H_
+
+#include "coordinator/rendezvous/rendezvous_store.h"
+#include "grpcpp/grpcpp.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+
+namespace lathe {
+
+class RendezvousServiceImpl final : public v1::RendezvousService::Service {
+ public:
+  // REQUIRES: `store` outlives the service.
+  explicit RendezvousServiceImpl(RendezvousStore* store) : store_(store) {}
+
+  grpc::Status Set(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
+                   v1::RendezvousSetResponse* response) override;
+  grpc::Status Get(grpc::ServerContext* context, const v1::RendezvousGetRequest* request,
+                   v1::RendezvousGetResponse* response) override;
+  // Waits at most the request's timeout_ms, and never past the client's own deadline.
+  grpc::Status Wait(grpc::ServerContext* context, const v1::RendezvousWaitRequest* request,
+                    v1::RendezvousWaitResponse* response) override;
+  grpc::Status Add(grpc::ServerContext* context, const v1::RendezvousAddRequest* request,
+                   v1::RendezvousAddResponse* response) override;
+
+ private:
+  RendezvousStore* const store_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_SERVICE_H_
