@@ -26,6 +26,10 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
+                                "reference"))
+import trainer_events  # noqa: E402  (flattens the C++ trainer's TrainerEvent lines)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_DIR = os.path.normpath(os.path.join(HERE, ".."))
 REFERENCE = os.path.join(SOURCE_DIR, "tests", "reference", "lathe_reference.py")
@@ -88,11 +92,7 @@ def measure(name, cmd, env):
         stderr.seek(0)
         sys.exit(f"train_bench: {name} failed ({proc.returncode}):\n  $ {' '.join(cmd)}\n"
                  f"{stderr.read()[-4000:]}")
-    events = []
-    for line in out.splitlines():
-        line = line.strip()
-        if line.startswith("{"):
-            events.append(json.loads(line))
+    events = trainer_events.read_events(out)
     steps = [e for e in events if e.get("event") == "step"]
     done = next((e for e in events if e.get("event") == "done"), None)
     if not steps or done is None:

@@ -274,21 +274,6 @@ class SpecReader {
     return absl::OkStatus();
   }
 
-  // Reads a number > `min` (or >= `min` when `inclusive`) and < `max` when given.
-  absl::Status ReadDoubleInRange(const YAML::Node& node, absl::string_view field, double min,
-                                 bool inclusive, std::optional<double> max, double* out) const {
-    LATHE_RETURN_IF_ERROR(ReadDouble(node, field, out));
-    const bool above = inclusive ? *out >= min : *out > min;
-    const bool below = !max.has_value() || *out < *max;
-    if (above && below) return absl::OkStatus();
-    if (max.has_value()) {
-      return Error(field, absl::StrCat("must be in ", inclusive ? "[" : "(", min, ", ", *max,
-                                       "), got ", node.Scalar()));
-    }
-    return Error(field,
-                 absl::StrCat("must be ", inclusive ? ">= " : "> ", min, ", got ", node.Scalar()));
-  }
-
   absl::Status ReadBool(const YAML::Node& node, absl::string_view field, bool* out) const {
     if (node.IsScalar() && !IsStringScalar(node)) {
       const std::string& text = node.Scalar();
@@ -340,7 +325,7 @@ absl::Status ParseData(const SpecReader& r, const YAML::Node& node, DataSpec* da
     LATHE_RETURN_IF_ERROR(r.ReadString(v, "data.eval", &data->eval));
   }
   if (const YAML::Node v = node["seq_len"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "data.seq_len", 2, &data->seq_len));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "data.seq_len", &data->seq_len));
   }
   if (const YAML::Node v = node["pack"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "data.pack", &data->pack));
@@ -354,20 +339,10 @@ absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node,
   if (!node.IsSequence()) {
     return r.Error(kField, absl::StrCat("expected a list, got ", Describe(node)));
   }
-  if (node.size() == 0) return r.Error(kField, "must not be empty");
   targets->clear();
   for (size_t i = 0; i < node.size(); ++i) {
-    const std::string field = absl::StrCat(kField, "[", i, "]");
     std::string target;
-    LATHE_RETURN_IF_ERROR(r.ReadString(node[i], field, &target));
-    if (!IsLoraTargetModule(target)) {
-      return r.Error(field,
-                     absl::StrCat("unknown module ", Describe(node[i]), " (expected one of: ",
-                                  absl::StrJoin(LoraTargetModules(), ", "), ")"));
-    }
-    for (const std::string& earlier : *targets) {
-      if (earlier == target) return r.Error(field, absl::StrCat("duplicate \"", target, "\""));
-    }
+    LATHE_RETURN_IF_ERROR(r.ReadString(node[i], absl::StrCat(kField, "[", i, "]"), &target));
     targets->push_back(std::move(target));
   }
   return absl::OkStatus();
@@ -377,13 +352,13 @@ absl::Status ParseLora(const SpecReader& r, const YAML::Node& node, LoraSpec* lo
   LATHE_RETURN_IF_ERROR(r.ExpectMap(
       node, "lora", {"rank", "alpha", "dropout", "targets", "use_rslora", "init_from"}));
   if (const YAML::Node v = node["rank"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "lora.rank", 1, &lora->rank));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "lora.rank", &lora->rank));
   }
   if (const YAML::Node v = node["alpha"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "lora.alpha", 0, false, {}, &lora->alpha));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "lora.alpha", &lora->alpha));
   }
   if (const YAML::Node v = node["dropout"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "lora.dropout", 0, true, 1.0, &lora->dropout));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "lora.dropout", &lora->dropout));
   }
   if (const YAML::Node v = node["targets"]) {
     LATHE_RETURN_IF_ERROR(ParseLoraTargets(r, v, &lora->targets));
@@ -407,8 +382,7 @@ absl::Status ParseSchedule(const SpecReader& r, const YAML::Node& node, Schedule
                                                    &schedule->kind));
   }
   if (const YAML::Node v = node["warmup_steps"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadIntAtLeast(v, "train.schedule.warmup_steps", 0, &schedule->warmup_steps));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.schedule.warmup_steps", &schedule->warmup_steps));
   }
   return absl::OkStatus();
 }
@@ -420,13 +394,13 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
        "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm", "precision", "seed",
        "checkpoint_every", "keep_checkpoints", "eval_every", "max_nonfinite_steps"}));
   if (const YAML::Node v = node["steps"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.steps", 0, &train->steps));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.steps", &train->steps));
   }
   if (const YAML::Node v = node["epochs"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.epochs", 0, &train->epochs));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.epochs", &train->epochs));
   }
   if (const YAML::Node v = node["global_batch"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.global_batch", 1, &train->global_batch));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.global_batch", &train->global_batch));
   }
   if (const YAML::Node v = node["micro_batch"]) {
     if (v.IsScalar() && v.Scalar() == "auto") {
@@ -439,7 +413,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
     }
   }
   if (const YAML::Node v = node["lr"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "train.lr", 0, false, {}, &train->lr));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.lr", &train->lr));
   }
   if (const YAML::Node v = node["schedule"]) {
     LATHE_RETURN_IF_ERROR(ParseSchedule(r, v, &train->schedule));
@@ -453,23 +427,19 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
                                                     &train->optimizer));
   }
   if (const YAML::Node v = node["adam_beta1"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadDoubleInRange(v, "train.adam_beta1", 0, true, 1.0, &train->adam_beta1));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.adam_beta1", &train->adam_beta1));
   }
   if (const YAML::Node v = node["adam_beta2"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadDoubleInRange(v, "train.adam_beta2", 0, true, 1.0, &train->adam_beta2));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.adam_beta2", &train->adam_beta2));
   }
   if (const YAML::Node v = node["adam_eps"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadDoubleInRange(v, "train.adam_eps", 0, false, {}, &train->adam_eps));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.adam_eps", &train->adam_eps));
   }
   if (const YAML::Node v = node["weight_decay"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadDoubleInRange(v, "train.weight_decay", 0, true, {}, &train->weight_decay));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.weight_decay", &train->weight_decay));
   }
   if (const YAML::Node v = node["max_grad_norm"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadDoubleInRange(v, "train.max_grad_norm", 0, true, {}, &train->max_grad_norm));
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.max_grad_norm", &train->max_grad_norm));
   }
   if (const YAML::Node v = node["precision"]) {
     LATHE_RETURN_IF_ERROR(r.ReadEnum<Precision>(
@@ -481,19 +451,16 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
     LATHE_RETURN_IF_ERROR(r.ReadUint(v, "train.seed", &train->seed));
   }
   if (const YAML::Node v = node["checkpoint_every"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadIntAtLeast(v, "train.checkpoint_every", 0, &train->checkpoint_every));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.checkpoint_every", &train->checkpoint_every));
   }
   if (const YAML::Node v = node["keep_checkpoints"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadIntAtLeast(v, "train.keep_checkpoints", 1, &train->keep_checkpoints));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.keep_checkpoints", &train->keep_checkpoints));
   }
   if (const YAML::Node v = node["eval_every"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.eval_every", 0, &train->eval_every));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.eval_every", &train->eval_every));
   }
   if (const YAML::Node v = node["max_nonfinite_steps"]) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadIntAtLeast(v, "train.max_nonfinite_steps", 1, &train->max_nonfinite_steps));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.max_nonfinite_steps", &train->max_nonfinite_steps));
   }
   return absl::OkStatus();
 }
@@ -501,7 +468,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
 absl::Status ParseResources(const SpecReader& r, const YAML::Node& node, ResourcesSpec* resources) {
   LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "resources", {"ranks", "device", "memory_per_rank"}));
   if (const YAML::Node v = node["ranks"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "resources.ranks", 1, &resources->ranks));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "resources.ranks", &resources->ranks));
   }
   if (const YAML::Node v = node["device"]) {
     LATHE_RETURN_IF_ERROR(r.ReadEnum<DeviceKind>(
@@ -536,10 +503,6 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
   strategy->automatic = false;
   if (const YAML::Node v = node["zero_stage"]) {
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "strategy.zero_stage", &strategy->zero_stage));
-    if (strategy->zero_stage < 0 || strategy->zero_stage > 3) {
-      return r.Error("strategy.zero_stage",
-                     absl::StrCat("must be 0, 1, 2 or 3, got ", strategy->zero_stage));
-    }
   }
   if (const YAML::Node v = node["offload_optimizer"]) {
     LATHE_RETURN_IF_ERROR(
@@ -558,11 +521,6 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
   if (const YAML::Node v = node["fused_kernels"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.fused_kernels", &strategy->fused_kernels));
   }
-  // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
-  if (strategy->offload_params && strategy->zero_stage != 3) {
-    return r.Error("strategy.offload_params",
-                   absl::StrCat("requires zero_stage 3, got zero_stage ", strategy->zero_stage));
-  }
   return absl::OkStatus();
 }
 
@@ -576,9 +534,112 @@ bool IsValidJobName(absl::string_view name) {
   return true;
 }
 
-// Checks that involve more than one field.
-absl::Status ValidateSpec(const SpecReader& r, const JobSpec& spec) {
+// A string for an error message: quoted, escaped, kept to one short line.
+std::string Quoted(absl::string_view text) {
+  constexpr size_t kMaxChars = 40;
+  std::string shown = absl::CHexEscape(text.substr(0, kMaxChars));
+  return absl::StrCat("\"", shown, text.size() > kMaxChars ? "...\"" : "\"");
+}
+
+// The value checks of ValidateJobSpec, each naming its field.
+class ValueChecker {
+ public:
+  explicit ValueChecker(const SpecReader& r) : r_(r) {}
+
+  absl::Status AtLeast(absl::string_view field, int64_t value, int64_t min) const {
+    if (value >= min) return absl::OkStatus();
+    return r_.Error(field, absl::StrCat("must be >= ", min, ", got ", value));
+  }
+  // value > min (or >= min when `inclusive`), and < max when given; finite.
+  absl::Status InRange(absl::string_view field, double value, double min, bool inclusive,
+                       std::optional<double> max = std::nullopt) const {
+    if (!std::isfinite(value)) return r_.Error(field, absl::StrCat("must be finite, got ", value));
+    const bool above = inclusive ? value >= min : value > min;
+    if (above && (!max.has_value() || value < *max)) return absl::OkStatus();
+    if (max.has_value()) {
+      return r_.Error(field, absl::StrCat("must be in ", inclusive ? "[" : "(", min, ", ", *max,
+                                          "), got ", value));
+    }
+    return r_.Error(field,
+                    absl::StrCat("must be ", inclusive ? ">= " : "> ", min, ", got ", value));
+  }
+  absl::Status Present(absl::string_view field, const std::string& value) const {
+    return value.empty() ? r_.Missing(field) : absl::OkStatus();
+  }
+
+ private:
+  const SpecReader& r_;
+};
+
+absl::Status ValidateLoraTargets(const SpecReader& r, const std::vector<std::string>& targets) {
+  constexpr absl::string_view kField = "lora.targets";
+  if (targets.empty()) return r.Error(kField, "must not be empty");
+  for (size_t i = 0; i < targets.size(); ++i) {
+    const std::string field = absl::StrCat(kField, "[", i, "]");
+    if (!IsLoraTargetModule(targets[i])) {
+      return r.Error(field,
+                     absl::StrCat("unknown module ", Quoted(targets[i]), " (expected one of: ",
+                                  absl::StrJoin(LoraTargetModules(), ", "), ")"));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (targets[j] == targets[i])
+        return r.Error(field, absl::StrCat("duplicate ", Quoted(targets[i])));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
+  const ValueChecker check(r);
+  LATHE_RETURN_IF_ERROR(check.Present("name", spec.name));
+  if (!IsValidJobName(spec.name)) {
+    return r.Error("name", absl::StrCat(Quoted(spec.name),
+                                        " must be 1 to 63 characters from A-Z a-z 0-9 . _ -"));
+  }
+  LATHE_RETURN_IF_ERROR(check.Present("model.path", spec.model.path));
+  LATHE_RETURN_IF_ERROR(check.Present("data.train", spec.data.train));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("data.seq_len", spec.data.seq_len, 2));
+
+  const LoraSpec& lora = spec.lora;
+  LATHE_RETURN_IF_ERROR(check.AtLeast("lora.rank", lora.rank, 1));
+  LATHE_RETURN_IF_ERROR(check.InRange("lora.alpha", lora.alpha, 0, false));
+  LATHE_RETURN_IF_ERROR(check.InRange("lora.dropout", lora.dropout, 0, true, 1.0));
+  LATHE_RETURN_IF_ERROR(ValidateLoraTargets(r, lora.targets));
+
   const TrainSpec& train = spec.train;
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.steps", train.steps, 0));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.epochs", train.epochs, 0));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.global_batch", train.global_batch, 1));
+  // 0 is "auto".
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.micro_batch", train.micro_batch, 0));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.lr", train.lr, 0, false));
+  LATHE_RETURN_IF_ERROR(
+      check.AtLeast("train.schedule.warmup_steps", train.schedule.warmup_steps, 0));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.adam_beta1", train.adam_beta1, 0, true, 1.0));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.adam_beta2", train.adam_beta2, 0, true, 1.0));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.adam_eps", train.adam_eps, 0, false));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.weight_decay", train.weight_decay, 0, true));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.max_grad_norm", train.max_grad_norm, 0, true));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.checkpoint_every", train.checkpoint_every, 0));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.keep_checkpoints", train.keep_checkpoints, 1));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.eval_every", train.eval_every, 0));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("train.max_nonfinite_steps", train.max_nonfinite_steps, 1));
+  LATHE_RETURN_IF_ERROR(check.AtLeast("resources.ranks", spec.resources.ranks, 1));
+
+  const StrategySpec& strategy = spec.strategy;
+  if (strategy.zero_stage < 0 || strategy.zero_stage > 3) {
+    return r.Error("strategy.zero_stage",
+                   absl::StrCat("must be 0, 1, 2 or 3, got ", strategy.zero_stage));
+  }
+  // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
+  if (strategy.offload_params && strategy.zero_stage != 3) {
+    return r.Error("strategy.offload_params",
+                   absl::StrCat("requires zero_stage 3, got zero_stage ", strategy.zero_stage));
+  }
+  LATHE_RETURN_IF_ERROR(check.AtLeast("max_restarts", spec.max_restarts, 0));
+  LATHE_RETURN_IF_ERROR(check.Present("output", spec.output));
+
+  // Checks that involve more than one field.
   if ((train.steps > 0) == (train.epochs > 0)) {
     return r.Error("train.steps",
                    absl::StrCat("exactly one of train.steps and train.epochs must be > 0, got ",
@@ -622,21 +683,13 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
   JobSpec spec;
   if (const YAML::Node v = root["name"]) {
     LATHE_RETURN_IF_ERROR(r.ReadString(v, "name", &spec.name));
-    if (!IsValidJobName(spec.name)) {
-      return r.Error(
-          "name", absl::StrCat(Describe(v), " must be 1 to 63 characters from A-Z a-z 0-9 . _ -"));
-    }
-  } else {
-    return r.Missing("name");
   }
   if (const YAML::Node v = root["model"]) {
     LATHE_RETURN_IF_ERROR(ParseModel(r, v, &spec.model));
   }
-  if (spec.model.path.empty()) return r.Missing("model.path");
   if (const YAML::Node v = root["data"]) {
     LATHE_RETURN_IF_ERROR(ParseData(r, v, &spec.data));
   }
-  if (spec.data.train.empty()) return r.Missing("data.train");
   if (const YAML::Node v = root["method"]) {
     LATHE_RETURN_IF_ERROR(r.ReadEnum<Method>(
         v, "method", {{"lora", Method::kLora}, {"full", Method::kFull}, {"qlora", Method::kQLora}},
@@ -658,14 +711,12 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "priority", &spec.priority));
   }
   if (const YAML::Node v = root["max_restarts"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "max_restarts", 0, &spec.max_restarts));
+    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "max_restarts", &spec.max_restarts));
   }
   if (const YAML::Node v = root["output"]) {
     LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "output", &spec.output));
-  } else {
-    return r.Missing("output");
   }
-  LATHE_RETURN_IF_ERROR(ValidateSpec(r, spec));
+  LATHE_RETURN_IF_ERROR(Validate(r, spec));
   return spec;
 }
 
@@ -687,6 +738,10 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
     // Not expected: the reader checks node types before every access.
     return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
   }
+}
+
+absl::Status ValidateJobSpec(const JobSpec& spec, absl::string_view source) {
+  return Validate(SpecReader(source), spec);
 }
 
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {

@@ -115,11 +115,17 @@ struct JobSpec {
 
 // Parses and validates a spec in YAML or JSON. `source` names the file in messages.
 // INVALID_ARGUMENT with a one-line message "<source>: <field.path>: <problem>" for:
-// malformed YAML/JSON, a missing required field, a value of the wrong type, an unknown
-// field (typos must not pass silently), an unknown enum value, and out-of-range values
-// (rank <= 0, lr <= 0, seq_len < 2, ranks < 1, dropout outside [0, 1), global_batch not
-// divisible by micro_batch x ranks, both or neither of steps/epochs, ...).
+// malformed YAML/JSON, a value of the wrong type, an unknown field (typos must not pass
+// silently), an unknown enum value, and everything ValidateJobSpec refuses.
 absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source);
+
+// The value checks every spec passes, however it arrived (a file, or a proto through
+// common/proto/job_spec_proto.h): INVALID_ARGUMENT "<source>: <field.path>: <problem>" for a
+// missing required field, an out-of-range value (rank <= 0, lr <= 0, seq_len < 2, ranks < 1,
+// dropout outside [0, 1), a non-finite number, an unknown LoRA target, ...) and fields that
+// disagree (global_batch not divisible by micro_batch x ranks, both or neither of
+// steps/epochs, offload_params below ZeRO-3, ...). The first problem is reported.
+absl::Status ValidateJobSpec(const JobSpec& spec, absl::string_view source);
 
 // Reads and parses the file at `path`. NOT_FOUND naming the file when it is missing.
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);

@@ -12,7 +12,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "common/capabilities.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
 
@@ -285,9 +287,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
 
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> model_type, fields.String("model_type"));
   if (!model_type.has_value()) return fields.Error("model_type", "required field is missing");
-  if (*model_type != "llama" && *model_type != "mistral" && *model_type != "qwen2") {
-    return fields.Error("model_type", absl::StrCat("unsupported \"", *model_type,
-                                                   "\" (supported: llama, mistral, qwen2)"));
+  if (!IsSupportedModelType(*model_type)) {
+    return fields.Error("model_type", absl::StrCat("unsupported \"", *model_type, "\" (supported: ",
+                                                   absl::StrJoin(Engine().model_types, ", "), ")"));
   }
   config.model_type = *model_type;
 

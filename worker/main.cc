@@ -1,5 +1,6 @@
 // lathe-worker: the worker binary.
 //   train --spec FILE   run a job spec in this process, no coordinator (docs/training.md)
+//   train --task FILE   run one rank of an attempt, as a worker agent starts it
 //   score --model DIR   mean loss (and optionally logits) of a model (+ adapter) on data
 //   agent --coordinator ADDR   register with a coordinator and run the ranks it assigns
 #include <signal.h>
@@ -13,6 +14,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/command_line.h"
@@ -20,9 +22,13 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/peft.h"
+#include "common/plan.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC)
+#ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC, no protobuf)
+#include "common/proto/job_spec_proto.h"
+#include "common/proto/memory_breakdown.h"
+#include "common/proto/trainer_io.h"
 #include "grpcpp/grpcpp.h"
 #include "worker/agent/agent_main.h"
 #include "worker/comm/gloo_communicator.h"
@@ -47,64 +53,187 @@ nlohmann::json Number(std::optional<double> value) {
   return *value;
 }
 
-nlohmann::json PathOrNull(const std::string& path) {
-  return path.empty() ? nlohmann::json(nullptr) : nlohmann::json(path);
-}
-
 absl::StatusOr<bool> JsonOutput(const ParsedFlags& flags) {
   std::string output = flags.Get("output", "table");
   if (output != "table" && output != "json") {
     return absl::InvalidArgumentError(
         absl::StrCat("--output: expected table or json, got \"", output, "\""));
   }
+#ifndef LATHE_WITH_AGENT
+  if (output == "json" && flags.Has("spec")) {
+    // Events are protobuf messages (proto/lathe/v1/trainer.proto), which this build lacks.
+    return absl::UnimplementedError("--output json: this engine-only build has no protobuf");
+  }
+#endif
   return output == "json";
 }
 
 const std::vector<FlagSpec> kTrainFlags = {
-    {"spec", true, "job spec (YAML or JSON)"},
-    {"output", true, "table | json (default table)"},
+    {"spec", true,
+     "job spec (YAML or JSON) to run alone, with the plan the coordinator would make"},
+#ifdef LATHE_WITH_AGENT
+    {"task", true, "trainer task written by a worker agent: spec, plan, rank, rendezvous"},
+#endif
+    {"output", true, "table | json: one TrainerEvent per line (default table)"},
     {"threads", true, "intra-op threads (default: every core)"},
-    {"rank", true, "this process's rank (set by the agent; default 0)"},
-    {"world-size", true, "ranks in the attempt (set by the agent; default 1)"},
-    {"job-id", true, "job id (set by the agent, for logs and rendezvous)"},
-    {"generation", true, "attempt generation (set by the agent)"},
-    {"coordinator", true, "coordinator address for rendezvous (set by the agent)"},
+    {"peak-flops", true,
+     "the device's peak FLOP/s for MFU (default: the task's, else looked up (CUDA) or measured "
+     "(CPU))"},
 };
 
-absl::Status Train(const ParsedFlags& flags) {
-  if (!flags.Has("spec")) return absl::InvalidArgumentError("--spec is required");
-  LATHE_ASSIGN_OR_RETURN(bool json, JsonOutput(flags));
-  MemoryTracker::Install();  // before any thread allocates through libtorch
+// What `train` runs, from --spec or --task.
+struct TrainJob {
+  JobSpec spec;
+  Plan plan;
   TrainerOptions options;
+  std::string job_id;
+  int64_t generation = 0;
+  std::string rendezvous_address;
+};
+
+absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
+  TrainJob job;
+  if (flags.Has("spec") == flags.Has("task")) {
+    return absl::InvalidArgumentError("exactly one of --spec and --task is required");
+  }
+  if (flags.Has("spec")) {
+    LATHE_ASSIGN_OR_RETURN(job.spec, LoadJobSpec(flags.Get("spec")));
+    job.plan = PlanFromSpec(job.spec);
+  }
+#ifdef LATHE_WITH_AGENT
+  if (flags.Has("task")) {
+    const std::string path = flags.Get("task");
+    LATHE_ASSIGN_OR_RETURN(v1::TrainerTask task, ReadTrainerTask(path));
+    LATHE_ASSIGN_OR_RETURN(job.spec, JobSpecFromProto(task.spec(), path));
+    LATHE_ASSIGN_OR_RETURN(job.plan, PlanFromProto(task.plan(), path));
+    job.options.rank = task.rank();
+    job.options.world_size = task.world_size();
+    job.options.peak_flops = task.peak_flops();
+    job.job_id = task.job_id();
+    job.generation = task.generation();
+    job.rendezvous_address = task.rendezvous_address();
+  }
+#endif
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
-  options.threads = static_cast<int>(threads);
-  LATHE_ASSIGN_OR_RETURN(options.rank, flags.GetInt("rank", 0));
-  LATHE_ASSIGN_OR_RETURN(options.world_size, flags.GetInt("world-size", 1));
-  LATHE_ASSIGN_OR_RETURN(JobSpec spec, LoadJobSpec(flags.Get("spec")));
+  job.options.threads = static_cast<int>(threads);
+  if (flags.Has("peak-flops")) {
+    double peak = 0;
+    if (!absl::SimpleAtod(flags.Get("peak-flops"), &peak) || !(peak > 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--peak-flops: expected a positive number, got \"", flags.Get("peak-flops"), "\""));
+    }
+    job.options.peak_flops = peak;
+  }
+  return job;
+}
+
+#ifdef LATHE_WITH_AGENT
+void PrintEvent(const v1::TrainerEvent& event) {
+  std::cout << TrainerEventLine(event) << std::endl;
+}
+
+v1::TrainerEvent StartEvent(const Trainer& trainer) {
+  v1::TrainerEvent event;
+  v1::TrainerStart* start = event.mutable_start();
+  *start->mutable_plan() = PlanToProto(trainer.plan());
+  start->set_total_steps(trainer.total_steps());
+  start->set_resumed_from_step(trainer.resume_step());
+  for (const std::string& skipped : trainer.skipped_checkpoints()) {
+    start->add_skipped_checkpoints(skipped);
+  }
+  start->set_model_flops_per_token(trainer.model_flops_per_token());
+  start->set_peak_flops(trainer.peak_flops());
+  return event;
+}
+
+v1::TrainerEvent StepEvent(const StepReport& r) {
+  v1::TrainerEvent event;
+  v1::TrainerStep* step = event.mutable_step();
+  step->set_tokens(r.tokens);
+  step->set_seconds(r.seconds);
+  step->set_skipped(r.skipped);
+  v1::Progress* p = step->mutable_progress();
+  p->set_step(r.step);
+  p->set_total_steps(r.steps);
+  // A skipped step's loss is not finite, which JSON cannot carry as a number.
+  if (r.loss && std::isfinite(*r.loss)) p->set_loss(*r.loss);
+  p->set_lr(r.lr);
+  p->set_grad_norm(r.grad_norm);  // protobuf JSON writes a non-finite one as "NaN"
+  p->set_tokens_per_second(r.seconds > 0 ? r.tokens / r.seconds : 0.0);
+  p->set_mfu(r.mfu);
+  if (r.eval_loss) p->set_eval_loss(*r.eval_loss);
+  for (MemoryComponent c : kMemoryComponents) {
+    SetComponentBytes(p->mutable_memory(), c,
+                      static_cast<uint64_t>(r.memory_at_peak[static_cast<int>(c)]));
+  }
+  p->mutable_memory()->set_total(static_cast<uint64_t>(r.peak_bytes));
+  p->set_skipped_steps(r.skipped_steps);
+  p->set_loss_scale(r.loss_scale);
+  v1::StepPhases* phases = p->mutable_phases();
+  phases->set_forward(r.phases.forward);
+  phases->set_loss(r.phases.loss);
+  phases->set_backward(r.phases.backward);
+  phases->set_comm(r.phases.comm);
+  phases->set_optimizer(r.phases.optimizer);
+  p->set_step_seconds(r.mean_step_seconds);
+  return event;
+}
+
+v1::TrainerEvent DoneEvent(const TrainResult& result) {
+  v1::TrainerEvent event;
+  v1::TrainerDone* done = event.mutable_done();
+  done->set_steps(result.steps);
+  done->set_skipped_steps(result.skipped_steps);
+  if (result.final_loss && std::isfinite(*result.final_loss)) {
+    done->set_final_loss(*result.final_loss);
+  }
+  if (result.eval_loss) done->set_eval_loss(*result.eval_loss);
+  done->set_adapter_path(result.adapter_dir);
+  done->set_model_path(result.model_dir);
+  done->set_seconds(result.seconds);
+  done->set_tokens_per_second(result.tokens_per_second);
+  done->set_peak_rss_bytes(static_cast<uint64_t>(result.peak_rss_bytes));
+  done->set_peak_bytes(static_cast<uint64_t>(result.peak_bytes));
+  return event;
+}
+
+v1::TrainerEvent ErrorEvent(const absl::Status& status) {
+  v1::TrainerEvent event;
+  event.mutable_error()->set_code(absl::StatusCodeToString(status.code()));
+  event.mutable_error()->set_message(std::string(status.message()));
+  return event;
+}
+#endif  // LATHE_WITH_AGENT
+
+absl::Status Train(const ParsedFlags& flags, bool json) {
+  MemoryTracker::Install();  // before any thread allocates through libtorch
+  LATHE_ASSIGN_OR_RETURN(TrainJob job, LoadTrainJob(flags));
+  const JobSpec& spec = job.spec;
 #ifdef LATHE_WITH_AGENT
   // Several ranks meet through the coordinator's rendezvous store and talk over gloo.
   std::unique_ptr<KvStore> store;
   std::unique_ptr<Communicator> comm;
-  if (options.world_size > 1) {
-    if (!flags.Has("coordinator") || !flags.Has("job-id") || !flags.Has("generation")) {
+  if (job.options.world_size > 1) {
+    if (job.rendezvous_address.empty() || job.job_id.empty()) {
       return absl::InvalidArgumentError(
-          "--world-size above 1 needs --coordinator, --job-id and --generation");
+          "the task's world_size is above 1 but it names no rendezvous_address or job_id");
     }
     GrpcKvStoreOptions store_options;
-    store_options.job_id = flags.Get("job-id");
-    LATHE_ASSIGN_OR_RETURN(store_options.generation, flags.GetInt("generation", 0));
+    store_options.job_id = job.job_id;
+    store_options.generation = job.generation;
     store = std::make_unique<GrpcKvStore>(
-        grpc::CreateChannel(flags.Get("coordinator"), grpc::InsecureChannelCredentials()),
+        grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
         store_options);
     absl::StatusOr<std::unique_ptr<Communicator>> connected =
-        ConnectGloo(store.get(), static_cast<int>(options.rank),
-                    static_cast<int>(options.world_size), GlooOptions{});
+        ConnectGloo(store.get(), static_cast<int>(job.options.rank),
+                    static_cast<int>(job.options.world_size), GlooOptions{});
     if (!connected.ok()) return Annotate(connected.status(), "connecting the ranks");
     comm = *std::move(connected);
-    options.comm = comm.get();
+    job.options.comm = comm.get();
   }
 #endif
-  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(spec, options));
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
+                         Trainer::Create(spec, job.plan, job.options));
   for (const std::string& skipped : trainer->skipped_checkpoints()) {
     std::cerr << "lathe-worker train: skipping checkpoint " << skipped << "\n";
   }
@@ -119,75 +248,54 @@ absl::Status Train(const ParsedFlags& flags) {
     if (Trainer* t = g_trainer.load()) t->RequestStop();
   };
   sigaction(SIGTERM, &action, nullptr);
+  const Plan& plan = trainer->plan();
   if (json) {
-    std::cout << nlohmann::json{{"event", "start"},
-                                {"job", spec.name},
-                                {"steps", trainer->total_steps()},
-                                {"micro_batch", trainer->micro_batch()},
-                                {"global_batch", spec.train.global_batch}}
-                     .dump()
-              << std::endl;
+#ifdef LATHE_WITH_AGENT
+    PrintEvent(StartEvent(*trainer));
+#endif
   } else {
-    std::cout << absl::StrFormat("job %s: %d steps, global batch %d, micro-batch %d\n", spec.name,
-                                 trainer->total_steps(), spec.train.global_batch,
-                                 trainer->micro_batch());
+    std::cout << absl::StrFormat(
+        "job %s: %d steps, global batch %d, micro-batch %d x %d accumulation on %d rank(s)%s\n",
+        spec.name, trainer->total_steps(), spec.train.global_batch, plan.micro_batch,
+        plan.gradient_accumulation, plan.ranks,
+        plan.activation_checkpointing ? ", activation checkpointing" : "");
   }
   auto on_step = [json](const StepReport& r) {
-    double tokens_per_s = r.seconds > 0 ? r.tokens / r.seconds : 0.0;
     if (json) {
-      nlohmann::json memory;
-      for (int i = 0; i < kNumMemoryComponents; ++i) {
-        memory[std::string(MemoryComponentName(static_cast<MemoryComponent>(i)))] =
-            r.memory_at_peak[i];
-      }
-      memory["total"] = r.peak_bytes;
-      const nlohmann::json phases = {{"forward", r.phases.forward},
-                                     {"loss", r.phases.loss},
-                                     {"backward", r.phases.backward},
-                                     {"comm", r.phases.comm},
-                                     {"optimizer", r.phases.optimizer}};
-      std::cout << nlohmann::json{{"event", "step"},
-                                  {"step", r.step},
-                                  {"steps", r.steps},
-                                  {"loss", Number(r.loss)},
-                                  {"lr", r.lr},
-                                  {"grad_norm", r.grad_norm},
-                                  {"skipped", r.skipped},
-                                  {"loss_scale", r.loss_scale},
-                                  {"tokens", r.tokens},
-                                  {"tokens_per_s", tokens_per_s},
-                                  {"eval_loss", Number(r.eval_loss)},
-                                  {"memory", memory},
-                                  {"phases", phases}}
-                       .dump()
-                << std::endl;
-    } else {
-      std::cout
-          << absl::StrFormat(
-                 "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  peak %.1f MiB",
-                 r.step, r.steps,
-                 !r.loss     ? "no targets"
-                 : r.skipped ? absl::StrFormat("%g (not finite: step skipped)", *r.loss)
-                             : absl::StrFormat("%.4f", *r.loss),
-                 r.lr, r.grad_norm, tokens_per_s, r.peak_bytes / 1048576.0)
-          << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "") << std::endl;
+#ifdef LATHE_WITH_AGENT
+      PrintEvent(StepEvent(r));
+#endif
+      return;
     }
-  };
-  LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step));
-  if (json) {
-    std::cout << nlohmann::json{{"event", "done"},
-                                {"steps", result.steps},
-                                {"skipped_steps", result.skipped_steps},
-                                {"final_loss", Number(result.final_loss)},
-                                {"eval_loss", Number(result.eval_loss)},
-                                {"adapter", PathOrNull(result.adapter_dir)},
-                                {"model", PathOrNull(result.model_dir)},
-                                {"seconds", result.seconds},
-                                {"tokens_per_s", result.tokens_per_second},
-                                {"peak_rss_bytes", result.peak_rss_bytes},
-                                {"peak_bytes", result.peak_bytes}}
-                     .dump()
+    const double tokens_per_s = r.seconds > 0 ? r.tokens / r.seconds : 0.0;
+    std::cout << absl::StrFormat(
+                     "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  MFU %.1f%%  "
+                     "peak %.1f MiB",
+                     r.step, r.steps,
+                     !r.loss     ? "no targets"
+                     : r.skipped ? absl::StrFormat("%g (not finite: step skipped)", *r.loss)
+                                 : absl::StrFormat("%.4f", *r.loss),
+                     r.lr, r.grad_norm, tokens_per_s, 100 * r.mfu, r.peak_bytes / 1048576.0)
+              << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "")
               << std::endl;
+  };
+  auto on_checkpoint = [json](int64_t step, const std::string& dir) {
+    if (json) {
+#ifdef LATHE_WITH_AGENT
+      v1::TrainerEvent event;
+      event.mutable_checkpoint()->set_step(step);
+      event.mutable_checkpoint()->set_path(dir);
+      PrintEvent(event);
+#endif
+      return;
+    }
+    std::cout << "checkpoint after step " << step << ": " << dir << std::endl;
+  };
+  LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step, on_checkpoint));
+  if (json) {
+#ifdef LATHE_WITH_AGENT
+    PrintEvent(DoneEvent(result));
+#endif
   } else {
     std::cout << absl::StrFormat("done: %d steps in %.1f s, %.0f tokens/s, peak RSS %.1f MiB\n",
                                  result.steps, result.seconds, result.tokens_per_second,
@@ -210,11 +318,10 @@ const std::vector<FlagSpec> kScoreFlags = {
     {"threads", true, "intra-op threads (default: every core)"},
 };
 
-absl::Status Score(const ParsedFlags& flags) {
+absl::Status Score(const ParsedFlags& flags, bool json) {
   if (!flags.Has("model") || !flags.Has("data")) {
     return absl::InvalidArgumentError("--model and --data are required");
   }
-  LATHE_ASSIGN_OR_RETURN(bool json, JsonOutput(flags));
   LATHE_ASSIGN_OR_RETURN(int64_t seq_len, flags.GetInt("seq-len", 1024));
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
   if (seq_len < 2) return absl::InvalidArgumentError("--seq-len must be >= 2");
@@ -292,8 +399,15 @@ int Main(int argc, char** argv) {
     std::cerr << "lathe-worker " << command << ": " << flags.status().message() << "\n";
     return 2;
   }
-  absl::Status status = command == "train" ? Train(*flags) : Score(*flags);
+  absl::StatusOr<bool> json = JsonOutput(*flags);
+  absl::Status status = !json.ok()           ? json.status()
+                        : command == "train" ? Train(*flags, *json)
+                                             : Score(*flags, *json);
   if (!status.ok()) {
+#ifdef LATHE_WITH_AGENT
+    // Whoever reads the events learns why the run ended from the last one.
+    if (command == "train" && json.ok() && *json) PrintEvent(ErrorEvent(status));
+#endif
     std::cerr << "lathe-worker " << command << ": " << status.message() << "\n";
     return 1;
   }

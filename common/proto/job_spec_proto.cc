@@ -1,246 +1,70 @@
 #include "common/proto/job_spec_proto.h"
 
-#include <cstdint>
 #include <string>
 #include <utility>
 
-#include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
-#include "common/job_spec.h"
-#include "lathe/v1/job.pb.h"
-#include "nlohmann/json.hpp"
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "common/memory_components.h"
+#include "common/proto/memory_breakdown.h"
+#include "common/status_macros.h"
 
 namespace lathe {
 namespace {
 
-using Json = nlohmann::ordered_json;
+// One enum's correspondence between the C++ value, the proto value and the spec's word.
+template <typename T, typename P>
+struct EnumPair {
+  T value;
+  P proto;
+};
 
-v1::Method ToProto(Method method) {
-  switch (method) {
-    case Method::kLora:
-      return v1::METHOD_LORA;
-    case Method::kFull:
-      return v1::METHOD_FULL;
-    case Method::kQLora:
-      return v1::METHOD_QLORA;
+template <typename T, typename P, size_t N>
+P ToProtoEnum(const EnumPair<T, P> (&pairs)[N], T value) {
+  for (const auto& pair : pairs) {
+    if (pair.value == value) return pair.proto;
   }
-  return v1::METHOD_UNSPECIFIED;
+  return P{};
 }
 
-v1::ScheduleKind ToProto(ScheduleKind kind) {
-  switch (kind) {
-    case ScheduleKind::kCosine:
-      return v1::SCHEDULE_KIND_COSINE;
-    case ScheduleKind::kLinear:
-      return v1::SCHEDULE_KIND_LINEAR;
-    case ScheduleKind::kConstant:
-      return v1::SCHEDULE_KIND_CONSTANT;
+// UNSPECIFIED (0) is the default `fallback`; an unknown number is refused naming `field`.
+template <typename T, typename P, size_t N>
+absl::StatusOr<T> FromProtoEnum(const EnumPair<T, P> (&pairs)[N], P proto, T fallback,
+                                absl::string_view source, absl::string_view field) {
+  if (static_cast<int>(proto) == 0) return fallback;
+  for (const auto& pair : pairs) {
+    if (pair.proto == proto) return pair.value;
   }
-  return v1::SCHEDULE_KIND_UNSPECIFIED;
+  return absl::InvalidArgumentError(absl::StrCat(source, ": ", field, ": unknown value ",
+                                                 static_cast<int>(proto),
+                                                 " (this build does not know it)"));
 }
 
-v1::Optimizer ToProto(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kAdamW:
-      return v1::OPTIMIZER_ADAMW;
-    case OptimizerKind::kAdamW8bit:
-      return v1::OPTIMIZER_ADAMW_8BIT;
-    case OptimizerKind::kAdafactor:
-      return v1::OPTIMIZER_ADAFACTOR;
-    case OptimizerKind::kSgd:
-      return v1::OPTIMIZER_SGD;
-  }
-  return v1::OPTIMIZER_UNSPECIFIED;
-}
-
-v1::Precision ToProto(Precision precision) {
-  switch (precision) {
-    case Precision::kFp32:
-      return v1::PRECISION_FP32;
-    case Precision::kBf16:
-      return v1::PRECISION_BF16;
-    case Precision::kFp16:
-      return v1::PRECISION_FP16;
-  }
-  return v1::PRECISION_UNSPECIFIED;
-}
-
-v1::Device ToProto(DeviceKind device) {
-  switch (device) {
-    case DeviceKind::kCpu:
-      return v1::DEVICE_CPU;
-    case DeviceKind::kCuda:
-      return v1::DEVICE_CUDA;
-  }
-  return v1::DEVICE_UNSPECIFIED;
-}
-
-// The YAML spelling of a proto enum value. A value this build does not know (proto3 enums
-// are open) is written as its number, so that ParseJobSpec rejects it naming the field
-// instead of it being dropped silently.
-Json MethodJson(v1::Method method) {
-  switch (method) {
-    case v1::METHOD_LORA:
-      return std::string(MethodName(Method::kLora));
-    case v1::METHOD_FULL:
-      return std::string(MethodName(Method::kFull));
-    case v1::METHOD_QLORA:
-      return std::string(MethodName(Method::kQLora));
-    default:
-      return static_cast<int>(method);
-  }
-}
-
-Json ScheduleKindJson(v1::ScheduleKind kind) {
-  switch (kind) {
-    case v1::SCHEDULE_KIND_COSINE:
-      return std::string(ScheduleKindName(ScheduleKind::kCosine));
-    case v1::SCHEDULE_KIND_LINEAR:
-      return std::string(ScheduleKindName(ScheduleKind::kLinear));
-    case v1::SCHEDULE_KIND_CONSTANT:
-      return std::string(ScheduleKindName(ScheduleKind::kConstant));
-    default:
-      return static_cast<int>(kind);
-  }
-}
-
-Json OptimizerJson(v1::Optimizer optimizer) {
-  switch (optimizer) {
-    case v1::OPTIMIZER_ADAMW:
-      return std::string(OptimizerKindName(OptimizerKind::kAdamW));
-    case v1::OPTIMIZER_ADAMW_8BIT:
-      return std::string(OptimizerKindName(OptimizerKind::kAdamW8bit));
-    case v1::OPTIMIZER_ADAFACTOR:
-      return std::string(OptimizerKindName(OptimizerKind::kAdafactor));
-    case v1::OPTIMIZER_SGD:
-      return std::string(OptimizerKindName(OptimizerKind::kSgd));
-    default:
-      return static_cast<int>(optimizer);
-  }
-}
-
-Json PrecisionJson(v1::Precision precision) {
-  switch (precision) {
-    case v1::PRECISION_FP32:
-      return std::string(PrecisionName(Precision::kFp32));
-    case v1::PRECISION_BF16:
-      return std::string(PrecisionName(Precision::kBf16));
-    case v1::PRECISION_FP16:
-      return std::string(PrecisionName(Precision::kFp16));
-    default:
-      return static_cast<int>(precision);
-  }
-}
-
-Json DeviceJson(v1::Device device) {
-  switch (device) {
-    case v1::DEVICE_CPU:
-      return std::string(DeviceKindName(DeviceKind::kCpu));
-    case v1::DEVICE_CUDA:
-      return std::string(DeviceKindName(DeviceKind::kCuda));
-    default:
-      return static_cast<int>(device);
-  }
-}
-
-// Sets `object[key]` to `value` unless the value is empty, so that an empty sub-message
-// leaves its key out and the parser applies the defaults (or names the missing field).
-void PutUnlessEmpty(Json* object, const char* key, Json value) {
-  if (!value.empty()) (*object)[key] = std::move(value);
-}
-
-Json ModelJson(const v1::ModelSpec& model) {
-  Json out = Json::object();
-  if (!model.path().empty()) out["path"] = model.path();
-  return out;
-}
-
-Json DataJson(const v1::DataSpec& data) {
-  Json out = Json::object();
-  if (!data.train().empty()) out["train"] = data.train();
-  if (!data.eval().empty()) out["eval"] = data.eval();
-  if (data.has_seq_len()) out["seq_len"] = data.seq_len();
-  if (data.has_pack()) out["pack"] = data.pack();
-  return out;
-}
-
-Json LoraJson(const v1::LoraSpec& lora) {
-  Json out = Json::object();
-  if (lora.has_rank()) out["rank"] = lora.rank();
-  if (lora.has_alpha()) out["alpha"] = lora.alpha();
-  if (lora.has_dropout()) out["dropout"] = lora.dropout();
-  if (lora.targets_size() > 0) {
-    Json targets = Json::array();
-    for (const std::string& target : lora.targets()) targets.push_back(target);
-    out["targets"] = std::move(targets);
-  }
-  if (lora.has_use_rslora()) out["use_rslora"] = lora.use_rslora();
-  if (!lora.init_from().empty()) out["init_from"] = lora.init_from();
-  return out;
-}
-
-Json TrainJson(const v1::TrainSpec& train) {
-  Json out = Json::object();
-  if (train.has_steps()) out["steps"] = train.steps();
-  if (train.has_epochs()) out["epochs"] = train.epochs();
-  if (train.has_global_batch()) out["global_batch"] = train.global_batch();
-  // 0 is the proto's spelling of "auto", which is also the default.
-  if (train.has_micro_batch() && train.micro_batch() != 0) {
-    out["micro_batch"] = train.micro_batch();
-  }
-  if (train.has_lr()) out["lr"] = train.lr();
-  if (train.has_schedule()) {
-    const v1::ScheduleSpec& schedule = train.schedule();
-    Json schedule_json = Json::object();
-    if (schedule.kind() != v1::SCHEDULE_KIND_UNSPECIFIED) {
-      schedule_json["kind"] = ScheduleKindJson(schedule.kind());
-    }
-    if (schedule.has_warmup_steps()) schedule_json["warmup_steps"] = schedule.warmup_steps();
-    PutUnlessEmpty(&out, "schedule", std::move(schedule_json));
-  }
-  if (train.optimizer() != v1::OPTIMIZER_UNSPECIFIED) {
-    out["optimizer"] = OptimizerJson(train.optimizer());
-  }
-  if (train.has_adam_beta1()) out["adam_beta1"] = train.adam_beta1();
-  if (train.has_adam_beta2()) out["adam_beta2"] = train.adam_beta2();
-  if (train.has_adam_eps()) out["adam_eps"] = train.adam_eps();
-  if (train.has_weight_decay()) out["weight_decay"] = train.weight_decay();
-  if (train.has_max_grad_norm()) out["max_grad_norm"] = train.max_grad_norm();
-  if (train.precision() != v1::PRECISION_UNSPECIFIED) {
-    out["precision"] = PrecisionJson(train.precision());
-  }
-  if (train.has_seed()) out["seed"] = train.seed();
-  if (train.has_checkpoint_every()) out["checkpoint_every"] = train.checkpoint_every();
-  if (train.has_keep_checkpoints()) out["keep_checkpoints"] = train.keep_checkpoints();
-  if (train.has_eval_every()) out["eval_every"] = train.eval_every();
-  if (train.has_max_nonfinite_steps()) out["max_nonfinite_steps"] = train.max_nonfinite_steps();
-  return out;
-}
-
-Json ResourcesJson(const v1::ResourcesSpec& resources) {
-  Json out = Json::object();
-  if (resources.has_ranks()) out["ranks"] = resources.ranks();
-  if (resources.device() != v1::DEVICE_UNSPECIFIED) {
-    out["device"] = DeviceJson(resources.device());
-  }
-  if (resources.has_memory_per_rank_bytes()) {
-    out["memory_per_rank"] = resources.memory_per_rank_bytes();
-  }
-  return out;
-}
-
-Json StrategyJson(const v1::JobSpec& spec) {
-  if (!spec.has_strategy() || spec.strategy().automatic()) return "auto";
-  const v1::StrategySpec& strategy = spec.strategy();
-  Json out = Json::object();
-  out["zero_stage"] = strategy.zero_stage();
-  out["offload_optimizer"] = strategy.offload_optimizer();
-  out["offload_params"] = strategy.offload_params();
-  out["activation_checkpointing"] = strategy.activation_checkpointing();
-  out["chunked_loss"] = strategy.chunked_loss();
-  if (strategy.has_fused_kernels()) out["fused_kernels"] = strategy.fused_kernels();
-  return out;
-}
+constexpr EnumPair<Method, v1::Method> kMethods[] = {
+    {Method::kLora, v1::METHOD_LORA},
+    {Method::kFull, v1::METHOD_FULL},
+    {Method::kQLora, v1::METHOD_QLORA},
+};
+constexpr EnumPair<ScheduleKind, v1::ScheduleKind> kSchedules[] = {
+    {ScheduleKind::kCosine, v1::SCHEDULE_KIND_COSINE},
+    {ScheduleKind::kLinear, v1::SCHEDULE_KIND_LINEAR},
+    {ScheduleKind::kConstant, v1::SCHEDULE_KIND_CONSTANT},
+};
+constexpr EnumPair<OptimizerKind, v1::Optimizer> kOptimizers[] = {
+    {OptimizerKind::kAdamW, v1::OPTIMIZER_ADAMW},
+    {OptimizerKind::kAdamW8bit, v1::OPTIMIZER_ADAMW_8BIT},
+    {OptimizerKind::kAdafactor, v1::OPTIMIZER_ADAFACTOR},
+    {OptimizerKind::kSgd, v1::OPTIMIZER_SGD},
+};
+constexpr EnumPair<Precision, v1::Precision> kPrecisions[] = {
+    {Precision::kFp32, v1::PRECISION_FP32},
+    {Precision::kBf16, v1::PRECISION_BF16},
+    {Precision::kFp16, v1::PRECISION_FP16},
+};
+constexpr EnumPair<DeviceKind, v1::Device> kDevices[] = {
+    {DeviceKind::kCpu, v1::DEVICE_CPU},
+    {DeviceKind::kCuda, v1::DEVICE_CUDA},
+};
 
 }  // namespace
 
@@ -255,7 +79,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   data->set_seq_len(spec.data.seq_len);
   data->set_pack(spec.data.pack);
 
-  out.set_method(ToProto(spec.method));
+  out.set_method(ToProtoEnum(kMethods, spec.method));
 
   v1::LoraSpec* lora = out.mutable_lora();
   lora->set_rank(spec.lora.rank);
@@ -265,43 +89,45 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   lora->set_use_rslora(spec.lora.use_rslora);
   lora->set_init_from(spec.lora.init_from);
 
+  const TrainSpec& t = spec.train;
   v1::TrainSpec* train = out.mutable_train();
-  train->set_steps(spec.train.steps);
-  train->set_epochs(spec.train.epochs);
-  train->set_global_batch(spec.train.global_batch);
-  train->set_micro_batch(spec.train.micro_batch);
-  train->set_lr(spec.train.lr);
-  train->mutable_schedule()->set_kind(ToProto(spec.train.schedule.kind));
-  train->mutable_schedule()->set_warmup_steps(spec.train.schedule.warmup_steps);
-  train->set_optimizer(ToProto(spec.train.optimizer));
-  train->set_adam_beta1(spec.train.adam_beta1);
-  train->set_adam_beta2(spec.train.adam_beta2);
-  train->set_adam_eps(spec.train.adam_eps);
-  train->set_weight_decay(spec.train.weight_decay);
-  train->set_max_grad_norm(spec.train.max_grad_norm);
-  train->set_precision(ToProto(spec.train.precision));
-  train->set_seed(spec.train.seed);
-  train->set_checkpoint_every(spec.train.checkpoint_every);
-  train->set_keep_checkpoints(spec.train.keep_checkpoints);
-  train->set_eval_every(spec.train.eval_every);
-  train->set_max_nonfinite_steps(spec.train.max_nonfinite_steps);
+  train->set_steps(t.steps);
+  train->set_epochs(t.epochs);
+  train->set_global_batch(t.global_batch);
+  train->set_micro_batch(t.micro_batch);
+  train->set_lr(t.lr);
+  train->mutable_schedule()->set_kind(ToProtoEnum(kSchedules, t.schedule.kind));
+  train->mutable_schedule()->set_warmup_steps(t.schedule.warmup_steps);
+  train->set_optimizer(ToProtoEnum(kOptimizers, t.optimizer));
+  train->set_adam_beta1(t.adam_beta1);
+  train->set_adam_beta2(t.adam_beta2);
+  train->set_adam_eps(t.adam_eps);
+  train->set_weight_decay(t.weight_decay);
+  train->set_max_grad_norm(t.max_grad_norm);
+  train->set_precision(ToProtoEnum(kPrecisions, t.precision));
+  train->set_seed(t.seed);
+  train->set_checkpoint_every(t.checkpoint_every);
+  train->set_keep_checkpoints(t.keep_checkpoints);
+  train->set_eval_every(t.eval_every);
+  train->set_max_nonfinite_steps(t.max_nonfinite_steps);
 
   v1::ResourcesSpec* resources = out.mutable_resources();
   resources->set_ranks(spec.resources.ranks);
-  resources->set_device(ToProto(spec.resources.device));
+  resources->set_device(ToProtoEnum(kDevices, spec.resources.device));
   // 0 means "not given" in JobSpec; a present 0 would read as an explicit (invalid) size.
   if (spec.resources.memory_per_rank != 0) {
     resources->set_memory_per_rank_bytes(spec.resources.memory_per_rank);
   }
 
+  const StrategySpec& s = spec.strategy;
   v1::StrategySpec* strategy = out.mutable_strategy();
-  strategy->set_automatic(spec.strategy.automatic);
-  strategy->set_zero_stage(spec.strategy.zero_stage);
-  strategy->set_offload_optimizer(spec.strategy.offload_optimizer);
-  strategy->set_offload_params(spec.strategy.offload_params);
-  strategy->set_activation_checkpointing(spec.strategy.activation_checkpointing);
-  strategy->set_chunked_loss(spec.strategy.chunked_loss);
-  strategy->set_fused_kernels(spec.strategy.fused_kernels);
+  strategy->set_automatic(s.automatic);
+  strategy->set_zero_stage(s.zero_stage);
+  strategy->set_offload_optimizer(s.offload_optimizer);
+  strategy->set_offload_params(s.offload_params);
+  strategy->set_activation_checkpointing(s.activation_checkpointing);
+  strategy->set_chunked_loss(s.chunked_loss);
+  strategy->set_fused_kernels(s.fused_kernels);
 
   out.set_priority(spec.priority);
   out.set_max_restarts(spec.max_restarts);
@@ -309,26 +135,136 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   return out;
 }
 
-std::string JobSpecProtoToJson(const v1::JobSpec& spec) {
-  Json out = Json::object();
-  if (!spec.name().empty()) out["name"] = spec.name();
-  if (spec.has_model()) PutUnlessEmpty(&out, "model", ModelJson(spec.model()));
-  if (spec.has_data()) PutUnlessEmpty(&out, "data", DataJson(spec.data()));
-  if (spec.method() != v1::METHOD_UNSPECIFIED) out["method"] = MethodJson(spec.method());
-  if (spec.has_lora()) PutUnlessEmpty(&out, "lora", LoraJson(spec.lora()));
-  if (spec.has_train()) PutUnlessEmpty(&out, "train", TrainJson(spec.train()));
-  if (spec.has_resources()) PutUnlessEmpty(&out, "resources", ResourcesJson(spec.resources()));
-  out["strategy"] = StrategyJson(spec);
-  if (spec.has_priority()) out["priority"] = spec.priority();
-  if (spec.has_max_restarts()) out["max_restarts"] = spec.max_restarts();
-  if (!spec.output().empty()) out["output"] = spec.output();
-  // Replace rather than throw on invalid UTF-8: the parser then reports the odd value by
-  // field, and this function stays total.
-  return out.dump(2, ' ', false, Json::error_handler_t::replace) + "\n";
+absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_view source) {
+  JobSpec spec;  // the defaults
+  spec.name = in.name();
+  spec.model.path = in.model().path();
+
+  const v1::DataSpec& data = in.data();
+  spec.data.train = data.train();
+  spec.data.eval = data.eval();
+  if (data.has_seq_len()) spec.data.seq_len = data.seq_len();
+  if (data.has_pack()) spec.data.pack = data.pack();
+
+  LATHE_ASSIGN_OR_RETURN(spec.method,
+                         FromProtoEnum(kMethods, in.method(), spec.method, source, "method"));
+
+  const v1::LoraSpec& lora = in.lora();
+  if (lora.has_rank()) spec.lora.rank = lora.rank();
+  if (lora.has_alpha()) spec.lora.alpha = lora.alpha();
+  if (lora.has_dropout()) spec.lora.dropout = lora.dropout();
+  if (lora.targets_size() > 0)
+    spec.lora.targets.assign(lora.targets().begin(), lora.targets().end());
+  if (lora.has_use_rslora()) spec.lora.use_rslora = lora.use_rslora();
+  spec.lora.init_from = lora.init_from();
+
+  const v1::TrainSpec& train = in.train();
+  TrainSpec& t = spec.train;
+  if (train.has_steps()) t.steps = train.steps();
+  if (train.has_epochs()) t.epochs = train.epochs();
+  if (train.has_global_batch()) t.global_batch = train.global_batch();
+  if (train.has_micro_batch()) t.micro_batch = train.micro_batch();  // 0: auto
+  if (train.has_lr()) t.lr = train.lr();
+  LATHE_ASSIGN_OR_RETURN(t.schedule.kind,
+                         FromProtoEnum(kSchedules, train.schedule().kind(), t.schedule.kind, source,
+                                       "train.schedule.kind"));
+  if (train.schedule().has_warmup_steps()) {
+    t.schedule.warmup_steps = train.schedule().warmup_steps();
+  }
+  LATHE_ASSIGN_OR_RETURN(t.optimizer, FromProtoEnum(kOptimizers, train.optimizer(), t.optimizer,
+                                                    source, "train.optimizer"));
+  if (train.has_adam_beta1()) t.adam_beta1 = train.adam_beta1();
+  if (train.has_adam_beta2()) t.adam_beta2 = train.adam_beta2();
+  if (train.has_adam_eps()) t.adam_eps = train.adam_eps();
+  if (train.has_weight_decay()) t.weight_decay = train.weight_decay();
+  if (train.has_max_grad_norm()) t.max_grad_norm = train.max_grad_norm();
+  LATHE_ASSIGN_OR_RETURN(t.precision, FromProtoEnum(kPrecisions, train.precision(), t.precision,
+                                                    source, "train.precision"));
+  if (train.has_seed()) t.seed = train.seed();
+  if (train.has_checkpoint_every()) t.checkpoint_every = train.checkpoint_every();
+  if (train.has_keep_checkpoints()) t.keep_checkpoints = train.keep_checkpoints();
+  if (train.has_eval_every()) t.eval_every = train.eval_every();
+  if (train.has_max_nonfinite_steps()) t.max_nonfinite_steps = train.max_nonfinite_steps();
+
+  const v1::ResourcesSpec& resources = in.resources();
+  if (resources.has_ranks()) spec.resources.ranks = resources.ranks();
+  LATHE_ASSIGN_OR_RETURN(spec.resources.device,
+                         FromProtoEnum(kDevices, resources.device(), spec.resources.device, source,
+                                       "resources.device"));
+  if (resources.has_memory_per_rank_bytes()) {
+    if (resources.memory_per_rank_bytes() == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": resources.memory_per_rank: must be > 0"));
+    }
+    spec.resources.memory_per_rank = resources.memory_per_rank_bytes();
+  }
+
+  // An absent strategy is "auto"; fused_kernels applies under auto too.
+  const v1::StrategySpec& strategy = in.strategy();
+  StrategySpec& s = spec.strategy;
+  s.automatic = !in.has_strategy() || strategy.automatic();
+  if (!s.automatic) {
+    s.zero_stage = strategy.zero_stage();
+    s.offload_optimizer = strategy.offload_optimizer();
+    s.offload_params = strategy.offload_params();
+    s.activation_checkpointing = strategy.activation_checkpointing();
+    s.chunked_loss = strategy.chunked_loss();
+  }
+  if (strategy.has_fused_kernels()) s.fused_kernels = strategy.fused_kernels();
+
+  if (in.has_priority()) spec.priority = in.priority();
+  if (in.has_max_restarts()) spec.max_restarts = in.max_restarts();
+  spec.output = in.output();
+  LATHE_RETURN_IF_ERROR(ValidateJobSpec(spec, source));
+  return spec;
 }
 
-absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& spec, absl::string_view source) {
-  return ParseJobSpec(JobSpecProtoToJson(spec), source);
+v1::Plan PlanToProto(const Plan& plan) {
+  v1::Plan out;
+  out.set_ranks(plan.ranks);
+  out.set_device(ToProtoEnum(kDevices, plan.device));
+  out.set_zero_stage(plan.zero_stage);
+  out.set_offload_optimizer(plan.offload_optimizer);
+  out.set_offload_params(plan.offload_params);
+  out.set_activation_checkpointing(plan.activation_checkpointing);
+  out.set_chunked_loss(plan.chunked_loss);
+  out.set_fused_kernels(plan.fused_kernels);
+  out.set_micro_batch(plan.micro_batch);
+  out.set_gradient_accumulation(plan.gradient_accumulation);
+  out.set_total_steps(plan.total_steps);
+  out.set_precision(ToProtoEnum(kPrecisions, plan.precision));
+  v1::MemoryBreakdown* memory = out.mutable_predicted_memory();
+  for (MemoryComponent c : kMemoryComponents) {
+    SetComponentBytes(memory, c, plan.predicted_memory.components[static_cast<int>(c)]);
+  }
+  memory->set_total(plan.predicted_memory.total);
+  out.set_explanation(plan.explanation);
+  return out;
+}
+
+absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source) {
+  Plan plan;
+  plan.ranks = in.ranks();
+  LATHE_ASSIGN_OR_RETURN(plan.device,
+                         FromProtoEnum(kDevices, in.device(), plan.device, source, "plan.device"));
+  plan.zero_stage = in.zero_stage();
+  plan.offload_optimizer = in.offload_optimizer();
+  plan.offload_params = in.offload_params();
+  plan.activation_checkpointing = in.activation_checkpointing();
+  plan.chunked_loss = in.chunked_loss();
+  plan.fused_kernels = in.fused_kernels();
+  plan.micro_batch = in.micro_batch();
+  plan.gradient_accumulation = in.gradient_accumulation();
+  plan.total_steps = in.total_steps();
+  LATHE_ASSIGN_OR_RETURN(plan.precision, FromProtoEnum(kPrecisions, in.precision(), plan.precision,
+                                                       source, "plan.precision"));
+  for (MemoryComponent c : kMemoryComponents) {
+    plan.predicted_memory.components[static_cast<int>(c)] =
+        ComponentBytes(in.predicted_memory(), c);
+  }
+  plan.predicted_memory.total = in.predicted_memory().total();
+  plan.explanation = in.explanation();
+  return plan;
 }
 
 }  // namespace lathe

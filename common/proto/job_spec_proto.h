@@ -1,34 +1,36 @@
-// Conversions between the job spec (common/job_spec.h) and its proto mirror
-// (lathe.v1.JobSpec). The YAML schema stays the single source of validation: a proto spec is
-// rendered back to that schema (only the fields it sets) and parsed by ParseJobSpec, so the
-// coordinator's errors name the same fields as the worker's and the CLI's.
+// The one module that converts a job between its C++ form (common/job_spec.h,
+// common/plan.h) and its proto form (lathe.v1.JobSpec, lathe.v1.Plan). The spec is parsed
+// once from YAML by whoever holds the file (the CLI, `lathe-worker train --spec`) and
+// travels as the proto from then on; whoever receives a proto converts it back here, and the
+// conversion validates it with the same checks as the YAML parser (ValidateJobSpec), so a
+// raw gRPC caller's errors name the same fields as a file's.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_COMMON_PROTO_JOB_SPEC_PROTO_H_
 #define LATHE_COMMON_PROTO_JOB_SPEC_PROTO_H_
 
-#include <string>
-
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/job_spec.h"
+#include "common/plan.h"
 #include "lathe/v1/job.pb.h"
 
 namespace lathe {
 
-// The proto form of a parsed spec, every field set (optional scalars present).
+// The proto form of a spec, every field set (optional scalars present, defaults filled in).
 v1::JobSpec JobSpecToProto(const JobSpec& spec);
 
-// The spec as JSON text in the YAML schema of docs/job-spec.md, with only the fields the
-// proto sets (absent optional scalars, empty strings, UNSPECIFIED enums and empty repeated
-// fields are left out, so that ParseJobSpec applies the documented defaults). Accepted by
-// ParseJobSpec and LoadJobSpec; lathe-worker agents write it as the trainer's spec file.
-std::string JobSpecProtoToJson(const v1::JobSpec& spec);
-
-// Validates and converts a proto spec: JobSpecProtoToJson, then ParseJobSpec with `source`
-// naming it in messages ("spec: train.lr: must be > 0, got -1"). INVALID_ARGUMENT as
-// ParseJobSpec.
+// The spec a proto describes: absent optional scalars, empty strings and lists and
+// UNSPECIFIED enums take the documented defaults. INVALID_ARGUMENT
+// "<source>: <field>: <problem>" for an enum value this build does not know and everything
+// ValidateJobSpec refuses.
 absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& spec, absl::string_view source);
+
+v1::Plan PlanToProto(const Plan& plan);
+
+// INVALID_ARGUMENT "<source>: plan.<field>: ..." for an enum value this build does not know.
+// (Whether the plan fits a spec is CheckPlanRunsSpec's question.)
+absl::StatusOr<Plan> PlanFromProto(const v1::Plan& plan, absl::string_view source);
 
 }  // namespace lathe
 

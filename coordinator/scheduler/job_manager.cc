@@ -8,8 +8,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/capabilities.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "common/plan.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
 
@@ -29,33 +31,6 @@ bool IsInside(const fs::path& path, const fs::path& root) {
     if (p == path.end() || *p != *r) return false;
   }
   return true;
-}
-
-v1::Plan MakePlan(const JobSpec& spec) {
-  v1::Plan plan;
-  plan.set_ranks(spec.resources.ranks);
-  plan.set_device(spec.resources.device == DeviceKind::kCuda ? v1::DEVICE_CUDA : v1::DEVICE_CPU);
-  const StrategySpec& s = spec.strategy;
-  plan.set_zero_stage(s.zero_stage);
-  plan.set_offload_optimizer(s.offload_optimizer);
-  plan.set_offload_params(s.offload_params);
-  plan.set_activation_checkpointing(s.activation_checkpointing);
-  plan.set_chunked_loss(s.chunked_loss);
-  plan.set_fused_kernels(s.fused_kernels);
-  plan.set_micro_batch(spec.train.micro_batch);
-  if (spec.train.micro_batch > 0) {
-    plan.set_gradient_accumulation(spec.train.global_batch /
-                                   (spec.train.micro_batch * spec.resources.ranks));
-  }
-  plan.set_total_steps(spec.train.steps);
-  plan.set_precision(spec.train.precision == Precision::kBf16   ? v1::PRECISION_BF16
-                     : spec.train.precision == Precision::kFp16 ? v1::PRECISION_FP16
-                                                                : v1::PRECISION_FP32);
-  plan.set_explanation(
-      s.automatic ? "no planner yet: the spec's resources, no sharding; the trainer picks the "
-                    "micro-batch when it is auto"
-                  : "the spec's explicit strategy");
-  return plan;
 }
 
 }  // namespace
@@ -91,6 +66,7 @@ absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
 
 absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
   LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(request.spec(), "spec"));
+  LATHE_RETURN_IF_ERROR(Annotate(CheckEngineSupports(spec), "spec"));
   LATHE_RETURN_IF_ERROR(CheckPaths(request.spec()));
   absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
   if (!model.ok()) return SpecError("model.path", model.status().message());
@@ -109,7 +85,7 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
   job.set_job_id(
       absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(absl::BitGen()) & 0xFFFFFF));
   *job.mutable_spec() = JobSpecToProto(spec);  // defaults filled in
-  *job.mutable_plan() = MakePlan(spec);
+  *job.mutable_plan() = PlanToProto(PlanFromSpec(spec));
   bool existing = false;
   LATHE_ASSIGN_OR_RETURN(v1::JobStatus status,
                          scheduler_->AddJob(std::move(job), request.request_id(), &existing));

@@ -1,8 +1,9 @@
-// Admission of jobs: validates a submitted spec (every field, then the paths and the model
-// it names), makes its plan and id, and hands it to the Scheduler. Also pages job lists.
+// Admission of jobs: validates a submitted spec (every field, what the engine can run, then
+// the paths and the model it names), makes its plan and id, and hands it to the Scheduler.
+// Also pages job lists.
 //
-// Until the planner lands, the plan takes the spec's explicit choices: ranks and device from
-// resources, micro-batch from train.micro_batch (0 = the trainer picks), no sharding.
+// Until the planner (coordinator/planner/) lands, the plan is PlanFromSpec's
+// (common/plan.h): the spec's explicit choices, or no sharding with an auto micro-batch.
 //
 // Thread-safety: thread-safe (stateless apart from the scheduler it calls).
 #ifndef LATHE_COORDINATOR_SCHEDULER_JOB_MANAGER_H_
@@ -30,8 +31,9 @@ class JobManager {
 
   // INVALID_ARGUMENT "spec: <field>: <problem>" for a bad spec, a relative path, a path
   // outside the allowed roots, a model directory without a readable config.json, a missing
-  // training file, or seq_len above the model's max_position_embeddings. Nothing is stored
-  // then. A repeated request_id returns the job it created first (existing = true).
+  // training file, or seq_len above the model's max_position_embeddings; UNIMPLEMENTED
+  // "spec: <field>: ..." for what the engine cannot run (common/capabilities.h). Nothing is
+  // stored then. A repeated request_id returns the job it created first (existing = true).
   absl::StatusOr<v1::SubmitJobResponse> Submit(const v1::SubmitJobRequest& request);
 
   // Newest first, page_size jobs (default 100, at most 1000) after page_token (the id of

@@ -1,6 +1,7 @@
 #include "kernels/ops/torch_compat.h"
 
 #if LATHE_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
@@ -26,9 +27,12 @@ std::optional<CudaMemory> CudaMemoryOf(int device) {
 }
 
 void ResetCudaPeak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
+
+std::string CudaDeviceName(int device) { return at::cuda::getDeviceProperties(device)->name; }
 #else
 std::optional<CudaMemory> CudaMemoryOf(int) { return std::nullopt; }
 void ResetCudaPeak(int) {}
+std::string CudaDeviceName(int) { return ""; }
 #endif
 
 }  // namespace lathe

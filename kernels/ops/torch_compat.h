@@ -49,6 +49,8 @@ struct CudaMemory {
 };
 std::optional<CudaMemory> CudaMemoryOf(int device);
 void ResetCudaPeak(int device);
+// The CUDA device's name ("NVIDIA H100 80GB HBM3"); empty without CUDA.
+std::string CudaDeviceName(int device);
 
 }  // namespace lathe
 

@@ -329,9 +329,10 @@ class JobManagerTest : public SchedulerTest {
   }
 
   void ExpectRefused(const v1::JobSpec& spec, const std::string& fragment,
-                     JobManagerOptions options = {}) {
+                     JobManagerOptions options = {},
+                     absl::StatusCode code = absl::StatusCode::kInvalidArgument) {
     absl::StatusOr<v1::SubmitJobResponse> response = Submit(spec, "", options);
-    EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument) << fragment;
+    EXPECT_EQ(response.status().code(), code) << fragment;
     EXPECT_THAT(response.status().message(), HasSubstr(fragment));
     EXPECT_TRUE(scheduler_->ListJobs({}).empty()) << "a refused job was stored";
   }
@@ -382,6 +383,37 @@ TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
   bad.set_output(dir_.path() + "/../../etc/out");
   ExpectRefused(bad, "spec: output: ", {{dir_.path()}});
   ExpectRefused(bad, "outside the allowed roots", {{dir_.path()}});
+}
+
+TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
+  const v1::JobSpec spec = JobSpecToProto(spec_);
+  v1::JobSpec qlora = spec;
+  qlora.set_method(v1::METHOD_QLORA);
+  ExpectRefused(qlora, "spec: method: qlora is not supported by this engine yet", {},
+                absl::StatusCode::kUnimplemented);
+  v1::JobSpec sharded = spec;
+  sharded.mutable_strategy()->set_automatic(false);
+  sharded.mutable_strategy()->set_zero_stage(2);
+  ExpectRefused(sharded, "spec: strategy.zero_stage: 2 is not supported by this engine yet", {},
+                absl::StatusCode::kUnimplemented);
+  v1::JobSpec sgd = spec;
+  sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
+  ExpectRefused(sgd, "spec: train.optimizer: sgd", {}, absl::StatusCode::kUnimplemented);
+}
+
+TEST_F(JobManagerTest, ThePlanIsMadeOnceHere) {
+  spec_.train.global_batch = 8;
+  spec_.strategy.automatic = false;
+  spec_.strategy.activation_checkpointing = true;
+  absl::StatusOr<v1::SubmitJobResponse> response = Submit(JobSpecToProto(spec_));
+  ASSERT_TRUE(response.ok()) << response.status();
+  const v1::Plan& plan = response->status().plan();
+  EXPECT_EQ(plan.micro_batch(), 8);  // auto: 8 sequences of 32 tokens fit in one micro-batch
+  EXPECT_EQ(plan.gradient_accumulation(), 1);
+  EXPECT_TRUE(plan.activation_checkpointing());
+  EXPECT_EQ(plan.total_steps(), 2);
+  // The stored spec has every default filled in.
+  EXPECT_TRUE(response->status().spec().train().has_lr());
 }
 
 TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {

@@ -163,7 +163,8 @@ output: {os.path.join(self.root, "runs", name)}
         self.fail(f"{job_id} never reported progress")
 
     def trainer_pids(self, job_id):
-        result = subprocess.run(["pgrep", "-f", "--", f"--job-id {job_id}"], capture_output=True,
+        # The trainer runs `lathe-worker train --task <work>/<job_id>-g<generation>-r<rank>/...`.
+        result = subprocess.run(["pgrep", "-f", "--", f"/{job_id}-g"], capture_output=True,
                                 text=True)
         return [int(p) for p in result.stdout.split()]
 

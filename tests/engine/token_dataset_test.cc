@@ -146,14 +146,6 @@ TEST(SequenceSampler, UnpackedTruncatesEachDocument) {
   EXPECT_EQ(sampler.SequencesPerEpoch(), 2);
 }
 
-TEST(AutoMicroBatch, LargestDivisorWithinTokenBudget) {
-  EXPECT_EQ(AutoMicroBatch(64, 1024), 8);
-  EXPECT_EQ(AutoMicroBatch(12, 1024), 6);
-  EXPECT_EQ(AutoMicroBatch(7, 4096), 1);
-  EXPECT_EQ(AutoMicroBatch(4, 32), 4);
-  EXPECT_EQ(AutoMicroBatch(1, 100000), 1);
-}
-
 // Text, chat and instruction records, tokenised with the synthetic tokenizers.
 
 struct TextSetup {

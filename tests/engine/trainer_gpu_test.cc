@@ -25,7 +25,8 @@ class TrainerGpuTest : public ::testing::Test {
 
   std::vector<StepReport> Reports(JobSpec spec, const std::string& output) {
     spec.output = dir_.Path(output);
-    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, {1});
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+        Trainer::Create(spec, PlanFromSpec(spec), {1});
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return {};
     std::vector<StepReport> reports;

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/flops.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -31,7 +32,8 @@ class TrainerTest : public ::testing::Test {
 
   // Trains `spec` and returns the per-step losses.
   std::vector<double> Losses(const JobSpec& spec) {
-    absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, {1});
+    absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+        Trainer::Create(spec, PlanFromSpec(spec), {1});
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return {};
     std::vector<double> losses;
@@ -42,7 +44,7 @@ class TrainerTest : public ::testing::Test {
   }
 
   absl::Status CreateStatus(const JobSpec& spec) {
-    absl::Status status = Trainer::Create(spec, {1}).status();
+    absl::Status status = Trainer::Create(spec, PlanFromSpec(spec), {1}).status();
     EXPECT_FALSE(std::filesystem::exists(spec.output)) << "validation left " << spec.output;
     return status;
   }
@@ -78,6 +80,54 @@ TEST_F(TrainerTest, FullFineTuningLossFalls) {
   std::vector<double> losses = Losses(spec_);
   ASSERT_EQ(losses.size(), 40u);
   EXPECT_LT(Mean(losses, 35, 40), Mean(losses, 0, 5) - 0.5);
+}
+
+// The plan is what runs: a micro-batch and checkpointing the spec does not ask for.
+TEST_F(TrainerTest, RunsThePlanItIsGiven) {
+  const std::vector<double> planned_by_spec = Losses(spec_);  // auto: micro-batch 4
+  Plan plan = PlanFromSpec(spec_);
+  ASSERT_EQ(plan.micro_batch, 4);
+  plan.micro_batch = 1;
+  plan.gradient_accumulation = 4;
+  plan.activation_checkpointing = true;
+  spec_.output = dir_.Path("out-planned");
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec_, plan, {1});
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  EXPECT_EQ((*trainer)->plan().micro_batch, 1);
+  EXPECT_TRUE((*trainer)->plan().activation_checkpointing);
+  std::vector<double> losses;
+  ASSERT_TRUE((*trainer)->Run([&](const StepReport& r) { losses.push_back(*r.loss); }).ok());
+  ASSERT_EQ(losses.size(), planned_by_spec.size());
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_NEAR(losses[i], planned_by_spec[i], 2e-6);
+}
+
+// MFU is the formula of common/flops.h over the configured peak.
+TEST_F(TrainerTest, ReportsMfuAgainstThePeak) {
+  TrainerOptions options;
+  options.threads = 1;
+  options.peak_flops = 1e9;
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+      Trainer::Create(spec_, PlanFromSpec(spec_), options);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  const double per_token = TrainingFlopsPerToken(config_, spec_, spec_.data.seq_len, false);
+  EXPECT_DOUBLE_EQ((*trainer)->model_flops_per_token(), per_token);
+  EXPECT_EQ((*trainer)->peak_flops(), 1e9);
+  std::vector<StepReport> reports;
+  ASSERT_TRUE((*trainer)->Run([&](const StepReport& r) { reports.push_back(r); }).ok());
+  ASSERT_FALSE(reports.empty());
+  for (const StepReport& r : reports) {
+    ASSERT_GT(r.seconds, 0);
+    EXPECT_NEAR(r.mfu, per_token * r.tokens / r.seconds / 1e9, 1e-12 + 1e-9 * r.mfu);
+    EXPECT_GT(r.mean_step_seconds, 0);
+  }
+}
+
+// Without a configured peak the CPU's is measured: some positive rate.
+TEST_F(TrainerTest, MeasuresTheCpuPeakWhenNoneIsConfigured) {
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+      Trainer::Create(spec_, PlanFromSpec(spec_), {1});
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  EXPECT_GT((*trainer)->peak_flops(), 1e8);  // any CPU with BLAS does better than 0.1 GFLOP/s
 }
 
 TEST_F(TrainerTest, AccumulationGivesTheSameUpdateAsOneBigBatch) {
@@ -124,7 +174,8 @@ TEST_F(TrainerTest, DataParallelRanksMatchASingleRank) {
       options.rank = rank;
       options.world_size = 2;
       options.comm = group[rank].get();
-      absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, options);
+      absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+          Trainer::Create(spec, PlanFromSpec(spec), options);
       if (!trainer.ok()) {
         statuses[rank] = trainer.status();
         return;
@@ -156,7 +207,7 @@ TEST_F(TrainerTest, SeveralRanksNeedACommunicator) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("resources.ranks: 2 but this trainer was started with "
                                           "world size 1"));
-  status = Trainer::Create(spec, options).status();
+  status = Trainer::Create(spec, PlanFromSpec(spec), options).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("need a communicator"));
 }
@@ -191,13 +242,13 @@ void ExpectBitIdenticalResume(JobSpec spec, const std::string& resumed_output,
                               std::vector<StepReport>* straight_out = nullptr) {
   std::vector<StepReport> straight;
   {
-    auto trainer = *Trainer::Create(spec, {1});
+    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
     ASSERT_TRUE(trainer->Run([&](const StepReport& r) { straight.push_back(r); }).ok());
   }
   spec.output = resumed_output;
   std::vector<StepReport> first, second;
   {
-    auto trainer = *Trainer::Create(spec, {1});
+    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
     absl::Status stopped = trainer
                                ->Run([&](const StepReport& r) {
                                  first.push_back(r);
@@ -209,7 +260,7 @@ void ExpectBitIdenticalResume(JobSpec spec, const std::string& resumed_output,
   }
   EXPECT_FALSE(std::filesystem::exists(resumed_output + "/adapter"));
   {
-    auto trainer = *Trainer::Create(spec, {1});
+    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
     EXPECT_EQ(trainer->resume_step(), 10);
     absl::StatusOr<TrainResult> result =
         trainer->Run([&](const StepReport& r) { second.push_back(r); });
@@ -279,7 +330,7 @@ TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
   spec_.train.steps = 9;
   spec_.train.checkpoint_every = 2;
   spec_.train.keep_checkpoints = 2;
-  auto trainer = *Trainer::Create(spec_, {1});
+  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
   std::vector<double> losses;
   ASSERT_TRUE(trainer
                   ->Run([&](const StepReport& r) {
@@ -296,14 +347,14 @@ TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000006", "step-00000007"}));
   JobSpec other = spec_;
   other.train.lr *= 2;
-  absl::Status status = Trainer::Create(other, {1}).status();
+  absl::Status status = Trainer::Create(other, PlanFromSpec(other), {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("a checkpoint of a job with another spec"));
 }
 
 TEST_F(TrainerTest, StepMemoryIsBrokenDownByComponentAndSumsToThePeak) {
   spec_.train.steps = 3;
-  auto trainer = *Trainer::Create(spec_, {1});
+  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
   std::vector<StepReport> reports;
   ASSERT_TRUE(trainer->Run([&](const StepReport& r) { reports.push_back(r); }).ok());
   auto bytes = [](const StepReport& r, MemoryComponent c) {
@@ -338,7 +389,7 @@ TEST_F(TrainerTest, EvalLossIsReportedEveryNSteps) {
   spec_.train.steps = 6;
   spec_.train.eval_every = 2;
   spec_.lora.dropout = 0.2;  // off while evaluating: the same weights give the same loss
-  auto trainer = *Trainer::Create(spec_, {1});
+  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
   std::vector<StepReport> reports;
   absl::StatusOr<TrainResult> result =
       trainer->Run([&](const StepReport& r) { reports.push_back(r); });
@@ -356,7 +407,7 @@ TEST_F(TrainerTest, EvalLossIsReportedEveryNSteps) {
 
 // Runs `spec` to the end and returns every step's report.
 std::vector<StepReport> Reports(const JobSpec& spec, absl::Status* status = nullptr) {
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, {1});
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, PlanFromSpec(spec), {1});
   EXPECT_TRUE(trainer.ok()) << trainer.status();
   if (!trainer.ok()) return {};
   std::vector<StepReport> reports;
@@ -595,8 +646,16 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   spec.strategy.automatic = false;
   spec.strategy.zero_stage = 2;
   status = CreateStatus(spec);
-  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_THAT(status.message(), HasSubstr("strategy: sharding"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(status.message(), HasSubstr("strategy.zero_stage: 2 is not supported"));
+
+  // A plan that does not fit the spec.
+  spec = spec_;
+  Plan plan = PlanFromSpec(spec);
+  plan.micro_batch = 3;
+  status = Trainer::Create(spec, plan, {1}).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("plan.micro_batch: 3 does not divide"));
 
   spec = spec_;
   spec.lora.init_from = dir_.Path("no-adapter");
@@ -607,7 +666,7 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
 
 TEST_F(TrainerTest, RefusesAnOutputThatHoldsAFinishedRun) {
   Losses(spec_);
-  absl::Status status = Trainer::Create(spec_, {1}).status();
+  absl::Status status = Trainer::Create(spec_, PlanFromSpec(spec_), {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("already holds a finished run"));
 }

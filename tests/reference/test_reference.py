@@ -41,6 +41,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import lathe_reference as ref  # noqa: E402
+import trainer_events  # noqa: E402
 
 SOURCE_DIR = os.environ.get("LATHE_SOURCE_DIR") or os.path.normpath(os.path.join(HERE, "..", ".."))
 BIN_DIR_FROM_ENV = os.environ.get("LATHE_BIN_DIR")
@@ -108,8 +109,8 @@ def write_spec(path, spec):
 
 
 def cpp_train(spec_path):
-    events = json_lines(run([binary("lathe-worker"), "train", "--spec", spec_path, "--output",
-                             "json"], "lathe-worker train"))
+    events = trainer_events.read_events(run([binary("lathe-worker"), "train", "--spec", spec_path,
+                                             "--output", "json"], "lathe-worker train"))
     steps = [e for e in events if e.get("event") == "step"]
     done = [e for e in events if e.get("event") == "done"]
     if len(done) != 1:

@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/proto/trainer_io.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/agent/trainer_supervisor.h"
 
@@ -25,39 +26,62 @@ inline std::string WriteScript(const TempDir& dir, const std::string& name,
   return path;
 }
 
-// JSON lines as `lathe-worker train --output json` prints them.
+// TrainerEvent lines as `lathe-worker train --output json` prints them.
 inline std::string StartLine(int steps) {
-  return R"({"event": "start", "job": "t", "steps": )" + std::to_string(steps) +
-         R"(, "micro_batch": 1, "global_batch": 2})";
+  v1::TrainerEvent event;
+  event.mutable_start()->set_total_steps(steps);
+  event.mutable_start()->mutable_plan()->set_micro_batch(1);
+  return TrainerEventLine(event);
 }
+// `loss` "null": a step without a finite loss.
 inline std::string StepLine(int step, int steps, const std::string& loss) {
-  return R"({"event": "step", "step": )" + std::to_string(step) + R"(, "steps": )" +
-         std::to_string(steps) + R"(, "loss": )" + loss +
-         R"(, "lr": 0.001, "grad_norm": 0.5, "tokens": 64, "tokens_per_s": 1000.0})";
+  v1::TrainerEvent event;
+  v1::Progress* p = event.mutable_step()->mutable_progress();
+  p->set_step(step);
+  p->set_total_steps(steps);
+  if (loss != "null") p->set_loss(std::stod(loss));
+  p->set_lr(0.001);
+  p->set_grad_norm(0.5);
+  p->set_tokens_per_second(1000.0);
+  p->set_mfu(0.25);
+  event.mutable_step()->set_tokens(64);
+  return TrainerEventLine(event);
 }
 inline std::string DoneLine(int steps, const std::string& final_loss, const std::string& adapter) {
-  return R"({"event": "done", "steps": )" + std::to_string(steps) + R"(, "final_loss": )" +
-         final_loss + R"(, "eval_loss": null, "adapter": ")" + adapter +
-         R"(", "model": null, "seconds": 1.5, "tokens_per_s": 900.0, "peak_rss_bytes": 1000})";
+  v1::TrainerEvent event;
+  v1::TrainerDone* done = event.mutable_done();
+  done->set_steps(steps);
+  done->set_final_loss(std::stod(final_loss));
+  done->set_adapter_path(adapter);
+  done->set_seconds(1.5);
+  done->set_tokens_per_second(900.0);
+  done->set_peak_rss_bytes(1000);
+  return TrainerEventLine(event);
+}
+inline std::string ErrorLine(const std::string& code, const std::string& message) {
+  v1::TrainerEvent event;
+  event.mutable_error()->set_code(code);
+  event.mutable_error()->set_message(message);
+  return TrainerEventLine(event);
 }
 
 // Records a supervisor's events.
 class EventRecorder {
  public:
   TrainerSupervisor::EventCallback Callback() {
-    return [this](const TrainerEvent& event) {
+    return [this](const RankReport& event) {
       absl::MutexLock lock(&mu_);
       events_.push_back(event);
     };
   }
 
   // The terminal event, once there is one; an UNSPECIFIED event after kWaitLimit.
-  TrainerEvent WaitForEnd() {
+  RankReport WaitForEnd() {
     absl::MutexLock lock(&mu_);
     auto ended = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       return !events_.empty() && IsEnd(events_.back().kind);
     };
-    if (!mu_.AwaitWithTimeout(absl::Condition(&ended), kWaitLimit)) return TrainerEvent();
+    if (!mu_.AwaitWithTimeout(absl::Condition(&ended), kWaitLimit)) return RankReport();
     return events_.back();
   }
 
@@ -65,7 +89,7 @@ class EventRecorder {
   bool WaitFor(v1::RankEvent kind) {
     absl::MutexLock lock(&mu_);
     auto seen = [this, kind]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      for (const TrainerEvent& e : events_) {
+      for (const RankReport& e : events_) {
         if (e.kind == kind) return true;
       }
       return false;
@@ -73,7 +97,7 @@ class EventRecorder {
     return mu_.AwaitWithTimeout(absl::Condition(&seen), kWaitLimit);
   }
 
-  std::vector<TrainerEvent> events() const {
+  std::vector<RankReport> events() const {
     absl::MutexLock lock(&mu_);
     return events_;
   }
@@ -81,7 +105,7 @@ class EventRecorder {
   std::vector<v1::RankEvent> kinds() const {
     absl::MutexLock lock(&mu_);
     std::vector<v1::RankEvent> kinds;
-    for (const TrainerEvent& e : events_) kinds.push_back(e.kind);
+    for (const RankReport& e : events_) kinds.push_back(e.kind);
     return kinds;
   }
 
@@ -92,7 +116,7 @@ class EventRecorder {
   }
 
   mutable absl::Mutex mu_;
-  std::vector<TrainerEvent> events_ ABSL_GUARDED_BY(mu_);
+  std::vector<RankReport> events_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace lathe::testing

@@ -12,9 +12,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "common/file_util.h"
+#include "common/proto/trainer_io.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "nlohmann/json.hpp"
 #include "tests/testing/temp_dir.h"
 #include "tests/worker/agent_test_util.h"
 #include "worker/agent/fake_process_launcher.h"
@@ -25,6 +25,7 @@ namespace {
 
 using testing::DoneLine;
 using ::testing::ElementsAre;
+using testing::ErrorLine;
 using testing::EventRecorder;
 using ::testing::HasSubstr;
 using testing::kWaitLimit;
@@ -59,6 +60,7 @@ class TrainerSupervisorTest : public ::testing::Test {
     options.work_dir = dir_.Path("work");
     options.coordinator_address = "127.0.0.1:7070";
     options.trainer_threads = 2;
+    options.peak_flops = 2e12;
     options.cancel_grace = absl::Milliseconds(50);
     return options;
   }
@@ -67,12 +69,13 @@ class TrainerSupervisorTest : public ::testing::Test {
   TrainerSupervisor& Make(const std::string& body, const std::string& job_id = "job-1") {
     std::string script = WriteScript(dir_, "trainer.sh", body);
     supervisor_ = std::make_unique<TrainerSupervisor>(MakeAssignment(job_id), Options(script),
-                                                      &launcher_, events_.Callback());
+                                                      &launcher_, &clock_, events_.Callback());
     return *supervisor_;
   }
 
   testing::TempDir dir_;
   PosixProcessLauncher launcher_;
+  FakeClock clock_;
   EventRecorder events_;
   std::unique_ptr<TrainerSupervisor> supervisor_;  // destroyed before events_
 };
@@ -88,7 +91,7 @@ TEST_F(TrainerSupervisorTest, SucceedsAfterDoneAndExitZero) {
                         "echo '", DoneLine(2, "2.25", "/runs/demo/adapter"), "'\n",  //
                         "exit 0\n"));
   ASSERT_TRUE(supervisor.Start().ok());
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   EXPECT_EQ(end.kind, v1::RANK_EVENT_SUCCEEDED) << end.error;
   EXPECT_EQ(end.adapter_path, "/runs/demo/adapter");
   EXPECT_EQ(end.model_path, "");
@@ -104,7 +107,7 @@ TEST_F(TrainerSupervisorTest, SucceedsAfterDoneAndExitZero) {
   EXPECT_THAT(events_.kinds(),
               ElementsAre(v1::RANK_EVENT_STARTED, v1::RANK_EVENT_PROGRESS, v1::RANK_EVENT_PROGRESS,
                           v1::RANK_EVENT_PROGRESS, v1::RANK_EVENT_SUCCEEDED));
-  std::vector<TrainerEvent> events = events_.events();
+  std::vector<RankReport> events = events_.events();
   EXPECT_EQ(events[1].progress.step(), 0);  // "start"
   EXPECT_EQ(events[1].progress.total_steps(), 2);
   const v1::Progress& step1 = events[2].progress;
@@ -123,18 +126,28 @@ TEST_F(TrainerSupervisorTest, SucceedsAfterDoneAndExitZero) {
   EXPECT_EQ(supervisor.run_dir(), run_dir);
   absl::StatusOr<std::string> args = ReadFile(dir_.Path("args.txt"));
   ASSERT_TRUE(args.ok()) << args.status();
-  EXPECT_EQ(*args, absl::StrCat("train\n--spec\n", run_dir,
-                                "/job.json\n--output\njson\n--rank\n1\n--world-size\n2\n"
-                                "--job-id\njob-1\n--generation\n3\n--coordinator\n"
-                                "127.0.0.1:7070\n--threads\n2\n"));
-  absl::StatusOr<std::string> spec_text = ReadFile(run_dir + "/job.json");
-  ASSERT_TRUE(spec_text.ok()) << spec_text.status();
-  nlohmann::json spec = nlohmann::json::parse(*spec_text);
-  EXPECT_EQ(spec["name"], "demo");
-  EXPECT_EQ(spec["train"]["micro_batch"], 4);  // from the plan
+  EXPECT_EQ(*args,
+            absl::StrCat("train\n--task\n", run_dir, "/task.json\n--output\njson\n--threads\n2\n"));
+  // The task carries the assignment: spec, plan, rank, rendezvous.
+  absl::StatusOr<v1::TrainerTask> task = ReadTrainerTask(run_dir + "/task.json");
+  ASSERT_TRUE(task.ok()) << task.status();
+  EXPECT_EQ(task->job_id(), "job-1");
+  EXPECT_EQ(task->generation(), 3);
+  EXPECT_EQ(task->rank(), 1);
+  EXPECT_EQ(task->world_size(), 2);
+  EXPECT_EQ(task->spec().name(), "demo");
+  EXPECT_EQ(task->plan().micro_batch(), 4);
+  EXPECT_EQ(task->rendezvous_address(), "127.0.0.1:7070");
+  EXPECT_EQ(task->peak_flops(), 2e12);
   absl::StatusOr<std::string> log = ReadFile(run_dir + "/trainer.log");
   ASSERT_TRUE(log.ok()) << log.status();
   EXPECT_EQ(*log, "warning: from stderr\n");
+  // Every event, and nothing else, in events.jsonl.
+  absl::StatusOr<std::string> events_text = ReadFile(run_dir + "/events.jsonl");
+  ASSERT_TRUE(events_text.ok()) << events_text.status();
+  EXPECT_EQ(*events_text,
+            absl::StrCat(StartLine(2), "\n", StepLine(1, 2, "2.5"), "\n", StepLine(2, 2, "null"),
+                         "\n", DoneLine(2, "2.25", "/runs/demo/adapter"), "\n"));
 }
 
 TEST_F(TrainerSupervisorTest, NonZeroExitFailsWithCodeAndLogTail) {
@@ -143,7 +156,7 @@ TEST_F(TrainerSupervisorTest, NonZeroExitFailsWithCodeAndLogTail) {
       "i=1; while [ $i -le 30 ]; do echo \"stderr line $i\" >&2; i=$((i+1)); done\n"
       "exit 3\n");
   ASSERT_TRUE(supervisor.Start().ok());
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, HasSubstr("the trainer exited with code 3"));
   // The last 20 lines only.
@@ -164,7 +177,7 @@ TEST_F(TrainerSupervisorTest, SigkillFailsAndSaysSo) {
   TrainerSupervisor& supervisor =
       Make(absl::StrCat("echo '", StartLine(5), "'\necho 'allocating a lot' >&2\nkill -9 $$\n"));
   ASSERT_TRUE(supervisor.Start().ok());
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, HasSubstr("the trainer was killed by signal 9 (SIGKILL)"));
   EXPECT_THAT(end.error, HasSubstr("out-of-memory"));
@@ -174,7 +187,7 @@ TEST_F(TrainerSupervisorTest, SigkillFailsAndSaysSo) {
 TEST_F(TrainerSupervisorTest, AbortFails) {
   TrainerSupervisor& supervisor = Make("echo 'Assertion `x` failed.' >&2\nkill -ABRT $$\n");
   ASSERT_TRUE(supervisor.Start().ok());
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, HasSubstr("killed by signal 6 (SIGABRT)"));
   EXPECT_THAT(end.error, HasSubstr("Assertion `x` failed."));
@@ -183,7 +196,7 @@ TEST_F(TrainerSupervisorTest, AbortFails) {
 TEST_F(TrainerSupervisorTest, ExitZeroWithoutDoneFails) {
   TrainerSupervisor& supervisor = Make(absl::StrCat("echo '", StartLine(5), "'\nexit 0\n"));
   ASSERT_TRUE(supervisor.Start().ok());
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, HasSubstr("exited with code 0 without reporting \"done\""));
   EXPECT_THAT(end.error, HasSubstr("no log output"));
@@ -196,7 +209,7 @@ TEST_F(TrainerSupervisorTest, CancelTerminatesTheTrainer) {
   ASSERT_TRUE(events_.WaitFor(v1::RANK_EVENT_PROGRESS));
   supervisor.Cancel("the user cancelled the job");
   supervisor.Cancel("again");  // no effect
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_CANCELLED);
   EXPECT_THAT(end.error, HasSubstr("the user cancelled the job"));
   EXPECT_THAT(end.error, HasSubstr("SIGTERM"));
@@ -212,7 +225,7 @@ TEST_F(TrainerSupervisorTest, CancelEscalatesToSigkill) {
   ASSERT_TRUE(supervisor.Start().ok());
   ASSERT_TRUE(events_.WaitFor(v1::RANK_EVENT_PROGRESS));
   supervisor.Cancel("stop");
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_CANCELLED);
   EXPECT_THAT(end.error, HasSubstr("killed by signal 9 (SIGKILL)"));
 }
@@ -221,14 +234,15 @@ TEST_F(TrainerSupervisorTest, DestroyingARunningSupervisorReportsCancelled) {
   TrainerSupervisor& supervisor = Make("while :; do sleep 1; done\n");
   ASSERT_TRUE(supervisor.Start().ok());
   supervisor_.reset();
-  std::vector<TrainerEvent> events = events_.events();
+  std::vector<RankReport> events = events_.events();
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[1].kind, v1::RANK_EVENT_CANCELLED);
 }
 
 TEST_F(TrainerSupervisorTest, MissingTrainerBinaryIsNotFound) {
-  supervisor_ = std::make_unique<TrainerSupervisor>(
-      MakeAssignment(), Options(dir_.Path("no-such-trainer")), &launcher_, events_.Callback());
+  supervisor_ =
+      std::make_unique<TrainerSupervisor>(MakeAssignment(), Options(dir_.Path("no-such-trainer")),
+                                          &launcher_, &clock_, events_.Callback());
   absl::Status status = supervisor_->Start();
   EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(status.message(), HasSubstr("no-such-trainer"));
@@ -258,12 +272,13 @@ class TrainerSupervisorFakeTest : public ::testing::Test {
     options.cancel_grace = grace;
     options.environment = {{"CUDA_VISIBLE_DEVICES", "1"}};
     supervisor_ = std::make_unique<TrainerSupervisor>(MakeAssignment(), options, &launcher_,
-                                                      events_.Callback());
+                                                      &clock_, events_.Callback());
     return *supervisor_;
   }
 
   testing::TempDir dir_;
   FakeProcessLauncher launcher_;
+  FakeClock clock_;
   EventRecorder events_;
   std::unique_ptr<TrainerSupervisor> supervisor_;
 };
@@ -273,11 +288,9 @@ TEST_F(TrainerSupervisorFakeTest, LaunchesTheTrainerCommand) {
   ASSERT_TRUE(supervisor.Start().ok());
   ASSERT_EQ(launcher_.launch_count(), 1);
   std::shared_ptr<FakeProcess> child = launcher_.process(0);
-  const std::string spec = dir_.Path("work") + "/job-1-g3-r1/job.json";
+  const std::string task = dir_.Path("work") + "/job-1-g3-r1/task.json";
   EXPECT_THAT(child->options().argv,
-              ElementsAre("/opt/lathe/lathe-worker", "train", "--spec", spec, "--output", "json",
-                          "--rank", "1", "--world-size", "2", "--job-id", "job-1", "--generation",
-                          "3", "--coordinator", "coord:7070"));
+              ElementsAre("/opt/lathe/lathe-worker", "train", "--task", task, "--output", "json"));
   EXPECT_THAT(child->options().environment,
               ElementsAre(std::make_pair(std::string("CUDA_VISIBLE_DEVICES"), std::string("1"))));
   EXPECT_THAT(events_.kinds(), ElementsAre(v1::RANK_EVENT_STARTED));
@@ -291,7 +304,7 @@ TEST_F(TrainerSupervisorFakeTest, DoneThenCrashIsAFailure) {
   child->EmitStdout(DoneLine(2, "1.0", "/runs/demo/adapter"));
   child->EmitStderr("segfault while exiting");
   child->Exit(ExitStatus::Signaled(SIGSEGV, /*core_dumped=*/true));
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, HasSubstr("killed by signal 11 (SIGSEGV), core dumped"));
   EXPECT_THAT(end.error, HasSubstr("segfault while exiting"));
@@ -302,15 +315,41 @@ TEST_F(TrainerSupervisorFakeTest, IgnoresUnknownEventsAndKeepsOtherStdoutInTheTa
   TrainerSupervisor& supervisor = Make(absl::Seconds(5));
   ASSERT_TRUE(supervisor.Start().ok());
   std::shared_ptr<FakeProcess> child = launcher_.process(0);
-  child->EmitStdout(R"({"event": "checkpoint", "step": 100})");
+  child->EmitStdout(R"({"checkpoint": {"step": "100", "path": "/runs/x/step-100"}})");
+  child->EmitStdout(R"({"event": "from a trainer of another age"})");
   child->EmitStdout(R"(["an", "array"])");
   child->EmitStdout("{broken json");
   child->Exit(ExitStatus::Exited(1));
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
-  EXPECT_THAT(end.error, HasSubstr("last 2 lines"));
+  EXPECT_THAT(end.error, HasSubstr("last 3 lines"));
   EXPECT_THAT(end.error, HasSubstr("[\"an\", \"array\"]\n{broken json"));
   EXPECT_THAT(events_.kinds(), ElementsAre(v1::RANK_EVENT_STARTED, v1::RANK_EVENT_FAILED));
+}
+
+TEST_F(TrainerSupervisorFakeTest, TheTrainersOwnErrorLeadsTheFailure) {
+  TrainerSupervisor& supervisor = Make(absl::Seconds(5));
+  ASSERT_TRUE(supervisor.Start().ok());
+  std::shared_ptr<FakeProcess> child = launcher_.process(0);
+  child->EmitStdout(ErrorLine("INVALID_ARGUMENT", "data.train: /d/x.jsonl: line 3: not JSON"));
+  child->EmitStderr("lathe-worker train: data.train: /d/x.jsonl: line 3: not JSON");
+  child->Exit(ExitStatus::Exited(1));
+  RankReport end = events_.WaitForEnd();
+  ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
+  EXPECT_THAT(end.error, ::testing::StartsWith("data.train: /d/x.jsonl: line 3: not JSON (the "
+                                               "trainer exited with code 1)"));
+}
+
+TEST_F(TrainerSupervisorFakeTest, ReportsAreStampedWithTheClock) {
+  TrainerSupervisor& supervisor = Make(absl::Seconds(5));
+  ASSERT_TRUE(supervisor.Start().ok());
+  std::shared_ptr<FakeProcess> child = launcher_.process(0);
+  child->EmitStdout(StepLine(1, 2, "2.5"));
+  ASSERT_TRUE(events_.WaitFor(v1::RANK_EVENT_PROGRESS));
+  EXPECT_EQ(events_.events().back().progress.updated_unix_ms(), absl::ToUnixMillis(clock_.Now()));
+  EXPECT_DOUBLE_EQ(events_.events().back().progress.mfu(), 0.25);
+  child->Exit(ExitStatus::Exited(1));
+  events_.WaitForEnd();
 }
 
 TEST_F(TrainerSupervisorFakeTest, CancelSendsSigtermThenSigkillAfterTheGrace) {
@@ -320,7 +359,7 @@ TEST_F(TrainerSupervisorFakeTest, CancelSendsSigtermThenSigkillAfterTheGrace) {
   supervisor.Cancel("job cancelled");
   ASSERT_TRUE(child->WaitForSignal(SIGKILL, kWaitLimit));
   EXPECT_THAT(child->signals(), ElementsAre(SIGTERM, SIGKILL));  // SIGKILL ends the fake
-  TrainerEvent end = events_.WaitForEnd();
+  RankReport end = events_.WaitForEnd();
   EXPECT_EQ(end.kind, v1::RANK_EVENT_CANCELLED);
   EXPECT_THAT(end.error, HasSubstr("job cancelled"));
 }

@@ -13,8 +13,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "common/file_util.h"
+#include "common/plan.h"
+#include "common/proto/job_spec_proto.h"
+#include "common/proto/trainer_io.h"
 #include "gmock/gmock.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
@@ -218,10 +223,11 @@ std::function<bool(const FakeWorkerService&)> HeartbeatShows(int64_t slot,
 }
 
 // The trainer for every test here: what it does depends on its job id's prefix.
-constexpr char kTrainerScript[] = R"(
+constexpr char kTrainerScript[] = R"sh(
+# The run directory <job>-g<generation>-r<rank> holds the task.
 job=""
 while [ $# -gt 0 ]; do
-  case "$1" in --job-id) job="$2"; shift;; esac
+  case "$1" in --task) job=$(basename "$(dirname "$2")"); shift;; esac
   shift
 done
 echo 'START'
@@ -237,7 +243,7 @@ case "$job" in
   *)
     while :; do sleep 1; done;;
 esac
-)";
+)sh";
 
 std::string TrainerScriptBody() {
   std::string body = kTrainerScript;
@@ -624,7 +630,14 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
   spec.mutable_train()->set_lr(1e-3);
   spec.mutable_resources()->set_ranks(1);
   spec.set_output(dir_.Path("out"));
-  assignment.mutable_plan()->set_micro_batch(1);
+  // The coordinator's plan, with a micro-batch and checkpointing the spec does not ask for.
+  absl::StatusOr<JobSpec> parsed = JobSpecFromProto(spec, "spec");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  Plan plan = PlanFromSpec(*parsed);
+  plan.micro_batch = 1;
+  plan.gradient_accumulation = 2;
+  plan.activation_checkpointing = true;
+  *assignment.mutable_plan() = PlanToProto(plan);
   service_.Assign(assignment);
 
   ASSERT_TRUE(service_.WaitUntil([](const FakeWorkerService& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -644,6 +657,24 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
   EXPECT_TRUE(end.progress().has_loss());
   EXPECT_TRUE(Has(reports, v1::RANK_EVENT_PROGRESS));
   EXPECT_TRUE(std::filesystem::exists(dir_.Path("out") + "/adapter/adapter_model.safetensors"));
+  // What the trainer says it ran is the plan it was given.
+  absl::StatusOr<std::string> events = ReadFile(dir_.Path("work") + "/real-1-g1-r0/events.jsonl");
+  ASSERT_TRUE(events.ok()) << events.status();
+  std::vector<v1::TrainerEvent> parsed_events;
+  for (absl::string_view line : absl::StrSplit(*events, '\n', absl::SkipEmpty())) {
+    absl::StatusOr<v1::TrainerEvent> event = ParseTrainerEventLine(line);
+    ASSERT_TRUE(event.ok()) << line;
+    parsed_events.push_back(*event);
+  }
+  ASSERT_GE(parsed_events.size(), 4u);  // start, 2 steps, done
+  ASSERT_TRUE(parsed_events.front().has_start());
+  const v1::Plan& ran = parsed_events.front().start().plan();
+  EXPECT_EQ(ran.micro_batch(), 1);
+  EXPECT_EQ(ran.gradient_accumulation(), 2);
+  EXPECT_TRUE(ran.activation_checkpointing());
+  EXPECT_TRUE(parsed_events[1].has_step());
+  EXPECT_GT(parsed_events[1].step().progress().mfu(), 0);
+  EXPECT_TRUE(parsed_events.back().has_done());
   EXPECT_TRUE(StopAgent().ok());
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
 #include "common/status_macros.h"
@@ -34,6 +35,9 @@ const std::vector<FlagSpec> kAgentFlags = {
     {"work-dir", true, "per-rank specs and logs (default /tmp/lathe-worker-<worker-id>)"},
     {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
     {"trainer-binary", true, "lathe-worker binary that runs `train` (default this one)"},
+    {"peak-flops", true,
+     "peak FLOP/s of one slot's device, for MFU (default: looked up (CUDA) or measured (CPU) by "
+     "each trainer)"},
 };
 
 std::string HostName() {
@@ -73,6 +77,11 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
   if (trainer.trainer_threads < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--trainer-threads: must be >= 0, got ", trainer.trainer_threads));
+  }
+  if (flags.Has("peak-flops") && (!absl::SimpleAtod(flags.Get("peak-flops"), &trainer.peak_flops) ||
+                                  !(trainer.peak_flops > 0))) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--peak-flops: expected a positive number, got \"", flags.Get("peak-flops"), "\""));
   }
   trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {

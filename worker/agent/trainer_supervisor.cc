@@ -11,9 +11,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "common/file_util.h"
-#include "common/proto/job_spec_proto.h"
+#include "common/proto/trainer_io.h"
 #include "common/status_macros.h"
-#include "nlohmann/json.hpp"
 #include "spdlog/spdlog.h"
 
 namespace lathe {
@@ -33,46 +32,6 @@ bool IsSafeFileName(absl::string_view name) {
   return true;
 }
 
-std::optional<double> OptionalNumber(const nlohmann::json& object, const char* key) {
-  auto it = object.find(key);
-  if (it == object.end() || !it->is_number()) return std::nullopt;
-  return it->get<double>();
-}
-
-double NumberOr(const nlohmann::json& object, const char* key, double fallback) {
-  return OptionalNumber(object, key).value_or(fallback);
-}
-
-int64_t IntegerOr(const nlohmann::json& object, const char* key, int64_t fallback) {
-  auto it = object.find(key);
-  if (it == object.end() || !it->is_number()) return fallback;
-  return it->is_number_integer() ? it->get<int64_t>() : static_cast<int64_t>(it->get<double>());
-}
-
-std::string StringOr(const nlohmann::json& object, const char* key) {
-  auto it = object.find(key);
-  if (it == object.end() || !it->is_string()) return "";
-  return it->get<std::string>();
-}
-
-// The optional "memory" object of a step line: the MemoryBreakdown components, in bytes.
-void ParseMemory(const nlohmann::json& object, v1::MemoryBreakdown* memory) {
-  auto it = object.find("memory");
-  if (it == object.end() || !it->is_object()) return;
-  auto bytes = [&](const char* key) {
-    return static_cast<uint64_t>(std::max<int64_t>(0, IntegerOr(*it, key, 0)));
-  };
-  memory->set_weights(bytes("weights"));
-  memory->set_trainable(bytes("trainable"));
-  memory->set_gradients(bytes("gradients"));
-  memory->set_optimizer(bytes("optimizer"));
-  memory->set_activations(bytes("activations"));
-  memory->set_logits(bytes("logits"));
-  memory->set_comm_buffers(bytes("comm_buffers"));
-  memory->set_overhead(bytes("overhead"));
-  memory->set_total(bytes("total"));
-}
-
 // "was killed by signal 9 (SIGKILL)", "exited with code 3".
 std::string Ended(const ExitStatus& status) {
   return status.signaled ? absl::StrCat("was ", status.ToString()) : status.ToString();
@@ -86,10 +45,12 @@ bool IsTerminal(v1::RankEvent kind) {
 }  // namespace
 
 TrainerSupervisor::TrainerSupervisor(v1::Assignment assignment, TrainerSupervisorOptions options,
-                                     ProcessLauncher* launcher, EventCallback on_event)
+                                     ProcessLauncher* launcher, const Clock* clock,
+                                     EventCallback on_event)
     : assignment_(std::move(assignment)),
       options_(std::move(options)),
       launcher_(launcher),
+      clock_(clock),
       on_event_(std::move(on_event)),
       run_dir_(absl::StrCat(options_.work_dir, "/", assignment_.job_id(), "-g",
                             assignment_.generation(), "-r", assignment_.rank())) {}
@@ -146,36 +107,25 @@ absl::Status TrainerSupervisor::Launch() {
   if (error) {
     return absl::InternalError(absl::StrCat("creating ", run_dir_, ": ", error.message()));
   }
-  // The plan's micro-batch is what the planner fitted in memory; the trainer must not pick
-  // another one on its own.
-  v1::JobSpec spec = assignment_.spec();
-  if (assignment_.plan().micro_batch() > 0 && spec.train().micro_batch() == 0) {
-    spec.mutable_train()->set_micro_batch(assignment_.plan().micro_batch());
-  }
-  const std::string spec_path = run_dir_ + "/job.json";
-  LATHE_RETURN_IF_ERROR(WriteFileAtomically(spec_path, JobSpecProtoToJson(spec)));
+  v1::TrainerTask task;
+  task.set_job_id(assignment_.job_id());
+  task.set_generation(assignment_.generation());
+  task.set_rank(assignment_.rank());
+  task.set_world_size(assignment_.world_size());
+  *task.mutable_spec() = assignment_.spec();
+  *task.mutable_plan() = assignment_.plan();
+  task.set_rendezvous_address(options_.coordinator_address);
+  task.set_peak_flops(options_.peak_flops);
+  const std::string task_path = run_dir_ + "/task.json";
+  LATHE_RETURN_IF_ERROR(WriteTrainerTask(task_path, task));
   log_file_.open(run_dir_ + "/trainer.log", std::ios::out | std::ios::trunc);
-  if (!log_file_) {
-    return absl::InternalError(absl::StrCat("creating ", run_dir_, "/trainer.log"));
+  events_file_.open(run_dir_ + "/events.jsonl", std::ios::out | std::ios::trunc);
+  if (!log_file_ || !events_file_) {
+    return absl::InternalError(absl::StrCat("creating trainer.log and events.jsonl in ", run_dir_));
   }
 
   LaunchOptions launch;
-  launch.argv = {options_.trainer_binary,
-                 "train",
-                 "--spec",
-                 spec_path,
-                 "--output",
-                 "json",
-                 "--rank",
-                 absl::StrCat(assignment_.rank()),
-                 "--world-size",
-                 absl::StrCat(assignment_.world_size()),
-                 "--job-id",
-                 assignment_.job_id(),
-                 "--generation",
-                 absl::StrCat(assignment_.generation()),
-                 "--coordinator",
-                 options_.coordinator_address};
+  launch.argv = {options_.trainer_binary, "train", "--task", task_path, "--output", "json"};
   if (options_.trainer_threads > 0) {
     launch.argv.push_back("--threads");
     launch.argv.push_back(absl::StrCat(options_.trainer_threads));
@@ -191,6 +141,7 @@ absl::Status TrainerSupervisor::Launch() {
     absl::StatusOr<std::unique_ptr<ChildProcess>> child = launcher_->Launch(std::move(launch));
     if (!child.ok()) {
       log_file_.close();
+      events_file_.close();
       return Annotate(child.status(), "starting the trainer");
     }
     int pid = (*child)->pid();
@@ -201,7 +152,7 @@ absl::Status TrainerSupervisor::Launch() {
     }
     spdlog::info("job={} attempt={} rank={} trainer started: pid {}, {}", assignment_.job_id(),
                  assignment_.generation(), assignment_.rank(), pid, run_dir_);
-    TrainerEvent started;
+    RankReport started;
     started.kind = v1::RANK_EVENT_STARTED;
     on_event_(started);
   }
@@ -256,55 +207,56 @@ void TrainerSupervisor::Wait() const {
 }
 
 void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
-  nlohmann::json object = nlohmann::json::parse(line.begin(), line.end(), nullptr,
-                                                /*allow_exceptions=*/false);
-  auto event_it = object.is_object() ? object.find("event") : object.end();
-  if (!object.is_object() || event_it == object.end() || !event_it->is_string()) {
+  absl::StatusOr<v1::TrainerEvent> event = ParseTrainerEventLine(line);
+  if (!event.ok()) {
     absl::MutexLock lock(&mu_);
     AddToTail(line);
     return;
   }
-  const std::string event = event_it->get<std::string>();
-  TrainerEvent progress;
+  events_file_ << line << '\n';
+  events_file_.flush();
+  RankReport progress;
   progress.kind = v1::RANK_EVENT_PROGRESS;
   v1::Progress& p = progress.progress;
+  const int64_t now_ms = absl::ToUnixMillis(clock_->Now());
   {
     absl::MutexLock lock(&mu_);
-    if (event == "start") {
-      total_steps_ = IntegerOr(object, "steps", 0);
-      p.set_step(0);
-      p.set_total_steps(total_steps_);
-    } else if (event == "step") {
-      p.set_step(IntegerOr(object, "step", 0));
-      p.set_total_steps(IntegerOr(object, "steps", total_steps_));
-      if (std::optional<double> loss = OptionalNumber(object, "loss")) p.set_loss(*loss);
-      p.set_lr(NumberOr(object, "lr", 0.0));
-      p.set_grad_norm(NumberOr(object, "grad_norm", 0.0));
-      p.set_tokens_per_second(NumberOr(object, "tokens_per_s", 0.0));
-      p.set_mfu(NumberOr(object, "mfu", 0.0));
-      if (std::optional<double> eval = OptionalNumber(object, "eval_loss")) p.set_eval_loss(*eval);
-      ParseMemory(object, p.mutable_memory());
-    } else if (event == "done") {
-      TrainerEvent done;
-      done.kind = v1::RANK_EVENT_SUCCEEDED;
-      v1::Progress& d = done.progress;
-      d = last_progress_;
-      d.set_step(IntegerOr(object, "steps", d.step()));
-      d.set_total_steps(IntegerOr(object, "steps", total_steps_));
-      d.clear_loss();
-      if (std::optional<double> loss = OptionalNumber(object, "final_loss")) d.set_loss(*loss);
-      d.clear_eval_loss();
-      if (std::optional<double> eval = OptionalNumber(object, "eval_loss")) d.set_eval_loss(*eval);
-      d.set_tokens_per_second(NumberOr(object, "tokens_per_s", d.tokens_per_second()));
-      d.set_updated_unix_ms(absl::ToUnixMillis(absl::Now()));
-      done.adapter_path = StringOr(object, "adapter");
-      done.model_path = StringOr(object, "model");
-      done_ = std::move(done);
-      return;
-    } else {
-      return;  // an event this agent does not know yet
+    switch (event->event_case()) {
+      case v1::TrainerEvent::kStart:
+        total_steps_ = event->start().total_steps();
+        p.set_step(event->start().resumed_from_step());
+        p.set_total_steps(total_steps_);
+        break;
+      case v1::TrainerEvent::kStep:
+        p = event->step().progress();
+        break;
+      case v1::TrainerEvent::kDone: {
+        const v1::TrainerDone& done_event = event->done();
+        RankReport done;
+        done.kind = v1::RANK_EVENT_SUCCEEDED;
+        v1::Progress& d = done.progress;
+        d = last_progress_;
+        d.set_step(done_event.steps());
+        d.set_total_steps(done_event.steps());
+        d.clear_loss();
+        if (done_event.has_final_loss()) d.set_loss(done_event.final_loss());
+        d.clear_eval_loss();
+        if (done_event.has_eval_loss()) d.set_eval_loss(done_event.eval_loss());
+        d.set_skipped_steps(done_event.skipped_steps());
+        d.set_tokens_per_second(done_event.tokens_per_second());
+        d.set_updated_unix_ms(now_ms);
+        done.adapter_path = done_event.adapter_path();
+        done.model_path = done_event.model_path();
+        done_ = std::move(done);
+        return;
+      }
+      case v1::TrainerEvent::kError:
+        trainer_error_ = event->error().message();
+        return;
+      default:
+        return;  // a checkpoint: kept in events.jsonl, nothing for the coordinator
     }
-    p.set_updated_unix_ms(absl::ToUnixMillis(absl::Now()));
+    p.set_updated_unix_ms(now_ms);
     last_progress_ = p;
   }
   Emit(progress);
@@ -321,7 +273,8 @@ void TrainerSupervisor::OnStderrLine(absl::string_view line) {
 
 void TrainerSupervisor::OnExit(const ExitStatus& status) {
   log_file_.close();
-  TrainerEvent event;
+  events_file_.close();
+  RankReport event;
   {
     absl::MutexLock lock(&mu_);
     exited_ = true;
@@ -332,7 +285,9 @@ void TrainerSupervisor::OnExit(const ExitStatus& status) {
       event = *done_;
     } else {
       event.kind = v1::RANK_EVENT_FAILED;
-      if (status.success()) {
+      if (!trainer_error_.empty()) {
+        event.error = absl::StrCat(trainer_error_, " (the trainer ", Ended(status), ")");
+      } else if (status.success()) {
         event.error = "the trainer exited with code 0 without reporting \"done\"";
       } else {
         event.error = absl::StrCat("the trainer ", Ended(status));
@@ -368,7 +323,7 @@ std::string TrainerSupervisor::TailText() const {
                       absl::StrJoin(tail_, "\n"));
 }
 
-void TrainerSupervisor::Emit(const TrainerEvent& event) {
+void TrainerSupervisor::Emit(const RankReport& event) {
   absl::MutexLock emit(&emit_mu_);
   on_event_(event);
   if (IsTerminal(event.kind)) {

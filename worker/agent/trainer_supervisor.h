@@ -1,27 +1,28 @@
 // Runs one rank of one attempt in a child trainer process and turns what it does into
-// events for the coordinator.
+// reports for the coordinator.
 //
-// Start writes the assignment's spec to `<work_dir>/<job_id>-g<generation>-r<rank>/job.json`
-// and launches
+// Start writes the rank's TrainerTask (proto/lathe/v1/trainer.proto: the spec, the plan, the
+// rank, the rendezvous address) to `<work_dir>/<job_id>-g<generation>-r<rank>/task.json` and
+// launches
 //
-//   <trainer_binary> train --spec <dir>/job.json --output json --rank R --world-size W
-//                          --job-id J --generation G --coordinator ADDR [--threads T]
+//   <trainer_binary> train --task <dir>/task.json --output json [--threads T]
 //
-// in its own process group. The trainer's stdout JSON lines (docs/training.md, "Outputs")
-// become events: "start" and each "step" a PROGRESS, "done" the result of a SUCCEEDED. The
-// child's stderr goes to `<dir>/trainer.log`; the last lines of it (and of stdout that is not
-// an event) are kept as the log tail for error messages.
+// in its own process group. The trainer prints one TrainerEvent per line on stdout
+// (common/proto/trainer_io.h); they are kept in `<dir>/events.jsonl` as they come, and become
+// reports: "start" and each "step" a PROGRESS, "done" the result of a SUCCEEDED, "error" the
+// reason of a FAILED. The child's stderr goes to `<dir>/trainer.log`; the last lines of it
+// (and of stdout that is not an event) are kept as the log tail for error messages.
 //
-// Events, in order: STARTED (from Start, once the child runs), PROGRESS*, then exactly one
-// terminal event when the child has exited:
-//   SUCCEEDED  exit code 0 after a "done" line
+// Reports, in order: STARTED (from Start, once the child runs), PROGRESS*, then exactly one
+// terminal report when the child has exited:
+//   SUCCEEDED  exit code 0 after a "done" event
 //   CANCELLED  Cancel was called before the child exited (whatever its exit status)
 //   FAILED     anything else: a non-zero exit, a signal (an out-of-memory kill is SIGKILL,
-//              an abort SIGABRT), or exit 0 without "done"; the error holds the exit status
-//              and the log tail.
-// A crash of the trainer is only ever an event: nothing here aborts the agent.
+//              an abort SIGABRT), or exit 0 without "done"; the error holds the trainer's
+//              own "error" event when it printed one, the exit status and the log tail.
+// A crash of the trainer is only ever a report: nothing here aborts the agent.
 //
-// Thread-safety: thread-safe. The event callback runs on the caller's thread for STARTED and
+// Thread-safety: thread-safe. The report callback runs on the caller's thread for STARTED and
 // on the child's reader thread for the others, never two at once; it must not call back into
 // this supervisor (except Cancel, which only signals) nor destroy it.
 #ifndef LATHE_WORKER_AGENT_TRAINER_SUPERVISOR_H_
@@ -43,6 +44,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/clock.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
 #include "worker/agent/process_launcher.h"
@@ -54,10 +56,12 @@ struct TrainerSupervisorOptions {
   std::string trainer_binary = "/proc/self/exe";
   // Parent of the per-rank directories. Created when missing.
   std::string work_dir;
-  // Passed to the trainer for rendezvous.
+  // The coordinator's RendezvousService, written into the task for the ranks to meet.
   std::string coordinator_address;
   // > 0: passed as --threads.
   int64_t trainer_threads = 0;
+  // > 0: the device's peak FLOP/s for MFU, written into the task (0: the trainer finds it).
+  double peak_flops = 0.0;
   // After Cancel's SIGTERM, how long the trainer has to exit before SIGKILL.
   absl::Duration cancel_grace = absl::Seconds(5);
   // Set in the trainer's environment (e.g. CUDA_VISIBLE_DEVICES for the slot's GPU).
@@ -66,7 +70,9 @@ struct TrainerSupervisorOptions {
   int log_tail_lines = 20;
 };
 
-struct TrainerEvent {
+// What the supervisor tells its owner: one of the coordinator's RankEvents, with what the
+// trainer's events said.
+struct RankReport {
   v1::RankEvent kind = v1::RANK_EVENT_UNSPECIFIED;
   // PROGRESS: the step just reported (step 0 for "start"). SUCCEEDED: the final numbers,
   // loss = final loss.
@@ -80,11 +86,12 @@ struct TrainerEvent {
 
 class TrainerSupervisor {
  public:
-  using EventCallback = std::function<void(const TrainerEvent&)>;
+  using EventCallback = std::function<void(const RankReport&)>;
 
-  // REQUIRES: `launcher` outlives the supervisor; options.work_dir is not empty.
+  // `clock` stamps the reports' updated_unix_ms.
+  // REQUIRES: `launcher` and `clock` outlive the supervisor; options.work_dir is not empty.
   TrainerSupervisor(v1::Assignment assignment, TrainerSupervisorOptions options,
-                    ProcessLauncher* launcher, EventCallback on_event);
+                    ProcessLauncher* launcher, const Clock* clock, EventCallback on_event);
   // A trainer still running is killed with SIGKILL; its CANCELLED event is still reported
   // before the destructor returns.
   ~TrainerSupervisor();
@@ -92,7 +99,7 @@ class TrainerSupervisor {
   TrainerSupervisor(const TrainerSupervisor&) = delete;
   TrainerSupervisor& operator=(const TrainerSupervisor&) = delete;
 
-  // Writes job.json and starts the trainer; reports STARTED. On error nothing runs and no
+  // Writes task.json and starts the trainer; reports STARTED. On error nothing runs and no
   // event is reported: INVALID_ARGUMENT for a job id that is not a safe file name,
   // FAILED_PRECONDITION when called twice or after Cancel, INTERNAL when the files cannot
   // be written, and the launcher's errors (NOT_FOUND for a missing trainer binary).
@@ -122,11 +129,12 @@ class TrainerSupervisor {
   void SignalCancel();
   void AddToTail(absl::string_view line) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string TailText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Emit(const TrainerEvent& event);
+  void Emit(const RankReport& event);
 
   const v1::Assignment assignment_;
   const TrainerSupervisorOptions options_;
   ProcessLauncher* const launcher_;
+  const Clock* const clock_;
   const EventCallback on_event_;
   const std::string run_dir_;
 
@@ -142,13 +150,15 @@ class TrainerSupervisor {
   bool exited_ ABSL_GUARDED_BY(mu_) = false;    // on_exit was called
   bool finished_ ABSL_GUARDED_BY(mu_) = false;  // terminal event reported, or Start failed
   int64_t total_steps_ ABSL_GUARDED_BY(mu_) = 0;
-  std::optional<TrainerEvent> done_ ABSL_GUARDED_BY(mu_);  // from the "done" line
+  std::optional<RankReport> done_ ABSL_GUARDED_BY(mu_);  // from the "done" event
+  std::string trainer_error_ ABSL_GUARDED_BY(mu_);       // from the "error" event
   v1::Progress last_progress_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tail_ ABSL_GUARDED_BY(mu_);
   std::thread killer_ ABSL_GUARDED_BY(mu_);  // from SignalCancel; joined by the destructor
 
   // Written only by the reader thread (and opened by Start before it exists).
   std::ofstream log_file_;
+  std::ofstream events_file_;
 };
 
 }  // namespace lathe

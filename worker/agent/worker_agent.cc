@@ -319,8 +319,8 @@ std::shared_ptr<TrainerSupervisor> WorkerAgent::MakeSupervisor(const v1::Assignm
   }
   v1::Assignment rank = RankOf(assignment);
   return std::make_shared<TrainerSupervisor>(
-      assignment, std::move(trainer), launcher_,
-      [this, rank](const TrainerEvent& event) { OnTrainerEvent(rank, event); });
+      assignment, std::move(trainer), launcher_, clock_,
+      [this, rank](const RankReport& event) { OnTrainerEvent(rank, event); });
 }
 
 void WorkerAgent::StartTrainer(const std::shared_ptr<TrainerSupervisor>& trainer) {
@@ -331,7 +331,7 @@ void WorkerAgent::StartTrainer(const std::shared_ptr<TrainerSupervisor>& trainer
   }
 }
 
-void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const TrainerEvent& event) {
+void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const RankReport& event) {
   v1::ReportProgressRequest request;
   request.set_worker_id(worker_id());
   request.set_job_id(assignment.job_id());

@@ -122,7 +122,7 @@ class WorkerAgent {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts a supervisor placed in `slot`; reports FAILED (and frees the slot) when it cannot.
   void StartTrainer(const std::shared_ptr<TrainerSupervisor>& trainer);
-  void OnTrainerEvent(const v1::Assignment& assignment, const TrainerEvent& event);
+  void OnTrainerEvent(const v1::Assignment& assignment, const RankReport& event);
   // Reports FAILED for an assignment that never ran, then frees its slot (if it holds it).
   void ReportNotStarted(const v1::Assignment& assignment, const std::string& error);
   // The end of `assignment` was reported: the slot is free (or starts its next trainer).

@@ -10,8 +10,8 @@
 
 #include "absl/status/status.h"
 #include "common/safetensors.h"
-#include "worker/engine/causal_lm.h"
 #include "kernels/ops/torch_compat.h"
+#include "worker/engine/causal_lm.h"
 #include "worker/engine/weights.h"
 
 namespace lathe {

@@ -93,14 +93,18 @@ int64_t StepOf(const std::string& name) {
 CheckpointStore::CheckpointStore(std::string dir, int64_t keep)
     : dir_(std::move(dir)), keep_(keep) {}
 
+std::string CheckpointStore::StepDir(int64_t step) const {
+  return (fs::path(dir_) / absl::StrFormat("%s%08d", kStepPrefix, step)).string();
+}
+
 absl::Status CheckpointStore::Save(const TrainingState& state,
                                    absl::Span<const TensorToWrite> trainable,
                                    absl::Span<const TensorToWrite> optimizer) {
   std::error_code error;
   fs::create_directories(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
-  const std::string name = absl::StrFormat("%s%08d", kStepPrefix, state.step);
-  const std::string final_dir = (fs::path(dir_) / name).string();
+  const std::string final_dir = StepDir(state.step);
+  const std::string name = fs::path(final_dir).filename().string();
   const std::string temp_dir = absl::StrCat(dir_, "/.tmp-", name, "-", getpid());
   fs::remove_all(temp_dir, error);
   fs::create_directory(temp_dir, error);

@@ -67,6 +67,8 @@ class CheckpointStore {
       std::vector<std::string>* rejected) const;
 
   const std::string& dir() const { return dir_; }
+  // Where the checkpoint of `step` is (or would be) kept.
+  std::string StepDir(int64_t step) const;
 
  private:
   absl::StatusOr<LoadedCheckpoint> Load(const std::string& step_dir) const;

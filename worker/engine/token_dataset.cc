@@ -298,11 +298,4 @@ int64_t SequenceSampler::SequencesPerEpoch() const {
   return std::max<int64_t>(1, n);
 }
 
-int64_t AutoMicroBatch(int64_t per_rank_batch, int64_t seq_len) {
-  for (int64_t m = per_rank_batch; m > 1; --m) {
-    if (per_rank_batch % m == 0 && m * seq_len <= 8192) return m;
-  }
-  return 1;
-}
-
 }  // namespace lathe

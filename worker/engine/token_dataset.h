@@ -101,10 +101,6 @@ class SequenceSampler {
   size_t offset_in_document_ = 0;
 };
 
-// The micro-batch size for `micro_batch: auto`: the largest divisor of `per_rank_batch`
-// with micro_batch * seq_len <= 8192 tokens, at least 1.
-int64_t AutoMicroBatch(int64_t per_rank_batch, int64_t seq_len);
-
 }  // namespace lathe
 
 #endif  // LATHE_WORKER_ENGINE_TOKEN_DATASET_H_

@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/capabilities.h"
 #include "common/file_util.h"
+#include "common/flops.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "worker/comm/communicator.h"
@@ -21,6 +23,7 @@
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"
 
 namespace lathe {
@@ -28,10 +31,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Features the spec may ask for that this worker does not run yet.
-absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) {
-  if (options.world_size != spec.resources.ranks) {
-    return absl::InvalidArgumentError(absl::StrCat("resources.ranks: ", spec.resources.ranks,
+// What the engine cannot run (the same list the coordinator checks at submit), a plan that
+// does not fit the spec, and what this process cannot do.
+absl::Status CheckSupported(const JobSpec& spec, const Plan& plan, const TrainerOptions& options) {
+  LATHE_RETURN_IF_ERROR(CheckEngineSupports(spec));
+  LATHE_RETURN_IF_ERROR(CheckPlanRunsSpec(spec, plan, "plan"));
+  if (options.world_size != plan.ranks) {
+    return absl::InvalidArgumentError(absl::StrCat("resources.ranks: ", plan.ranks,
                                                    " but this trainer was started with world size ",
                                                    options.world_size));
   }
@@ -43,33 +49,13 @@ absl::Status CheckSupported(const JobSpec& spec, const TrainerOptions& options) 
       (options.comm == nullptr || options.comm->world_size() != options.world_size ||
        options.comm->rank() != options.rank)) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "resources.ranks: ", spec.resources.ranks,
+        "resources.ranks: ", plan.ranks,
         ": several ranks need a communicator for this rank (start the trainer through a worker "
         "agent)"));
   }
-  if (spec.method == Method::kQLora) {
-    return absl::FailedPreconditionError("method: qlora is not supported by this worker yet");
-  }
-  if (spec.train.optimizer != OptimizerKind::kAdamW) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("train.optimizer: ", OptimizerKindName(spec.train.optimizer),
-                     " is not supported by this worker yet (adamw only)"));
-  }
-  if (spec.resources.device == DeviceKind::kCuda && options.world_size > 1) {
-    return absl::FailedPreconditionError(
-        "resources.ranks: several CUDA ranks need the NCCL communicator, which this worker "
-        "does not have yet; use one rank per job on cuda");
-  }
-  if (spec.resources.device == DeviceKind::kCuda && !at::hasCUDA()) {
+  if (plan.device == DeviceKind::kCuda && !at::hasCUDA()) {
     return absl::FailedPreconditionError(
         "resources.device: cuda: this worker's libtorch has no CUDA support or sees no GPU");
-  }
-  const StrategySpec& s = spec.strategy;
-  if (!s.automatic && (s.zero_stage != 0 || s.offload_optimizer || s.offload_params)) {
-    return absl::FailedPreconditionError(
-        "strategy: sharding and offload are not supported by this worker yet; use zero_stage: "
-        "0 without offload (activation_checkpointing, chunked_loss and fused_kernels are "
-        "supported)");
   }
   return absl::OkStatus();
 }
@@ -152,10 +138,10 @@ std::pair<at::Tensor, at::Tensor> Collate(const std::vector<Sequence>& sequences
   return {ids, labels};
 }
 
-// How the model holds weights and computes for `spec` (docs/training.md, "Precision").
-ModelOptions ModelOptionsFor(const JobSpec& spec) {
+// How the model holds weights and computes for `plan` (docs/training.md, "Precision").
+ModelOptions ModelOptionsFor(const Plan& plan) {
   ModelOptions options;
-  switch (spec.train.precision) {
+  switch (plan.precision) {
     case Precision::kFp32:
       options.weight_dtype = at::kFloat;
       break;
@@ -166,18 +152,16 @@ ModelOptions ModelOptionsFor(const JobSpec& spec) {
       options.weight_dtype = at::kHalf;
       break;
   }
-  const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  const bool cuda = plan.device == DeviceKind::kCuda;
   options.device = cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   // On the CPU, low-precision weights are widened as they are used and the products run in
   // float32: Debian's libtorch 1.13 has no fp16 CPU matmul, and its bf16 one ran ~50x slower
   // than float32 on this project's machines (docs/training.md).
   options.compute_dtype = cuda ? options.weight_dtype : at::kFloat;
-  options.activation_checkpointing =
-      !spec.strategy.automatic && spec.strategy.activation_checkpointing;
-  options.fused_kernels = spec.strategy.fused_kernels;
+  options.activation_checkpointing = plan.activation_checkpointing;
+  options.fused_kernels = plan.fused_kernels;
   // The fused linear cross-entropy is the chunked loss.
-  options.chunked_loss =
-      spec.strategy.fused_kernels || (!spec.strategy.automatic && spec.strategy.chunked_loss);
+  options.chunked_loss = plan.chunked_loss;
   return options;
 }
 
@@ -194,11 +178,14 @@ int64_t CountTargets(const Sequence& s) {
 
 Trainer::~Trainer() = default;
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, const Plan& plan,
                                                          const TrainerOptions& options) {
-  LATHE_RETURN_IF_ERROR(CheckSupported(spec, options));
+  LATHE_RETURN_IF_ERROR(CheckSupported(spec, plan, options));
+  at::set_num_threads(options.threads > 0 ? options.threads
+                                          : static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Trainer> trainer(new Trainer());
   trainer->spec_ = spec;
+  trainer->plan_ = plan;
   trainer->options_ = options;
 
   absl::StatusOr<ModelConfig> config = LoadModelConfig(spec.model.path);
@@ -222,18 +209,18 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
   LATHE_RETURN_IF_ERROR(CheckOutput(spec.output));
 
   const TrainSpec& train = spec.train;
-  const int64_t per_rank_batch = train.global_batch / options.world_size;
-  trainer->micro_batch_ =
-      train.micro_batch > 0 ? train.micro_batch : AutoMicroBatch(per_rank_batch, spec.data.seq_len);
-  if (train.steps > 0) {
-    trainer->total_steps_ = train.steps;
+  if (plan.total_steps > 0) {
+    trainer->total_steps_ = plan.total_steps;
   } else {
     SequenceSampler sampler(&*trainer->train_data_, spec.data.seq_len, spec.data.pack, train.seed);
     trainer->total_steps_ =
         std::max<int64_t>(1, train.epochs * sampler.SequencesPerEpoch() / train.global_batch);
+    trainer->plan_.total_steps = trainer->total_steps_;
   }
+  trainer->model_flops_per_token_ =
+      TrainingFlopsPerToken(*config, spec, spec.data.seq_len, /*recompute=*/false);
 
-  const ModelOptions model_options = ModelOptionsFor(spec);
+  const ModelOptions model_options = ModelOptionsFor(plan);
   MemoryTracker* tracker = MemoryTracker::Install();
   const int64_t weights_before = tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes;
   absl::StatusOr<std::unique_ptr<CausalLm>> model;
@@ -244,6 +231,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
   }
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
+  trainer->peak_flops_ = PeakFlopsFor(model_options.device, plan.precision, options.peak_flops);
   if (spec.method != Method::kFull && model_options.device.is_cpu()) {
     const int64_t loaded =
         tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
@@ -292,9 +280,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec,
   return trainer;
 }
 
-absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepReport&)>& on_step) {
-  at::set_num_threads(options_.threads > 0 ? options_.threads
-                                           : static_cast<int>(std::thread::hardware_concurrency()));
+absl::StatusOr<TrainResult> Trainer::Run(
+    const std::function<void(const StepReport&)>& on_step,
+    const std::function<void(int64_t step, const std::string& dir)>& on_checkpoint) {
   const TrainSpec& train = spec_.train;
   SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
   MemoryTracker* tracker = MemoryTracker::Install();
@@ -328,6 +316,7 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
   }
   int64_t timed_tokens = 0;
   double timed_seconds = 0.0;
+  int64_t timed_steps = 0;
   const auto start = std::chrono::steady_clock::now();
   const at::Device device = model_->options().device;
   const int cuda_device = device.has_index() ? device.index() : 0;
@@ -365,6 +354,7 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
       if (report.loss) result.final_loss = report.loss;
     }
     result.skipped_steps = nonfinite.skipped;
+    report.skipped_steps = nonfinite.skipped;
     report.seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     if (std::optional<CudaMemory> gpu;
@@ -388,7 +378,12 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     if (step > first_step || total_steps_ == 1) {
       timed_tokens += report.tokens;
       timed_seconds += report.seconds;
+      ++timed_steps;
     }
+    report.mean_step_seconds = timed_steps > 0 ? timed_seconds / timed_steps : report.seconds;
+    report.mfu =
+        Mfu(model_flops_per_token_, report.seconds > 0 ? report.tokens / report.seconds : 0,
+            peak_flops_, options_.world_size);
     on_step(report);
     const bool stop = stop_requested_.load();
     const bool periodic = train.checkpoint_every > 0 && (step + 1) % train.checkpoint_every == 0 &&
@@ -396,6 +391,7 @@ absl::StatusOr<TrainResult> Trainer::Run(const std::function<void(const StepRepo
     if ((stop || periodic) && options_.rank == 0) {
       LATHE_RETURN_IF_ERROR(
           SaveCheckpoint(step + 1, optimizer, sampler, scaler, nonfinite, result.final_loss));
+      if (on_checkpoint) on_checkpoint(step + 1, checkpoints_->StepDir(step + 1));
     }
     if (stop) {
       return absl::CancelledError(absl::StrCat("stopped after step ", step + 1,
@@ -461,8 +457,8 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
     clock = now;
     return seconds;
   };
-  for (int64_t m = begin; m < begin + per_rank; m += micro_batch_) {
-    std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + micro_batch_);
+  for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
+    std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
     auto [ids, labels] = Collate(micro);
     lap();  // collating is not one of the phases
     at::Tensor loss;

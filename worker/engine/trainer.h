@@ -27,7 +27,9 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "common/memory_components.h"
 #include "common/model_config.h"
+#include "common/plan.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/token_dataset.h"
 
@@ -45,6 +47,9 @@ struct TrainerOptions {
   // Connects the ranks when world_size > 1 (data parallel: every rank trains on its share
   // of each step's batch and the gradients are summed). Not owned; must outlive Run.
   Communicator* comm = nullptr;
+  // Peak FLOP/s of this rank's device for MFU; 0: looked up (CUDA) or measured (CPU) by
+  // PeakFlopsFor (peak_flops.h).
+  double peak_flops = 0.0;
 };
 
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
@@ -68,15 +73,21 @@ struct StepReport {
   // The loss or the gradients were not finite: the step made no update (docs/training.md,
   // "Precision"). `loss` then holds the non-finite value.
   bool skipped = false;
+  int64_t skipped_steps = 0;        // steps skipped so far in the run, this one included
   double loss_scale = 1.0;          // fp16's dynamic loss scale during this step; else 1
   std::optional<double> eval_loss;  // at every train.eval_every-th step (rank 0)
   int64_t tokens = 0;               // input tokens, padding excluded
   double seconds = 0.0;
+  // Mean seconds per step so far, the first (warm-up) step left out once there are others.
+  double mean_step_seconds = 0.0;
+  // Model FLOPs utilisation of this step (common/flops.h): tokens / seconds x model FLOPs
+  // per token over world_size x peak_flops(); 0 when the peak is unknown.
+  double mfu = 0.0;
   PhaseSeconds phases;
   // Memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
   // components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped
   // from the model file count as weights); on CUDA see CudaStepMemory.
-  std::array<int64_t, 8> memory_at_peak{};
+  std::array<int64_t, kNumMemoryComponents> memory_at_peak{};
   int64_t peak_bytes = 0;
 };
 
@@ -96,11 +107,14 @@ struct TrainResult {
 
 class Trainer {
  public:
-  // Validates `spec` against this worker, the model directory and the data, and loads the
-  // model. Errors name the spec field ("data.seq_len: ...", "model.path: ...",
-  // "data.train: /d/x.jsonl: line 3: ..."): INVALID_ARGUMENT or NOT_FOUND for bad input,
-  // FAILED_PRECONDITION for features this worker does not support.
-  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const JobSpec& spec,
+  // Validates `spec` and `plan` against the engine (common/capabilities.h), each other
+  // (CheckPlanRunsSpec), this process, the model directory and the data, and loads the
+  // model. The plan is what runs: micro-batch, accumulation, checkpointing, chunked loss and
+  // fused kernels come from it and nothing here chooses them again. Errors name the field
+  // ("data.seq_len: ...", "model.path: ...", "data.train: /d/x.jsonl: line 3: ..."):
+  // INVALID_ARGUMENT or NOT_FOUND for bad input, UNIMPLEMENTED for what the engine cannot
+  // run, FAILED_PRECONDITION for what this process cannot (no GPU, no communicator).
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const JobSpec& spec, const Plan& plan,
                                                          const TrainerOptions& options);
   ~Trainer();
 
@@ -108,7 +122,10 @@ class Trainer {
   // from the newest valid checkpoint in <output>/checkpoints when there is one (see
   // checkpoint.h) and, with train.checkpoint_every, writes one every that many steps.
   // CANCELLED after RequestStop: the run stopped after a step and saved a checkpoint.
-  absl::StatusOr<TrainResult> Run(const std::function<void(const StepReport&)>& on_step);
+  // `on_checkpoint`, when set, is called after each checkpoint with its step and directory.
+  absl::StatusOr<TrainResult> Run(
+      const std::function<void(const StepReport&)>& on_step,
+      const std::function<void(int64_t step, const std::string& dir)>& on_checkpoint = nullptr);
 
   // Asks Run to stop after the current step and write a checkpoint. Safe to call from any
   // thread and from a signal handler.
@@ -119,7 +136,12 @@ class Trainer {
   const std::vector<std::string>& skipped_checkpoints() const { return skipped_checkpoints_; }
 
   int64_t total_steps() const { return total_steps_; }
-  int64_t micro_batch() const { return micro_batch_; }
+  // The plan being run (total_steps filled in when the spec gives epochs).
+  const Plan& plan() const { return plan_; }
+  // Model FLOPs per trained token (forward and backward, no recomputation) and the peak
+  // FLOP/s of this rank's device: MFU's numerator per token and its denominator.
+  double model_flops_per_token() const { return model_flops_per_token_; }
+  double peak_flops() const { return peak_flops_; }
 
  private:
   Trainer() = default;
@@ -145,13 +167,15 @@ class Trainer {
                               std::optional<double> loss);
 
   JobSpec spec_;
+  Plan plan_;
   TrainerOptions options_;
   ModelConfig model_config_;
   std::unique_ptr<CausalLm> model_;
   std::optional<TokenDataset> train_data_;
   std::optional<TokenDataset> eval_data_;
   int64_t total_steps_ = 0;
-  int64_t micro_batch_ = 0;
+  double model_flops_per_token_ = 0.0;
+  double peak_flops_ = 0.0;
   // Frozen weights read in place from the mapped model file: resident, but not allocated.
   int64_t mapped_weight_bytes_ = 0;
   std::string spec_fingerprint_;

@@ -133,14 +133,14 @@ v1::JobSpec MinimalProto() {
 
 TEST(JobSpecProtoTest, FullSpecRoundTripsThroughProtoAndJson) {
   const JobSpec spec = FullSpec();
-  const std::string json = JobSpecProtoToJson(JobSpecToProto(spec));
-  absl::StatusOr<JobSpec> parsed = ParseJobSpec(json, "spec");
-  ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << json;
-  ExpectSameSpec(*parsed, spec);
-
   absl::StatusOr<JobSpec> converted = JobSpecFromProto(JobSpecToProto(spec), "spec");
   ASSERT_TRUE(converted.ok()) << converted.status();
   ExpectSameSpec(*converted, spec);
+
+  const std::string json = JobSpecToJson(*converted);
+  absl::StatusOr<JobSpec> parsed = ParseJobSpec(json, "spec");
+  ASSERT_TRUE(parsed.ok()) << parsed.status() << "\n" << json;
+  ExpectSameSpec(*parsed, spec);
 }
 
 TEST(JobSpecProtoTest, AutoSpecRoundTrips) {
@@ -193,7 +193,7 @@ TEST(JobSpecProtoTest, ToProtoSetsEveryOptionalScalar) {
 
 TEST(JobSpecProtoTest, JsonUsesTheYamlSchema) {
   JobSpec spec = FullSpec();
-  nlohmann::json json = nlohmann::json::parse(JobSpecProtoToJson(JobSpecToProto(spec)));
+  nlohmann::json json = nlohmann::json::parse(JobSpecToJson(spec));
   EXPECT_EQ(json["method"], "qlora");
   EXPECT_EQ(json["train"]["optimizer"], "adamw8bit");
   EXPECT_EQ(json["train"]["precision"], "bf16");
@@ -207,21 +207,26 @@ TEST(JobSpecProtoTest, JsonUsesTheYamlSchema) {
 
   spec.strategy = StrategySpec();
   spec.train.micro_batch = 0;
-  json = nlohmann::json::parse(JobSpecProtoToJson(JobSpecToProto(spec)));
+  json = nlohmann::json::parse(JobSpecToJson(spec));
   EXPECT_EQ(json["strategy"], "auto");
-  EXPECT_FALSE(json["train"].contains("micro_batch"));
+  EXPECT_EQ(json["train"]["micro_batch"], "auto");
 }
 
-TEST(JobSpecProtoTest, JsonLeavesOutWhatTheProtoDoesNotSet) {
-  nlohmann::json json = nlohmann::json::parse(JobSpecProtoToJson(MinimalProto()));
-  EXPECT_EQ(json, nlohmann::json::parse(R"({
-    "name": "minimal",
-    "model": {"path": "/models/m"},
-    "data": {"train": "/data/t.jsonl"},
-    "train": {"steps": 10},
-    "strategy": "auto",
-    "output": "/runs/minimal"
-  })"));
+TEST(JobSpecProtoTest, AnAbsentStrategyIsAutoAndKeepsFusedKernels) {
+  v1::JobSpec proto = MinimalProto();
+  absl::StatusOr<JobSpec> spec = JobSpecFromProto(proto, "spec");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->strategy.automatic);
+  EXPECT_TRUE(spec->strategy.fused_kernels);
+
+  proto.mutable_strategy()->set_automatic(true);
+  proto.mutable_strategy()->set_zero_stage(3);  // ignored under auto: the planner chooses
+  proto.mutable_strategy()->set_fused_kernels(false);
+  spec = JobSpecFromProto(proto, "spec");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->strategy.automatic);
+  EXPECT_EQ(spec->strategy.zero_stage, 0);
+  EXPECT_FALSE(spec->strategy.fused_kernels);
 }
 
 TEST(JobSpecProtoTest, RequiredFieldsOnlyGiveTheDocumentedDefaults) {
@@ -309,7 +314,7 @@ INSTANTIATE_TEST_SUITE_P(
                      [](v1::JobSpec* p) {
                        p->mutable_train()->set_lr(std::numeric_limits<double>::quiet_NaN());
                      },
-                     "spec: train.lr: expected a number"},
+                     "spec: train.lr: must be finite, got nan"},
         BadProtoCase{"OffloadParamsBelowZero3",
                      [](v1::JobSpec* p) {
                        p->mutable_strategy()->set_zero_stage(2);
@@ -320,6 +325,54 @@ INSTANTIATE_TEST_SUITE_P(
                      [](v1::JobSpec* p) { p->mutable_train()->set_epochs(1); },
                      "spec: train.steps: exactly one of"}),
     [](const ::testing::TestParamInfo<BadProtoCase>& case_info) { return case_info.param.name; });
+
+// Every plan field survives the proto.
+TEST(PlanProtoTest, RoundTrips) {
+  Plan plan;
+  plan.ranks = 4;
+  plan.device = DeviceKind::kCuda;
+  plan.zero_stage = 3;
+  plan.offload_optimizer = true;
+  plan.offload_params = true;
+  plan.activation_checkpointing = true;
+  plan.chunked_loss = true;
+  plan.fused_kernels = false;
+  plan.micro_batch = 2;
+  plan.gradient_accumulation = 8;
+  plan.total_steps = 1000;
+  plan.precision = Precision::kBf16;
+  for (size_t i = 0; i < plan.predicted_memory.components.size(); ++i) {
+    plan.predicted_memory.components[i] = (i + 1) << 20;
+  }
+  plan.predicted_memory.total = 99 << 20;
+  plan.explanation = "because";
+  absl::StatusOr<Plan> back = PlanFromProto(PlanToProto(plan), "task");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->ranks, plan.ranks);
+  EXPECT_EQ(back->device, plan.device);
+  EXPECT_EQ(back->zero_stage, plan.zero_stage);
+  EXPECT_EQ(back->offload_optimizer, plan.offload_optimizer);
+  EXPECT_EQ(back->offload_params, plan.offload_params);
+  EXPECT_EQ(back->activation_checkpointing, plan.activation_checkpointing);
+  EXPECT_EQ(back->chunked_loss, plan.chunked_loss);
+  EXPECT_EQ(back->fused_kernels, plan.fused_kernels);
+  EXPECT_EQ(back->micro_batch, plan.micro_batch);
+  EXPECT_EQ(back->gradient_accumulation, plan.gradient_accumulation);
+  EXPECT_EQ(back->total_steps, plan.total_steps);
+  EXPECT_EQ(back->precision, plan.precision);
+  EXPECT_EQ(back->predicted_memory.components, plan.predicted_memory.components);
+  EXPECT_EQ(back->predicted_memory.total, plan.predicted_memory.total);
+  EXPECT_EQ(back->explanation, plan.explanation);
+  EXPECT_EQ(PlanToProto(plan).predicted_memory().activations(), 5u << 20);
+}
+
+TEST(PlanProtoTest, AnUnknownDeviceIsRefusedNamingTheField) {
+  v1::Plan proto = PlanToProto(Plan());
+  proto.set_device(static_cast<v1::Device>(7));
+  absl::StatusOr<Plan> plan = PlanFromProto(proto, "task.json");
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(plan.status().message()), StartsWith("task.json: plan.device: unknown"));
+}
 
 TEST(JobSpecProtoTest, ErrorsNameTheGivenSource) {
   v1::JobSpec proto = MinimalProto();

@@ -1,0 +1,85 @@
+#include "common/capabilities.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace lathe {
+namespace {
+
+template <typename T>
+bool Contains(const std::vector<T>& values, const T& value) {
+  return std::find(values.begin(), values.end(), value) != values.end();
+}
+
+// "<field>: <value> is not supported by this engine yet (supported: a, b)".
+template <typename T, typename Name>
+absl::Status Unsupported(absl::string_view field, const T& value, const std::vector<T>& supported,
+                         Name name) {
+  std::vector<std::string> names;
+  for (const T& v : supported) names.emplace_back(name(v));
+  return absl::UnimplementedError(absl::StrCat(
+      field, ": ", name(value),
+      " is not supported by this engine yet (supported: ", absl::StrJoin(names, ", "), ")"));
+}
+
+}  // namespace
+
+const EngineCapabilities& Engine() {
+  static const EngineCapabilities* const kEngine = new EngineCapabilities{
+      /*methods=*/{Method::kLora, Method::kFull},
+      /*model_types=*/{"llama", "mistral", "qwen2"},
+      /*precisions=*/{Precision::kFp32, Precision::kBf16, Precision::kFp16},
+      /*optimizers=*/{OptimizerKind::kAdamW},
+      /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
+      /*max_zero_stage=*/0,
+      /*offload=*/false,
+      /*max_cuda_ranks=*/1,
+  };
+  return *kEngine;
+}
+
+bool IsSupportedModelType(absl::string_view model_type) {
+  return Contains(Engine().model_types, std::string(model_type));
+}
+
+absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& caps) {
+  if (!Contains(caps.methods, spec.method)) {
+    return Unsupported("method", spec.method, caps.methods, MethodName);
+  }
+  if (!Contains(caps.precisions, spec.train.precision)) {
+    return Unsupported("train.precision", spec.train.precision, caps.precisions, PrecisionName);
+  }
+  if (!Contains(caps.optimizers, spec.train.optimizer)) {
+    return Unsupported("train.optimizer", spec.train.optimizer, caps.optimizers, OptimizerKindName);
+  }
+  if (!Contains(caps.devices, spec.resources.device)) {
+    return Unsupported("resources.device", spec.resources.device, caps.devices, DeviceKindName);
+  }
+  if (spec.resources.device == DeviceKind::kCuda && spec.resources.ranks > caps.max_cuda_ranks) {
+    return absl::UnimplementedError(
+        absl::StrCat("resources.ranks: ", spec.resources.ranks,
+                     " ranks on cuda are not supported by this engine yet (at most ",
+                     caps.max_cuda_ranks, ": several CUDA ranks need the NCCL backend)"));
+  }
+  const StrategySpec& s = spec.strategy;
+  if (!s.automatic && s.zero_stage > caps.max_zero_stage) {
+    return absl::UnimplementedError(
+        absl::StrCat("strategy.zero_stage: ", s.zero_stage,
+                     " is not supported by this engine yet (supported: 0 to ", caps.max_zero_stage,
+                     "; sharding comes with the ZeRO work)"));
+  }
+  if (!caps.offload && !s.automatic) {
+    for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},
+                                    std::pair{"strategy.offload_params", s.offload_params}}) {
+      if (on) {
+        return absl::UnimplementedError(
+            absl::StrCat(field, ": true is not supported by this engine yet (no CPU offload)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace lathe

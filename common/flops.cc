@@ -1,0 +1,73 @@
+#include "common/flops.h"
+
+#include <string>
+
+#include "absl/strings/match.h"
+
+namespace lathe {
+
+double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int64_t seq_len,
+                             bool recompute) {
+  // Weights of one layer's projections, and of the LoRA adapters on them.
+  double layer_weights = 0;
+  for (const std::string& module : LoraTargetModules()) {
+    const ProjectionShape shape = ProjectionShapeOf(config, module);
+    layer_weights += static_cast<double>(shape.in_features) * shape.out_features;
+  }
+  double layer_adapters = 0;
+  if (spec.method != Method::kFull) {
+    for (const std::string& module : spec.lora.targets) {
+      const ProjectionShape shape = ProjectionShapeOf(config, module);
+      layer_adapters +=
+          static_cast<double>(spec.lora.rank) * (shape.in_features + shape.out_features);
+    }
+  }
+  const double layers = static_cast<double>(config.num_hidden_layers);
+  const double head = static_cast<double>(config.vocab_size) * config.hidden_size;
+  const double attention = 2.0 * (static_cast<double>(seq_len) + 1) *
+                           static_cast<double>(config.num_attention_heads) * config.head_dim;
+  // Forward FLOPs of the decoder blocks, of the head.
+  const double blocks_forward = layers * (2 * layer_weights + 2 * layer_adapters + attention);
+  const double head_forward = 2 * head;
+  double total;
+  if (spec.method == Method::kFull) {
+    total = 3 * (blocks_forward + head_forward);
+  } else {
+    // Frozen weights: forward + input gradients. Adapters and attention: forward + input
+    // gradients + weight gradients (attention has no weights, but its backward is 2x too).
+    const double frozen = layers * 2 * layer_weights + head_forward;
+    const double trained = layers * (2 * layer_adapters + attention);
+    total = 2 * frozen + 3 * trained;
+  }
+  if (recompute) total += blocks_forward;
+  return total;
+}
+
+std::optional<double> CudaPeakFlops(absl::string_view name, Precision precision) {
+  struct Entry {
+    const char* name_part;  // matched in order: more specific names first
+    double half;            // bf16 / fp16 dense tensor cores
+    double fp32;            // without TF32
+  };
+  static constexpr Entry kTable[] = {
+      {"H200", 989.4e12, 66.9e12},     {"H100 PCIe", 756.0e12, 51.2e12},
+      {"H100 NVL", 835.0e12, 60.0e12}, {"H100", 989.4e12, 66.9e12},
+      {"A100", 312.0e12, 19.5e12},     {"L40S", 362.1e12, 91.6e12},
+      {"L40", 181.0e12, 90.5e12},      {"L4", 121.0e12, 30.3e12},
+  };
+
+  for (const Entry& e : kTable) {
+    if (absl::StrContains(name, e.name_part)) {
+      return precision == Precision::kFp32 ? e.fp32 : e.half;
+    }
+  }
+  return std::nullopt;
+}
+
+double Mfu(double flops_per_token, double tokens_per_second, double peak_flops_per_rank,
+           int64_t ranks) {
+  if (peak_flops_per_rank <= 0 || ranks <= 0) return 0.0;
+  return flops_per_token * tokens_per_second / (peak_flops_per_rank * static_cast<double>(ranks));
+}
+
+}  // namespace lathe

@@ -1,0 +1,66 @@
+// How a job runs: the plan the coordinator makes at submit and the trainer follows
+// (DESIGN.md, "Flow of a job"). It mirrors lathe.v1.Plan (common/proto/job_spec_proto.h
+// converts); the engine takes this struct so that it builds without protobuf.
+//
+// Until the planner (coordinator/planner/) predicts memory, PlanFromSpec is the one place
+// that turns a spec into a plan: the spec's explicit strategy, or for "strategy: auto" no
+// sharding, no offload and no checkpointing; the micro-batch from train.micro_batch or, when
+// it is auto, AutoMicroBatch. The trainer never decides any of this again.
+//
+// Thread-safety: plain values and pure functions.
+#ifndef LATHE_COMMON_PLAN_H_
+#define LATHE_COMMON_PLAN_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "common/job_spec.h"
+#include "common/memory_components.h"
+
+namespace lathe {
+
+// Bytes per rank by component, and the peak of their sum.
+struct MemoryBytes {
+  std::array<uint64_t, kNumMemoryComponents> components{};
+  uint64_t total = 0;
+};
+
+struct Plan {
+  int64_t ranks = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  int64_t zero_stage = 0;
+  bool offload_optimizer = false;
+  bool offload_params = false;
+  bool activation_checkpointing = false;
+  // The loss in vocabulary chunks without [tokens, vocab] logits; the fused linear
+  // cross-entropy always is one.
+  bool chunked_loss = false;
+  bool fused_kernels = true;
+  int64_t micro_batch = 1;            // sequences per forward/backward on each rank
+  int64_t gradient_accumulation = 1;  // micro-batches per rank per optimizer step
+  int64_t total_steps = 0;            // train.steps; 0: counted from train.epochs by the trainer
+  Precision precision = Precision::kFp32;
+  MemoryBytes predicted_memory;  // zero until the planner predicts
+  std::string explanation;       // why this plan, in a sentence or two
+};
+
+// The plan for a valid spec (ValidateJobSpec), as the file comment says.
+Plan PlanFromSpec(const JobSpec& spec);
+
+// The micro-batch for `micro_batch: auto`: the largest divisor of `per_rank_batch` with
+// micro_batch * seq_len <= 8192 tokens, at least 1.
+int64_t AutoMicroBatch(int64_t per_rank_batch, int64_t seq_len);
+
+// Whether `plan` can run `spec`: INVALID_ARGUMENT naming the plan field ("<source>:
+// plan.micro_batch: ...") for ranks, device or precision other than the spec's, a
+// micro-batch below 1 or one that does not divide the spec's batch over the ranks, an
+// accumulation that does not match, total_steps other than train.steps, a ZeRO stage
+// outside 0..3 or offload_params below ZeRO-3.
+absl::Status CheckPlanRunsSpec(const JobSpec& spec, const Plan& plan, absl::string_view source);
+
+}  // namespace lathe
+
+#endif  // LATHE_COMMON_PLAN_H_

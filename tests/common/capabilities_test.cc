@@ -1,0 +1,110 @@
+// The engine's one capability list (common/capabilities.h).
+#include "common/capabilities.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "common/job_spec.h"
+#include "common/model_config.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::HasSubstr;
+
+JobSpec Spec() {
+  JobSpec spec;
+  spec.name = "t";
+  spec.model.path = "/m";
+  spec.data.train = "/d";
+  spec.train.steps = 10;
+  spec.output = "/o";
+  return spec;
+}
+
+TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
+  for (Method method : {Method::kLora, Method::kFull}) {
+    for (Precision precision : {Precision::kFp32, Precision::kBf16, Precision::kFp16}) {
+      JobSpec spec = Spec();
+      spec.method = method;
+      spec.train.precision = precision;
+      EXPECT_TRUE(CheckEngineSupports(spec).ok());
+    }
+  }
+  JobSpec spec = Spec();
+  spec.resources.ranks = 4;
+  spec.strategy.automatic = false;
+  spec.strategy.activation_checkpointing = true;
+  spec.strategy.chunked_loss = true;
+  EXPECT_TRUE(CheckEngineSupports(spec).ok());
+  spec.resources.device = DeviceKind::kCuda;
+  spec.resources.ranks = 1;
+  EXPECT_TRUE(CheckEngineSupports(spec).ok());
+}
+
+struct UnsupportedCase {
+  const char* name;
+  std::function<void(JobSpec*)> mutate;
+  const char* message;
+};
+
+class UnsupportedTest : public ::testing::TestWithParam<UnsupportedCase> {};
+
+TEST_P(UnsupportedTest, IsUnimplementedNamingTheField) {
+  JobSpec spec = Spec();
+  GetParam().mutate(&spec);
+  const absl::Status status = CheckEngineSupports(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(status.message()), HasSubstr(GetParam().message));
+  EXPECT_EQ(std::string(status.message()).find('\n'), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, UnsupportedTest,
+    ::testing::Values(
+        UnsupportedCase{"QLora", [](JobSpec* s) { s->method = Method::kQLora; },
+                        "method: qlora is not supported by this engine yet (supported: lora, "
+                        "full)"},
+        UnsupportedCase{"Adafactor",
+                        [](JobSpec* s) { s->train.optimizer = OptimizerKind::kAdafactor; },
+                        "train.optimizer: adafactor is not supported by this engine yet "
+                        "(supported: adamw)"},
+        UnsupportedCase{"ZeroStage2",
+                        [](JobSpec* s) {
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 2;
+                        },
+                        "strategy.zero_stage: 2 is not supported by this engine yet"},
+        UnsupportedCase{"OffloadOptimizer",
+                        [](JobSpec* s) {
+                          s->strategy.automatic = false;
+                          s->strategy.offload_optimizer = true;
+                        },
+                        "strategy.offload_optimizer: true is not supported"},
+        UnsupportedCase{"SeveralCudaRanks",
+                        [](JobSpec* s) {
+                          s->resources.device = DeviceKind::kCuda;
+                          s->resources.ranks = 2;
+                          s->train.global_batch = 8;
+                        },
+                        "resources.ranks: 2 ranks on cuda are not supported"}),
+    [](const ::testing::TestParamInfo<UnsupportedCase>& param) { return param.param.name; });
+
+TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
+  EXPECT_TRUE(IsSupportedModelType("llama"));
+  EXPECT_TRUE(IsSupportedModelType("qwen2"));
+  EXPECT_FALSE(IsSupportedModelType("gemma"));
+  absl::StatusOr<ModelConfig> config = ParseModelConfig(
+      R"({"model_type": "gemma", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2})",
+      "config.json");
+  EXPECT_THAT(std::string(config.status().message()),
+              HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2)"));
+}
+
+}  // namespace
+}  // namespace lathe

@@ -1,0 +1,37 @@
+#include "worker/engine/peak_flops.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "common/flops.h"
+
+namespace lathe {
+
+double MeasureCpuMatmulFlops() {
+  constexpr int64_t kSize = 512;
+  constexpr int kRuns = 5;  // the first warms the threads and the caches up
+  at::NoGradGuard no_grad;
+  const at::Tensor a = at::rand({kSize, kSize}, at::kFloat);
+  const at::Tensor b = at::rand({kSize, kSize}, at::kFloat);
+  at::Tensor c = at::empty({kSize, kSize}, at::kFloat);
+  double best = 0.0;
+  for (int run = 0; run < kRuns; ++run) {
+    const auto start = std::chrono::steady_clock::now();
+    at::mm_out(c, a, b);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (run > 0 && seconds > 0) best = std::max(best, 2.0 * kSize * kSize * kSize / seconds);
+  }
+  return best;
+}
+
+double PeakFlopsFor(const at::Device& device, Precision precision, double configured) {
+  if (configured > 0) return configured;
+  if (device.is_cuda()) {
+    return CudaPeakFlops(CudaDeviceName(device.has_index() ? device.index() : 0), precision)
+        .value_or(0.0);
+  }
+  return MeasureCpuMatmulFlops();
+}
+
+}  // namespace lathe

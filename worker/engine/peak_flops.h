@@ -1,0 +1,26 @@
+// The peak FLOP/s that MFU divides by (common/flops.h), for the device a trainer runs on.
+//
+// Thread-safety: thread-safe (MeasureCpuMatmulFlops runs libtorch on the calling thread's
+// intra-op pool).
+#ifndef LATHE_WORKER_ENGINE_PEAK_FLOPS_H_
+#define LATHE_WORKER_ENGINE_PEAK_FLOPS_H_
+
+#include "common/job_spec.h"
+#include "kernels/ops/torch_compat.h"
+
+namespace lathe {
+
+// `configured` when > 0 (a flag or the task: what the operator knows); on CUDA the data-sheet
+// peak of the device for `precision` (0 for a device not in common/flops.h's table); on the
+// CPU the measured MeasureCpuMatmulFlops.
+double PeakFlopsFor(const at::Device& device, Precision precision, double configured);
+
+// The best float32 matrix-product rate of this CPU over a few 512 x 512 x 512 products on
+// the current intra-op threads (the trainer's): the CPU computes in float32 whatever the
+// weights' precision (docs/training.md), and no data sheet says what BLAS reaches here.
+// Takes some 30 ms on a 2-core machine.
+double MeasureCpuMatmulFlops();
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_ENGINE_PEAK_FLOPS_H_
