@@ -3,6 +3,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -217,6 +218,18 @@ std::string StepText(const v1::JobStatus& status) {
   if (p == nullptr) return "-";
   const int64_t total = TotalSteps(status);
   return absl::StrCat(p->step(), "/", total > 0 ? absl::StrCat(total) : "?");
+}
+
+std::optional<double> EtaSeconds(const v1::JobStatus& status) {
+  if (status.state() != v1::JOB_STATE_RUNNING) return std::nullopt;
+  const v1::Progress* p = LatestProgress(status);
+  if (p == nullptr || !(p->step_seconds() > 0) || !std::isfinite(p->step_seconds())) {
+    return std::nullopt;
+  }
+  const int64_t total = TotalSteps(status);
+  if (total <= 0) return std::nullopt;
+  const int64_t remaining = std::max<int64_t>(0, total - p->step());
+  return static_cast<double>(remaining) * p->step_seconds();
 }
 
 std::string Truncate(absl::string_view text, size_t max_chars) {

@@ -13,6 +13,7 @@
 #include <google/protobuf/message.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,13 @@ int64_t TotalSteps(const v1::JobStatus& status);
 
 // "12/100", "12/?" or "-".
 std::string StepText(const v1::JobStatus& status);
+
+// The job's expected remaining time in seconds: (total - step) x step_seconds of the latest
+// progress, for a RUNNING job whose latest progress reports step_seconds > 0 and whose total
+// steps are known (TotalSteps > 0); 0 once the step reaches the total. nullopt otherwise (not
+// running, no progress yet, no step time yet, unknown total). The one ETA of the CLI: `lathe
+// watch`'s progress bar and the JSON job object's eta_seconds both show it.
+std::optional<double> EtaSeconds(const v1::JobStatus& status);
 
 // `text` cut to at most `max_chars` bytes, ending in "..." when cut; line breaks become spaces.
 std::string Truncate(absl::string_view text, size_t max_chars);

@@ -507,15 +507,16 @@ TEST_F(CliTest, WatchOfACancelledJobExitsOne) {
 }
 
 TEST_F(CliTest, WatchOnATerminalDrawsAProgressBar) {
-  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 10, 1'700'000'000'000),
-                                  RunningJob("job-1", 50, 1'700'000'040'000),
+  v1::JobStatus timed = RunningJob("job-1", 50, 1'700'000'040'000);
+  timed.mutable_attempts(0)->mutable_progress()->set_step_seconds(1.0);
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 10, 1'700'000'000'000), timed,
                                   FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
   CliResult result = Run({"watch", "job-1"}, /*tty=*/true);
   EXPECT_EQ(result.code, 0) << result.err;
   EXPECT_THAT(result.out, HasSubstr("RUNNING step 10/100"));  // the state change, on its own line
   EXPECT_THAT(result.out,
               HasSubstr("\r[##..................] step 10/100  loss 3.2110  1234 tok/s  ETA --"));
-  // 40 steps in 40 s: 50 steps to go take 50 s.
+  // 1 s a step: 50 steps to go take 50 s.
   EXPECT_THAT(result.out,
               HasSubstr("\r[##########..........] step 50/100  loss 3.2110  1234 tok/s  ETA 50s"));
   EXPECT_THAT(result.out, HasSubstr("ETA 50s\n2023-11-14T22:15:00Z SUCCEEDED final loss 1.5000"));
