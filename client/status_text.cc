@@ -1,7 +1,5 @@
 #include "client/status_text.h"
 
-#include <google/protobuf/util/json_util.h>
-
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -326,16 +324,6 @@ std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time
                     running.empty() ? "-" : absl::StrJoin(running, ", ")});
   }
   return RenderTable(rows);
-}
-
-std::string MessageToJson(const google::protobuf::Message& message) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.preserve_proto_field_names = true;
-  std::string json;
-  // Fails only for messages that cannot be represented (e.g. Any without its type), which
-  // the Lathe API does not use.
-  if (!google::protobuf::util::MessageToJsonString(message, &json, options).ok()) return "{}";
-  return json;
 }
 
 }  // namespace lathe

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/job_json.h"
 #include "client/status_text.h"
 
 namespace lathe {
@@ -90,7 +91,7 @@ void WatchPrinter::ClearBar() {
 void WatchPrinter::Update(const v1::JobStatus& status, absl::Time now) {
   switch (format_) {
     case WatchFormat::kJson:
-      out_ << MessageToJson(status) << "\n";
+      out_ << JsonLine(JobJson(status)) << "\n";
       out_.flush();
       return;
     case WatchFormat::kLines:

@@ -5,7 +5,7 @@
 //     with state changes (queued, started, restarted, finished) on lines of their own.
 //   kLines (stdout is a file or pipe): one line per update,
 //       2026-01-02T03:04:05Z RUNNING step 12/100 loss 3.2110 tokens/s 1234
-//   kJson: one JobStatus in protobuf JSON per line.
+//   kJson: one job object (client/job_json.h, docs/cli-json.md) per line.
 //
 // The bar's ETA is EtaSeconds (client/status_text.h): the steps left times the trainer's mean
 // step time, the same number as the JSON job object's eta_seconds.
