@@ -2,10 +2,12 @@
 // field in docs/cli-json.md. Unlike protobuf's JSON mapping, counts and sizes are JSON numbers,
 // states and enum values are lowercase words ("running", "cuda", "bf16"), and every field is
 // always present: zero values are printed, and null appears only where the schema allows it
-// (a loss not reported yet, no ETA, no progress, a spec that does not convert).
+// (a loss not reported yet, no ETA, no progress, a spec that does not convert) and for a
+// floating-point value that is not finite.
 //
-// Stability: fields may be added; none is renamed, removed or retyped. An enum value that this
-// client does not know (from a newer coordinator) reads as "unknown".
+// Stability: fields may be added; none is renamed, removed or retyped. A state left
+// UNSPECIFIED, or an enum value that this client has no name for (from a newer coordinator),
+// reads as "unknown".
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_CLIENT_JOB_JSON_H_
