@@ -16,6 +16,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/job_client.h"
+#include "client/job_json.h"
 #include "client/request_id.h"
 #include "client/status_text.h"
 #include "client/watch_printer.h"
@@ -23,6 +24,7 @@
 #include "common/job_spec.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 
 namespace lathe {
 namespace {
@@ -38,7 +40,7 @@ const std::vector<FlagSpec>& GlobalFlags() {
   static const auto* flags = new std::vector<FlagSpec>{
       {"coordinator", true,
        "coordinator host:port (default: $LATHE_COORDINATOR, else 127.0.0.1:7070)"},
-      {"output", true, "table (default) or json"},
+      {"output", true, "table (default) or json (one schema for scripts: docs/cli-json.md)"},
       {"help", false, "show this help"},
   };
   return *flags;
@@ -126,7 +128,10 @@ int RunSubmit(const Invocation& inv) {
     }
   }
   if (inv.json) {
-    *inv.out << MessageToJson(*response) << "\n";
+    // The same job object as `status`, its id from the response (where the API defines it).
+    v1::JobStatus job = response->status();
+    if (!response->job_id().empty()) job.set_job_id(response->job_id());
+    *inv.out << JsonLine(JobJson(job)) << "\n";
   } else {
     *inv.out << response->job_id() << "\n";
   }
@@ -147,7 +152,9 @@ int RunList(const Invocation& inv) {
   absl::StatusOr<std::vector<v1::JobStatus>> jobs = inv.client->ListAllJobs(states);
   if (!jobs.ok()) return Fail(inv, jobs.status());
   if (inv.json) {
-    *inv.out << MessagesToJsonArray(*jobs) << "\n";
+    nlohmann::ordered_json array = nlohmann::ordered_json::array();
+    for (const v1::JobStatus& job : *jobs) array.push_back(JobJson(job));
+    *inv.out << JsonLine(array) << "\n";
   } else {
     *inv.out << JobTable(*jobs, absl::Now());
   }
@@ -158,7 +165,7 @@ int RunStatus(const Invocation& inv) {
   const std::string& id = inv.positional[0];
   absl::StatusOr<v1::JobStatus> job = inv.client->GetJob(id);
   if (!job.ok()) return FailForJob(inv, job.status(), id);
-  *inv.out << (inv.json ? MessageToJson(*job) + "\n" : JobDetails(*job, absl::Now()));
+  *inv.out << (inv.json ? JsonLine(JobJson(*job)) + "\n" : JobDetails(*job, absl::Now()));
   return kExitOk;
 }
 
@@ -202,7 +209,7 @@ int RunCancel(const Invocation& inv) {
   absl::StatusOr<v1::JobStatus> job = inv.client->CancelJob(id, inv.flags.Get("reason"));
   if (!job.ok()) return FailForJob(inv, job.status(), id);
   if (inv.json) {
-    *inv.out << MessageToJson(*job) << "\n";
+    *inv.out << JsonLine(JobJson(*job)) << "\n";
   } else if (job->state() == v1::JOB_STATE_CANCELLED) {
     *inv.out << "job " << id << " cancelled\n";
   } else if (IsFinalState(job->state())) {
@@ -217,7 +224,9 @@ int RunWorkers(const Invocation& inv) {
   absl::StatusOr<std::vector<v1::WorkerStatus>> workers = inv.client->ListWorkers();
   if (!workers.ok()) return Fail(inv, workers.status());
   if (inv.json) {
-    *inv.out << MessagesToJsonArray(*workers) << "\n";
+    nlohmann::ordered_json array = nlohmann::ordered_json::array();
+    for (const v1::WorkerStatus& worker : *workers) array.push_back(WorkerJson(worker));
+    *inv.out << JsonLine(array) << "\n";
   } else {
     *inv.out << WorkerTable(*workers, absl::Now());
   }

@@ -8,6 +8,9 @@
 // or request was refused, or the coordinator could not be reached (one line on `err`);
 // 2 a usage error (unknown command or flag, missing argument; the usage goes to `err`).
 //
+// `--output json` prints the job and worker objects of docs/cli-json.md (client/job_json.h),
+// a schema that fields are only ever added to.
+//
 // Thread-safety: RunCli may run on several threads at once (it reads the environment and
 // the current directory, and keeps no state of its own).
 #ifndef LATHE_CLIENT_CLI_H_

@@ -1,8 +1,7 @@
 #include "client/status_text.h"
 
-#include <google/protobuf/util/json_util.h>
-
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -219,6 +218,18 @@ std::string StepText(const v1::JobStatus& status) {
   return absl::StrCat(p->step(), "/", total > 0 ? absl::StrCat(total) : "?");
 }
 
+std::optional<double> EtaSeconds(const v1::JobStatus& status) {
+  if (status.state() != v1::JOB_STATE_RUNNING) return std::nullopt;
+  const v1::Progress* p = LatestProgress(status);
+  if (p == nullptr || !(p->step_seconds() > 0) || !std::isfinite(p->step_seconds())) {
+    return std::nullopt;
+  }
+  const int64_t total = TotalSteps(status);
+  if (total <= 0) return std::nullopt;
+  const int64_t remaining = std::max<int64_t>(0, total - p->step());
+  return static_cast<double>(remaining) * p->step_seconds();
+}
+
 std::string Truncate(absl::string_view text, size_t max_chars) {
   std::string flat = absl::StrReplaceAll(text, {{"\r\n", " "}, {"\n", " "}, {"\r", " "}});
   if (flat.size() <= max_chars) return flat;
@@ -313,16 +324,6 @@ std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time
                     running.empty() ? "-" : absl::StrJoin(running, ", ")});
   }
   return RenderTable(rows);
-}
-
-std::string MessageToJson(const google::protobuf::Message& message) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.preserve_proto_field_names = true;
-  std::string json;
-  // Fails only for messages that cannot be represented (e.g. Any without its type), which
-  // the Lathe API does not use.
-  if (!google::protobuf::util::MessageToJsonString(message, &json, options).ok()) return "{}";
-  return json;
 }
 
 }  // namespace lathe

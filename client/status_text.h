@@ -1,7 +1,7 @@
 // Human-readable renderings of job and worker status for the `lathe` CLI: the `list` and
 // `workers` tables, the multi-line `status` view, and the small pieces they share (state
-// names, durations, byte sizes, timestamps). Also the JSON form of any API message, for
-// `--output json`.
+// names, durations, byte sizes, timestamps, the ETA). The JSON of `--output json` is
+// client/job_json.h.
 //
 // Every function that shows an age takes `now` so that output is a pure function of its
 // inputs.
@@ -10,9 +10,8 @@
 #ifndef LATHE_CLIENT_STATUS_TEXT_H_
 #define LATHE_CLIENT_STATUS_TEXT_H_
 
-#include <google/protobuf/message.h>
-
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +54,13 @@ int64_t TotalSteps(const v1::JobStatus& status);
 // "12/100", "12/?" or "-".
 std::string StepText(const v1::JobStatus& status);
 
+// The job's expected remaining time in seconds: (total - step) x step_seconds of the latest
+// progress, for a RUNNING job whose latest progress reports step_seconds > 0 and whose total
+// steps are known (TotalSteps > 0); 0 once the step reaches the total. nullopt otherwise (not
+// running, no progress yet, no step time yet, unknown total). The one ETA of the CLI: `lathe
+// watch`'s progress bar and the JSON job object's eta_seconds both show it.
+std::optional<double> EtaSeconds(const v1::JobStatus& status);
+
 // `text` cut to at most `max_chars` bytes, ending in "..." when cut; line breaks become spaces.
 std::string Truncate(absl::string_view text, size_t max_chars);
 
@@ -68,21 +74,6 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now);
 
 // The `lathe workers` table: ID, STATE, DEVICE, SLOTS, LAST HEARTBEAT, RUNNING.
 std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time now);
-
-// The protobuf JSON form of `message` on one line, proto field names kept ("job_id").
-std::string MessageToJson(const google::protobuf::Message& message);
-
-// A JSON array of the messages' JSON forms, on one line.
-template <typename M>
-std::string MessagesToJsonArray(const std::vector<M>& messages) {
-  std::string out = "[";
-  for (size_t i = 0; i < messages.size(); ++i) {
-    if (i > 0) out += ",";
-    out += MessageToJson(messages[i]);
-  }
-  out += "]";
-  return out;
-}
 
 }  // namespace lathe
 

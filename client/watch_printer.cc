@@ -1,10 +1,11 @@
 #include "client/watch_printer.h"
 
 #include <algorithm>
-#include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "client/job_json.h"
 #include "client/status_text.h"
 
 namespace lathe {
@@ -53,8 +54,7 @@ std::string WatchPrinter::StatusLine(const v1::JobStatus& status, absl::Time now
   return line;
 }
 
-std::string WatchPrinter::ProgressBar(const v1::JobStatus& status,
-                                      std::optional<absl::Duration> eta) {
+std::string WatchPrinter::ProgressBar(const v1::JobStatus& status) {
   const v1::Progress* p = LatestProgress(status);
   const int64_t total = TotalSteps(status);
   const int64_t step = p != nullptr ? p->step() : 0;
@@ -70,25 +70,9 @@ std::string WatchPrinter::ProgressBar(const v1::JobStatus& status,
   if (p != nullptr && p->tokens_per_second() > 0) {
     absl::StrAppend(&line, absl::StrFormat("  %.0f tok/s", p->tokens_per_second()));
   }
-  absl::StrAppend(&line, "  ETA ", eta.has_value() ? ShortDuration(*eta) : "--");
+  const std::optional<double> eta = EtaSeconds(status);
+  absl::StrAppend(&line, "  ETA ", eta.has_value() ? ShortDuration(absl::Seconds(*eta)) : "--");
   return line;
-}
-
-std::optional<absl::Duration> WatchPrinter::Eta(const v1::JobStatus& status) {
-  const v1::Progress* p = LatestProgress(status);
-  const int64_t total = TotalSteps(status);
-  if (p == nullptr || total <= 0 || p->updated_unix_ms() <= 0) return std::nullopt;
-  if (Generation(status) != rate_generation_) {
-    rate_generation_ = Generation(status);
-    first_step_ = p->step();
-    first_unix_ms_ = p->updated_unix_ms();
-    return std::nullopt;
-  }
-  const int64_t steps = p->step() - first_step_;
-  const int64_t elapsed_ms = p->updated_unix_ms() - first_unix_ms_;
-  if (steps <= 0 || elapsed_ms <= 0) return std::nullopt;
-  const int64_t remaining = std::max<int64_t>(0, total - p->step());
-  return absl::Milliseconds(static_cast<double>(elapsed_ms) * remaining / steps);
 }
 
 void WatchPrinter::DrawBar(const std::string& line) {
@@ -107,7 +91,7 @@ void WatchPrinter::ClearBar() {
 void WatchPrinter::Update(const v1::JobStatus& status, absl::Time now) {
   switch (format_) {
     case WatchFormat::kJson:
-      out_ << MessageToJson(status) << "\n";
+      out_ << JsonLine(JobJson(status)) << "\n";
       out_.flush();
       return;
     case WatchFormat::kLines:
@@ -126,7 +110,6 @@ void WatchPrinter::Update(const v1::JobStatus& status, absl::Time now) {
   previous_state_ = status.state();
   previous_generation_ = Generation(status);
   previous_reason_ = status.reason();
-  std::optional<absl::Duration> eta = Eta(status);
 
   const bool show_bar =
       status.state() == v1::JOB_STATE_RUNNING && LatestProgress(status) != nullptr;
@@ -140,7 +123,7 @@ void WatchPrinter::Update(const v1::JobStatus& status, absl::Time now) {
     }
     out_ << StatusLine(status, now) << "\n";
   }
-  if (show_bar) DrawBar(ProgressBar(status, eta));
+  if (show_bar) DrawBar(ProgressBar(status));
   out_.flush();
 }
 

@@ -5,11 +5,10 @@
 //     with state changes (queued, started, restarted, finished) on lines of their own.
 //   kLines (stdout is a file or pipe): one line per update,
 //       2026-01-02T03:04:05Z RUNNING step 12/100 loss 3.2110 tokens/s 1234
-//   kJson: one JobStatus in protobuf JSON per line.
+//   kJson: one job object (client/job_json.h, docs/cli-json.md) per line.
 //
-// The ETA comes from the step rate seen between this attempt's first and latest progress
-// reports (the coordinator's timestamps), so a watch that starts mid-run estimates from what
-// it has seen, and a restart resets it.
+// The bar's ETA is EtaSeconds (client/status_text.h): the steps left times the trainer's mean
+// step time, the same number as the JSON job object's eta_seconds.
 //
 // Thread-safety: not thread-safe; one printer per watch.
 #ifndef LATHE_CLIENT_WATCH_PRINTER_H_
@@ -17,7 +16,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 #include <ostream>
 #include <string>
 
@@ -46,13 +44,11 @@ class WatchPrinter {
   // "<timestamp> <STATE> <details>", without a newline.
   static std::string StatusLine(const v1::JobStatus& status, absl::Time now);
 
-  // The progress bar line for `status` (without '\r' or newline); `eta` when known.
-  static std::string ProgressBar(const v1::JobStatus& status, std::optional<absl::Duration> eta);
+  // The progress bar line for `status` (without '\r' or newline), ending in its EtaSeconds
+  // ("ETA --" when unknown).
+  static std::string ProgressBar(const v1::JobStatus& status);
 
  private:
-  // The time to the last step at the rate seen so far in this attempt; nullopt until two
-  // reports at different steps and times have been seen.
-  std::optional<absl::Duration> Eta(const v1::JobStatus& status);
   // Writes `line` over the bar on screen (or over nothing), padding with spaces to erase
   // what was longer.
   void DrawBar(const std::string& line);
@@ -70,11 +66,6 @@ class WatchPrinter {
 
   // Width of the bar currently on screen; 0 when none.
   size_t bar_width_ = 0;
-
-  // The first progress report seen in the current attempt, for the step rate.
-  int64_t rate_generation_ = -1;
-  int64_t first_step_ = 0;
-  int64_t first_unix_ms_ = 0;
 };
 
 }  // namespace lathe

@@ -41,6 +41,7 @@ using ::testing::IsEmpty;
 using ::testing::MatchesRegex;
 using ::testing::Not;
 using ::testing::StartsWith;
+using ::testing::UnorderedElementsAre;
 
 // A JobService that records what it receives and answers from canned statuses.
 class FakeJobService final : public v1::JobService::Service {
@@ -54,6 +55,7 @@ class FakeJobService final : public v1::JobService::Service {
                                                   absl::StrCat("job-", job_by_request_.size() + 1));
     response->set_job_id(it->second);
     response->mutable_status()->set_job_id(it->second);
+    *response->mutable_status()->mutable_spec() = request->spec();
     response->mutable_status()->set_state(v1::JOB_STATE_QUEUED);
     response->set_existing(!inserted);
     return grpc::Status::OK;
@@ -320,12 +322,22 @@ TEST_F(CliTest, SubmitReusesAGivenRequestId) {
   EXPECT_EQ(submits[1].request_id(), "retry-me");
 }
 
-TEST_F(CliTest, SubmitJsonPrintsTheResponse) {
-  CliResult result = Run({"submit", WriteSpec(kRelativeSpec), "--output", "json"});
+TEST_F(CliTest, SubmitJsonPrintsTheJobObject) {
+  const std::string spec_path = WriteSpec(kRelativeSpec);
+  CliResult result = Run({"submit", spec_path, "--output", "json", "--request-id", "r-1"});
   ASSERT_EQ(result.code, 0) << result.err;
   nlohmann::json json = nlohmann::json::parse(result.out);
   EXPECT_EQ(json["job_id"], "job-1");
-  EXPECT_EQ(json["status"]["state"], "JOB_STATE_QUEUED");
+  EXPECT_EQ(json["state"], "queued");
+  EXPECT_EQ(json["name"], "demo-lora");
+  EXPECT_EQ(json["spec"]["train"]["steps"], 10);
+  EXPECT_EQ(result.err, "");
+
+  // A repeated request id: the same object, and the note on stderr.
+  CliResult again = Run({"submit", spec_path, "--output", "json", "--request-id", "r-1"});
+  ASSERT_EQ(again.code, 0) << again.err;
+  EXPECT_EQ(nlohmann::json::parse(again.out)["job_id"], "job-1");
+  EXPECT_THAT(again.err, HasSubstr("request id r-1 matched job job-1"));
 }
 
 TEST_F(CliTest, SubmitRefusesABadSpecWithoutSendingIt) {
@@ -385,7 +397,7 @@ TEST_F(CliTest, ListFollowsPagesAndPrintsATable) {
               ElementsAre(v1::JOB_STATE_RUNNING, v1::JOB_STATE_QUEUED, v1::JOB_STATE_FAILED));
 }
 
-TEST_F(CliTest, ListJsonIsOneArrayWithProtoFieldNames) {
+TEST_F(CliTest, ListJsonIsAnArrayOfJobObjects) {
   v1::ListJobsResponse page1;
   *page1.add_jobs() = RunningJob("job-2", 12, 1'700'000'000'000);
   v1::ListJobsResponse page2;
@@ -398,9 +410,16 @@ TEST_F(CliTest, ListJsonIsOneArrayWithProtoFieldNames) {
   ASSERT_TRUE(json.is_array());
   ASSERT_EQ(json.size(), 2u);
   EXPECT_EQ(json[0]["job_id"], "job-2");
-  EXPECT_EQ(json[0]["state"], "JOB_STATE_RUNNING");
-  EXPECT_EQ(json[0]["attempts"][0]["progress"]["total_steps"], "100");  // int64 as a string
+  EXPECT_EQ(json[0]["state"], "running");
+  EXPECT_EQ(json[0]["attempts"][0]["progress"]["total_steps"], 100);
+  EXPECT_EQ(json[0]["progress"]["step"], 12);
+  EXPECT_EQ(json[1]["state"], "succeeded");
   EXPECT_EQ(json[1]["final_loss"], 1.5);
+
+  jobs_.SetPages({});
+  result = Run({"--output", "json", "list"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "[]\n");
 }
 
 TEST_F(CliTest, ListWithAnUnknownStateFails) {
@@ -502,20 +521,21 @@ TEST_F(CliTest, WatchOfACancelledJobExitsOne) {
   jobs_.SetWatchUpdates("job-1", {FinishedJob("job-1", v1::JOB_STATE_CANCELLED, "by alice")});
   CliResult result = Run({"watch", "job-1", "--output", "json"});
   EXPECT_EQ(result.code, 1);
-  EXPECT_EQ(nlohmann::json::parse(result.out)["state"], "JOB_STATE_CANCELLED");
+  EXPECT_EQ(nlohmann::json::parse(result.out)["state"], "cancelled");
   EXPECT_EQ(result.err, "lathe: job job-1 CANCELLED: by alice\n");
 }
 
 TEST_F(CliTest, WatchOnATerminalDrawsAProgressBar) {
-  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 10, 1'700'000'000'000),
-                                  RunningJob("job-1", 50, 1'700'000'040'000),
+  v1::JobStatus timed = RunningJob("job-1", 50, 1'700'000'040'000);
+  timed.mutable_attempts(0)->mutable_progress()->set_step_seconds(1.0);
+  jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 10, 1'700'000'000'000), timed,
                                   FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
   CliResult result = Run({"watch", "job-1"}, /*tty=*/true);
   EXPECT_EQ(result.code, 0) << result.err;
   EXPECT_THAT(result.out, HasSubstr("RUNNING step 10/100"));  // the state change, on its own line
   EXPECT_THAT(result.out,
               HasSubstr("\r[##..................] step 10/100  loss 3.2110  1234 tok/s  ETA --"));
-  // 40 steps in 40 s: 50 steps to go take 50 s.
+  // 1 s a step: 50 steps to go take 50 s.
   EXPECT_THAT(result.out,
               HasSubstr("\r[##########..........] step 50/100  loss 3.2110  1234 tok/s  ETA 50s"));
   EXPECT_THAT(result.out, HasSubstr("ETA 50s\n2023-11-14T22:15:00Z SUCCEEDED final loss 1.5000"));
@@ -529,8 +549,8 @@ TEST_F(CliTest, WatchJsonPrintsOneStatusPerLine) {
   EXPECT_EQ(result.code, 0) << result.err;
   std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
   ASSERT_EQ(lines.size(), 2u);
-  EXPECT_EQ(nlohmann::json::parse(lines[0])["state"], "JOB_STATE_RUNNING");
-  EXPECT_EQ(nlohmann::json::parse(lines[1])["state"], "JOB_STATE_SUCCEEDED");
+  EXPECT_EQ(nlohmann::json::parse(lines[0])["state"], "running");
+  EXPECT_EQ(nlohmann::json::parse(lines[1])["state"], "succeeded");
 }
 
 TEST_F(CliTest, WatchThatEndsEarlyAsksForTheOutcome) {
@@ -558,6 +578,16 @@ TEST_F(CliTest, CancelSendsTheReason) {
   result = Run({"cancel", "job-2"});
   EXPECT_EQ(result.code, 0) << result.err;
   EXPECT_EQ(result.out, "job job-2 had already finished: SUCCEEDED\n");
+}
+
+TEST_F(CliTest, CancelJsonPrintsTheJobObject) {
+  jobs_.SetJob(RunningJob("job-1", 12, 1'700'000'010'000));
+  CliResult result = Run({"cancel", "job-1", "--reason", "wrong data", "--output", "json"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  EXPECT_EQ(json["job_id"], "job-1");
+  EXPECT_EQ(json["state"], "cancelled");
+  EXPECT_EQ(json["reason"], "wrong data");
 }
 
 TEST_F(CliTest, UnknownJobIsNotFound) {
@@ -602,7 +632,11 @@ TEST_F(CliTest, WorkersTableAndJson) {
   nlohmann::json json = nlohmann::json::parse(result.out);
   ASSERT_EQ(json.size(), 2u);
   EXPECT_EQ(json[0]["worker_id"], "host-a/0");
-  EXPECT_EQ(json[0]["busy_slots"], "1");
+  EXPECT_EQ(json[0]["state"], "ready");
+  EXPECT_EQ(json[0]["device"], "cuda");
+  EXPECT_EQ(json[0]["busy_slots"], 1);
+  EXPECT_EQ(json[0]["running"][0]["job_id"], "job-1");
+  EXPECT_EQ(json[1]["state"], "lost");
 }
 
 TEST_F(CliTest, GlobalFlagsMayFollowTheCommand) {
@@ -619,6 +653,294 @@ TEST_F(CliTest, CoordinatorDefaultsToTheEnvironment) {
   unsetenv("LATHE_COORDINATOR");
   EXPECT_EQ(result.code, 0) << result.err;
   EXPECT_THAT(result.out, HasSubstr("SUCCEEDED"));
+}
+
+// ---------------------------------------------------------------------------------------
+// The JSON schema of docs/cli-json.md, pinned: every key at every level and its JSON type.
+// Changing these definitions changes what scripts rely on; fields may only be added.
+//
+// A definition is an object (exactly these keys), a one-element array (every element has
+// that schema), or a type: "integer", "number", "string", "boolean", "object" (not pinned
+// here: the spec, whose schema is docs/job-spec.md), "$name" (the definition `name`), with
+// "|null" when null is allowed.
+constexpr char kJsonSchema[] = R"({
+  "memory": {
+    "weights": "integer", "trainable": "integer", "gradients": "integer",
+    "optimizer": "integer", "activations": "integer", "logits": "integer",
+    "comm_buffers": "integer", "overhead": "integer", "total": "integer"
+  },
+  "progress": {
+    "step": "integer", "total_steps": "integer", "loss": "number|null",
+    "eval_loss": "number|null", "lr": "number", "grad_norm": "number",
+    "tokens_per_second": "number", "mfu": "number", "skipped_steps": "integer",
+    "loss_scale": "number", "step_seconds": "number",
+    "phases": {"forward": "number", "loss": "number", "backward": "number", "comm": "number",
+               "optimizer": "number"},
+    "memory": "$memory", "updated_unix_ms": "integer"
+  },
+  "job": {
+    "job_id": "string", "name": "string", "state": "string", "reason": "string",
+    "submitted_unix_ms": "integer", "updated_unix_ms": "integer", "restarts": "integer",
+    "spec": "object|null",
+    "plan": {
+      "ranks": "integer", "device": "string", "zero_stage": "integer",
+      "offload_optimizer": "boolean", "offload_params": "boolean",
+      "activation_checkpointing": "boolean", "chunked_loss": "boolean",
+      "fused_kernels": "boolean", "micro_batch": "integer", "gradient_accumulation": "integer",
+      "total_steps": "integer", "precision": "string", "predicted_memory": "$memory",
+      "explanation": "string"
+    },
+    "attempts": [{
+      "generation": "integer", "state": "string",
+      "placements": [{"rank": "integer", "worker_id": "string", "slot": "integer"}],
+      "started_unix_ms": "integer", "ended_unix_ms": "integer", "error": "string",
+      "progress": "$progress"
+    }],
+    "progress": "$progress|null", "eta_seconds": "number|null", "final_loss": "number|null",
+    "adapter_path": "string", "model_path": "string"
+  },
+  "worker": {
+    "worker_id": "string", "state": "string", "address": "string", "device": "string",
+    "slots": "integer", "busy_slots": "integer",
+    "devices": [{"index": "integer", "name": "string", "memory_bytes": "integer"}],
+    "last_heartbeat_unix_ms": "integer",
+    "running": [{"slot": "integer", "job_id": "string", "generation": "integer",
+                 "rank": "integer"}]
+  }
+})";
+
+// Checks `value` against the definition `schema`; appends what does not match to `errors`
+// and the paths of nulls to `nulls`.
+void CheckSchema(const nlohmann::json& value, const nlohmann::json& schema, const std::string& path,
+                 std::vector<std::string>* errors, std::vector<std::string>* nulls) {
+  static const nlohmann::json definitions = nlohmann::json::parse(kJsonSchema);
+  if (schema.is_object()) {
+    if (!value.is_object()) {
+      errors->push_back(absl::StrCat(path, ": expected an object, got ", value.dump()));
+      return;
+    }
+    for (const auto& [key, sub] : schema.items()) {
+      if (!value.contains(key)) {
+        errors->push_back(absl::StrCat(path, ": missing \"", key, "\""));
+      } else {
+        CheckSchema(value[key], sub, absl::StrCat(path, ".", key), errors, nulls);
+      }
+    }
+    for (const auto& [key, sub] : value.items()) {
+      if (!schema.contains(key)) errors->push_back(absl::StrCat(path, ": extra \"", key, "\""));
+    }
+    return;
+  }
+  if (schema.is_array()) {
+    if (!value.is_array()) {
+      errors->push_back(absl::StrCat(path, ": expected an array, got ", value.dump()));
+      return;
+    }
+    for (size_t i = 0; i < value.size(); ++i) {
+      CheckSchema(value[i], schema[0], absl::StrCat(path, "[", i, "]"), errors, nulls);
+    }
+    return;
+  }
+  std::string type = schema.get<std::string>();
+  if (absl::EndsWith(type, "|null")) {
+    type.resize(type.size() - 5);
+    if (value.is_null()) {
+      nulls->push_back(path);
+      return;
+    }
+  }
+  if (absl::StartsWith(type, "$")) {
+    CheckSchema(value, definitions.at(type.substr(1)), path, errors, nulls);
+    return;
+  }
+  const bool ok =
+      (type == "integer" && value.is_number_integer()) || (type == "number" && value.is_number()) ||
+      (type == "string" && value.is_string()) || (type == "boolean" && value.is_boolean()) ||
+      (type == "object" && value.is_object());
+  if (!ok) errors->push_back(absl::StrCat(path, ": expected ", type, ", got ", value.dump()));
+}
+
+struct SchemaCheck {
+  std::vector<std::string> errors;
+  std::vector<std::string> nulls;
+};
+
+SchemaCheck CheckAgainst(const nlohmann::json& value, const std::string& definition) {
+  SchemaCheck check;
+  CheckSchema(value, absl::StrCat("$", definition), "", &check.errors, &check.nulls);
+  return check;
+}
+
+// A job with every field of the API set, nested messages and repeated fields included
+// (final_loss too, although a running job has none yet, to pin its type).
+v1::JobStatus FullJob(const std::string& id) {
+  v1::JobStatus job = RunningJob(id, 40, 1'700'000'060'000);
+  v1::JobSpec* spec = job.mutable_spec();
+  spec->mutable_model()->set_path("/models/tiny");
+  spec->mutable_data()->set_train("/data/train.jsonl");
+  spec->mutable_data()->set_eval("/data/eval.jsonl");
+  spec->mutable_train()->set_steps(100);
+  spec->mutable_train()->set_global_batch(4);
+  spec->set_output("/runs/demo");
+  job.set_reason("restarted after worker w-b was lost");
+  job.set_restarts(1);
+  job.set_final_loss(1.75);
+  job.set_adapter_path("/runs/demo/adapter");
+  job.set_model_path("/runs/demo/model");
+  v1::Plan* plan = job.mutable_plan();
+  plan->set_device(v1::DEVICE_CUDA);
+  plan->set_zero_stage(3);
+  plan->set_offload_optimizer(true);
+  plan->set_offload_params(true);
+  plan->set_activation_checkpointing(true);
+  plan->set_chunked_loss(true);
+  plan->set_fused_kernels(true);
+  plan->set_micro_batch(2);
+  plan->set_gradient_accumulation(2);
+  plan->set_precision(v1::PRECISION_BF16);
+  plan->set_explanation("ZeRO-3: the weights do not fit one rank");
+  v1::MemoryBreakdown* predicted = plan->mutable_predicted_memory();
+  for (auto setter : {&v1::MemoryBreakdown::set_weights, &v1::MemoryBreakdown::set_trainable,
+                      &v1::MemoryBreakdown::set_gradients, &v1::MemoryBreakdown::set_optimizer,
+                      &v1::MemoryBreakdown::set_activations, &v1::MemoryBreakdown::set_logits,
+                      &v1::MemoryBreakdown::set_comm_buffers, &v1::MemoryBreakdown::set_overhead,
+                      &v1::MemoryBreakdown::set_total}) {
+    (predicted->*setter)(5ull << 30);
+  }
+  v1::Attempt* attempt = job.mutable_attempts(0);
+  attempt->set_started_unix_ms(1'700'000'001'000);
+  attempt->set_ended_unix_ms(1'700'000'002'000);
+  attempt->set_state(v1::ATTEMPT_STATE_FAILED);
+  attempt->set_error("worker w-b lost");
+  for (int64_t rank : {0, 1}) {
+    v1::RankPlacement* placement = attempt->add_placements();
+    placement->set_rank(rank);
+    placement->set_worker_id(rank == 0 ? "w-a" : "w-b");
+    placement->set_slot(rank);
+  }
+  v1::Progress* p = attempt->mutable_progress();
+  p->set_eval_loss(2.75);
+  p->set_lr(2e-4);
+  p->set_grad_norm(0.5);
+  p->set_mfu(0.4);
+  p->set_skipped_steps(1);
+  p->set_loss_scale(65536);
+  p->set_step_seconds(0.25);
+  p->mutable_phases()->set_forward(0.1);
+  p->mutable_phases()->set_loss(0.02);
+  p->mutable_phases()->set_backward(0.1);
+  p->mutable_phases()->set_comm(0.01);
+  p->mutable_phases()->set_optimizer(0.02);
+  *p->mutable_memory() = *predicted;
+  v1::Attempt second = *attempt;
+  second.set_generation(2);
+  second.set_state(v1::ATTEMPT_STATE_RUNNING);
+  second.set_ended_unix_ms(0);
+  second.clear_error();
+  *job.add_attempts() = second;
+  return job;
+}
+
+TEST_F(CliTest, JsonSchemaOfStatus) {
+  jobs_.SetJob(FullJob("job-full"));
+  v1::JobStatus empty;
+  empty.set_job_id("job-empty");
+  jobs_.SetJob(empty);
+
+  CliResult result = Run({"status", "job-full", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  SchemaCheck check = CheckAgainst(json, "job");
+  EXPECT_THAT(check.errors, IsEmpty()) << result.out;
+  EXPECT_THAT(check.nulls, IsEmpty()) << result.out;
+  ASSERT_EQ(json["attempts"].size(), 2u);
+  EXPECT_EQ(json["attempts"][0]["placements"].size(), 2u);
+  EXPECT_EQ(json["eta_seconds"], 15.0);  // 60 steps of 0.25 s
+
+  result = Run({"status", "job-empty", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  json = nlohmann::json::parse(result.out);
+  check = CheckAgainst(json, "job");
+  EXPECT_THAT(check.errors, IsEmpty()) << result.out;
+  EXPECT_THAT(check.nulls,
+              UnorderedElementsAre(".spec", ".progress", ".eta_seconds", ".final_loss"))
+      << result.out;
+  EXPECT_EQ(json["state"], "unknown");
+  EXPECT_EQ(json["plan"]["device"], "cpu");
+  EXPECT_EQ(json["plan"]["precision"], "fp32");
+  EXPECT_EQ(json["attempts"], nlohmann::json::array());
+  EXPECT_EQ(json["restarts"], 0);
+}
+
+TEST_F(CliTest, JsonSchemaOfWorkers) {
+  v1::ListWorkersResponse response;
+  v1::WorkerStatus* full = response.add_workers();
+  full->set_worker_id("host-a/0");
+  full->set_state(v1::WORKER_STATE_READY);
+  full->set_address("host-a:9100");
+  full->set_device(v1::DEVICE_CUDA);
+  full->set_slots(2);
+  full->set_busy_slots(1);
+  for (int64_t index : {0, 1}) {
+    v1::DeviceInfo* device = full->add_devices();
+    device->set_index(index);
+    device->set_name("NVIDIA H200");
+    device->set_memory_bytes(141ull << 30);
+  }
+  full->set_last_heartbeat_unix_ms(1'700'000'000'000);
+  v1::SlotStatus* slot = full->add_running();
+  slot->set_slot(1);
+  slot->set_job_id("job-1");
+  slot->set_generation(2);
+  slot->set_rank(1);
+  response.add_workers();  // every field zero
+  workers_.SetWorkers(response);
+
+  CliResult result = Run({"workers", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  nlohmann::json json = nlohmann::json::parse(result.out);
+  ASSERT_TRUE(json.is_array());
+  ASSERT_EQ(json.size(), 2u);
+  for (const nlohmann::json& worker : json) {
+    SchemaCheck check = CheckAgainst(worker, "worker");
+    EXPECT_THAT(check.errors, IsEmpty()) << worker.dump();
+    EXPECT_THAT(check.nulls, IsEmpty()) << worker.dump();
+  }
+  EXPECT_EQ(json[0]["devices"][1]["memory_bytes"], 141ull << 30);
+  EXPECT_EQ(json[1]["state"], "unknown");
+  EXPECT_EQ(json[1]["devices"], nlohmann::json::array());
+}
+
+TEST_F(CliTest, EveryJobCommandPrintsTheJobObject) {
+  jobs_.SetJob(FullJob("job-full"));
+  v1::ListJobsResponse page;
+  *page.add_jobs() = FullJob("job-full");
+  jobs_.SetPages({page});
+  jobs_.SetWatchUpdates(
+      "job-full", {FullJob("job-full"), FinishedJob("job-full", v1::JOB_STATE_SUCCEEDED, "")});
+  std::vector<nlohmann::json> objects;
+  CliResult result = Run({"--output", "json", "submit", WriteSpec(kRelativeSpec)});
+  ASSERT_EQ(result.code, 0) << result.err;
+  objects.push_back(nlohmann::json::parse(result.out));
+  result = Run({"--output", "json", "list"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  for (const nlohmann::json& job : nlohmann::json::parse(result.out)) objects.push_back(job);
+  result = Run({"--output", "json", "watch", "job-full"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  for (absl::string_view line : absl::StrSplit(result.out, '\n', absl::SkipEmpty())) {
+    objects.push_back(nlohmann::json::parse(line));
+  }
+  result = Run({"--output", "json", "cancel", "job-full"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  objects.push_back(nlohmann::json::parse(result.out));
+
+  ASSERT_EQ(objects.size(), 5u);
+  for (const nlohmann::json& job : objects) {
+    EXPECT_THAT(CheckAgainst(job, "job").errors, IsEmpty()) << job.dump();
+  }
+  // watch's lines are the status objects, ETA included.
+  EXPECT_EQ(objects[2]["eta_seconds"], 15.0);
+  EXPECT_TRUE(objects[3]["eta_seconds"].is_null());
 }
 
 // A port on 127.0.0.1 that is bound but not listening: connecting to it is refused, and no

@@ -1,6 +1,8 @@
 // Unit tests of the CLI's text renderings that need no coordinator.
 #include "client/status_text.h"
 
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include "client/watch_printer.h"
@@ -74,21 +76,64 @@ v1::JobStatus Running(int64_t generation, int64_t step, int64_t unix_ms) {
   return job;
 }
 
-TEST(WatchPrinterTest, ProgressBar) {
-  v1::JobStatus job = Running(1, 500, 1);
-  job.mutable_attempts(0)->mutable_progress()->set_loss(2.5);
-  EXPECT_EQ(WatchPrinter::ProgressBar(job, absl::Seconds(65)),
-            "[##########..........] step 500/1000  loss 2.5000  ETA 1m05s");
-  EXPECT_EQ(WatchPrinter::ProgressBar(job, std::nullopt),
-            "[##########..........] step 500/1000  loss 2.5000  ETA --");
+v1::JobStatus RunningWithStepTime(int64_t step, double step_seconds) {
+  v1::JobStatus job = Running(1, step, 1);
+  job.mutable_attempts(0)->mutable_progress()->set_step_seconds(step_seconds);
+  return job;
 }
 
-TEST(WatchPrinterTest, RestartPrintsALineAndResetsTheRate) {
+TEST(EtaSecondsTest, StepsLeftTimesTheMeanStepTime) {
+  EXPECT_EQ(EtaSeconds(RunningWithStepTime(500, 0.13)), 500 * 0.13);
+  // The last step reached: nothing left.
+  EXPECT_EQ(EtaSeconds(RunningWithStepTime(1000, 0.5)), 0.0);
+  EXPECT_EQ(EtaSeconds(RunningWithStepTime(1200, 0.5)), 0.0);
+}
+
+TEST(EtaSecondsTest, TheTotalFallsBackToThePlan) {
+  v1::JobStatus job = RunningWithStepTime(10, 1.5);
+  job.mutable_attempts(0)->mutable_progress()->set_total_steps(0);
+  EXPECT_FALSE(EtaSeconds(job).has_value()) << "total unknown";
+  job.mutable_plan()->set_total_steps(30);
+  EXPECT_EQ(EtaSeconds(job), 30.0);
+}
+
+TEST(EtaSecondsTest, UnknownWithoutAStepTime) {
+  EXPECT_FALSE(EtaSeconds(v1::JobStatus()).has_value());
+  EXPECT_FALSE(EtaSeconds(Running(1, 500, 1)).has_value());
+  EXPECT_FALSE(EtaSeconds(RunningWithStepTime(500, -1)).has_value());
+  EXPECT_FALSE(
+      EtaSeconds(RunningWithStepTime(500, std::numeric_limits<double>::infinity())).has_value());
+  EXPECT_FALSE(
+      EtaSeconds(RunningWithStepTime(500, std::numeric_limits<double>::quiet_NaN())).has_value());
+}
+
+TEST(EtaSecondsTest, OnlyARunningJobHasOne) {
+  for (v1::JobState state : {v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_CANCELLED,
+                             v1::JOB_STATE_QUEUED}) {
+    v1::JobStatus job = RunningWithStepTime(500, 0.5);
+    job.set_state(state);
+    EXPECT_FALSE(EtaSeconds(job).has_value()) << v1::JobState_Name(state);
+  }
+}
+
+TEST(WatchPrinterTest, ProgressBarShowsEtaSeconds) {
+  v1::JobStatus job = Running(1, 500, 1);
+  job.mutable_attempts(0)->mutable_progress()->set_loss(2.5);
+  EXPECT_EQ(WatchPrinter::ProgressBar(job),
+            "[##########..........] step 500/1000  loss 2.5000  ETA --");
+  job.mutable_attempts(0)->mutable_progress()->set_step_seconds(0.13);  // 500 x 0.13 = 65 s
+  EXPECT_EQ(WatchPrinter::ProgressBar(job),
+            "[##########..........] step 500/1000  loss 2.5000  ETA 1m05s");
+}
+
+TEST(WatchPrinterTest, RestartPrintsALineAndTheNewAttemptsEta) {
   std::ostringstream out;
   WatchPrinter printer(out, WatchFormat::kProgressBar);
-  printer.Update(Running(1, 100, 1'000), absl::Now());
-  printer.Update(Running(1, 200, 11'000), absl::Now());
+  v1::JobStatus first = Running(1, 200, 11'000);
+  first.mutable_attempts(0)->mutable_progress()->set_step_seconds(0.1);
+  printer.Update(first, absl::Now());
   EXPECT_THAT(out.str(), HasSubstr("step 200/1000  ETA 1m20s"));
+  // The new attempt has not measured a step time yet.
   printer.Update(Running(2, 150, 20'000), absl::Now());
   printer.Finish();
   EXPECT_THAT(out.str(), HasSubstr("RUNNING step 150/1000 attempt 2\n"));
