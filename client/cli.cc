@@ -122,6 +122,7 @@ int RunSubmit(const Invocation& inv) {
       case absl::StatusCode::kInvalidArgument:
       case absl::StatusCode::kFailedPrecondition:
       case absl::StatusCode::kResourceExhausted:
+      case absl::StatusCode::kUnimplemented:
         return Fail(inv, Annotate(response.status(), "the coordinator refused the job"));
       default:
         return Fail(inv, response.status());

@@ -11,7 +11,9 @@
 #include "absl/strings/strip.h"
 #include "client/status_text.h"
 #include "common/job_spec.h"
+#include "common/memory_components.h"
 #include "common/proto/job_spec_proto.h"
+#include "common/proto/memory_breakdown.h"
 
 namespace lathe {
 namespace {
@@ -96,15 +98,12 @@ Json SpecJson(const v1::JobSpec& spec) {
 }  // namespace
 
 Json MemoryJson(const v1::MemoryBreakdown& memory) {
-  return Json{{"weights", memory.weights()},
-              {"trainable", memory.trainable()},
-              {"gradients", memory.gradients()},
-              {"optimizer", memory.optimizer()},
-              {"activations", memory.activations()},
-              {"logits", memory.logits()},
-              {"comm_buffers", memory.comm_buffers()},
-              {"overhead", memory.overhead()},
-              {"total", memory.total()}};
+  Json json = Json::object();
+  for (MemoryComponent c : kMemoryComponents) {
+    json[std::string(MemoryComponentName(c))] = ComponentBytes(memory, c);
+  }
+  json["total"] = memory.total();
+  return json;
 }
 
 Json ProgressJson(const v1::Progress& progress) {

@@ -13,6 +13,8 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "common/memory_components.h"
+#include "common/proto/memory_breakdown.h"
 
 namespace lathe {
 namespace {
@@ -64,15 +66,12 @@ std::string Ago(int64_t unix_ms, absl::Time now) {
 }
 
 std::vector<std::pair<std::string, uint64_t>> MemoryComponents(const v1::MemoryBreakdown& m) {
-  return {{"weights", m.weights()},
-          {"trainable", m.trainable()},
-          {"gradients", m.gradients()},
-          {"optimizer", m.optimizer()},
-          {"activations", m.activations()},
-          {"logits", m.logits()},
-          {"comm_buffers", m.comm_buffers()},
-          {"overhead", m.overhead()},
-          {"total", m.total()}};
+  std::vector<std::pair<std::string, uint64_t>> components;
+  for (MemoryComponent c : kMemoryComponents) {
+    components.emplace_back(MemoryComponentName(c), ComponentBytes(m, c));
+  }
+  components.emplace_back("total", m.total());
+  return components;
 }
 
 // "label        value" with the value's further lines indented to the value column.

@@ -368,6 +368,20 @@ TEST_F(CliTest, SubmitRefusedByTheCoordinator) {
             "lathe: the coordinator refused the job: spec: model.path: no config.json\n");
 }
 
+// The coordinator's UNIMPLEMENTED (a feature the engine lacks) keeps its message; only gRPC's
+// own, empty one means "not a Lathe coordinator".
+TEST_F(CliTest, SubmitOfWhatTheEngineCannotRunIsRefusedOnOneLine) {
+  jobs_.SetSubmitError(grpc::Status(
+      grpc::StatusCode::UNIMPLEMENTED,
+      "spec: method: qlora is not supported by this engine yet (supported: lora, full)"));
+  CliResult result = Run({"submit", WriteSpec(kRelativeSpec)});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.out, "");
+  EXPECT_EQ(result.err,
+            "lathe: the coordinator refused the job: spec: method: qlora is not supported by "
+            "this engine yet (supported: lora, full)\n");
+}
+
 TEST_F(CliTest, ListFollowsPagesAndPrintsATable) {
   v1::ListJobsResponse page1;
   *page1.add_jobs() = RunningJob("job-2", 12, MillisAgo(absl::Seconds(1)));

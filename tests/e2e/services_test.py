@@ -14,6 +14,22 @@ import unittest
 
 BIN = os.environ.get("LATHE_BIN_DIR", os.path.join(os.path.dirname(__file__), "../../build/bin"))
 TIMEOUT = 120  # seconds for any one job to finish on a loaded 2-core machine
+PEAK_FLOPS = 2.5e10  # each worker's configured device peak, MFU's denominator
+
+
+def lora_flops_per_token(config, rank, seq_len):
+    """docs/training.md "MFU", written again from the formula: LoRA on all seven projections."""
+    h, i = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or h // heads
+    shapes = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h), (h, i), (h, i), (i, h)]
+    weights = sum(a * b for a, b in shapes)
+    adapters = sum(rank * (a + b) for a, b in shapes)
+    attention = 2 * (seq_len + 1) * heads * d
+    layers = config["num_hidden_layers"]
+    frozen = layers * 2 * weights + 2 * config["vocab_size"] * h
+    trained = layers * (2 * adapters + attention)
+    return 2 * frozen + 3 * trained
 
 
 def free_port():
@@ -61,6 +77,7 @@ class Cluster:
             self.workers[worker_id] = subprocess.Popen(
                 [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.address,
                  "--worker-id", worker_id, "--slots", "1", "--trainer-threads", "1",
+                 "--peak-flops", str(PEAK_FLOPS),
                  "--work-dir", os.path.join(self.root, worker_id)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -121,7 +138,7 @@ class ServicesTest(unittest.TestCase):
             time.sleep(0.2)
         raise AssertionError(f"fewer than {n} workers registered")
 
-    def spec(self, name, steps=4, ranks=1):
+    def spec(self, name, steps=4, ranks=1, extra=""):
         path = os.path.join(self.root, f"{name}.yaml")
         with open(path, "w") as f:
             f.write(f"""name: {name}
@@ -131,11 +148,11 @@ lora: {{rank: 4, alpha: 8}}
 train: {{steps: {steps}, global_batch: 2, lr: 1.0e-3}}
 resources: {{ranks: {ranks}, device: cpu}}
 output: {os.path.join(self.root, "runs", name)}
-""")
+{extra}""")
         return path
 
-    def submit(self, name, steps=4, ranks=1):
-        result = self.cluster.lathe("submit", self.spec(name, steps, ranks))
+    def submit(self, name, steps=4, ranks=1, extra=""):
+        result = self.cluster.lathe("submit", self.spec(name, steps, ranks, extra))
         self.assertEqual(result.returncode, 0, result.stderr)
         job_id = result.stdout.strip()
         self.assertTrue(job_id.startswith(name), job_id)
@@ -194,6 +211,25 @@ output: {os.path.join(self.root, "runs", name)}
             self.assertIn("final_loss", jobs[job_id])
             self.assertGreater(jobs[job_id]["final_loss"], 0)
 
+    def test_1a_the_trainer_runs_the_coordinators_plan(self):
+        job_id = self.submit("planned", extra="strategy: {activation_checkpointing: true}\n")
+        self.assertEqual(self.cluster.lathe("watch", job_id).returncode, 0)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "succeeded", job)
+        plan = job["plan"]
+        self.assertEqual(plan["micro_batch"], 2)  # micro_batch auto, chosen at submit
+        self.assertTrue(plan["activation_checkpointing"])
+        # The plan the trainer says it ran: the first TrainerEvent it printed.
+        worker = job["attempts"][-1]["placements"][0]["worker_id"]
+        events = os.path.join(self.root, worker, f"{job_id}-g1-r0", "events.jsonl")
+        with open(events) as f:
+            lines = [json.loads(line) for line in f]
+        ran = lines[0]["start"]["plan"]
+        self.assertEqual(int(ran["micro_batch"]), plan["micro_batch"])
+        self.assertEqual(int(ran["gradient_accumulation"]), plan["gradient_accumulation"])
+        self.assertTrue(ran["activation_checkpointing"])
+        self.assertIn("done", lines[-1])
+
     def test_1b_two_ranks_train_data_parallel_across_both_workers(self):
         job_id = self.submit("two-ranks", ranks=2)
         watch = self.cluster.lathe("watch", job_id)
@@ -226,6 +262,17 @@ output: {os.path.join(self.root, "runs", name)}
         job_id = self.submit("cancelled", steps=100000)
         self.wait_running(job_id)
         self.assertTrue(self.trainer_pids(job_id))
+        # While it runs: MFU is the model FLOPs per token times tokens/s over the peak.
+        with open(os.path.join(self.model, "config.json")) as f:
+            config = json.load(f)
+        progress = self.status(job_id)["progress"]
+        self.assertGreater(progress["tokens_per_second"], 0)
+        expected = (lora_flops_per_token(config, 4, 32) * progress["tokens_per_second"]
+                    / PEAK_FLOPS)
+        self.assertAlmostEqual(progress["mfu"], expected, delta=1e-9 * expected)
+        self.assertGreater(progress["mfu"], 0)
+        shown = self.cluster.lathe("status", job_id)
+        self.assertRegex(shown.stdout, r"MFU \d+\.\d%")  # a later step than `progress`'s
         result = self.cluster.lathe("cancel", job_id)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(self.status(job_id)["state"], "cancelled")
@@ -241,6 +288,18 @@ output: {os.path.join(self.root, "runs", name)}
         result = self.cluster.lathe("submit", bad)
         self.assertEqual(result.returncode, 1)
         self.assertIn("method", result.stderr)
+        # What the engine cannot run is refused at submit: one line naming the field, no job.
+        before = set(self.list_jobs())
+        for name, extra, field in (("qlora", "method: qlora\n", "method: qlora"),
+                                   ("zero2", "strategy: {zero_stage: 2}\n",
+                                    "strategy.zero_stage: 2")):
+            result = self.cluster.lathe("submit", self.spec(name, extra=extra))
+            self.assertEqual(result.returncode, 1, result.stdout)
+            self.assertEqual(result.stdout, "")
+            self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
+            self.assertIn(f"the coordinator refused the job: spec: {field} is not supported",
+                          result.stderr)
+        self.assertEqual(set(self.list_jobs()), before)
         missing = self.cluster.lathe("status", "no-such-job")
         self.assertEqual(missing.returncode, 1)
         self.assertIn("not found", missing.stderr)
