@@ -29,3 +29,9 @@ function(lathe_test name)
   set_tests_properties(${name} PROPERTIES LABELS "${T_LABELS}"
     ENVIRONMENT "LATHE_BIN_DIR=${CMAKE_BINARY_DIR}/bin;LATHE_SOURCE_DIR=${PROJECT_SOURCE_DIR};LATHE_REFERENCE_PYTHON=${LATHE_REFERENCE_PYTHON}")
 endfunction()
+
+# A gpu-labelled GoogleTest binary skips every test without a GPU (GTEST_SKIP); ctest then
+# reports it as skipped, never as passed.
+function(lathe_gpu_skips name)
+  set_tests_properties(${name} PROPERTIES SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
+endfunction()
