@@ -79,6 +79,23 @@ def cpu_busy(seconds=1.0):
     return 1.0 - (idle1 - idle0) / total if total > 0 else 0.0
 
 
+def cpu_model():
+    """The CPU's model name and its vector extensions that matter here."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model} ({' '.join(wanted) or 'no AVX2'})"
+
+
 def measure(name, cmd, env):
     """Runs `cmd`, returning its JSON events, wall seconds and peak RSS in bytes."""
     stderr = tempfile.TemporaryFile(mode="w+")
@@ -105,7 +122,9 @@ def measure(name, cmd, env):
     # The C++ trainer's own accounting: the components of its largest step peak.
     memory = max((s["memory"] for s in steps if "memory" in s), key=lambda m: m["total"],
                  default=None)
+    mfus = [s["mfu"] for s in timed if s.get("mfu") is not None]
     return {"name": name, "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "mfu": sum(mfus) / len(mfus) if mfus else None,
             "peak_rss": usage.ru_maxrss * 1024, "final_loss": done.get("final_loss"),
             "wall": wall, "steps": len(steps), "phases": phases, "memory": memory}
 
@@ -202,21 +221,22 @@ def main():
           f"{size['global_batch']} (micro {size['micro_batch']}), {tokens_per_step} tokens/step; "
           f"LoRA r16 x 7 targets; {args.steps} steps (tokens/s over steps 2..N), "
           f"{args.threads} threads")
-    print(f"\n{platform.node()}, {os.cpu_count()} cores, {platform.platform()}, "
+    print(f"\n{platform.node()}, {cpu_model()}, {os.cpu_count()} cores, {platform.platform()}, "
           f"{datetime.date.today().isoformat()}, cores {busy:.0%} busy before the run\n")
     print("| config | C++ tokens/s | ref tokens/s | ratio | C++ peak RSS MiB | ref peak RSS MiB "
-          "| ratio | final loss C++ / ref |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| ratio | final loss C++ / ref | C++ MFU |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |")
     mismatched = []
     for config, (cpp, py) in results.items():
         losses = [r["final_loss"] for r in (cpp, py)]
         if None in losses or abs(losses[0] - losses[1]) > LOSS_TOL:
             mismatched.append(config)
         loss_text = " / ".join("n/a" if x is None else f"{x:.6f}" for x in losses)
+        mfu_text = "n/a" if cpp["mfu"] is None else f"{100 * cpp['mfu']:.1f}%"
         print(f"| {config} | {cpp['tokens_per_s']:.1f} | {py['tokens_per_s']:.1f} | "
               f"{cpp['tokens_per_s'] / py['tokens_per_s']:.2f}x | {cpp['peak_rss'] / mib:.1f} | "
               f"{py['peak_rss'] / mib:.1f} | {cpp['peak_rss'] / py['peak_rss']:.2f}x | "
-              f"{loss_text} |")
+              f"{loss_text} | {mfu_text} |")
     print("\nMean seconds per step by phase (steps 2..N), C++ / reference:\n")
     print("| config | " + " | ".join(PHASES) + " |")
     print("| --- |" + " ---: |" * len(PHASES))

@@ -143,6 +143,15 @@ bool IsBoolText(absl::string_view text) {
   return false;
 }
 
+// `text` for an error message: escaped, and cut to one short line.
+std::string Shown(absl::string_view text) {
+  constexpr size_t kMaxChars = 40;
+  if (text.size() <= kMaxChars) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, kMaxChars)), "...");
+}
+
+std::string Quoted(absl::string_view text) { return absl::StrCat("\"", Shown(text), "\""); }
+
 // Renders a value for an error message, kept to one short line.
 std::string Describe(const YAML::Node& node) {
   switch (node.Type()) {
@@ -156,16 +165,12 @@ std::string Describe(const YAML::Node& node) {
     case YAML::NodeType::Scalar:
       break;
   }
-  std::string text = node.Scalar();
-  constexpr size_t kMaxChars = 40;
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
-  text = absl::CHexEscape(text);
   const std::string& raw = node.Scalar();
   if (!IsStringScalar(node) &&
       (LooksLikeFiniteNumber(raw) || LooksLikeSpecialFloat(raw) || IsBoolText(raw))) {
-    return text;
+    return Shown(raw);
   }
-  return absl::StrCat("\"", text, "\"");
+  return Quoted(raw);
 }
 
 template <typename T>
@@ -532,13 +537,6 @@ bool IsValidJobName(absl::string_view name) {
     }
   }
   return true;
-}
-
-// A string for an error message: quoted, escaped, kept to one short line.
-std::string Quoted(absl::string_view text) {
-  constexpr size_t kMaxChars = 40;
-  std::string shown = absl::CHexEscape(text.substr(0, kMaxChars));
-  return absl::StrCat("\"", shown, text.size() > kMaxChars ? "...\"" : "\"");
 }
 
 // The value checks of ValidateJobSpec, each naming its field.

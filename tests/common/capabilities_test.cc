@@ -10,21 +10,14 @@
 #include "absl/status/status.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "tests/testing/minimal_spec.h"
 
 namespace lathe {
 namespace {
 
 using ::testing::HasSubstr;
 
-JobSpec Spec() {
-  JobSpec spec;
-  spec.name = "t";
-  spec.model.path = "/m";
-  spec.data.train = "/d";
-  spec.train.steps = 10;
-  spec.output = "/o";
-  return spec;
-}
+JobSpec Spec() { return testing::MinimalSpec(); }
 
 TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
   for (Method method : {Method::kLora, Method::kFull}) {

@@ -10,21 +10,18 @@
 
 #include "absl/status/status.h"
 #include "common/job_spec.h"
+#include "tests/testing/minimal_spec.h"
 
 namespace lathe {
 namespace {
 
 using ::testing::HasSubstr;
 
+// 64 sequences of 1024 tokens a step.
 JobSpec Spec() {
-  JobSpec spec;
-  spec.name = "t";
-  spec.model.path = "/m";
-  spec.data.train = "/d";
+  JobSpec spec = testing::MinimalSpec();
   spec.data.seq_len = 1024;
-  spec.train.steps = 10;
   spec.train.global_batch = 64;
-  spec.output = "/o";
   return spec;
 }
 

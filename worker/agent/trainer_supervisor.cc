@@ -223,9 +223,8 @@ void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
     absl::MutexLock lock(&mu_);
     switch (event->event_case()) {
       case v1::TrainerEvent::kStart:
-        total_steps_ = event->start().total_steps();
         p.set_step(event->start().resumed_from_step());
-        p.set_total_steps(total_steps_);
+        p.set_total_steps(event->start().total_steps());
         break;
       case v1::TrainerEvent::kStep:
         p = event->step().progress();

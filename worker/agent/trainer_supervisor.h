@@ -147,9 +147,8 @@ class TrainerSupervisor {
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool cancel_requested_ ABSL_GUARDED_BY(mu_) = false;
   std::string cancel_reason_ ABSL_GUARDED_BY(mu_);
-  bool exited_ ABSL_GUARDED_BY(mu_) = false;    // on_exit was called
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // terminal event reported, or Start failed
-  int64_t total_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  bool exited_ ABSL_GUARDED_BY(mu_) = false;             // on_exit was called
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;           // terminal event reported, or Start failed
   std::optional<RankReport> done_ ABSL_GUARDED_BY(mu_);  // from the "done" event
   std::string trainer_error_ ABSL_GUARDED_BY(mu_);       // from the "error" event
   v1::Progress last_progress_ ABSL_GUARDED_BY(mu_);
