@@ -25,9 +25,9 @@
 #include "kernels/ops/rms_norm.h"
 #include "kernels/ops/rope.h"
 #include "kernels/ops/swiglu.h"
+#include "kernels/ops/torch_compat.h"
 #include "kernels/ops/unfused.h"
 #include "worker/engine/memory_tracker.h"
-#include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 namespace {

@@ -21,8 +21,8 @@
 #include "absl/strings/str_format.h"
 #include "common/command_line.h"
 #include "kernels/ops/linear_cross_entropy.h"
-#include "worker/engine/memory_tracker.h"
 #include "kernels/ops/torch_compat.h"
+#include "worker/engine/memory_tracker.h"
 
 namespace lathe {
 namespace {

@@ -3,8 +3,8 @@
 #include <filesystem>
 
 #include "common/proto/job_spec_proto.h"
-#include "coordinator/scheduler/job_manager.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
+#include "coordinator/scheduler/job_manager.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"

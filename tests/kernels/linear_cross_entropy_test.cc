@@ -11,8 +11,8 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/linear_cross_entropy.h"
 #include "kernels/linear_cross_entropy_problem.h"
-#include "tests/kernels/kernel_test_util.h"
 #include "kernels/ops/torch_compat.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace lathe::kernels {
 namespace {
