@@ -14,7 +14,6 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/command_line.h"
@@ -59,12 +58,6 @@ absl::StatusOr<bool> JsonOutput(const ParsedFlags& flags) {
     return absl::InvalidArgumentError(
         absl::StrCat("--output: expected table or json, got \"", output, "\""));
   }
-#ifndef LATHE_WITH_AGENT
-  if (output == "json" && flags.Has("spec")) {
-    // Events are protobuf messages (proto/lathe/v1/trainer.proto), which this build lacks.
-    return absl::UnimplementedError("--output json: this engine-only build has no protobuf");
-  }
-#endif
   return output == "json";
 }
 
@@ -116,14 +109,11 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
 #endif
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
   job.options.threads = static_cast<int>(threads);
-  if (flags.Has("peak-flops")) {
-    double peak = 0;
-    if (!absl::SimpleAtod(flags.Get("peak-flops"), &peak) || !(peak > 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--peak-flops: expected a positive number, got \"", flags.Get("peak-flops"), "\""));
-    }
-    job.options.peak_flops = peak;
+  LATHE_ASSIGN_OR_RETURN(double peak, flags.GetDouble("peak-flops", 0));
+  if (flags.Has("peak-flops") && peak <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--peak-flops: must be > 0, got ", peak));
   }
+  if (peak > 0) job.options.peak_flops = peak;
   return job;
 }
 
@@ -206,6 +196,11 @@ v1::TrainerEvent ErrorEvent(const absl::Status& status) {
 #endif  // LATHE_WITH_AGENT
 
 absl::Status Train(const ParsedFlags& flags, bool json) {
+#ifndef LATHE_WITH_AGENT
+  // Events are protobuf messages (proto/lathe/v1/trainer.proto), which this build lacks.
+  if (json)
+    return absl::UnimplementedError("--output json: this engine-only build has no protobuf");
+#endif
   MemoryTracker::Install();  // before any thread allocates through libtorch
   LATHE_ASSIGN_OR_RETURN(TrainJob job, LoadTrainJob(flags));
   const JobSpec& spec = job.spec;

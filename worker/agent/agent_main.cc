@@ -10,7 +10,6 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
 #include "common/status_macros.h"
@@ -78,10 +77,10 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
     return absl::InvalidArgumentError(
         absl::StrCat("--trainer-threads: must be >= 0, got ", trainer.trainer_threads));
   }
-  if (flags.Has("peak-flops") && (!absl::SimpleAtod(flags.Get("peak-flops"), &trainer.peak_flops) ||
-                                  !(trainer.peak_flops > 0))) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--peak-flops: expected a positive number, got \"", flags.Get("peak-flops"), "\""));
+  LATHE_ASSIGN_OR_RETURN(trainer.peak_flops, flags.GetDouble("peak-flops", 0));
+  if (flags.Has("peak-flops") && trainer.peak_flops <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--peak-flops: must be > 0, got ", trainer.peak_flops));
   }
   trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {

@@ -209,13 +209,10 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
   LATHE_RETURN_IF_ERROR(CheckOutput(spec.output));
 
   const TrainSpec& train = spec.train;
-  if (plan.total_steps > 0) {
-    trainer->total_steps_ = plan.total_steps;
-  } else {
+  if (plan.total_steps == 0) {  // train.epochs: the data decides
     SequenceSampler sampler(&*trainer->train_data_, spec.data.seq_len, spec.data.pack, train.seed);
-    trainer->total_steps_ =
+    trainer->plan_.total_steps =
         std::max<int64_t>(1, train.epochs * sampler.SequencesPerEpoch() / train.global_batch);
-    trainer->plan_.total_steps = trainer->total_steps_;
   }
   trainer->model_flops_per_token_ =
       TrainingFlopsPerToken(*config, spec, spec.data.seq_len, /*recompute=*/false);
@@ -260,9 +257,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
           absl::StrCat("output: ", checkpoint.dir,
                        " is a checkpoint of a job with another spec; use a new output directory"));
     }
-    if (checkpoint.state.step > trainer->total_steps_) {
+    if (checkpoint.state.step > trainer->plan_.total_steps) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "output: ", checkpoint.dir, " is past the last step ", trainer->total_steps_));
+          "output: ", checkpoint.dir, " is past the last step ", trainer->plan_.total_steps));
     }
     at::NoGradGuard no_grad;
     for (NamedParameter& p : trainer->model_->TrainableParameters()) {
@@ -294,7 +291,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
   NonFiniteSteps nonfinite;
   model_->set_training(true);
   TrainResult result;
-  result.steps = total_steps_;
+  result.steps = plan_.total_steps;
   int64_t first_step = 0;
   {
     // Dropout draws from the CPU generator: seed it so a run is reproducible from its spec.
@@ -320,14 +317,14 @@ absl::StatusOr<TrainResult> Trainer::Run(
   const auto start = std::chrono::steady_clock::now();
   const at::Device device = model_->options().device;
   const int cuda_device = device.has_index() ? device.index() : 0;
-  for (int64_t step = first_step; step < total_steps_; ++step) {
+  for (int64_t step = first_step; step < plan_.total_steps; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
     tracker->ResetPeaks();
     if (device.is_cuda()) ResetCudaPeak(cuda_device);
     StepReport report;
     report.step = step + 1;
-    report.steps = total_steps_;
-    report.lr = LearningRate(train.schedule, train.lr, step, total_steps_);
+    report.steps = plan_.total_steps;
+    report.lr = LearningRate(train.schedule, train.lr, step, plan_.total_steps);
     std::vector<Sequence> batch;
     for (int64_t i = 0; i < train.global_batch; ++i) {
       batch.push_back(sampler.Next());
@@ -375,7 +372,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
       model_->set_training(true);
       report.eval_loss = eval.loss;
     }
-    if (step > first_step || total_steps_ == 1) {
+    if (step > first_step || plan_.total_steps == 1) {
       timed_tokens += report.tokens;
       timed_seconds += report.seconds;
       ++timed_steps;
@@ -387,7 +384,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
     on_step(report);
     const bool stop = stop_requested_.load();
     const bool periodic = train.checkpoint_every > 0 && (step + 1) % train.checkpoint_every == 0 &&
-                          step + 1 < total_steps_;
+                          step + 1 < plan_.total_steps;
     if ((stop || periodic) && options_.rank == 0) {
       LATHE_RETURN_IF_ERROR(
           SaveCheckpoint(step + 1, optimizer, sampler, scaler, nonfinite, result.final_loss));

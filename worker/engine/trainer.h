@@ -135,7 +135,7 @@ class Trainer {
   int64_t resume_step() const;
   const std::vector<std::string>& skipped_checkpoints() const { return skipped_checkpoints_; }
 
-  int64_t total_steps() const { return total_steps_; }
+  int64_t total_steps() const { return plan_.total_steps; }
   // The plan being run (total_steps filled in when the spec gives epochs).
   const Plan& plan() const { return plan_; }
   // Model FLOPs per trained token (forward and backward, no recomputation) and the peak
@@ -173,7 +173,6 @@ class Trainer {
   std::unique_ptr<CausalLm> model_;
   std::optional<TokenDataset> train_data_;
   std::optional<TokenDataset> eval_data_;
-  int64_t total_steps_ = 0;
   double model_flops_per_token_ = 0.0;
   double peak_flops_ = 0.0;
   // Frozen weights read in place from the mapped model file: resident, but not allocated.
