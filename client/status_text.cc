@@ -89,7 +89,7 @@ void AppendField(std::string* out, absl::string_view label, absl::string_view va
 }
 
 std::string PlanText(const v1::Plan& plan) {
-  // micro_batch 0: the trainer picks it (and with it the accumulation).
+  // micro_batch 0: a job stored before the plan carried the micro-batch.
   std::string batching =
       plan.micro_batch() > 0
           ? absl::StrCat("micro-batch ", plan.micro_batch(), " x ",
