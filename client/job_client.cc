@@ -57,9 +57,12 @@ absl::Status JobClient::Describe(const absl::Status& status) const {
   return absl::Status(code, message);
 }
 
-absl::Status JobClient::Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const {
+absl::Status JobClient::Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
+                             bool idempotent) const {
   const absl::Time deadline = absl::Now() + options_.call_timeout;
-  return Describe(RetryCall(options_.retry, deadline, [&] {
+  RetryOptions retry = options_.retry;
+  if (!idempotent) retry.max_attempts = 1;
+  return Describe(RetryCall(retry, deadline, [&] {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
     return FromGrpcStatus(rpc(&context));
@@ -72,8 +75,10 @@ absl::StatusOr<v1::SubmitJobResponse> JobClient::SubmitJob(const v1::JobSpec& sp
   *request.mutable_spec() = spec;
   request.set_request_id(std::string(request_id));
   v1::SubmitJobResponse response;
+  // Without a request id a repeated submission would be a second job: tried once.
   absl::Status status =
-      Call([&](grpc::ClientContext* c) { return jobs_->SubmitJob(c, request, &response); });
+      Call([&](grpc::ClientContext* c) { return jobs_->SubmitJob(c, request, &response); },
+           /*idempotent=*/!request_id.empty());
   if (!status.ok()) return status;
   return response;
 }

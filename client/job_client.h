@@ -68,7 +68,8 @@ class JobClient {
   const std::string& address() const { return address_; }
 
   // JobService.SubmitJob. INVALID_ARGUMENT naming the field for a spec the coordinator
-  // refuses. A repeated `request_id` returns the first submission (response.existing()).
+  // refuses, UNIMPLEMENTED for one the engine cannot run. A repeated `request_id` returns the
+  // first submission (response.existing()); without one the call is not retried.
   absl::StatusOr<v1::SubmitJobResponse> SubmitJob(const v1::JobSpec& spec,
                                                   absl::string_view request_id) const;
 
@@ -99,9 +100,11 @@ class JobClient {
   absl::StatusOr<std::vector<v1::WorkerStatus>> ListWorkers() const;
 
  private:
-  // Runs `rpc` (one call on a fresh context) under the retry policy and the call deadline,
-  // and describes a failure for a person (see the file comment).
-  absl::Status Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc) const;
+  // Runs `rpc` (one call on a fresh context) under the retry policy (once only when the
+  // call is not `idempotent`) and the call deadline, and describes a failure for a person
+  // (see the file comment).
+  absl::Status Call(const std::function<grpc::Status(grpc::ClientContext*)>& rpc,
+                    bool idempotent = true) const;
   // `status` with the coordinator's address where that helps, on one line.
   absl::Status Describe(const absl::Status& status) const;
 

@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/job_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
@@ -49,6 +50,11 @@ class FakeJobService final : public v1::JobService::Service {
   grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* response) override {
     absl::MutexLock lock(&mu_);
+    ++submit_calls_;
+    if (failing_submits_ > 0) {
+      --failing_submits_;
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator restarting");
+    }
     if (!submit_error_.ok()) return submit_error_;
     submits_.push_back(*request);
     auto [it, inserted] = job_by_request_.emplace(request->request_id(),
@@ -127,6 +133,15 @@ class FakeJobService final : public v1::JobService::Service {
     absl::MutexLock lock(&mu_);
     submit_error_ = std::move(status);
   }
+  // The next `count` submissions answer UNAVAILABLE.
+  void FailSubmits(int count) {
+    absl::MutexLock lock(&mu_);
+    failing_submits_ = count;
+  }
+  int submit_calls() {
+    absl::MutexLock lock(&mu_);
+    return submit_calls_;
+  }
   std::vector<v1::SubmitJobRequest> submits() {
     absl::MutexLock lock(&mu_);
     return submits_;
@@ -147,6 +162,8 @@ class FakeJobService final : public v1::JobService::Service {
 
   absl::Mutex mu_;
   grpc::Status submit_error_ ABSL_GUARDED_BY(mu_);
+  int failing_submits_ ABSL_GUARDED_BY(mu_) = 0;
+  int submit_calls_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<v1::SubmitJobRequest> submits_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string> job_by_request_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, v1::JobStatus> jobs_ ABSL_GUARDED_BY(mu_);
@@ -380,6 +397,22 @@ TEST_F(CliTest, SubmitOfWhatTheEngineCannotRunIsRefusedOnOneLine) {
   EXPECT_EQ(result.err,
             "lathe: the coordinator refused the job: spec: method: qlora is not supported by "
             "this engine yet (supported: lora, full)\n");
+}
+
+// The retry policy: UNAVAILABLE is tried again (a submission is idempotent by its request
+// id); without a request id a submission goes once.
+TEST_F(CliTest, AnUnavailableCoordinatorIsTriedAgain) {
+  jobs_.FailSubmits(2);
+  CliResult result = Run({"submit", WriteSpec(kRelativeSpec)});
+  EXPECT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out, "job-1\n");
+  EXPECT_EQ(jobs_.submit_calls(), 3);
+
+  jobs_.FailSubmits(1);
+  JobClient client(address_);
+  absl::StatusOr<v1::SubmitJobResponse> once = client.SubmitJob(v1::JobSpec(), "");
+  EXPECT_EQ(once.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(jobs_.submit_calls(), 4);
 }
 
 TEST_F(CliTest, ListFollowsPagesAndPrintsATable) {
