@@ -1,6 +1,8 @@
 // The Communicator contract (worker/comm/communicator.h), run against every backend: the
 // fake in-process group and gloo over a MemoryKvStore on 127.0.0.1, for groups of 1 to 4
-// ranks (threads).
+// ranks (threads). Built with LATHE_CONTRACT_NCCL (the gpu-labelled nccl_contract_test) it
+// runs against NCCL instead, one GPU per rank, through host-staging adapters; a group larger
+// than the GPUs the machine has is skipped.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -18,6 +20,12 @@
 #include "worker/comm/fake_communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/memory_kv_store.h"
+#ifdef LATHE_CONTRACT_NCCL
+#include <cuda_runtime_api.h>
+
+#include "tests/comm/host_staged_communicator.h"
+#include "worker/comm/nccl_communicator.h"
+#endif
 
 namespace lathe {
 namespace {
@@ -30,21 +38,11 @@ using Group = std::vector<std::unique_ptr<Communicator>>;
 
 struct Backend {
   std::string name;
-  std::function<Group(int world_size)> make;
+  // A group of world_size ranks whose calls give up after `timeout`.
+  std::function<Group(int world_size, absl::Duration timeout)> make;
+  // Why a group of world_size cannot be made on this machine; empty when it can.
+  std::function<std::string(int world_size)> unavailable = [](int) { return std::string(); };
 };
-
-Group MakeGlooGroup(int world_size) {
-  MemoryKvStore store;
-  GlooOptions options;
-  options.timeout = lathe::testing::kWaitLimit;
-  Group group;
-  for (auto& result : ConnectGlooRanks(&store, world_size, options)) {
-    EXPECT_TRUE(result.ok()) << result.status();
-    if (!result.ok()) return {};
-    group.push_back(*std::move(result));
-  }
-  return group;
-}
 
 struct ContractParam {
   Backend backend;
@@ -58,7 +56,9 @@ std::string ParamName(const ::testing::TestParamInfo<ContractParam>& info) {
 class CommunicatorContractTest : public ::testing::TestWithParam<ContractParam> {
  protected:
   void SetUp() override {
-    group_ = GetParam().backend.make(world_size());
+    const std::string unavailable = GetParam().backend.unavailable(world_size());
+    if (!unavailable.empty()) GTEST_SKIP() << unavailable;
+    group_ = GetParam().backend.make(world_size(), lathe::testing::kWaitLimit);
     ASSERT_EQ(group_.size(), static_cast<size_t>(world_size()));
   }
 
@@ -191,6 +191,92 @@ TEST_P(CommunicatorContractTest, AllGathersInPlace) {
   });
 }
 
+// Rank r contributes (r + 1) * f(i) at element i of the whole buffer; block b of the sum is
+// then n(n+1)/2 * f(b * count + i). Integer-valued, so every summation order is exact.
+template <typename T>
+void ExpectReduceScatterSums(Communicator& c, int rank, int n, size_t count, CommDType dtype,
+                             bool in_place) {
+  auto f = [](size_t i) { return static_cast<T>(static_cast<int64_t>(i % 997) - 300); };
+  std::vector<T> in(count * n);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<T>(rank + 1) * f(i);
+  const std::vector<T> before = in;
+  std::vector<T> separate(count, static_cast<T>(-1));
+  T* out = in_place ? in.data() + static_cast<size_t>(rank) * count : separate.data();
+  ASSERT_TRUE(c.ReduceScatterSum(in.data(), out, count, dtype).ok());
+  const T ranks_sum = static_cast<T>(n * (n + 1) / 2);
+  for (size_t i = 0; i < count; ++i) {
+    ASSERT_EQ(out[i], ranks_sum * f(static_cast<size_t>(rank) * count + i))
+        << "count " << count << " i " << i;
+  }
+  if (!in_place) {
+    EXPECT_EQ(in, before) << "the input was modified";
+  }
+}
+
+TEST_P(CommunicatorContractTest, ReduceScattersEveryDtypeAndOddSizes) {
+  const int n = world_size();
+  for (size_t count : {size_t{1}, size_t{7}, size_t{100003}}) {
+    OnEveryRank([&](int rank, Communicator& c) {
+      ExpectReduceScatterSums<float>(c, rank, n, count, CommDType::kFloat32, false);
+      ExpectReduceScatterSums<double>(c, rank, n, count, CommDType::kFloat64, false);
+      ExpectReduceScatterSums<int64_t>(c, rank, n, count, CommDType::kInt64, false);
+    });
+  }
+}
+
+TEST_P(CommunicatorContractTest, ReduceScattersInPlace) {
+  const int n = world_size();
+  OnEveryRank([&](int rank, Communicator& c) {
+    ExpectReduceScatterSums<float>(c, rank, n, 5, CommDType::kFloat32, true);
+  });
+}
+
+// Started collectives complete in the order they were issued, synchronous ones in between
+// included, and their buffers are theirs until Wait.
+TEST_P(CommunicatorContractTest, StartedCollectivesCompleteInOrder) {
+  const int n = world_size();
+  OnEveryRank([&](int rank, Communicator& c) {
+    for (int round = 0; round < 5; ++round) {
+      std::vector<int64_t> mine(3, rank + round);
+      std::vector<int64_t> gathered(3 * n, -1);
+      std::unique_ptr<CommWork> gather =
+          c.StartAllGather(mine.data(), gathered.data(), mine.size() * sizeof(int64_t));
+      std::vector<double> whole(2 * n);
+      for (size_t i = 0; i < whole.size(); ++i) whole[i] = rank + static_cast<double>(i);
+      std::vector<double> part(2);
+      std::unique_ptr<CommWork> scatter =
+          c.StartReduceScatterSum(whole.data(), part.data(), 2, CommDType::kFloat64);
+      int64_t counter = 1;
+      ASSERT_TRUE(c.AllReduceSum(&counter, 1, CommDType::kInt64).ok());
+      std::vector<float> summed(4, static_cast<float>(rank));
+      std::unique_ptr<CommWork> reduce =
+          c.StartAllReduceSum(summed.data(), summed.size(), CommDType::kFloat32);
+      ASSERT_TRUE(reduce->Wait().ok());
+      ASSERT_TRUE(scatter->Wait().ok());
+      ASSERT_TRUE(gather->Wait().ok());
+      EXPECT_EQ(counter, n);
+      for (int r = 0; r < n; ++r) {
+        for (int i = 0; i < 3; ++i) ASSERT_EQ(gathered[r * 3 + i], r + round);
+      }
+      const double ranks = n * (n - 1) / 2.0;
+      for (int i = 0; i < 2; ++i) ASSERT_EQ(part[i], ranks + n * static_cast<double>(rank * 2 + i));
+      for (float v : summed) ASSERT_EQ(v, static_cast<float>(n * (n - 1) / 2));
+    }
+  });
+}
+
+TEST_P(CommunicatorContractTest, StartedCallsReportBadArgumentsFromWait) {
+  std::vector<float> whole(4 * world_size());
+  EXPECT_EQ(comm(0)
+                .StartReduceScatterSum(whole.data(), whole.data() + 1, 4, CommDType::kFloat32)
+                ->Wait()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(comm(0).StartAllReduceSum(nullptr, 3, CommDType::kFloat32)->Wait().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(comm(0).StartAllGather(nullptr, nullptr, 0)->Wait().ok());
+}
+
 TEST_P(CommunicatorContractTest, BarrierWaitsForEveryRank) {
   std::atomic<int> entered{0};
   OnEveryRank([&](int, Communicator& c) {
@@ -250,8 +336,89 @@ TEST_P(CommunicatorContractTest, RejectsBadArgumentsWithoutCommunicating) {
   });
 }
 
+// A peer that never takes part fails the others' call within the timeout: no rank hangs.
+class CommunicatorTimeoutTest : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(CommunicatorTimeoutTest, AMissingPeerIsDeadlineExceededWithinTheTimeout) {
+  const std::string unavailable = GetParam().unavailable(2);
+  if (!unavailable.empty()) GTEST_SKIP() << unavailable;
+  const absl::Duration timeout = absl::Milliseconds(300);
+  Group group = GetParam().make(2, timeout);
+  ASSERT_EQ(group.size(), 2u);
+  for (int call = 0; call < 2; ++call) {
+    const absl::Time start = absl::Now();
+    float value = 1.0f;
+    std::vector<float> gathered(2);
+    const absl::Status status =
+        call == 0 ? group[0]->AllReduceSum(&value, 1, CommDType::kFloat32)
+                  : group[0]->StartAllGather(&value, gathered.data(), sizeof(value))->Wait();
+    // The first call breaks the group; the second may fail at once for that reason.
+    EXPECT_THAT(status.code(),
+                ::testing::AnyOf(absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kAborted))
+        << status;
+    if (call == 0) {
+      EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded) << status;
+    }
+    EXPECT_LT(absl::Now() - start, timeout + lathe::testing::kWaitLimit / 4);
+  }
+}
+
+#ifdef LATHE_CONTRACT_NCCL
+// Ranks are threads, rank r on GPU r.
+Group MakeNcclGroup(int world_size, absl::Duration timeout) {
+  MemoryKvStore store;
+  std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> results;
+  for (int r = 0; r < world_size; ++r) results.emplace_back(absl::UnknownError("not run"));
+  RunRanks(world_size, [&](int rank) {
+    NcclOptions options;
+    options.device = rank;
+    options.timeout = timeout;
+    results[rank] = ConnectNccl(&store, rank, world_size, options);
+  });
+  Group group;
+  for (int r = 0; r < world_size; ++r) {
+    EXPECT_TRUE(results[r].ok()) << results[r].status();
+    if (!results[r].ok()) return {};
+    group.push_back(
+        std::make_unique<lathe::testing::HostStagedCommunicator>(*std::move(results[r]), r));
+  }
+  return group;
+}
+
+std::string NcclUnavailable(int world_size) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  if (devices >= world_size) return "";
+  return absl::StrCat("NCCL: ", world_size, " ranks need ", world_size, " GPUs, ", devices,
+                      " visible");
+}
+
 std::vector<ContractParam> AllBackends() {
-  const Backend fake{"Fake", [](int n) { return MakeFakeGroup(n); }};
+  const Backend nccl{"Nccl", MakeNcclGroup, NcclUnavailable};
+  std::vector<ContractParam> params;
+  for (int n : {1, 2, 3, 4}) params.push_back({nccl, n});
+  return params;
+}
+#else
+Group MakeGlooGroup(int world_size, absl::Duration timeout) {
+  MemoryKvStore store;
+  GlooOptions options;
+  options.timeout = timeout;
+  Group group;
+  for (auto& result : ConnectGlooRanks(&store, world_size, options)) {
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return {};
+    group.push_back(*std::move(result));
+  }
+  return group;
+}
+
+std::vector<ContractParam> AllBackends() {
+  const Backend fake{"Fake", [](int n, absl::Duration timeout) {
+                       FakeGroupOptions options;
+                       options.timeout = timeout;
+                       return MakeFakeGroup(n, options);
+                     }};
   const Backend gloo{"Gloo", MakeGlooGroup};
   std::vector<ContractParam> params;
   for (const Backend& backend : {fake, gloo}) {
@@ -259,9 +426,24 @@ std::vector<ContractParam> AllBackends() {
   }
   return params;
 }
+#endif
 
 INSTANTIATE_TEST_SUITE_P(Backends, CommunicatorContractTest, ::testing::ValuesIn(AllBackends()),
                          ParamName);
+
+// One backend per kind: the params of AllBackends come in fours (1 to 4 ranks).
+std::vector<Backend> EachBackend() {
+  std::vector<Backend> backends;
+  for (const ContractParam& param : AllBackends()) {
+    if (param.world_size == 1) backends.push_back(param.backend);
+  }
+  return backends;
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CommunicatorTimeoutTest, ::testing::ValuesIn(EachBackend()),
+                         [](const ::testing::TestParamInfo<Backend>& param) {
+                           return param.param.name;
+                         });
 
 }  // namespace
 }  // namespace lathe

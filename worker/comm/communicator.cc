@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -62,35 +63,69 @@ absl::Status CheckBroadcastArgs(const void* data, size_t bytes, int root, int wo
   return absl::OkStatus();
 }
 
-absl::Status CheckAllGatherArgs(const void* in, const void* out, size_t bytes_per_rank, int rank,
-                                int world_size) {
-  if (bytes_per_rank > std::numeric_limits<size_t>::max() / static_cast<size_t>(world_size)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "all-gather: ", world_size, " x ", bytes_per_rank, " bytes overflow the address space"));
+namespace {
+
+// The checks all-gather and reduce-scatter share: `whole` holds world_size blocks of
+// `block_bytes`, `part` one block, and they either do not overlap or `part` is rank's own
+// block of `whole`.
+absl::Status CheckBlocks(absl::string_view op, const void* whole, const void* part,
+                         size_t block_bytes, int rank, int world_size) {
+  if (block_bytes > std::numeric_limits<size_t>::max() / static_cast<size_t>(world_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": ", world_size, " x ", block_bytes,
+                                                   " bytes overflow the address space"));
   }
-  if (bytes_per_rank == 0) return absl::OkStatus();
-  if (in == nullptr || out == nullptr) {
+  if (block_bytes == 0) return absl::OkStatus();
+  if (whole == nullptr || part == nullptr) {
     return absl::InvalidArgumentError(
-        absl::StrCat("all-gather: null ", in == nullptr ? "input" : "output", " buffer for ",
-                     bytes_per_rank, " bytes per rank"));
+        absl::StrCat(op, ": null buffer for ", block_bytes, " bytes per rank"));
   }
   // Compare as integers: relational operators on unrelated pointers are unspecified.
-  const auto in_begin = reinterpret_cast<uintptr_t>(in);
-  const auto out_begin = reinterpret_cast<uintptr_t>(out);
-  const uintptr_t own_slot = out_begin + static_cast<uintptr_t>(rank) * bytes_per_rank;
-  const uintptr_t out_end = out_begin + static_cast<uintptr_t>(world_size) * bytes_per_rank;
-  const bool overlaps = in_begin < out_end && out_begin < in_begin + bytes_per_rank;
-  if (overlaps && in_begin != own_slot) {
+  const auto part_begin = reinterpret_cast<uintptr_t>(part);
+  const auto whole_begin = reinterpret_cast<uintptr_t>(whole);
+  const uintptr_t own_block = whole_begin + static_cast<uintptr_t>(rank) * block_bytes;
+  const uintptr_t whole_end = whole_begin + static_cast<uintptr_t>(world_size) * block_bytes;
+  const bool overlaps = part_begin < whole_end && whole_begin < part_begin + block_bytes;
+  if (overlaps && part_begin != own_block) {
     return absl::InvalidArgumentError(
-        absl::StrCat("all-gather: the input overlaps the output but is not rank ", rank,
-                     "'s own slot (out + rank * bytes_per_rank)"));
+        absl::StrCat(op, ": the rank's block overlaps the whole buffer but is not rank ", rank,
+                     "'s own block (whole + rank * block)"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckAllGatherArgs(const void* in, const void* out, size_t bytes_per_rank, int rank,
+                                int world_size) {
+  return CheckBlocks("all-gather", out, in, bytes_per_rank, rank, world_size);
+}
+
+absl::Status CheckReduceScatterArgs(const void* in, const void* out, size_t count_per_rank,
+                                    CommDType dtype, int rank, int world_size) {
+  const size_t element_size = CommDTypeSize(dtype);
+  if (element_size == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reduce-scatter: unknown dtype ", static_cast<int>(dtype)));
+  }
+  if (count_per_rank > std::numeric_limits<size_t>::max() / element_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reduce-scatter: ", count_per_rank, " elements overflow the address space"));
+  }
+  return CheckBlocks("reduce-scatter", in, out, count_per_rank * element_size, rank, world_size);
 }
 
 }  // namespace comm_internal
 
 namespace {
+
+class FinishedCommWork final : public CommWork {
+ public:
+  explicit FinishedCommWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+
+ private:
+  const absl::Status status_;
+};
 
 class SingleRankCommunicator final : public Communicator {
  public:
@@ -111,10 +146,39 @@ class SingleRankCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                CommDType dtype) override {
+    LATHE_RETURN_IF_ERROR(
+        comm_internal::CheckReduceScatterArgs(in, out, count_per_rank, dtype, 0, 1));
+    const size_t bytes = count_per_rank * CommDTypeSize(dtype);
+    if (bytes > 0 && in != out) std::memcpy(out, in, bytes);
+    return absl::OkStatus();
+  }
+
   absl::Status Barrier() override { return absl::OkStatus(); }
 };
 
 }  // namespace
+
+std::unique_ptr<CommWork> FinishedWork(absl::Status status) {
+  return std::make_unique<FinishedCommWork>(std::move(status));
+}
+
+std::unique_ptr<CommWork> Communicator::StartAllReduceSum(void* data, size_t count,
+                                                          CommDType dtype) {
+  return FinishedWork(AllReduceSum(data, count, dtype));
+}
+
+std::unique_ptr<CommWork> Communicator::StartAllGather(const void* in, void* out,
+                                                       size_t bytes_per_rank) {
+  return FinishedWork(AllGather(in, out, bytes_per_rank));
+}
+
+std::unique_ptr<CommWork> Communicator::StartReduceScatterSum(const void* in, void* out,
+                                                              size_t count_per_rank,
+                                                              CommDType dtype) {
+  return FinishedWork(ReduceScatterSum(in, out, count_per_rank, dtype));
+}
 
 std::unique_ptr<Communicator> MakeSingleRankCommunicator() {
   return std::make_unique<SingleRankCommunicator>();

@@ -1,5 +1,6 @@
 #include "worker/comm/fake_communicator.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -16,10 +17,10 @@
 namespace lathe {
 namespace {
 
-enum class Op { kAllReduce, kBroadcast, kAllGather, kBarrier };
+enum class Op { kAllReduce, kReduceScatter, kBroadcast, kAllGather, kBarrier };
 
-// What one rank asked for in one round. `size` counts elements for all-reduce, bytes
-// otherwise.
+// What one rank asked for in one round. `size` counts elements for all-reduce and
+// reduce-scatter (per rank), bytes otherwise.
 struct Call {
   Op op = Op::kBarrier;
   const void* in = nullptr;
@@ -29,7 +30,7 @@ struct Call {
 
   bool operator==(const Call& other) const {
     return op == other.op && size == other.size && root == other.root &&
-           (op != Op::kAllReduce || dtype == other.dtype);
+           ((op != Op::kAllReduce && op != Op::kReduceScatter) || dtype == other.dtype);
   }
 };
 
@@ -37,6 +38,9 @@ std::string Describe(const Call& call) {
   switch (call.op) {
     case Op::kAllReduce:
       return absl::StrCat("all-reduce of ", call.size, " ", CommDTypeName(call.dtype));
+    case Op::kReduceScatter:
+      return absl::StrCat("reduce-scatter of ", call.size, " ", CommDTypeName(call.dtype),
+                          " per rank");
     case Op::kBroadcast:
       return absl::StrCat("broadcast of ", call.size, " bytes from rank ", call.root);
     case Op::kAllGather:
@@ -122,19 +126,22 @@ class FakeGroupImpl final : public FakeGroup, public std::enable_shared_from_thi
       }
     }
     switch (first.op) {
-      case Op::kAllReduce: {
-        const size_t bytes = first.size * CommDTypeSize(first.dtype);
-        round->result.assign(static_cast<const char*>(first.in), bytes);
+      case Op::kAllReduce:
+      case Op::kReduceScatter: {
+        // A reduce-scatter sums every rank's whole input; each takes its block.
+        const size_t count = first.op == Op::kAllReduce ? first.size : first.size * world_size_;
+        round->result.assign(static_cast<const char*>(first.in),
+                             count * CommDTypeSize(first.dtype));
         for (int r = 1; r < world_size_; ++r) {
           switch (first.dtype) {
             case CommDType::kFloat32:
-              SumInto<float>(round->result, calls_[r]->in, first.size);
+              SumInto<float>(round->result, calls_[r]->in, count);
               break;
             case CommDType::kFloat64:
-              SumInto<double>(round->result, calls_[r]->in, first.size);
+              SumInto<double>(round->result, calls_[r]->in, count);
               break;
             case CommDType::kInt64:
-              SumInto<int64_t>(round->result, calls_[r]->in, first.size);
+              SumInto<int64_t>(round->result, calls_[r]->in, count);
               break;
           }
         }
@@ -193,18 +200,31 @@ class FakeMember final : public Communicator {
     return Collective({Op::kAllGather, in, bytes_per_rank, CommDType::kFloat32, 0}, out);
   }
 
+  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                CommDType dtype) override {
+    LATHE_RETURN_IF_ERROR(
+        comm_internal::CheckReduceScatterArgs(in, out, count_per_rank, dtype, rank_, world_size()));
+    if (count_per_rank == 0) return absl::OkStatus();
+    const size_t block = count_per_rank * CommDTypeSize(dtype);
+    return Collective({Op::kReduceScatter, in, count_per_rank, dtype, 0}, out,
+                      static_cast<size_t>(rank_) * block, block);
+  }
+
   absl::Status Barrier() override {
     return Collective({Op::kBarrier, nullptr, 0, CommDType::kFloat32, 0}, nullptr);
   }
 
  private:
-  // Meets the other ranks and copies the round's result to `out` (when not null).
-  absl::Status Collective(const Call& call, void* out) {
+  // Meets the other ranks and copies `bytes` of the round's result from `offset` (all of it
+  // when `bytes` is npos) to `out` (when not null).
+  absl::Status Collective(const Call& call, void* out, size_t offset = 0,
+                          size_t bytes = std::string::npos) {
     absl::MutexLock lock(&mu_);
     LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const Round> round, group_->Meet(rank_, call));
     LATHE_RETURN_IF_ERROR(round->status);
     if (out != nullptr && !round->result.empty()) {
-      std::memcpy(out, round->result.data(), round->result.size());
+      const size_t n = std::min(bytes, round->result.size() - offset);
+      std::memcpy(out, round->result.data() + offset, n);
     }
     return absl::OkStatus();
   }

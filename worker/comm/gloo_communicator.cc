@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "worker/comm/ordered_executor.h"
 #include "worker/comm/prefix_kv_store.h"
 
 #ifdef LATHE_WITH_GLOO
@@ -116,9 +118,49 @@ class GlooCommunicator final : public Communicator {
   int rank() const override { return context_->rank; }
   int world_size() const override { return context_->size; }
 
+  // Every call runs on executor_'s thread, the synchronous ones too, so that the order of
+  // the calls is the order in which they were issued.
   absl::Status AllReduceSum(void* data, size_t count, CommDType dtype) override {
-    LATHE_RETURN_IF_ERROR(comm_internal::CheckAllReduceArgs(data, count, dtype));
-    if (count == 0) return absl::OkStatus();
+    return StartAllReduceSum(data, count, dtype)->Wait();
+  }
+  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) override {
+    return StartAllGather(in, out, bytes_per_rank)->Wait();
+  }
+  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                CommDType dtype) override {
+    return StartReduceScatterSum(in, out, count_per_rank, dtype)->Wait();
+  }
+  absl::Status Broadcast(void* data, size_t bytes, int root) override {
+    LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size()));
+    if (bytes == 0) return absl::OkStatus();
+    return executor_.Submit([=] { return DoBroadcast(data, bytes, root); })->Wait();
+  }
+  absl::Status Barrier() override {
+    return executor_.Submit([this] { return DoBarrier(); })->Wait();
+  }
+
+  std::unique_ptr<CommWork> StartAllReduceSum(void* data, size_t count, CommDType dtype) override {
+    absl::Status args = comm_internal::CheckAllReduceArgs(data, count, dtype);
+    if (!args.ok() || count == 0) return FinishedWork(args);
+    return executor_.Submit([=] { return DoAllReduceSum(data, count, dtype); });
+  }
+  std::unique_ptr<CommWork> StartAllGather(const void* in, void* out,
+                                           size_t bytes_per_rank) override {
+    absl::Status args =
+        comm_internal::CheckAllGatherArgs(in, out, bytes_per_rank, rank(), world_size());
+    if (!args.ok() || bytes_per_rank == 0) return FinishedWork(args);
+    return executor_.Submit([=] { return DoAllGather(in, out, bytes_per_rank); });
+  }
+  std::unique_ptr<CommWork> StartReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                                  CommDType dtype) override {
+    absl::Status args =
+        comm_internal::CheckReduceScatterArgs(in, out, count_per_rank, dtype, rank(), world_size());
+    if (!args.ok() || count_per_rank == 0) return FinishedWork(args);
+    return executor_.Submit([=] { return DoReduceScatterSum(in, out, count_per_rank, dtype); });
+  }
+
+ private:
+  absl::Status DoAllReduceSum(void* data, size_t count, CommDType dtype) {
     return Run("all-reduce", [&] {
       gloo::AllreduceOptions opts(context_);
       opts.setTimeout(timeout_);
@@ -138,9 +180,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  absl::Status Broadcast(void* data, size_t bytes, int root) override {
-    LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size()));
-    if (bytes == 0) return absl::OkStatus();
+  absl::Status DoBroadcast(void* data, size_t bytes, int root) {
     return Run("broadcast", [&] {
       gloo::BroadcastOptions opts(context_);
       opts.setTimeout(timeout_);
@@ -151,10 +191,7 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) override {
-    LATHE_RETURN_IF_ERROR(
-        comm_internal::CheckAllGatherArgs(in, out, bytes_per_rank, rank(), world_size()));
-    if (bytes_per_rank == 0) return absl::OkStatus();
+  absl::Status DoAllGather(const void* in, void* out, size_t bytes_per_rank) {
     return Run("all-gather", [&] {
       gloo::AllgatherOptions opts(context_);
       opts.setTimeout(timeout_);
@@ -169,7 +206,49 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
-  absl::Status Barrier() override {
+  // A ring: in step s of n - 1, each rank sends its running sum of block (rank - s - 1) to
+  // the next rank and adds the previous rank's into block (rank - s - 2); after the last
+  // step it holds the whole sum of its own block. Every rank sends and receives
+  // (n - 1) / n of the buffer, as in an all-reduce's first half.
+  absl::Status DoReduceScatterSum(const void* in, void* out, size_t count, CommDType dtype) {
+    return Run("reduce-scatter", [&] {
+      const int n = world_size();
+      const int me = rank();
+      const size_t block = count * CommDTypeSize(dtype);
+      std::vector<char> work(static_cast<const char*>(in),
+                             static_cast<const char*>(in) + block * static_cast<size_t>(n));
+      std::vector<char> incoming(block);
+      auto work_buffer = context_->createUnboundBuffer(work.data(), work.size());
+      auto incoming_buffer = context_->createUnboundBuffer(incoming.data(), incoming.size());
+      const int next = (me + 1) % n;
+      const int previous = (me + n - 1) % n;
+      for (int step = 0; step < n - 1; ++step) {
+        const size_t sent = static_cast<size_t>((me - step - 1 + 2 * n) % n);
+        const size_t received = static_cast<size_t>((me - step - 2 + 2 * n) % n);
+        const uint64_t slot = static_cast<uint64_t>(context_->nextSlot());
+        work_buffer->send(next, slot, sent * block, block);
+        incoming_buffer->recv(previous, slot, 0, block);
+        if (!incoming_buffer->waitRecv(timeout_) || !work_buffer->waitSend(timeout_)) {
+          throw gloo::IoException("reduce-scatter: a transfer was aborted");
+        }
+        char* acc = work.data() + received * block;
+        switch (dtype) {
+          case CommDType::kFloat32:
+            AddInto<float>(acc, incoming.data(), count);
+            break;
+          case CommDType::kFloat64:
+            AddInto<double>(acc, incoming.data(), count);
+            break;
+          case CommDType::kInt64:
+            AddInto<int64_t>(acc, incoming.data(), count);
+            break;
+        }
+      }
+      std::memcpy(out, work.data() + static_cast<size_t>(me) * block, block);
+    });
+  }
+
+  absl::Status DoBarrier() {
     return Run("barrier", [&] {
       gloo::BarrierOptions opts(context_);
       opts.setTimeout(timeout_);
@@ -177,7 +256,18 @@ class GlooCommunicator final : public Communicator {
     });
   }
 
- private:
+  // acc[i] += in[i]; the buffers are vectors of char, so go through memcpy.
+  template <typename T>
+  static void AddInto(char* acc, const char* in, size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      T a, b;
+      std::memcpy(&a, acc + i * sizeof(T), sizeof(T));
+      std::memcpy(&b, in + i * sizeof(T), sizeof(T));
+      a += b;
+      std::memcpy(acc + i * sizeof(T), &a, sizeof(T));
+    }
+  }
+
   template <typename T>
   static void SetSum(gloo::AllreduceOptions& opts, T* data, size_t count) {
     opts.setOutput(data, count);
@@ -210,6 +300,7 @@ class GlooCommunicator final : public Communicator {
   const std::chrono::milliseconds timeout_;
   absl::Mutex mu_;
   absl::Status broken_ ABSL_GUARDED_BY(mu_);
+  OrderedExecutor executor_;  // last: stops before the members its collectives use
 };
 
 }  // namespace

@@ -5,8 +5,10 @@
 // ConnectGloo creates a TCP device bound to `hostname` (or `interface`), publishes this
 // rank's pair addresses under "<key_prefix>/" in the store, waits for every other rank's,
 // and connects the full mesh. The collectives are gloo's ring all-reduce, broadcast,
-// all-gather and barrier. gloo's exceptions stop at this boundary and become statuses (see
-// communicator.h for the codes).
+// all-gather and barrier, and a ring reduce-scatter over gloo's point-to-point buffers.
+// Every call, synchronous or started, runs on the communicator's own thread in issue order
+// (ordered_executor.h), so a started all-gather overlaps the caller's computation. gloo's
+// exceptions stop at this boundary and become statuses (see communicator.h for the codes).
 //
 // A world of one needs no store and no networking: ConnectGloo then returns the
 // single-rank communicator.
