@@ -114,6 +114,19 @@ absl::Status CheckReduceScatterArgs(const void* in, const void* out, size_t coun
   return CheckBlocks("reduce-scatter", in, out, count_per_rank * element_size, rank, world_size);
 }
 
+absl::Status CheckConnectArgs(absl::string_view backend, int rank, int world_size,
+                              absl::Duration timeout) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(backend, ": rank ", rank, " is not a rank of a group of ", world_size));
+  }
+  if (timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(backend, ": timeout must be positive, got ", absl::FormatDuration(timeout)));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace comm_internal
 
 namespace {

@@ -38,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 
 namespace lathe {
 
@@ -114,6 +115,30 @@ class Communicator {
                                                           size_t count_per_rank, CommDType dtype);
 };
 
+// The base of a backend whose every collective is started (gloo on its own thread, NCCL on
+// its stream): the synchronous AllReduceSum, AllGather and ReduceScatterSum start the call
+// and wait for it, so that they keep their place in the issue order.
+class StartedCommunicator : public Communicator {
+ public:
+  absl::Status AllReduceSum(void* data, size_t count, CommDType dtype) final {
+    return StartAllReduceSum(data, count, dtype)->Wait();
+  }
+  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) final {
+    return StartAllGather(in, out, bytes_per_rank)->Wait();
+  }
+  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                CommDType dtype) final {
+    return StartReduceScatterSum(in, out, count_per_rank, dtype)->Wait();
+  }
+
+  std::unique_ptr<CommWork> StartAllReduceSum(void* data, size_t count,
+                                              CommDType dtype) override = 0;
+  std::unique_ptr<CommWork> StartAllGather(const void* in, void* out,
+                                           size_t bytes_per_rank) override = 0;
+  std::unique_ptr<CommWork> StartReduceScatterSum(const void* in, void* out, size_t count_per_rank,
+                                                  CommDType dtype) override = 0;
+};
+
 // The communicator of a group of one: every collective is the identity (AllGather copies
 // in to out). Needs no networking.
 std::unique_ptr<Communicator> MakeSingleRankCommunicator();
@@ -128,6 +153,10 @@ absl::Status CheckAllGatherArgs(const void* in, const void* out, size_t bytes_pe
                                 int world_size);
 absl::Status CheckReduceScatterArgs(const void* in, const void* out, size_t count_per_rank,
                                     CommDType dtype, int rank, int world_size);
+// What every Connect* checks first: INVALID_ARGUMENT "<backend>: ..." for a rank outside
+// [0, world_size), a world size below 1 or a timeout that is not positive.
+absl::Status CheckConnectArgs(absl::string_view backend, int rank, int world_size,
+                              absl::Duration timeout);
 
 }  // namespace comm_internal
 }  // namespace lathe

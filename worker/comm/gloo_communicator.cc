@@ -109,7 +109,7 @@ class GlooStoreAdapter final : public gloo::rendezvous::Store {
   absl::Status failure_;
 };
 
-class GlooCommunicator final : public Communicator {
+class GlooCommunicator final : public StartedCommunicator {
  public:
   GlooCommunicator(std::shared_ptr<gloo::transport::Device> device,
                    std::shared_ptr<gloo::rendezvous::Context> context, absl::Duration timeout)
@@ -120,16 +120,6 @@ class GlooCommunicator final : public Communicator {
 
   // Every call runs on executor_'s thread, the synchronous ones too, so that the order of
   // the calls is the order in which they were issued.
-  absl::Status AllReduceSum(void* data, size_t count, CommDType dtype) override {
-    return StartAllReduceSum(data, count, dtype)->Wait();
-  }
-  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) override {
-    return StartAllGather(in, out, bytes_per_rank)->Wait();
-  }
-  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
-                                CommDType dtype) override {
-    return StartReduceScatterSum(in, out, count_per_rank, dtype)->Wait();
-  }
   absl::Status Broadcast(void* data, size_t bytes, int root) override {
     LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size()));
     if (bytes == 0) return absl::OkStatus();
@@ -308,14 +298,7 @@ class GlooCommunicator final : public Communicator {
 
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectGloo(KvStore* store, int rank, int world_size,
                                                           const GlooOptions& options) {
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("gloo: rank ", rank, " is not a rank of a group of ", world_size));
-  }
-  if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("gloo: timeout must be positive, got ",
-                                                   absl::FormatDuration(options.timeout)));
-  }
+  LATHE_RETURN_IF_ERROR(comm_internal::CheckConnectArgs("gloo", rank, world_size, options.timeout));
   if (world_size == 1) return MakeSingleRankCommunicator();
   if (store == nullptr) {
     return absl::InvalidArgumentError(

@@ -88,7 +88,7 @@ class NcclWork final : public CommWork {
   bool waited_ = false;
 };
 
-class NcclCommunicator final : public Communicator {
+class NcclCommunicator final : public StartedCommunicator {
  public:
   NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, int rank, int world_size,
                    absl::Duration timeout)
@@ -122,17 +122,6 @@ class NcclCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
-
-  absl::Status AllReduceSum(void* data, size_t count, CommDType dtype) override {
-    return StartAllReduceSum(data, count, dtype)->Wait();
-  }
-  absl::Status AllGather(const void* in, void* out, size_t bytes_per_rank) override {
-    return StartAllGather(in, out, bytes_per_rank)->Wait();
-  }
-  absl::Status ReduceScatterSum(const void* in, void* out, size_t count_per_rank,
-                                CommDType dtype) override {
-    return StartReduceScatterSum(in, out, count_per_rank, dtype)->Wait();
-  }
 
   absl::Status Broadcast(void* data, size_t bytes, int root) override {
     LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size_));
@@ -278,22 +267,11 @@ absl::Status NcclWork::Wait() {
 }
 
 }  // namespace
-
-bool HaveNccl() { return true; }
-#else
-bool HaveNccl() { return false; }
 #endif  // LATHE_WITH_NCCL
 
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(KvStore* store, int rank, int world_size,
                                                           const NcclOptions& options) {
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("nccl: rank ", rank, " is not a rank of a group of ", world_size));
-  }
-  if (options.timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("nccl: timeout must be positive, got ",
-                                                   absl::FormatDuration(options.timeout)));
-  }
+  LATHE_RETURN_IF_ERROR(comm_internal::CheckConnectArgs("nccl", rank, world_size, options.timeout));
   if (store == nullptr) {
     return absl::InvalidArgumentError("nccl: connecting needs a rendezvous store");
   }

@@ -43,9 +43,6 @@ struct NcclOptions {
 absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(KvStore* store, int rank, int world_size,
                                                           const NcclOptions& options);
 
-// True when this build has the NCCL backend.
-bool HaveNccl();
-
 }  // namespace lathe
 
 #endif  // LATHE_WORKER_COMM_NCCL_COMMUNICATOR_H_
