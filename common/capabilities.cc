@@ -33,8 +33,8 @@ const EngineCapabilities& Engine() {
       /*precisions=*/{Precision::kFp32, Precision::kBf16, Precision::kFp16},
       /*optimizers=*/{OptimizerKind::kAdamW},
       /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
-      /*max_zero_stage=*/0,
-      /*offload=*/false,
+      /*max_zero_stage=*/3,
+      /*offload=*/true,
       /*max_cuda_ranks=*/1,
   };
   return *kEngine;

@@ -82,6 +82,7 @@ struct TrainJob {
   std::string job_id;
   int64_t generation = 0;
   std::string rendezvous_address;
+  absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
 };
 
 absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
@@ -105,6 +106,9 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
     job.job_id = task.job_id();
     job.generation = task.generation();
     job.rendezvous_address = task.rendezvous_address();
+    if (task.collective_timeout_seconds() > 0) {
+      job.collective_timeout = absl::Seconds(task.collective_timeout_seconds());
+    }
   }
 #endif
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
@@ -219,9 +223,11 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
     store = std::make_unique<GrpcKvStore>(
         grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
         store_options);
+    GlooOptions gloo;
+    gloo.timeout = job.collective_timeout;
     absl::StatusOr<std::unique_ptr<Communicator>> connected =
         ConnectGloo(store.get(), static_cast<int>(job.options.rank),
-                    static_cast<int>(job.options.world_size), GlooOptions{});
+                    static_cast<int>(job.options.world_size), gloo);
     if (!connected.ok()) return Annotate(connected.status(), "connecting the ranks");
     comm = *std::move(connected);
     job.options.comm = comm.get();

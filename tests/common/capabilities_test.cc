@@ -66,18 +66,6 @@ INSTANTIATE_TEST_SUITE_P(
                         [](JobSpec* s) { s->train.optimizer = OptimizerKind::kAdafactor; },
                         "train.optimizer: adafactor is not supported by this engine yet "
                         "(supported: adamw)"},
-        UnsupportedCase{"ZeroStage2",
-                        [](JobSpec* s) {
-                          s->strategy.automatic = false;
-                          s->strategy.zero_stage = 2;
-                        },
-                        "strategy.zero_stage: 2 is not supported by this engine yet"},
-        UnsupportedCase{"OffloadOptimizer",
-                        [](JobSpec* s) {
-                          s->strategy.automatic = false;
-                          s->strategy.offload_optimizer = true;
-                        },
-                        "strategy.offload_optimizer: true is not supported"},
         UnsupportedCase{"SeveralCudaRanks",
                         [](JobSpec* s) {
                           s->resources.device = DeviceKind::kCuda;

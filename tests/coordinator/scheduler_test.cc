@@ -391,11 +391,6 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   qlora.set_method(v1::METHOD_QLORA);
   ExpectRefused(qlora, "spec: method: qlora is not supported by this engine yet", {},
                 absl::StatusCode::kUnimplemented);
-  v1::JobSpec sharded = spec;
-  sharded.mutable_strategy()->set_automatic(false);
-  sharded.mutable_strategy()->set_zero_stage(2);
-  ExpectRefused(sharded, "spec: strategy.zero_stage: 2 is not supported by this engine yet", {},
-                absl::StatusCode::kUnimplemented);
   v1::JobSpec sgd = spec;
   sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
   ExpectRefused(sgd, "spec: train.optimizer: sgd", {}, absl::StatusCode::kUnimplemented);

@@ -643,11 +643,10 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   }
 
   spec = spec_;
-  spec.strategy.automatic = false;
-  spec.strategy.zero_stage = 2;
+  spec.train.optimizer = OptimizerKind::kSgd;
   status = CreateStatus(spec);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(status.message(), HasSubstr("strategy.zero_stage: 2 is not supported"));
+  EXPECT_THAT(status.message(), HasSubstr("train.optimizer: sgd is not supported"));
 
   // A plan that does not fit the spec.
   spec = spec_;

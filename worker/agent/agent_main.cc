@@ -33,6 +33,8 @@ const std::vector<FlagSpec> kAgentFlags = {
     {"worker-id", true, "name to register under (default <hostname>-<device>)"},
     {"work-dir", true, "per-rank specs and logs (default /tmp/lathe-worker-<worker-id>)"},
     {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
+    {"collective-timeout", true,
+     "seconds a trainer's collective waits for the other ranks before it fails (default 60)"},
     {"trainer-binary", true, "lathe-worker binary that runs `train` (default this one)"},
     {"peak-flops", true,
      "peak FLOP/s of one slot's device, for MFU (default: looked up (CUDA) or measured (CPU) by "
@@ -82,6 +84,12 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
     return absl::InvalidArgumentError(
         absl::StrCat("--peak-flops: must be > 0, got ", trainer.peak_flops));
   }
+  LATHE_ASSIGN_OR_RETURN(double collective_timeout, flags.GetDouble("collective-timeout", 60));
+  if (collective_timeout <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--collective-timeout: must be > 0 seconds, got ", collective_timeout));
+  }
+  trainer.collective_timeout = absl::Seconds(collective_timeout);
   trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {
     return absl::InvalidArgumentError(

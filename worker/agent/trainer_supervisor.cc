@@ -116,6 +116,7 @@ absl::Status TrainerSupervisor::Launch() {
   *task.mutable_plan() = assignment_.plan();
   task.set_rendezvous_address(options_.coordinator_address);
   task.set_peak_flops(options_.peak_flops);
+  task.set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));
   const std::string task_path = run_dir_ + "/task.json";
   LATHE_RETURN_IF_ERROR(WriteTrainerTask(task_path, task));
   log_file_.open(run_dir_ + "/trainer.log", std::ios::out | std::ios::trunc);

@@ -62,6 +62,8 @@ struct TrainerSupervisorOptions {
   int64_t trainer_threads = 0;
   // > 0: the device's peak FLOP/s for MFU, written into the task (0: the trainer finds it).
   double peak_flops = 0.0;
+  // > 0: how long a trainer's collective waits for the other ranks, written into the task.
+  absl::Duration collective_timeout = absl::ZeroDuration();
   // After Cancel's SIGTERM, how long the trainer has to exit before SIGKILL.
   absl::Duration cancel_grace = absl::Seconds(5);
   // Set in the trainer's environment (e.g. CUDA_VISIBLE_DEVICES for the slot's GPU).

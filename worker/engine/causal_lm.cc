@@ -208,6 +208,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
                                                          bool trainable_base,
                                                          const ModelOptions& options) {
   std::unique_ptr<CausalLm> model(new CausalLm(config, options));
+  model->trainable_base_ = trainable_base;
   const at::ScalarType dtype = trainable_base ? at::kFloat : options.weight_dtype;
   LATHE_ASSIGN_OR_RETURN(SafetensorsDirectory files, SafetensorsDirectory::Open(dir));
   std::map<std::string, std::vector<int64_t>> expected;
@@ -225,6 +226,10 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
         return absl::InvalidArgumentError(absl::StrCat(
             entry.file->path(), ": tensor \"", name, "\": shape ", ShapeText(entry.tensor->shape),
             " in the file vs ", ShapeText(shape), " from config.json"));
+      }
+      if (options.keep_mapped) {
+        LATHE_ASSIGN_OR_RETURN(*slot, MappedTensorFromFile(entry));
+        continue;
       }
       LATHE_ASSIGN_OR_RETURN(*slot, TensorFromFile(entry, dtype, trainable_base));
       *slot = slot->to(options.device);
@@ -366,7 +371,9 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const int64_t seq = input_ids.size(1);
   const at::ScalarType type = options_.compute_dtype;
-  at::Tensor x = at::embedding(embed_tokens_, input_ids).to(type);
+  at::Tensor x =
+      at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids).to(type);
+  if (hooks_) x = hooks_->Leave(0, x);
   auto [cos, sin] = RopeTables(seq);
   const at::TensorOptions mask_options = at::TensorOptions(type).device(options_.device);
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -381,15 +388,22 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const bool checkpoint =
       options_.activation_checkpointing && training_ && at::GradMode::is_enabled();
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    if (hooks_) x = hooks_->Enter(l + 1, x);
     if (!checkpoint) {
       x = Block(l, x, cos, sin, mask);
-      continue;
+    } else {
+      std::vector<at::Tensor> inputs = {x, cos, sin, mask};
+      for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
+      x = CheckpointedBlock::apply(at::TensorList(inputs), this, l);
     }
-    std::vector<at::Tensor> inputs = {x, cos, sin, mask};
-    for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
-    x = CheckpointedBlock::apply(at::TensorList(inputs), this, l);
+    if (hooks_) x = hooks_->Leave(l + 1, x);
   }
+  if (hooks_) x = hooks_->Enter(num_units() - 1, x);  // left by SumLossOfHidden or Logits
   return Norm(x, norm_);
+}
+
+at::Tensor CausalLm::LeaveHead(const at::Tensor& output) const {
+  return hooks_ ? hooks_->Leave(num_units() - 1, output) : output;
 }
 
 at::Tensor CausalLm::Norm(const at::Tensor& x, const at::Tensor& weight) const {
@@ -405,7 +419,7 @@ at::Tensor CausalLm::HeadLogits(const at::Tensor& hidden) const {
 }
 
 at::Tensor CausalLm::Logits(const at::Tensor& input_ids) const {
-  return HeadLogits(Hidden(input_ids));
+  return LeaveHead(HeadLogits(Hidden(input_ids)));
 }
 
 at::Tensor CausalLm::SumLoss(const at::Tensor& input_ids, const at::Tensor& labels) const {
@@ -422,16 +436,41 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
   at::Tensor target_hidden = hidden.index_select(0, rows);
   at::Tensor target_ids = targets.index_select(0, rows);
   if (!options_.chunked_loss) {
-    return at::cross_entropy_loss(HeadLogits(target_hidden), target_ids, {}, at::Reduction::Sum);
+    return LeaveHead(
+        at::cross_entropy_loss(HeadLogits(target_hidden), target_ids, {}, at::Reduction::Sum));
   }
   // Chunk by chunk, never the [targets, vocab] logits. The kernel takes one dtype: a 16-bit
   // frozen head under float32 compute (bf16/fp16 on the CPU) is widened for the call.
   const at::Tensor& head = lm_head();
-  return kernels::LinearCrossEntropy(target_hidden,
-                                     head.scalar_type() == target_hidden.scalar_type()
-                                         ? head
-                                         : head.to(target_hidden.scalar_type()),
-                                     target_ids);
+  return LeaveHead(kernels::LinearCrossEntropy(target_hidden,
+                                               head.scalar_type() == target_hidden.scalar_type()
+                                                   ? head
+                                                   : head.to(target_hidden.scalar_type()),
+                                               target_ids));
+}
+
+std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
+  TORCH_CHECK(unit >= 0 && unit < num_units(), "no unit ", unit);
+  auto decays = [](const std::string& name) {
+    return !absl::EndsWith(name, ".bias") && !absl::EndsWith(name, "norm.weight");
+  };
+  const bool head = unit == num_units() - 1;
+  const std::string block_prefix = absl::StrCat("model.layers.", unit - 1, ".");
+  std::vector<UnitTensor> tensors;
+  for (auto& [name, slot] : BaseWeights()) {
+    const bool mine = unit == 0 ? name == "model.embed_tokens.weight"
+                      : head    ? name == "model.norm.weight" || name == "lm_head.weight"
+                                : absl::StartsWith(name, block_prefix);
+    if (mine) tensors.push_back({name, slot, trainable_base_, decays(name)});
+  }
+  if (unit == 0 || head) return tensors;
+  for (const std::string& module : LoraTargetModules()) {
+    Projection& p = layers_[unit - 1].projection(module);
+    if (!p.lora_a.defined()) continue;
+    tensors.push_back({PeftLoraTensorName(unit - 1, module, "A"), &p.lora_a, true, true});
+    tensors.push_back({PeftLoraTensorName(unit - 1, module, "B"), &p.lora_b, true, true});
+  }
+  return tensors;
 }
 
 std::vector<NamedParameter> CausalLm::TrainableParameters() {

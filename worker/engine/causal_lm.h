@@ -38,6 +38,32 @@ struct ModelOptions {
   // The loss by the fused linear cross-entropy (chunked, no [targets, vocab] logits);
   // otherwise the logits and at::cross_entropy_loss.
   bool chunked_loss = true;
+  // Load leaves every base weight as the model file's tensor: on the CPU, in the file's
+  // dtype, read-only (mapped where aligned), never requiring grad, whatever the device and
+  // `trainable_base`. For the shard layer (worker/shard), which places each rank's slice.
+  bool keep_mapped = false;
+};
+
+// The units a model is sharded by (worker/shard): unit 0 is the embeddings, units 1..L the
+// decoder blocks, unit L + 1 the final norm and the LM head (whose tied weight is unit 0's).
+class UnitHooks {
+ public:
+  virtual ~UnitHooks() = default;
+  // Called before `unit` computes, with its input (the token ids for unit 0, the hidden
+  // states otherwise); returns the tensor the unit computes from. The unit's tensor slots
+  // (CausalLm::UnitTensors) must hold its weights when this returns.
+  virtual at::Tensor Enter(int64_t unit, const at::Tensor& input) = 0;
+  // Called after `unit` computed `output`; returns the tensor passed on. The head unit is
+  // left by SumLossOfHidden and Logits, with the loss or the logits.
+  virtual at::Tensor Leave(int64_t unit, const at::Tensor& output) = 0;
+};
+
+// One tensor slot of a unit.
+struct UnitTensor {
+  std::string name;  // Hugging Face name, or PEFT name for LoRA tensors
+  at::Tensor* slot;
+  bool trainable = false;
+  bool weight_decay = true;  // AdamW decays it (not biases and norms)
 };
 
 // A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.
@@ -95,7 +121,8 @@ class CausalLm {
   // file when the adapter lacks a targeted tensor or has another rank or shape.
   absl::Status LoadLora(const LoraSpec& spec, const std::string& dir);
 
-  // Final-normalised hidden states [batch, seq, hidden] of token ids [batch, seq].
+  // Final-normalised hidden states [batch, seq, hidden] of token ids [batch, seq]. With unit
+  // hooks, the head unit stays entered: SumLossOfHidden leaves it.
   at::Tensor Hidden(const at::Tensor& input_ids) const;
   // Float32 logits [batch, seq, vocab].
   at::Tensor Logits(const at::Tensor& input_ids) const;
@@ -114,6 +141,14 @@ class CausalLm {
   // Writes config.json and model.safetensors (float32) to `dir`.
   absl::Status ExportModel(const std::string& dir) const;
 
+  // The units (see UnitHooks) and the tensors of each, in a fixed order: frozen base weights
+  // and, for LoRA, the unit's adapters (trainable); with a trainable base every weight is
+  // trainable. The head unit of a model with tied embeddings has only the final norm.
+  int64_t num_units() const { return config_.num_hidden_layers + 2; }
+  std::vector<UnitTensor> UnitTensors(int64_t unit);
+  // Calls `hooks` around every unit from now on (nullptr: none). Not owned.
+  void set_unit_hooks(UnitHooks* hooks) { hooks_ = hooks; }
+
   void set_training(bool training) { training_ = training; }
   const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }
@@ -128,6 +163,8 @@ class CausalLm {
   // Every base weight with its HF name, in ExpectedWeights order.
   std::vector<std::pair<std::string, at::Tensor*>> BaseWeights();
   const at::Tensor& lm_head() const;
+  // The hooks' Leave of the head unit, when there are hooks.
+  at::Tensor LeaveHead(const at::Tensor& output) const;
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
   // Float32 logits of `hidden` [..., hidden].
   at::Tensor HeadLogits(const at::Tensor& hidden) const;
@@ -144,9 +181,11 @@ class CausalLm {
   at::Tensor lm_head_;   // [vocab, hidden]; undefined when tied
   at::Tensor inv_freq_;  // [head_dim / 2]
   std::vector<std::string> lora_targets_;
+  bool trainable_base_ = false;
   int64_t lora_rank_ = 0;
   double lora_dropout_ = 0.0;
   bool training_ = false;
+  UnitHooks* hooks_ = nullptr;
 };
 
 // RoPE inverse frequencies [head_dim / 2] (float32) for `config`, rope_scaling applied.

@@ -41,6 +41,7 @@ std::string StateJson(const TrainingState& state) {
   json["nonfinite_steps"] = {{"skipped", state.skipped_steps},
                              {"consecutive", state.consecutive_nonfinite}};
   json["spec_fingerprint"] = state.spec_fingerprint;
+  if (state.shard_world > 0) json["shards"] = {{"world_size", state.shard_world}};
   return json.dump(2) + "\n";
 }
 
@@ -67,6 +68,10 @@ absl::StatusOr<TrainingState> ParseState(const std::string& text, const std::str
     if (json.contains("loss_scale")) {
       state.loss_scale.scale = json["loss_scale"].at("scale").get<double>();
       state.loss_scale.clean_steps = json["loss_scale"].at("clean_steps").get<int64_t>();
+    }
+    if (json.contains("shards")) {
+      state.shard_world = json["shards"].at("world_size").get<int64_t>();
+      if (state.shard_world < 1) return bad("shards.world_size is below 1");
     }
     if (json.contains("nonfinite_steps")) {
       state.skipped_steps = json["nonfinite_steps"].at("skipped").get<int64_t>();
@@ -97,26 +102,54 @@ std::string CheckpointStore::StepDir(int64_t step) const {
   return (fs::path(dir_) / absl::StrFormat("%s%08d", kStepPrefix, step)).string();
 }
 
-absl::Status CheckpointStore::Save(const TrainingState& state,
-                                   absl::Span<const TensorToWrite> trainable,
-                                   absl::Span<const TensorToWrite> optimizer) {
+std::string ShardFileName(int64_t rank) { return absl::StrFormat("shard-%05d.safetensors", rank); }
+
+std::string CheckpointStore::TempDir(int64_t step) const {
+  return (fs::path(dir_) / absl::StrCat(".tmp-", fs::path(StepDir(step)).filename().string()))
+      .string();
+}
+
+absl::Status CheckpointStore::Prepare(int64_t step) {
   std::error_code error;
   fs::create_directories(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
-  const std::string final_dir = StepDir(state.step);
-  const std::string name = fs::path(final_dir).filename().string();
-  const std::string temp_dir = absl::StrCat(dir_, "/.tmp-", name, "-", getpid());
+  const std::string temp_dir = TempDir(step);
   fs::remove_all(temp_dir, error);
   fs::create_directory(temp_dir, error);
   if (error) return absl::InternalError(absl::StrCat(temp_dir, ": ", error.message()));
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::Save(const TrainingState& state,
+                                   absl::Span<const TensorToWrite> trainable,
+                                   absl::Span<const TensorToWrite> optimizer) {
+  LATHE_RETURN_IF_ERROR(Prepare(state.step));
+  const std::string temp_dir = TempDir(state.step);
+  absl::Status status = WriteSafetensors(temp_dir + "/" + kTrainable, trainable);
+  if (status.ok()) status = WriteSafetensors(temp_dir + "/" + kOptimizer, optimizer);
+  if (!status.ok()) {
+    std::error_code error;
+    fs::remove_all(temp_dir, error);
+    return status;
+  }
+  return Commit(state);
+}
+
+absl::Status CheckpointStore::Commit(const TrainingState& state) {
+  const std::string final_dir = StepDir(state.step);
+  const std::string temp_dir = TempDir(state.step);
+  std::error_code error;
   auto write_all = [&]() -> absl::Status {
-    LATHE_RETURN_IF_ERROR(WriteSafetensors(temp_dir + "/" + kTrainable, trainable));
-    LATHE_RETURN_IF_ERROR(WriteSafetensors(temp_dir + "/" + kOptimizer, optimizer));
     LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kState, StateJson(state)));
     nlohmann::ordered_json manifest;
     manifest["format"] = 1;
     manifest["step"] = state.step;
-    for (const char* file : {kTrainable, kOptimizer, kState}) {
+    std::vector<std::string> files;
+    for (const fs::directory_entry& entry : fs::directory_iterator(temp_dir)) {
+      files.push_back(entry.path().filename().string());
+    }
+    std::sort(files.begin(), files.end());
+    for (const std::string& file : files) {
       const std::string path = temp_dir + "/" + file;
       LATHE_ASSIGN_OR_RETURN(std::string sha, Sha256File(path));
       manifest["files"][file] = {{"size", fs::file_size(path)}, {"sha256", sha}};
@@ -161,11 +194,15 @@ absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const std::string& step_d
   if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object()) {
     return absl::DataLossError("manifest.json is malformed");
   }
-  for (const char* file : {kTrainable, kOptimizer, kState}) {
+  if (!manifest["files"].contains(kState))
+    return absl::DataLossError("state.json: not in the manifest");
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    if (file.find('/') != std::string::npos || file == "." || file == "..") {
+      return absl::DataLossError(absl::StrCat("manifest.json names \"", file, "\""));
+    }
     const std::string path = step_dir + "/" + file;
-    const nlohmann::json& entry = manifest["files"].value(file, nlohmann::json());
     if (!entry.is_object() || !entry.contains("size") || !entry.contains("sha256")) {
-      return absl::DataLossError(absl::StrCat(file, ": not in the manifest"));
+      return absl::DataLossError(absl::StrCat(file, ": malformed manifest entry"));
     }
     std::error_code error;
     const uintmax_t size = fs::file_size(path, error);
@@ -183,8 +220,25 @@ absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const std::string& step_d
   loaded.dir = step_dir;
   LATHE_ASSIGN_OR_RETURN(std::string state_text, ReadFile(step_dir + "/" + kState));
   LATHE_ASSIGN_OR_RETURN(loaded.state, ParseState(state_text, step_dir + "/" + kState));
-  LATHE_ASSIGN_OR_RETURN(loaded.trainable, SafetensorsFile::Open(step_dir + "/" + kTrainable));
-  LATHE_ASSIGN_OR_RETURN(loaded.optimizer, SafetensorsFile::Open(step_dir + "/" + kOptimizer));
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    if (!absl::EndsWith(file, ".safetensors")) continue;
+    LATHE_ASSIGN_OR_RETURN(loaded.files[file], SafetensorsFile::Open(step_dir + "/" + file));
+  }
+  auto find = [&loaded](const char* file) -> std::shared_ptr<const SafetensorsFile> {
+    auto it = loaded.files.find(file);
+    return it == loaded.files.end() ? nullptr : it->second;
+  };
+  loaded.trainable = find(kTrainable);
+  loaded.optimizer = find(kOptimizer);
+  if (loaded.state.shard_world == 0 && (!loaded.trainable || !loaded.optimizer)) {
+    return absl::DataLossError(
+        "trainable.safetensors or optimizer.safetensors: not in the manifest");
+  }
+  for (int64_t r = 0; r < loaded.state.shard_world; ++r) {
+    if (!loaded.files.count(ShardFileName(r))) {
+      return absl::DataLossError(absl::StrCat(ShardFileName(r), ": not in the manifest"));
+    }
+  }
   return loaded;
 }
 

@@ -3,7 +3,11 @@
 // A checkpoint is a directory <dir>/step-<8 digits>/ holding
 //   trainable.safetensors   the trainable parameters by name (LoRA A/B, or every weight)
 //   optimizer.safetensors   AdamW's moments: "exp_avg.<name>", "exp_avg_sq.<name>"
+// or, written by a sharded run (worker/shard, docs/sharding.md), instead of those two
+//   shard-<5 digits>.safetensors   each rank's slices of every unit's flat buffers
+// and
 //   state.json              step, AdamW step count, data cursor, RNG state, spec fingerprint
+//                           (and the sharded run's world size)
 //   manifest.json           size and SHA-256 of each file above; written last
 // It is assembled in a temporary directory (every file fsynced, the manifest last), renamed
 // into place and the parent directory fsynced, so a crash leaves either the complete
@@ -18,6 +22,7 @@
 #define LATHE_WORKER_ENGINE_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -41,13 +46,22 @@ struct TrainingState {
   int64_t skipped_steps = 0;          // steps skipped for a non-finite loss or gradient
   int64_t consecutive_nonfinite = 0;  // of which the last ones in a row
   std::string spec_fingerprint;       // the run this checkpoint belongs to
+  // 0: named tensors (trainable/optimizer.safetensors); else the number of ranks whose
+  // shard files hold the slices.
+  int64_t shard_world = 0;
 };
+
+// "shard-00003.safetensors": the slices rank 3 of a sharded run wrote.
+std::string ShardFileName(int64_t rank);
 
 struct LoadedCheckpoint {
   std::string dir;
   TrainingState state;
+  // Named tensors; null in a sharded checkpoint.
   std::shared_ptr<const SafetensorsFile> trainable;
   std::shared_ptr<const SafetensorsFile> optimizer;
+  // Every safetensors file of the checkpoint by file name (the two above included).
+  std::map<std::string, std::shared_ptr<const SafetensorsFile>> files;
 };
 
 class CheckpointStore {
@@ -59,6 +73,15 @@ class CheckpointStore {
   // `keep`. INTERNAL (naming the file) on I/O errors; nothing partial is left then.
   absl::Status Save(const TrainingState& state, absl::Span<const TensorToWrite> trainable,
                     absl::Span<const TensorToWrite> optimizer);
+
+  // A save in three parts, for ranks that each write their own file: one rank calls
+  // Prepare, then every rank writes its files into TempDir(step) (WriteSafetensors fsyncs),
+  // then, once all have, one rank calls Commit, which writes state.json and the manifest of
+  // every file in the directory and moves it into place as Save does. INTERNAL naming the
+  // directory or file on I/O errors; Commit removes the temporary directory then.
+  std::string TempDir(int64_t step) const;
+  absl::Status Prepare(int64_t step);
+  absl::Status Commit(const TrainingState& state);
 
   // The newest checkpoint that verifies, or nullopt when there is none. Every checkpoint
   // skipped on the way is described in `rejected` ("step-00000020: trainable.safetensors:

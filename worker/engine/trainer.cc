@@ -16,6 +16,7 @@
 #include "common/flops.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
 #include "worker/engine/adamw.h"
 #include "worker/engine/causal_lm.h"
@@ -25,6 +26,7 @@
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"
+#include "worker/shard/sharded_model.h"
 
 namespace lathe {
 namespace {
@@ -162,11 +164,24 @@ ModelOptions ModelOptionsFor(const Plan& plan) {
   options.fused_kernels = plan.fused_kernels;
   // The fused linear cross-entropy is the chunked loss.
   options.chunked_loss = plan.chunked_loss;
+  // ZeRO-3: each rank copies its slices out of the mapped files (worker/shard).
+  options.keep_mapped = plan.zero_stage == 3;
   return options;
 }
 
 // %g, but NaN without its sign bit ("nan", never "-nan").
 std::string NumberText(double x) { return std::isnan(x) ? "nan" : absl::StrFormat("%g", x); }
+
+PeftAdapterConfig AdapterConfigOf(const JobSpec& spec) {
+  PeftAdapterConfig adapter;
+  adapter.base_model_name_or_path = spec.model.path;
+  adapter.r = spec.lora.rank;
+  adapter.lora_alpha = spec.lora.alpha;
+  adapter.lora_dropout = spec.lora.dropout;
+  adapter.use_rslora = spec.lora.use_rslora;
+  adapter.target_modules = spec.lora.targets;
+  return adapter;
+}
 
 int64_t CountTargets(const Sequence& s) {
   int64_t n = 0;
@@ -229,7 +244,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
   trainer->peak_flops_ = PeakFlopsFor(model_options.device, plan.precision, options.peak_flops);
-  if (spec.method != Method::kFull && model_options.device.is_cpu()) {
+  if (spec.method != Method::kFull && model_options.device.is_cpu() && !model_options.keep_mapped) {
     const int64_t loaded =
         tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
     const int64_t stored = ParameterCount(*config) * c10::elementSize(model_options.weight_dtype);
@@ -242,6 +257,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
     } else {
       LATHE_RETURN_IF_ERROR(trainer->model_->LoadLora(spec.lora, spec.lora.init_from));
     }
+  }
+
+  if (plan.zero_stage > 0) {
+    Communicator* comm = options.comm;
+    if (comm == nullptr) {
+      trainer->own_comm_ = MakeSingleRankCommunicator();
+      comm = trainer->own_comm_.get();
+    }
+    ShardOptions shard;
+    shard.stage = plan.zero_stage;
+    shard.offload_optimizer = plan.offload_optimizer;
+    shard.offload_params = plan.offload_params;
+    shard.adam = {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
+    LATHE_ASSIGN_OR_RETURN(trainer->sharded_,
+                           ShardedModel::Create(trainer->model_.get(), comm, shard));
   }
 
   // Resume from the newest valid checkpoint of this run, if any.
@@ -260,6 +290,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
     if (checkpoint.state.step > trainer->plan_.total_steps) {
       return absl::FailedPreconditionError(absl::StrCat(
           "output: ", checkpoint.dir, " is past the last step ", trainer->plan_.total_steps));
+    }
+    if (trainer->sharded_) return trainer;  // Run restores the slices
+    if (checkpoint.state.shard_world > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "output: ", checkpoint.dir, " was written by a sharded run (strategy.zero_stage 1-3); ",
+          "resume it with strategy.zero_stage 1, 2 or 3"));
     }
     at::NoGradGuard no_grad;
     for (NamedParameter& p : trainer->model_->TrainableParameters()) {
@@ -283,10 +319,14 @@ absl::StatusOr<TrainResult> Trainer::Run(
   const TrainSpec& train = spec_.train;
   SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
   MemoryTracker* tracker = MemoryTracker::Install();
-  std::optional<MemoryScope> optimizer_scope(std::in_place, MemoryComponent::kOptimizer);
-  AdamW optimizer(model_->TrainableParameters(),
-                  {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
-  optimizer_scope.reset();
+  std::optional<AdamW> optimizer;  // sharded_ holds its own
+  if (!sharded_) {
+    MemoryScope scope(MemoryComponent::kOptimizer);
+    optimizer.emplace(
+        model_->TrainableParameters(),
+        AdamWOptions{train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
+  }
+  AdamW* replicated = optimizer ? &*optimizer : nullptr;
   LossScaler scaler(/*enabled=*/train.precision == Precision::kFp16);
   NonFiniteSteps nonfinite;
   model_->set_training(true);
@@ -302,7 +342,11 @@ absl::StatusOr<TrainResult> Trainer::Run(
   if (resume_) {
     const TrainingState& state = resume_->state;
     LATHE_RETURN_IF_ERROR(Annotate(sampler.Restore(state.cursor), resume_->dir));
-    LATHE_RETURN_IF_ERROR(optimizer.RestoreState(resume_->optimizer, state.optimizer_steps));
+    if (sharded_) {
+      LATHE_RETURN_IF_ERROR(sharded_->Restore(*resume_));
+    } else {
+      LATHE_RETURN_IF_ERROR(optimizer->RestoreState(resume_->optimizer, state.optimizer_steps));
+    }
     SetCpuRngState(state.rng_state);
     scaler.Restore(state.loss_scale);
     nonfinite = {state.skipped_steps, state.consecutive_nonfinite};
@@ -331,8 +375,12 @@ absl::StatusOr<TrainResult> Trainer::Run(
       report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
     }
     try {
-      LATHE_RETURN_IF_ERROR(TrainOn(batch, optimizer, scaler, report));
+      LATHE_RETURN_IF_ERROR(TrainOn(batch, replicated, scaler, report));
     } catch (const c10::Error& e) {
+      // A collective that failed inside forward or backward keeps its own code.
+      if (sharded_ && !sharded_->error().ok()) {
+        return Annotate(sharded_->error(), absl::StrCat("training step ", step + 1));
+      }
       return StatusFromTorchError(e, absl::StrCat("training step ", step + 1));
     }
     if (report.skipped) {
@@ -356,7 +404,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
     if (std::optional<CudaMemory> gpu;
         device.is_cuda() && (gpu = CudaMemoryOf(cuda_device)).has_value()) {
-      CudaStepMemory(optimizer, gpu->peak_bytes, report);
+      CudaStepMemory(replicated, gpu->peak_bytes, report);
     } else {
       const MemorySnapshot memory = tracker->Snapshot();
       for (int i = 0; i < kNumMemoryComponents; ++i) report.memory_at_peak[i] = memory.at_peak[i];
@@ -364,8 +412,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
       report.peak_bytes = memory.total.peak_bytes + mapped_weight_bytes_;
     }
     result.peak_bytes = std::max(result.peak_bytes, report.peak_bytes);
-    if (eval_data_ && train.eval_every > 0 && (step + 1) % train.eval_every == 0 &&
-        options_.rank == 0) {
+    if (eval_data_ && train.eval_every > 0 && (step + 1) % train.eval_every == 0 && Evaluates()) {
       model_->set_training(false);
       LATHE_ASSIGN_OR_RETURN(Evaluation eval,
                              Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
@@ -382,12 +429,15 @@ absl::StatusOr<TrainResult> Trainer::Run(
         Mfu(model_flops_per_token_, report.seconds > 0 ? report.tokens / report.seconds : 0,
             peak_flops_, options_.world_size);
     on_step(report);
-    const bool stop = stop_requested_.load();
+    // A stop asked of one rank stops them all, after the same step.
+    double stops = stop_requested_.load() ? 1.0 : 0.0;
+    LATHE_RETURN_IF_ERROR(SumAcrossRanks(&stops, "agreeing whether to stop"));
+    const bool stop = stops > 0;
     const bool periodic = train.checkpoint_every > 0 && (step + 1) % train.checkpoint_every == 0 &&
                           step + 1 < plan_.total_steps;
-    if ((stop || periodic) && options_.rank == 0) {
+    if ((stop || periodic) && (options_.rank == 0 || sharded_)) {
       LATHE_RETURN_IF_ERROR(
-          SaveCheckpoint(step + 1, optimizer, sampler, scaler, nonfinite, result.final_loss));
+          SaveCheckpoint(step + 1, replicated, sampler, scaler, nonfinite, result.final_loss));
       if (on_checkpoint) on_checkpoint(step + 1, checkpoints_->StepDir(step + 1));
     }
     if (stop) {
@@ -400,28 +450,23 @@ absl::StatusOr<TrainResult> Trainer::Run(
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.tokens_per_second = timed_seconds > 0 ? timed_tokens / timed_seconds : 0.0;
 
-  if (options_.rank != 0) {
-    result.peak_rss_bytes = PeakRssBytes();
-    return result;  // rank 0 evaluates and writes the output
-  }
-  if (eval_data_) {
+  if (eval_data_ && Evaluates()) {
     LATHE_ASSIGN_OR_RETURN(Evaluation eval,
                            Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
     result.eval_loss = eval.loss;
   }
-  if (spec_.method == Method::kLora) {
-    PeftAdapterConfig adapter;
-    adapter.base_model_name_or_path = spec_.model.path;
-    adapter.r = spec_.lora.rank;
-    adapter.lora_alpha = spec_.lora.alpha;
-    adapter.lora_dropout = spec_.lora.dropout;
-    adapter.use_rslora = spec_.lora.use_rslora;
-    adapter.target_modules = spec_.lora.targets;
+  if (sharded_) {
+    LATHE_RETURN_IF_ERROR(ExportSharded(result));
+  } else if (options_.rank != 0) {
+    // rank 0 writes the output
+  } else if (spec_.method == Method::kLora) {
     result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-    LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, adapter));
+    LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(spec_)));
   } else {
     result.model_dir = (fs::path(spec_.output) / "model").string();
     LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
+  }
+  if (options_.rank == 0 && !result.model_dir.empty()) {
     // The tokenizer travels with the model, so that the output is a usable model directory.
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
       const fs::path from = fs::path(spec_.model.path) / name;
@@ -431,11 +476,82 @@ absl::StatusOr<TrainResult> Trainer::Run(
           WriteFileAtomically((fs::path(result.model_dir) / name).string(), bytes));
     }
   }
+  if (options_.rank != 0) {
+    result.adapter_dir.clear();
+    result.model_dir.clear();
+  }
   result.peak_rss_bytes = PeakRssBytes();
   return result;
 }
 
-absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimizer,
+absl::Status Trainer::ExportSharded(TrainResult& result) {
+  const bool writer = options_.rank == 0;
+  if (spec_.method == Method::kLora) {
+    // The adapter is small: gathered whole on every rank, written by rank 0.
+    TensorsToWrite tensors;
+    LATHE_RETURN_IF_ERROR(sharded_->ForEachTrainableUnit(
+        [&](int64_t, const std::vector<std::pair<std::string, at::Tensor>>& named) {
+          if (writer) {
+            for (const auto& [name, tensor] : named) tensors.Add(name, tensor);
+          }
+          return absl::OkStatus();
+        }));
+    result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
+    return writer ? WritePeftAdapter(result.adapter_dir, AdapterConfigOf(spec_), tensors.tensors())
+                  : absl::OkStatus();
+  }
+  // The model, unit by unit into Hugging Face shard files: never whole on one rank.
+  result.model_dir = (fs::path(spec_.output) / "model").string();
+  const std::string& dir = result.model_dir;
+  std::error_code error;
+  if (writer) fs::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat(dir, ": ", error.message()));
+  const int64_t files = sharded_->num_units();
+  nlohmann::ordered_json index;
+  int64_t total_bytes = 0;
+  LATHE_RETURN_IF_ERROR(sharded_->ForEachTrainableUnit(
+      [&](int64_t unit, const std::vector<std::pair<std::string, at::Tensor>>& named) {
+        if (!writer) return absl::OkStatus();
+        const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", unit + 1, files);
+        TensorsToWrite tensors;
+        for (const auto& [name, tensor] : named) {
+          tensors.Add(name, tensor);
+          index["weight_map"][name] = file;
+          total_bytes += tensor.numel() * tensor.element_size();
+        }
+        return WriteSafetensors(dir + "/" + file, tensors.tensors(), {{"format", "pt"}});
+      }));
+  if (!writer) return absl::OkStatus();
+  index["metadata"]["total_size"] = total_bytes;
+  LATHE_RETURN_IF_ERROR(
+      WriteFileAtomically(dir + "/model.safetensors.index.json", index.dump(2) + "\n"));
+  ModelConfig exported = model_config_;
+  exported.torch_dtype = "float32";
+  return WriteFileAtomically(dir + "/config.json", ModelConfigToJson(exported));
+}
+
+bool Trainer::Evaluates() const {
+  return options_.rank == 0 || (sharded_ && sharded_->stage() == 3);
+}
+
+absl::Status Trainer::SumAcrossRanks(double* value, absl::string_view what) {
+  if (options_.world_size == 1) return absl::OkStatus();
+  return Annotate(options_.comm->AllReduceSum(value, 1, CommDType::kFloat64), what);
+}
+
+absl::Status Trainer::AllRanksOk(const absl::Status& status, absl::string_view what) {
+  double failed = status.ok() ? 0.0 : 1.0;
+  absl::Status sum = SumAcrossRanks(&failed, what);
+  if (!status.ok()) return status;
+  LATHE_RETURN_IF_ERROR(sum);
+  if (failed > 0) {
+    return absl::AbortedError(
+        absl::StrCat(static_cast<int64_t>(failed), " other rank(s) failed ", what));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW* optimizer,
                               LossScaler& scaler, StepReport& report) {
   const TrainSpec& train = spec_.train;
   int64_t targets = 0;
@@ -473,45 +589,73 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW& optimiz
     loss_sum += loss.item<double>();
     phases.backward += lap();
   }
-  if (options_.world_size > 1) {
+  {
+    // At ZeRO-2 and -3 most of the reduction already ran during backward.
     MemoryScope scope(MemoryComponent::kCommBuffers);
-    LATHE_RETURN_IF_ERROR(AllReduceGradients(optimizer, &loss_sum));
+    if (sharded_) {
+      LATHE_RETURN_IF_ERROR(sharded_->FinishBackward());
+    } else if (options_.world_size > 1) {
+      LATHE_RETURN_IF_ERROR(AllReduceGradients(*optimizer));
+    }
+    LATHE_RETURN_IF_ERROR(SumAcrossRanks(&loss_sum, "summing the loss across ranks"));
     phases.comm += lap();
   }
+  auto scale_grads = [&](double factor) {
+    sharded_ ? sharded_->ScaleGrads(factor) : optimizer->ScaleGrads(factor);
+  };
+  auto zero_grads = [&] { sharded_ ? sharded_->ZeroGrad() : optimizer->ZeroGrad(); };
   report.loss = loss_sum / static_cast<double>(targets);
-  if (scaler.scale() != 1.0) optimizer.ScaleGrads(1.0 / scaler.scale());
-  report.grad_norm = optimizer.GradNorm();
-  // Every rank sees the same summed loss and gradients, so every rank decides alike.
+  if (scaler.scale() != 1.0) scale_grads(1.0 / scaler.scale());
+  if (sharded_) {
+    LATHE_ASSIGN_OR_RETURN(report.grad_norm, sharded_->GradNorm());
+  } else {
+    report.grad_norm = optimizer->GradNorm();
+  }
+  // Every rank sees the same summed loss and gradient norm, so every rank decides alike.
   const bool finite = std::isfinite(*report.loss) && std::isfinite(report.grad_norm);
   if (!scaler.Update(finite)) {
     report.skipped = true;
-    optimizer.ZeroGrad();
+    zero_grads();
     return absl::OkStatus();
   }
   if (train.max_grad_norm > 0) {
     double coef = train.max_grad_norm / (report.grad_norm + 1e-6);
-    if (coef < 1.0) optimizer.ScaleGrads(coef);
+    if (coef < 1.0) scale_grads(coef);
   }
   {
     MemoryScope scope(MemoryComponent::kOptimizer);
-    optimizer.Step(report.lr);
+    if (sharded_) {
+      LATHE_RETURN_IF_ERROR(sharded_->Step(report.lr));
+    } else {
+      optimizer->Step(report.lr);
+    }
   }
-  optimizer.ZeroGrad();
+  zero_grads();
   phases.optimizer += lap();
   return absl::OkStatus();
 }
 
-void Trainer::CudaStepMemory(const AdamW& optimizer, int64_t peak_bytes, StepReport& report) const {
+void Trainer::CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepReport& report) const {
   auto& at_peak = report.memory_at_peak;
   at_peak.fill(0);
-  int64_t trainable = 0;
-  for (const NamedParameter& p : optimizer.params()) trainable += p.tensor.nbytes();
-  const bool full = spec_.method == Method::kFull;
-  at_peak[static_cast<int>(MemoryComponent::kWeights)] =
-      full ? 0 : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype);
-  at_peak[static_cast<int>(MemoryComponent::kTrainable)] = trainable;
-  at_peak[static_cast<int>(MemoryComponent::kGradients)] = trainable;
-  at_peak[static_cast<int>(MemoryComponent::kOptimizer)] = 2 * trainable;  // AdamW's moments
+  auto set = [&at_peak](MemoryComponent c, int64_t bytes) { at_peak[static_cast<int>(c)] = bytes; };
+  if (sharded_) {
+    const ShardBytes bytes = sharded_->bytes();
+    set(MemoryComponent::kWeights, bytes.frozen);
+    set(MemoryComponent::kTrainable, bytes.trainable);
+    set(MemoryComponent::kGradients, bytes.gradients);
+    set(MemoryComponent::kOptimizer, bytes.optimizer);
+  } else {
+    int64_t trainable = 0;
+    for (const NamedParameter& p : optimizer->params()) trainable += p.tensor.nbytes();
+    const bool full = spec_.method == Method::kFull;
+    set(MemoryComponent::kWeights,
+        full ? 0
+             : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype));
+    set(MemoryComponent::kTrainable, trainable);
+    set(MemoryComponent::kGradients, trainable);
+    set(MemoryComponent::kOptimizer, 2 * trainable);  // AdamW's moments
+  }
   int64_t fixed = 0;
   for (int64_t bytes : at_peak) fixed += bytes;
   at_peak[static_cast<int>(MemoryComponent::kActivations)] =
@@ -521,12 +665,12 @@ void Trainer::CudaStepMemory(const AdamW& optimizer, int64_t peak_bytes, StepRep
 
 int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0; }
 
-absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW& optimizer,
+absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW* optimizer,
                                      const SequenceSampler& sampler, const LossScaler& scaler,
                                      const NonFiniteSteps& nonfinite, std::optional<double> loss) {
   TrainingState state;
   state.step = step;
-  state.optimizer_steps = optimizer.steps();
+  state.optimizer_steps = sharded_ ? sharded_->optimizer_steps() : optimizer->steps();
   state.cursor = sampler.cursor();
   state.rng_state = CpuRngState();
   state.last_loss = loss;
@@ -534,18 +678,37 @@ absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW& optimizer,
   state.skipped_steps = nonfinite.skipped;
   state.consecutive_nonfinite = nonfinite.consecutive;
   state.spec_fingerprint = spec_fingerprint_;
+  const std::string what = absl::StrCat("checkpoint at step ", step);
+  if (sharded_) {
+    // Every rank writes its slices; rank 0 prepares the directory and commits it.
+    state.shard_world = options_.world_size;
+    const bool first = options_.rank == 0;
+    LATHE_RETURN_IF_ERROR(
+        AllRanksOk(Annotate(first ? checkpoints_->Prepare(step) : absl::OkStatus(), what), what));
+    absl::Status written;
+    try {
+      TensorsToWrite slices;
+      sharded_->AddShardTo(&slices);
+      written = WriteSafetensors(
+          (fs::path(checkpoints_->TempDir(step)) / ShardFileName(options_.rank)).string(),
+          slices.tensors());
+    } catch (const c10::Error& e) {
+      written = StatusFromTorchError(e, "preparing a checkpoint");
+    }
+    LATHE_RETURN_IF_ERROR(AllRanksOk(Annotate(written, what), what));
+    return AllRanksOk(Annotate(first ? checkpoints_->Commit(state) : absl::OkStatus(), what), what);
+  }
   TensorsToWrite trainable, moments;
   try {
-    for (const NamedParameter& p : optimizer.params()) trainable.Add(p.name, p.tensor);
-    optimizer.AddStateTo(&moments);
+    for (const NamedParameter& p : optimizer->params()) trainable.Add(p.name, p.tensor);
+    optimizer->AddStateTo(&moments);
   } catch (const c10::Error& e) {
     return StatusFromTorchError(e, "preparing a checkpoint");
   }
-  return Annotate(checkpoints_->Save(state, trainable.tensors(), moments.tensors()),
-                  absl::StrCat("checkpoint at step ", step));
+  return Annotate(checkpoints_->Save(state, trainable.tensors(), moments.tensors()), what);
 }
 
-absl::Status Trainer::AllReduceGradients(AdamW& optimizer, double* loss_sum) {
+absl::Status Trainer::AllReduceGradients(AdamW& optimizer) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const NamedParameter& p : optimizer.params()) {
@@ -558,8 +721,6 @@ absl::Status Trainer::AllReduceGradients(AdamW& optimizer, double* loss_sum) {
       Annotate(options_.comm->AllReduceSum(flat.data_ptr<float>(),
                                            static_cast<size_t>(flat.numel()), CommDType::kFloat32),
                "summing gradients across ranks"));
-  LATHE_RETURN_IF_ERROR(Annotate(options_.comm->AllReduceSum(loss_sum, 1, CommDType::kFloat64),
-                                 "summing the loss across ranks"));
   int64_t offset = 0;
   for (const NamedParameter& p : optimizer.params()) {
     at::Tensor slice = flat.slice(0, offset, offset + p.tensor.numel()).view(p.tensor.sizes());

@@ -6,7 +6,9 @@
 // and trains on its contiguous share of it; the loss is normalised by the targets of the
 // whole step, the gradients and the loss are summed across ranks, and every rank then takes
 // the same optimizer step. The result therefore matches a single-rank run of the same spec
-// up to floating-point summation order. Rank 0 writes the output.
+// up to floating-point summation order. Rank 0 writes the output. With strategy.zero_stage
+// 1-3 the model, gradients and optimizer are sharded across the ranks (worker/shard,
+// docs/sharding.md); the result is the same.
 //
 // Everything that can be checked is checked in Create, before any file is written: a job
 // that fails validation leaves nothing behind, and a job that fails while training writes
@@ -39,6 +41,7 @@ class AdamW;
 class CausalLm;
 class Communicator;
 class LossScaler;
+class ShardedModel;
 
 struct TrainerOptions {
   int threads = 0;         // intra-op threads; 0 = every core
@@ -154,17 +157,28 @@ class Trainer {
   // One optimizer step on `batch` (every rank's sequences of the step): forward and
   // backward over this rank's micro-batches, the gradient sum across ranks, then, when the
   // loss and the gradients are finite, clipping and the update. Fills report's loss,
-  // grad_norm, loss_scale and skipped. Throws c10::Error from libtorch.
-  absl::Status TrainOn(const std::vector<Sequence>& batch, AdamW& optimizer, LossScaler& scaler,
+  // grad_norm, loss_scale and skipped. `optimizer` is null when sharded_ holds the optimizer.
+  // Throws c10::Error from libtorch.
+  absl::Status TrainOn(const std::vector<Sequence>& batch, AdamW* optimizer, LossScaler& scaler,
                        StepReport& report);
   // The step's memory on CUDA: the caching allocator's peak, of which weights, trainable,
   // gradients and optimizer are their tensors' sizes and the rest counts as activations.
-  void CudaStepMemory(const AdamW& optimizer, int64_t peak_bytes, StepReport& report) const;
-  // Sums every gradient and `*loss_sum` across the ranks.
-  absl::Status AllReduceGradients(AdamW& optimizer, double* loss_sum);
-  absl::Status SaveCheckpoint(int64_t step, const AdamW& optimizer, const SequenceSampler& sampler,
+  void CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepReport& report) const;
+  // Sums every gradient across the ranks.
+  absl::Status AllReduceGradients(AdamW& optimizer);
+  // Sums `*value` across the ranks (a no-op on one rank).
+  absl::Status SumAcrossRanks(double* value, absl::string_view what);
+  // OK when `status` is OK on every rank; else this rank's error, or ABORTED naming `what`
+  // when only other ranks failed. A collective.
+  absl::Status AllRanksOk(const absl::Status& status, absl::string_view what);
+  absl::Status SaveCheckpoint(int64_t step, const AdamW* optimizer, const SequenceSampler& sampler,
                               const LossScaler& scaler, const NonFiniteSteps& nonfinite,
                               std::optional<double> loss);
+  // Writes the adapter or the model of a sharded run: every rank takes part, rank 0 writes.
+  absl::Status ExportSharded(TrainResult& result);
+  // Whether this rank evaluates: rank 0, and every rank at ZeRO-3 (the units are gathered
+  // from all of them).
+  bool Evaluates() const;
 
   JobSpec spec_;
   Plan plan_;
@@ -182,6 +196,8 @@ class Trainer {
   std::optional<LoadedCheckpoint> resume_;
   std::vector<std::string> skipped_checkpoints_;
   std::atomic<bool> stop_requested_{false};
+  std::unique_ptr<Communicator> own_comm_;  // a single-rank group for a sharded run of one
+  std::unique_ptr<ShardedModel> sharded_;   // ZeRO stages 1-3; null at stage 0
 };
 
 }  // namespace lathe

@@ -74,6 +74,12 @@ absl::StatusOr<at::Tensor> TensorFromFile(const SafetensorsDirectory::Entry& ent
   return mapped.to(dtype);
 }
 
+absl::StatusOr<at::Tensor> MappedTensorFromFile(const SafetensorsDirectory::Entry& entry) {
+  absl::StatusOr<at::ScalarType> stored = ScalarTypeOf(entry.tensor->dtype);
+  if (!stored.ok()) return TensorFromFile(entry, at::kFloat, false);  // the same error
+  return TensorFromFile(entry, *stored, /*writable=*/false);
+}
+
 void TensorsToWrite::Add(std::string name, const at::Tensor& tensor) {
   at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
   keep_alive_.push_back(cpu);

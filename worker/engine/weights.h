@@ -21,6 +21,10 @@ namespace lathe {
 absl::StatusOr<at::Tensor> TensorFromFile(const SafetensorsDirectory::Entry& entry,
                                           at::ScalarType dtype, bool writable);
 
+// The tensor `entry` in the file's own dtype, read-only: a view of the mapping when the
+// data is aligned, else a copy. INVALID_ARGUMENT as TensorFromFile.
+absl::StatusOr<at::Tensor> MappedTensorFromFile(const SafetensorsDirectory::Entry& entry);
+
 // Tensors prepared for WriteSafetensors. Holds contiguous CPU copies alive until destroyed.
 class TensorsToWrite {
  public:

@@ -1,0 +1,279 @@
+// ZeRO stages 1-3 (worker/shard) against the single-process trainer: the same per-step
+// losses for every stage, number of ranks, precision and offload, checkpoints that resume
+// on another number of ranks, and the exported adapter or model. Ranks run as threads over
+// the in-process communicator; scripts/shard-matrix runs the same over gloo in processes.
+#include <filesystem>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "common/file_util.h"
+#include "common/safetensors.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_job.h"
+#include "tests/testing/tiny_model.h"
+#include "worker/comm/fake_communicator.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/engine/trainer.h"
+#include "worker/shard/flat_layout.h"
+
+namespace lathe {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using testing::TempDir;
+
+struct RankRun {
+  std::vector<std::vector<double>> losses;  // by rank
+  std::vector<std::vector<StepReport>> reports;
+  std::vector<absl::Status> statuses;
+};
+
+// Runs `spec` on spec.resources.ranks threads. `stop_rank` asks that rank alone to stop
+// after step `stop_after` (0: never).
+RankRun RunRanks(const JobSpec& spec, int64_t stop_after = 0, int stop_rank = 0) {
+  const int world = static_cast<int>(spec.resources.ranks);
+  std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(world);
+  RankRun run;
+  run.losses.resize(world);
+  run.reports.resize(world);
+  run.statuses.resize(world);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      TrainerOptions options;
+      options.threads = 1;
+      options.rank = rank;
+      options.world_size = world;
+      options.comm = world > 1 ? group[rank].get() : nullptr;
+      options.peak_flops = 1e9;
+      absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+          Trainer::Create(spec, PlanFromSpec(spec), options);
+      if (!trainer.ok()) {
+        run.statuses[rank] = trainer.status();
+        return;
+      }
+      run.statuses[rank] = (*trainer)
+                               ->Run([&](const StepReport& r) {
+                                 run.losses[rank].push_back(r.loss.value_or(-1));
+                                 run.reports[rank].push_back(r);
+                                 if (r.step == stop_after && rank == stop_rank) {
+                                   (*trainer)->RequestStop();
+                                 }
+                               })
+                               .status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  return run;
+}
+
+void ExpectLossesNear(const std::vector<double>& got, const std::vector<double>& want,
+                      double relative, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_NEAR(got[i], want[i], relative * std::abs(want[i])) << what << " step " << i + 1;
+  }
+}
+
+// Every tensor of two safetensors files, element for element within `tolerance` (0: bit for
+// bit).
+void ExpectSameTensors(const std::string& a_path, const std::string& b_path, double tolerance) {
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> a = SafetensorsFile::Open(a_path);
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> b = SafetensorsFile::Open(b_path);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ((*a)->tensors().size(), (*b)->tensors().size());
+  for (const TensorView& ta : (*a)->tensors()) {
+    const TensorView* tb = (*b)->Find(ta.name);
+    ASSERT_NE(tb, nullptr) << ta.name;
+    ASSERT_EQ(ta.shape, tb->shape) << ta.name;
+    ASSERT_EQ(ta.nbytes, tb->nbytes) << ta.name;
+    const auto* x = reinterpret_cast<const float*>(ta.data);
+    const auto* y = reinterpret_cast<const float*>(tb->data);
+    for (size_t i = 0; i < ta.nbytes / sizeof(float); ++i) {
+      if (tolerance == 0) {
+        ASSERT_EQ(x[i], y[i]) << ta.name << "[" << i << "]";
+      } else {
+        ASSERT_NEAR(x[i], y[i], tolerance) << ta.name << "[" << i << "]";
+      }
+    }
+  }
+}
+
+class ShardedTrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    config_ = testing::TinyModelConfig();
+    spec_ = testing::TinyLoraJob(dir_, config_);
+    spec_.lora.rank = 5;  // flat sizes that 2, 3 and 4 ranks do not divide
+    spec_.train.global_batch = 12;
+    spec_.train.micro_batch = 1;  // several micro-batches per rank and step
+    spec_.train.steps = 4;
+    spec_.train.weight_decay = 0.01;
+    spec_.train.max_grad_norm = 0.5;  // clipping by the norm across shards
+  }
+
+  JobSpec Sharded(JobSpec spec, int64_t ranks, int64_t stage, const std::string& name) {
+    spec.resources.ranks = ranks;
+    spec.strategy.automatic = false;
+    spec.strategy.zero_stage = stage;
+    spec.output = dir_.Path(name);
+    return spec;
+  }
+
+  // The single-process stage-0 losses of `spec`.
+  std::vector<double> Reference(JobSpec spec, const std::string& name) {
+    spec.output = dir_.Path(name);
+    RankRun run = RunRanks(spec);
+    EXPECT_TRUE(run.statuses[0].ok()) << run.statuses[0];
+    return run.losses[0];
+  }
+
+  void ExpectMatches(const JobSpec& spec, const std::vector<double>& want, double relative) {
+    const std::string what =
+        absl::StrCat("ranks ", spec.resources.ranks, " stage ", spec.strategy.zero_stage);
+    RankRun run = RunRanks(spec);
+    for (size_t r = 0; r < run.statuses.size(); ++r) {
+      ASSERT_TRUE(run.statuses[r].ok()) << what << " rank " << r << ": " << run.statuses[r];
+      EXPECT_EQ(run.losses[r], run.losses[0]) << what << ": every rank reports the same loss";
+    }
+    ExpectLossesNear(run.losses[0], want, relative, what);
+  }
+
+  TempDir dir_;
+  ModelConfig config_;
+  JobSpec spec_;
+};
+
+TEST(FlatLayoutTest, RanksOwnContiguousPaddedSlices) {
+  EXPECT_EQ(ShardNumel(10, 3), 4);
+  EXPECT_EQ(ShardNumel(12, 3), 4);
+  EXPECT_EQ(ShardNumel(0, 2), 0);
+  FlatRange r0 = OwnedRange(10, 0, 3), r2 = OwnedRange(10, 2, 3);
+  EXPECT_EQ(r0.begin, 0);
+  EXPECT_EQ(r0.end, 4);
+  EXPECT_EQ(r2.begin, 8);
+  EXPECT_EQ(r2.end, 10);                     // two elements and two of padding
+  EXPECT_EQ(OwnedRange(2, 3, 4).size(), 0);  // all padding
+  EXPECT_EQ(Intersect({0, 5}, {3, 9}).size(), 2);
+  EXPECT_EQ(Intersect({0, 3}, {5, 9}).size(), 0);
+  FlatLayout layout;
+  layout.Add("a", {2, 3}, true);
+  layout.Add("b", {5}, false);
+  EXPECT_EQ(layout.numel, 11);
+  EXPECT_EQ(layout.entries[1].offset, 6);
+  EXPECT_FALSE(layout.entries[1].weight_decay);
+}
+
+TEST_F(ShardedTrainerTest, EveryStageOnOneTwoAndThreeRanksGivesTheSingleProcessLosses) {
+  const std::vector<double> want = Reference(spec_, "single");
+  for (int64_t ranks : {1, 2, 3}) {
+    for (int64_t stage : {1, 2, 3}) {
+      ExpectMatches(Sharded(spec_, ranks, stage, absl::StrCat("r", ranks, "s", stage)), want, 1e-5);
+    }
+  }
+}
+
+TEST_F(ShardedTrainerTest, OffloadAndActivationCheckpointingKeepTheLosses) {
+  const std::vector<double> want = Reference(spec_, "single");
+  JobSpec spec = Sharded(spec_, 2, 3, "offload-both");
+  spec.strategy.offload_optimizer = true;
+  spec.strategy.offload_params = true;
+  ExpectMatches(spec, want, 1e-5);
+  spec = Sharded(spec_, 2, 2, "offload-optimizer");
+  spec.strategy.offload_optimizer = true;
+  ExpectMatches(spec, want, 1e-5);
+  spec = Sharded(spec_, 3, 3, "checkpointing");
+  spec.strategy.activation_checkpointing = true;
+  ExpectMatches(spec, want, 1e-5);
+}
+
+TEST_F(ShardedTrainerTest, FullFineTuningOnEveryStage) {
+  spec_.method = Method::kFull;
+  spec_.train.lr = 1e-3;
+  const std::vector<double> want = Reference(spec_, "single");
+  for (int64_t stage : {1, 2, 3}) {
+    ExpectMatches(Sharded(spec_, 3, stage, absl::StrCat("full-s", stage)), want, 1e-5);
+  }
+  // The ZeRO-3 model is written unit by unit, one Hugging Face shard file each, and loads.
+  JobSpec spec = Sharded(spec_, 2, 3, "full-export");
+  RankRun run = RunRanks(spec);
+  ASSERT_TRUE(run.statuses[0].ok()) << run.statuses[0];
+  const std::string model = dir_.Path("full-export/model");
+  EXPECT_TRUE(fs::exists(model + "/model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(model + "/model.safetensors"));
+  absl::StatusOr<std::unique_ptr<CausalLm>> loaded = CausalLm::Load(model, config_, false);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  // Its weights are the ones a single process trained (up to summation order).
+  ModelOptions options;
+  absl::StatusOr<std::unique_ptr<CausalLm>> single =
+      CausalLm::Load(dir_.Path("single/model"), config_, false, options);
+  ASSERT_TRUE(single.ok()) << single.status();
+  at::Tensor ids = at::arange(12, at::kLong).view({1, 12});
+  EXPECT_TRUE(at::allclose((*loaded)->Logits(ids), (*single)->Logits(ids), 1e-4, 1e-5));
+}
+
+TEST_F(ShardedTrainerTest, LowPrecisionOnZero3) {
+  for (Precision precision : {Precision::kBf16, Precision::kFp16}) {
+    JobSpec spec = spec_;
+    spec.train.precision = precision;
+    const std::vector<double> want =
+        Reference(spec, absl::StrCat("single-", PrecisionName(precision)));
+    ExpectMatches(Sharded(spec, 2, 3, absl::StrCat("z3-", PrecisionName(precision))), want, 1e-5);
+  }
+}
+
+TEST_F(ShardedTrainerTest, TheZero3AdapterOfOneRankIsTheSingleProcessOneBitForBit) {
+  Reference(spec_, "single");
+  RankRun run = RunRanks(Sharded(spec_, 1, 3, "z3"));
+  ASSERT_TRUE(run.statuses[0].ok()) << run.statuses[0];
+  ExpectSameTensors(dir_.Path("single/adapter/adapter_model.safetensors"),
+                    dir_.Path("z3/adapter/adapter_model.safetensors"), 0);
+  // On three ranks it holds every tensor, whole (not the 40-byte stubs of a shard), equal
+  // up to the order of the gradient sums.
+  run = RunRanks(Sharded(spec_, 3, 3, "z3-3"));
+  ASSERT_TRUE(run.statuses[0].ok()) << run.statuses[0];
+  ExpectSameTensors(dir_.Path("single/adapter/adapter_model.safetensors"),
+                    dir_.Path("z3-3/adapter/adapter_model.safetensors"), 1e-5);
+}
+
+TEST_F(ShardedTrainerTest, CheckpointsResumeOnAnotherNumberOfRanks) {
+  spec_.train.steps = 6;
+  const std::vector<double> want = Reference(spec_, "single");
+  const struct {
+    int64_t from, to, stage_from, stage_to;
+  } cases[] = {{2, 4, 3, 3}, {4, 1, 3, 3}, {3, 2, 2, 1}, {1, 3, 0, 3}};
+  for (const auto& c : cases) {
+    const std::string name = absl::StrCat("resume-", c.from, "-", c.to, "-s", c.stage_to);
+    JobSpec first = Sharded(spec_, c.from, c.stage_from, name);
+    // Only the last rank is asked to stop: every rank stops after the same step.
+    RankRun stopped = RunRanks(first, 3, static_cast<int>(c.from - 1));
+    for (const absl::Status& s : stopped.statuses) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << name << ": " << s;
+    }
+    ASSERT_EQ(stopped.losses[0].size(), 3u) << name;
+    RankRun resumed = RunRanks(Sharded(spec_, c.to, c.stage_to, name));
+    for (const absl::Status& s : resumed.statuses) ASSERT_TRUE(s.ok()) << name << ": " << s;
+    std::vector<double> losses = stopped.losses[0];
+    losses.insert(losses.end(), resumed.losses[0].begin(), resumed.losses[0].end());
+    ExpectLossesNear(losses, want, 1e-5, name);
+  }
+}
+
+TEST_F(ShardedTrainerTest, AStageZeroRunRefusesASharedCheckpointClearly) {
+  JobSpec spec = Sharded(spec_, 2, 3, "mixed");
+  spec.train.steps = 6;
+  RankRun stopped = RunRanks(spec, 2);
+  EXPECT_EQ(stopped.statuses[0].code(), absl::StatusCode::kCancelled) << stopped.statuses[0];
+  spec.resources.ranks = 1;
+  spec.strategy.zero_stage = 0;
+  RankRun refused = RunRanks(spec);
+  EXPECT_EQ(refused.statuses[0].code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(refused.statuses[0].message(), HasSubstr("resume it with strategy.zero_stage 1"));
+}
+
+}  // namespace
+}  // namespace lathe

@@ -1,0 +1,668 @@
+#include "worker/shard/sharded_model.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+#include "worker/engine/memory_tracker.h"
+
+namespace lathe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int kMaxReducesInFlight = 2;
+
+// Frees a tensor's storage but keeps the tensor (and every view of it, such as those saved
+// for backward), so that AllocateStorage can give the same views their data back.
+void FreeStorage(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void AllocateStorage(const at::Tensor& t) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (storage->nbytes() == bytes) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+at::Tensor Flat(const at::Tensor& t, const FlatEntry& e) {
+  return t.slice(0, e.offset, e.offset + e.numel).view(e.shape);
+}
+
+// The parameters of one unit for one forward pass: views of the unit's whole trainable
+// buffer. Its backward receives their gradients, which the ShardedModel reduces.
+class UnitParams : public torch::autograd::Function<UnitParams> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& /*anchor*/,
+                               ShardedModel* owner, int64_t unit, int64_t use) {
+    ctx->saved_data["owner"] = reinterpret_cast<int64_t>(owner);
+    ctx->saved_data["unit"] = unit;
+    ctx->saved_data["use"] = use;
+    return owner->TrainableViews(unit);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* owner = reinterpret_cast<ShardedModel*>(ctx->saved_data["owner"].toInt());
+    owner->UnitGradients(ctx->saved_data["unit"].toInt(), grads);
+    owner->UseDone(ctx->saved_data["use"].toInt());
+    return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// Identity on a unit's output; its backward runs just before the unit's backward and
+// gathers the unit again.
+class BeforeUnitBackward : public torch::autograd::Function<BeforeUnitBackward> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, ShardedModel* owner,
+                            int64_t use) {
+    ctx->saved_data["owner"] = reinterpret_cast<int64_t>(owner);
+    ctx->saved_data["use"] = use;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* owner = reinterpret_cast<ShardedModel*>(ctx->saved_data["owner"].toInt());
+    owner->BeforeBackward(ctx->saved_data["use"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+// Identity on a unit's input; its backward runs once the unit's input gradient is complete,
+// that is after every node of the unit that needs the unit's weights.
+class AfterUnitBackward : public torch::autograd::Function<AfterUnitBackward> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, ShardedModel* owner,
+                            int64_t use) {
+    ctx->saved_data["owner"] = reinterpret_cast<int64_t>(owner);
+    ctx->saved_data["use"] = use;
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* owner = reinterpret_cast<ShardedModel*>(ctx->saved_data["owner"].toInt());
+    owner->UseDone(ctx->saved_data["use"].toInt());
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+ShardedModel::ShardedModel(CausalLm* model, Communicator* comm, const ShardOptions& options)
+    : model_(model), comm_(comm), options_(options) {}
+
+ShardedModel::~ShardedModel() {
+  model_->set_unit_hooks(nullptr);
+  // Collectives in flight write into buffers owned here: let them end first.
+  for (PendingReduce& r : reduces_) r.work->Wait().IgnoreError();
+  for (Unit& u : units_) {
+    for (auto& work : u.gathers) work->Wait().IgnoreError();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::Create(CausalLm* model,
+                                                                   Communicator* comm,
+                                                                   const ShardOptions& options) {
+  if (options.stage < 1 || options.stage > 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("strategy.zero_stage: ", options.stage, " is not a sharded stage (1-3)"));
+  }
+  if (options.offload_params && options.stage != 3) {
+    return absl::InvalidArgumentError("strategy.offload_params: needs zero_stage 3");
+  }
+  if (options.stage == 3 && !model->options().keep_mapped) {
+    return absl::FailedPreconditionError(
+        "ZeRO-3 needs a model loaded with ModelOptions::keep_mapped");
+  }
+  std::unique_ptr<ShardedModel> sharded(new ShardedModel(model, comm, options));
+  try {
+    LATHE_RETURN_IF_ERROR(sharded->Init());
+  } catch (const c10::Error& e) {
+    return StatusFromTorchError(e, "sharding the model");
+  }
+  model->set_unit_hooks(sharded.get());
+  return sharded;
+}
+
+at::Device ShardedModel::master_device() const {
+  return options_.offload_optimizer || options_.offload_params ? at::Device(at::kCPU) : device();
+}
+
+absl::Status ShardedModel::Init() {
+  at::NoGradGuard no_grad;
+  rank_ = comm_->rank();
+  world_ = comm_->world_size();
+  tied_ = model_->config().tie_word_embeddings;
+  const bool stage3 = options_.stage == 3;
+  const at::Device slice_device = options_.offload_params ? at::Device(at::kCPU) : device();
+  const at::ScalarType weight_dtype = model_->options().weight_dtype;
+  anchor_ = at::empty({0}, at::kFloat).set_requires_grad(true);
+  units_.resize(model_->num_units());
+  current_use_.assign(units_.size(), -1);
+  awaits_backward_.assign(units_.size(), false);
+  for (int64_t index = 0; index < num_units(); ++index) {
+    Unit& u = units_[index];
+    for (const UnitTensor& t : model_->UnitTensors(index)) {
+      if (!t.slot->defined()) continue;  // e.g. no bias here
+      std::vector<int64_t> shape(t.slot->sizes().begin(), t.slot->sizes().end());
+      if (t.trainable) {
+        u.trainable.Add(t.name, std::move(shape), t.weight_decay);
+        u.trainable_slots.push_back(t.slot);
+      } else {
+        u.frozen.Add(t.name, std::move(shape), false);
+        u.frozen_slots.push_back(t.slot);
+      }
+    }
+    u.frozen_dtype = weight_dtype;
+    u.frozen_shard = ShardNumel(u.frozen.numel, world_);
+    u.trainable_shard = ShardNumel(u.trainable.numel, world_);
+    const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
+    const int64_t base_t = rank_ * u.trainable_shard;
+    if (stage3) {
+      // Copy only this rank's part of each tensor into its slices; the rest of the mapped
+      // file is never touched.
+      const FlatRange owned_f = OwnedRange(u.frozen.numel, rank_, world_);
+      const int64_t base_f = rank_ * u.frozen_shard;
+      {
+        MemoryScope scope(MemoryComponent::kWeights);
+        u.frozen_slice =
+            at::zeros({u.frozen_shard}, at::TensorOptions(weight_dtype).device(slice_device));
+      }
+      for (size_t i = 0; i < u.frozen.entries.size(); ++i) {
+        const FlatEntry& e = u.frozen.entries[i];
+        const FlatRange part = Intersect(e.range(), owned_f);
+        if (part.size() > 0) {
+          u.frozen_slice.slice(0, part.begin - base_f, part.end - base_f)
+              .copy_(u.frozen_slots[i]->reshape({-1}).slice(0, part.begin - e.offset,
+                                                            part.end - e.offset));
+        }
+        *u.frozen_slots[i] = at::Tensor();  // unmaps once every slot is cleared
+      }
+      {
+        MemoryScope scope(MemoryComponent::kTrainable);
+        u.trainable_slice =
+            at::zeros({u.trainable_shard}, at::TensorOptions(at::kFloat).device(slice_device));
+      }
+      for (size_t i = 0; i < u.trainable.entries.size(); ++i) {
+        const FlatEntry& e = u.trainable.entries[i];
+        const FlatRange part = Intersect(e.range(), owned_t);
+        if (part.size() > 0) {
+          u.trainable_slice.slice(0, part.begin - base_t, part.end - base_t)
+              .copy_(u.trainable_slots[i]->detach().reshape({-1}).slice(0, part.begin - e.offset,
+                                                                        part.end - e.offset));
+        }
+        *u.trainable_slots[i] = at::Tensor();
+      }
+      MemoryScope scope(MemoryComponent::kCommBuffers);
+      u.frozen_whole =
+          at::empty({world_ * u.frozen_shard}, at::TensorOptions(weight_dtype).device(device()));
+      u.trainable_whole =
+          at::empty({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
+      FreeStorage(u.frozen_whole);
+      FreeStorage(u.trainable_whole);
+      u.param_slice = u.trainable_slice;
+    } else {
+      {
+        MemoryScope scope(MemoryComponent::kTrainable);
+        u.trainable_whole =
+            at::zeros({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
+      }
+      for (size_t i = 0; i < u.trainable.entries.size(); ++i) {
+        const FlatEntry& e = u.trainable.entries[i];
+        u.trainable_whole.slice(0, e.offset, e.offset + e.numel)
+            .copy_(u.trainable_slots[i]->detach().reshape({-1}));
+        *u.trainable_slots[i] = Flat(u.trainable_whole, e);
+      }
+      u.param_slice = u.trainable_whole.slice(0, base_t, base_t + u.trainable_shard);
+    }
+    // The optimizer's slice: the device slice, or a host copy of it when offloaded.
+    MemoryScope scope(MemoryComponent::kOptimizer);
+    u.master = master_device() == u.param_slice.device() && !options_.offload_optimizer
+                   ? u.param_slice
+                   : u.param_slice.to(master_device(), /*non_blocking=*/false, /*copy=*/true);
+    u.exp_avg = at::zeros_like(u.master);
+    u.exp_avg_sq = at::zeros_like(u.master);
+    for (const FlatEntry& e : u.trainable.entries) {
+      if (!e.weight_decay) continue;
+      const FlatRange part = Intersect(e.range(), owned_t);
+      if (part.size() == 0) continue;
+      const FlatRange local = {part.begin - base_t, part.end - base_t};
+      if (!u.decay_ranges.empty() && u.decay_ranges.back().end == local.begin) {
+        u.decay_ranges.back().end = local.end;
+      } else {
+        u.decay_ranges.push_back(local);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void ShardedModel::Fail(const absl::Status& status) {
+  if (error_.ok()) error_ = status;
+  TORCH_CHECK(false, std::string(status.message()));
+}
+
+std::vector<at::Tensor> ShardedModel::TrainableViews(int64_t unit) const {
+  const Unit& u = units_[unit];
+  std::vector<at::Tensor> views;
+  for (const FlatEntry& e : u.trainable.entries) views.push_back(Flat(u.trainable_whole, e));
+  return views;
+}
+
+void ShardedModel::StartGather(int64_t unit) {
+  Unit& u = units_[unit];
+  if (u.gathered || !u.gathers.empty()) return;
+  MemoryScope scope(MemoryComponent::kCommBuffers);
+  for (auto [slice, whole] : {std::pair{&u.frozen_slice, &u.frozen_whole},
+                              std::pair{&u.trainable_slice, &u.trainable_whole}}) {
+    if (whole->numel() == 0) continue;
+    AllocateStorage(*whole);
+    // Offloaded slices travel to the device first: the same path on a CPU job, a copy.
+    at::Tensor in = options_.offload_params
+                        ? slice->to(device(), /*non_blocking=*/false, /*copy=*/true)
+                        : *slice;
+    u.gathers.push_back(comm_->StartAllGather(in.data_ptr(), whole->data_ptr(),
+                                              static_cast<size_t>(in.numel()) * in.element_size()));
+    u.gather_inputs.push_back(std::move(in));
+  }
+  u.gathered = true;
+}
+
+void ShardedModel::Acquire(int64_t unit) {
+  Unit& u = units_[unit];
+  if (u.refs++ > 0 || options_.stage != 3) return;
+  StartGather(unit);
+  for (auto& work : u.gathers) {
+    absl::Status status = work->Wait();
+    if (!status.ok()) Fail(Annotate(status, absl::StrCat("gathering unit ", unit)));
+  }
+  u.gathers.clear();
+  u.gather_inputs.clear();
+}
+
+void ShardedModel::Release(int64_t unit) {
+  Unit& u = units_[unit];
+  if (--u.refs > 0 || options_.stage != 3) return;
+  FreeStorage(u.frozen_whole);
+  FreeStorage(u.trainable_whole);
+  u.gathered = false;
+}
+
+void ShardedModel::Bind(int64_t unit, int64_t use) {
+  Unit& u = units_[unit];
+  if (options_.stage == 3) {  // below, the frozen weights stay where the model loaded them
+    for (size_t i = 0; i < u.frozen.entries.size(); ++i) {
+      *u.frozen_slots[i] = Flat(u.frozen_whole, u.frozen.entries[i]);
+    }
+  }
+  if (u.trainable.entries.empty()) return;
+  std::vector<at::Tensor> views;
+  if (use >= 0) {
+    views = UnitParams::apply(anchor_, this, unit, use);
+    ++uses_[use].pending;
+  } else {
+    views = TrainableViews(unit);
+  }
+  for (size_t i = 0; i < views.size(); ++i) *u.trainable_slots[i] = views[i];
+}
+
+at::Tensor ShardedModel::Enter(int64_t unit, const at::Tensor& input) {
+  const bool grad = at::GradMode::is_enabled();
+  const int64_t id = next_use_++;
+  Use& use = uses_[id];
+  use.units = {unit};
+  if (unit == num_units() - 1 && tied_) use.units.push_back(0);
+  for (int64_t v : use.units) Acquire(v);
+  if (options_.stage == 3 && options_.prefetch && unit + 1 < num_units()) StartGather(unit + 1);
+  for (int64_t v : use.units) Bind(v, grad ? id : -1);
+  current_use_[unit] = id;
+  if (grad && input.requires_grad()) {
+    ++uses_[id].pending;
+    return AfterUnitBackward::apply(input, this, id);
+  }
+  return input;
+}
+
+at::Tensor ShardedModel::Leave(int64_t unit, const at::Tensor& output) {
+  const int64_t id = current_use_[unit];
+  current_use_[unit] = -1;
+  const Use& use = uses_.at(id);
+  const bool backward = at::GradMode::is_enabled() && output.requires_grad() && use.pending > 0;
+  if (!backward) {
+    ReleaseUse(id);
+    return output;
+  }
+  if (unit == num_units() - 1) return output;  // backward follows at once: stay gathered
+  for (int64_t v : use.units) Release(v);
+  awaits_backward_[unit] = true;
+  return BeforeUnitBackward::apply(output, this, id);
+}
+
+void ShardedModel::BeforeBackward(int64_t id) {
+  const Use& use = uses_.at(id);
+  for (int64_t v : use.units) Acquire(v);
+  const int64_t unit = use.units.front();
+  awaits_backward_[unit] = false;
+  if (options_.stage == 3 && options_.prefetch && unit > 0 && awaits_backward_[unit - 1]) {
+    StartGather(unit - 1);
+  }
+}
+
+void ShardedModel::UseDone(int64_t id) {
+  if (--uses_.at(id).pending == 0) ReleaseUse(id);
+}
+
+void ShardedModel::ReleaseUse(int64_t id) {
+  auto it = uses_.find(id);
+  for (int64_t v : it->second.units) Release(v);
+  uses_.erase(it);
+}
+
+void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& grads) {
+  at::NoGradGuard no_grad;
+  Unit& u = units_[unit];
+  at::Tensor whole;
+  {
+    MemoryScope scope(MemoryComponent::kCommBuffers);
+    whole = at::zeros({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
+  }
+  for (size_t i = 0; i < u.trainable.entries.size() && i < grads.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    const FlatEntry& e = u.trainable.entries[i];
+    whole.slice(0, e.offset, e.offset + e.numel).copy_(grads[i].reshape({-1}));
+  }
+  if (options_.stage == 1) {
+    MemoryScope scope(MemoryComponent::kGradients);
+    if (u.grad_whole.defined()) {
+      u.grad_whole.add_(whole);
+    } else {
+      u.grad_whole = whole;
+    }
+    return;
+  }
+  PendingReduce reduce{unit, whole, at::Tensor(), nullptr};
+  {
+    MemoryScope scope(MemoryComponent::kCommBuffers);
+    reduce.slice = at::empty({u.trainable_shard}, whole.options());
+  }
+  reduce.work =
+      comm_->StartReduceScatterSum(whole.data_ptr(), reduce.slice.data_ptr(),
+                                   static_cast<size_t>(u.trainable_shard), CommDType::kFloat32);
+  reduces_.push_back(std::move(reduce));
+  while (reduces_.size() > kMaxReducesInFlight) DrainOneReduce();
+}
+
+void ShardedModel::DrainOneReduce() {
+  PendingReduce reduce = std::move(reduces_.front());
+  reduces_.pop_front();
+  Check(
+      Annotate(reduce.work->Wait(), absl::StrCat("reducing the gradients of unit ", reduce.unit)));
+  Unit& u = units_[reduce.unit];
+  if (u.grad_slice.defined()) {
+    u.grad_slice.add_(reduce.slice);
+  } else {
+    MemoryScope scope(MemoryComponent::kGradients);
+    u.grad_slice = reduce.slice.clone();
+  }
+}
+
+absl::Status ShardedModel::FinishBackward() {
+  try {
+    at::NoGradGuard no_grad;
+    while (!reduces_.empty()) DrainOneReduce();
+    for (int64_t index = 0; index < num_units(); ++index) {
+      Unit& u = units_[index];
+      if (!u.grad_whole.defined()) continue;
+      MemoryScope scope(MemoryComponent::kGradients);
+      u.grad_slice = at::empty({u.trainable_shard}, u.grad_whole.options());
+      LATHE_RETURN_IF_ERROR(Annotate(
+          comm_->ReduceScatterSum(u.grad_whole.data_ptr(), u.grad_slice.data_ptr(),
+                                  static_cast<size_t>(u.trainable_shard), CommDType::kFloat32),
+          absl::StrCat("reducing the gradients of unit ", index)));
+      u.grad_whole = at::Tensor();
+    }
+    // Uses whose backward never came (no gradient reached them) end with the step.
+    while (!uses_.empty()) ReleaseUse(uses_.begin()->first);
+    for (int64_t index = 0; index < num_units(); ++index) {
+      Unit& u = units_[index];
+      for (auto& work : u.gathers) {
+        LATHE_RETURN_IF_ERROR(Annotate(work->Wait(), absl::StrCat("gathering unit ", index)));
+      }
+      u.gathers.clear();
+      u.gather_inputs.clear();
+      if (options_.stage == 3 && u.refs == 0 && u.gathered) {
+        FreeStorage(u.frozen_whole);
+        FreeStorage(u.trainable_whole);
+        u.gathered = false;
+      }
+      awaits_backward_[index] = false;
+    }
+  } catch (const c10::Error& e) {
+    return error_.ok() ? StatusFromTorchError(e, "finishing backward") : error_;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> ShardedModel::GradNorm() {
+  at::NoGradGuard no_grad;
+  // As AdamW::GradNorm over the parts of tensors this rank owns (on one rank, the very same
+  // float32 arithmetic), then summed over ranks in float64.
+  std::vector<at::Tensor> norms;
+  for (const Unit& u : units_) {
+    if (!u.grad_slice.defined()) continue;
+    const FlatRange owned = OwnedRange(u.trainable.numel, rank_, world_);
+    for (const FlatEntry& e : u.trainable.entries) {
+      const FlatRange part = Intersect(e.range(), owned);
+      if (part.size() == 0) continue;
+      norms.push_back(
+          u.grad_slice.slice(0, part.begin - owned.begin, part.end - owned.begin).norm(2));
+    }
+  }
+  double local = norms.empty() ? 0.0 : at::stack(norms).norm(2).item<double>();
+  double sum_squares = local * local;
+  LATHE_RETURN_IF_ERROR(Annotate(comm_->AllReduceSum(&sum_squares, 1, CommDType::kFloat64),
+                                 "summing the gradient norm across ranks"));
+  return std::sqrt(sum_squares);
+}
+
+void ShardedModel::ScaleGrads(double factor) {
+  at::NoGradGuard no_grad;
+  for (Unit& u : units_) {
+    if (u.grad_slice.defined()) u.grad_slice.mul_(factor);
+  }
+}
+
+void ShardedModel::ZeroGrad() {
+  for (Unit& u : units_) {
+    u.grad_slice = at::Tensor();
+    u.grad_whole = at::Tensor();
+  }
+}
+
+absl::Status ShardedModel::Step(double lr) {
+  at::NoGradGuard no_grad;
+  ++optimizer_steps_;
+  const AdamWOptions& o = options_.adam;
+  // As AdamW::Step, element for element.
+  const double bias_correction1 = 1.0 - std::pow(o.beta1, optimizer_steps_);
+  const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, optimizer_steps_));
+  const double step_size = lr / bias_correction1;
+  try {
+    for (int64_t index = 0; index < num_units(); ++index) {
+      Unit& u = units_[index];
+      if (!u.grad_slice.defined()) continue;
+      const bool offloaded = !u.master.is_same(u.param_slice);
+      const at::Tensor grad =
+          offloaded ? u.grad_slice.to(u.master.device(), false, /*copy=*/true) : u.grad_slice;
+      if (o.weight_decay != 0.0) {
+        for (const FlatRange& r : u.decay_ranges) {
+          u.master.slice(0, r.begin, r.end).mul_(1.0 - lr * o.weight_decay);
+        }
+      }
+      u.exp_avg.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
+      u.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
+      at::Tensor denom = (u.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
+      u.master.addcdiv_(u.exp_avg, denom, -step_size);
+      if (offloaded) u.param_slice.copy_(u.master);
+      if (options_.stage < 3) {
+        // Every rank's updated slice into every rank's whole parameters (in place).
+        const size_t bytes = static_cast<size_t>(u.trainable_shard) * sizeof(float);
+        LATHE_RETURN_IF_ERROR(Annotate(
+            comm_->AllGather(u.param_slice.data_ptr(), u.trainable_whole.data_ptr(), bytes),
+            absl::StrCat("gathering the updated parameters of unit ", index)));
+      }
+    }
+  } catch (const c10::Error& e) {
+    return StatusFromTorchError(e, "the optimizer step");
+  }
+  ZeroGrad();
+  return absl::OkStatus();
+}
+
+void ShardedModel::AddShardTo(TensorsToWrite* out) const {
+  for (int64_t index = 0; index < num_units(); ++index) {
+    const Unit& u = units_[index];
+    const int64_t owned = OwnedRange(u.trainable.numel, rank_, world_).size();
+    if (owned == 0) continue;
+    out->Add(absl::StrCat("unit.", index, ".param"), u.master.slice(0, 0, owned));
+    out->Add(absl::StrCat("unit.", index, ".exp_avg"), u.exp_avg.slice(0, 0, owned));
+    out->Add(absl::StrCat("unit.", index, ".exp_avg_sq"), u.exp_avg_sq.slice(0, 0, owned));
+  }
+}
+
+namespace {
+
+// Reads logical ranges of a unit's flat trainable buffer from a checkpoint of any layout.
+class FlatReader {
+ public:
+  FlatReader(const LoadedCheckpoint& checkpoint) : checkpoint_(checkpoint) {}
+
+  // Copies elements [range) of `kind` ("param", "exp_avg", "exp_avg_sq") of unit `unit`
+  // (laid out as `layout`) into out[0, range.size()).
+  absl::Status Read(int64_t unit, const FlatLayout& layout, const std::string& kind,
+                    const FlatRange& range, at::Tensor out) const {
+    const int64_t world = checkpoint_.state.shard_world;
+    if (world == 0) {  // named tensors of a stage-0 run
+      for (const FlatEntry& e : layout.entries) {
+        const FlatRange part = Intersect(e.range(), range);
+        if (part.size() == 0) continue;
+        const bool param = kind == "param";
+        const std::shared_ptr<const SafetensorsFile>& file =
+            param ? checkpoint_.trainable : checkpoint_.optimizer;
+        const std::string name = param ? e.name : absl::StrCat(kind, ".", e.name);
+        LATHE_ASSIGN_OR_RETURN(at::Tensor t, Tensor(file, name, e.numel));
+        out.slice(0, part.begin - range.begin, part.end - range.begin)
+            .copy_(t.slice(0, part.begin - e.offset, part.end - e.offset));
+      }
+      return absl::OkStatus();
+    }
+    for (int64_t r = 0; r < world; ++r) {
+      const FlatRange theirs = OwnedRange(layout.numel, r, world);
+      const FlatRange part = Intersect(theirs, range);
+      if (part.size() == 0) continue;
+      auto file = checkpoint_.files.find(ShardFileName(r));
+      if (file == checkpoint_.files.end()) {
+        return absl::DataLossError(
+            absl::StrCat(checkpoint_.dir, ": ", ShardFileName(r), " is missing"));
+      }
+      LATHE_ASSIGN_OR_RETURN(
+          at::Tensor t,
+          Tensor(file->second, absl::StrCat("unit.", unit, ".", kind), theirs.size()));
+      out.slice(0, part.begin - range.begin, part.end - range.begin)
+          .copy_(t.slice(0, part.begin - theirs.begin, part.end - theirs.begin));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  static absl::StatusOr<at::Tensor> Tensor(const std::shared_ptr<const SafetensorsFile>& file,
+                                           const std::string& name, int64_t numel) {
+    const TensorView* view = file ? file->Find(name) : nullptr;
+    int64_t count = 1;
+    if (view != nullptr) {
+      for (int64_t d : view->shape) count *= d;
+    }
+    if (view == nullptr || count != numel) {
+      return absl::DataLossError(absl::StrCat(file ? file->path() : "checkpoint", ": tensor \"",
+                                              name, "\" is missing or has another size"));
+    }
+    LATHE_ASSIGN_OR_RETURN(at::Tensor t, TensorFromFile({view, file}, at::kFloat, false));
+    return t.reshape({-1});
+  }
+
+  const LoadedCheckpoint& checkpoint_;
+};
+
+}  // namespace
+
+absl::Status ShardedModel::Restore(const LoadedCheckpoint& checkpoint) {
+  at::NoGradGuard no_grad;
+  FlatReader reader(checkpoint);
+  try {
+    for (int64_t index = 0; index < num_units(); ++index) {
+      Unit& u = units_[index];
+      const FlatRange owned = OwnedRange(u.trainable.numel, rank_, world_);
+      if (options_.stage < 3) {
+        // Every rank holds the whole parameters: read them all, no collective needed.
+        LATHE_RETURN_IF_ERROR(
+            reader.Read(index, u.trainable, "param", {0, u.trainable.numel}, u.trainable_whole));
+      } else {
+        LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "param", owned, u.param_slice));
+      }
+      if (!u.master.is_same(u.param_slice)) u.master.copy_(u.param_slice);
+      LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "exp_avg", owned, u.exp_avg));
+      LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "exp_avg_sq", owned, u.exp_avg_sq));
+    }
+  } catch (const c10::Error& e) {
+    return StatusFromTorchError(e, absl::StrCat("restoring ", checkpoint.dir));
+  }
+  optimizer_steps_ = checkpoint.state.optimizer_steps;
+  return absl::OkStatus();
+}
+
+absl::Status ShardedModel::ForEachTrainableUnit(
+    const std::function<absl::Status(int64_t,
+                                     const std::vector<std::pair<std::string, at::Tensor>>&)>& fn) {
+  at::NoGradGuard no_grad;
+  for (int64_t index = 0; index < num_units(); ++index) {
+    Unit& u = units_[index];
+    if (u.trainable.entries.empty()) continue;
+    at::Tensor whole = u.trainable_whole;
+    if (options_.stage == 3) {
+      MemoryScope scope(MemoryComponent::kCommBuffers);
+      whole = at::empty({world_ * u.trainable_shard}, u.trainable_whole.options());
+      at::Tensor in = u.trainable_slice.to(device());
+      LATHE_RETURN_IF_ERROR(
+          Annotate(comm_->AllGather(in.data_ptr(), whole.data_ptr(),
+                                    static_cast<size_t>(in.numel()) * in.element_size()),
+                   absl::StrCat("gathering unit ", index)));
+    }
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const FlatEntry& e : u.trainable.entries) tensors.emplace_back(e.name, Flat(whole, e));
+    LATHE_RETURN_IF_ERROR(fn(index, tensors));
+  }
+  return absl::OkStatus();
+}
+
+ShardBytes ShardedModel::bytes() const {
+  ShardBytes b;
+  for (const Unit& u : units_) {
+    const int64_t frozen_elem = c10::elementSize(u.frozen_dtype);
+    if (options_.stage == 3) {
+      b.frozen += u.frozen_shard * frozen_elem;
+      b.trainable += u.trainable_shard * 4;
+      b.largest_unit =
+          std::max(b.largest_unit, world_ * (u.frozen_shard * frozen_elem + u.trainable_shard * 4));
+    } else {
+      b.frozen += u.frozen.numel * frozen_elem;
+      b.trainable += world_ * u.trainable_shard * 4;
+    }
+    b.gradients += (options_.stage == 1 ? world_ : 1) * u.trainable_shard * 4;
+    b.optimizer += (u.master.is_same(u.param_slice) ? 2 : 3) * u.trainable_shard * 4;
+  }
+  return b;
+}
+
+}  // namespace lathe

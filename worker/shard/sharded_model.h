@@ -1,0 +1,195 @@
+// ZeRO stages 1-3 over a CausalLm (docs/sharding.md): FSDP-style units with flat buffers,
+// each rank owning a contiguous 1/N slice of every unit, the optimizer on the slices, and
+// optional CPU offload of the optimizer and (stage 3) of the parameter slices.
+//
+//   stage 1  every rank holds the whole model and accumulates whole gradients over the
+//            step's micro-batches; at the end of the step they are reduce-scattered unit by
+//            unit, each rank updates its slice and the slices are all-gathered back.
+//   stage 2  as 1, but each unit's gradient is reduce-scattered during backward, as soon as
+//            the unit's backward is done (every micro-batch), and the whole gradient freed.
+//   stage 3  as 2, and every unit's parameters (frozen base included) are sharded too: a
+//            unit is all-gathered just before its forward, freed after it, gathered again
+//            just before its backward and freed after; with prefetch the next unit's gather
+//            runs while the current one computes.
+//
+// The model calls the ShardedModel around every unit (CausalLm::set_unit_hooks); gradients
+// arrive through autograd. The trainer then calls FinishBackward, GradNorm, ScaleGrads and
+// Step, which are collectives: every rank calls them in the same order.
+//
+// Errors: a failed collective inside forward or backward throws c10::Error (autograd's only
+// way out) and is kept: error() returns its status (ABORTED, DEADLINE_EXCEEDED, ...).
+//
+// Thread-safety: not thread-safe; the trainer's thread drives it (autograd calls back on the
+// same thread on the CPU).
+#ifndef LATHE_WORKER_SHARD_SHARDED_MODEL_H_
+#define LATHE_WORKER_SHARD_SHARDED_MODEL_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "worker/comm/communicator.h"
+#include "worker/engine/adamw.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/engine/checkpoint.h"
+#include "worker/engine/weights.h"
+#include "worker/shard/flat_layout.h"
+
+namespace lathe {
+
+struct ShardOptions {
+  int64_t stage = 1;  // 1, 2 or 3
+  // Optimizer state and the AdamW step in host memory; the gradient slice is copied there
+  // and the updated parameters copied back.
+  bool offload_optimizer = false;
+  // Stage 3: parameter slices in host memory, copied to the device as a unit is gathered.
+  // The optimizer step then runs where they are (the host).
+  bool offload_params = false;
+  // Stage 3: start gathering the next unit (forward) or the previous one (backward) while
+  // the current one computes.
+  bool prefetch = true;
+  AdamWOptions adam;
+};
+
+// Bytes this rank holds, by what they are (for the memory report on CUDA and the docs'
+// formulas).
+struct ShardBytes {
+  int64_t frozen = 0;        // frozen weights: whole (stages 1-2) or the slices (stage 3)
+  int64_t trainable = 0;     // trainable parameters: whole (stages 1-2) or the slices
+  int64_t gradients = 0;     // whole (stage 1) or the slices
+  int64_t optimizer = 0;     // moments (and the master slice when offloaded)
+  int64_t largest_unit = 0;  // the largest gathered unit (stage 3), frozen and trainable
+};
+
+class ShardedModel final : public UnitHooks {
+ public:
+  // Takes over `model`'s unit tensors (CausalLm::UnitTensors): for stage 3 the model must
+  // have been loaded with ModelOptions::keep_mapped, and each rank copies only its slices.
+  // Trainable tensors become views of flat buffers; the model is hooked. Neither `model`
+  // nor `comm` is owned; both must outlive this. INVALID_ARGUMENT for a stage outside 1..3
+  // or offload_params below stage 3.
+  static absl::StatusOr<std::unique_ptr<ShardedModel>> Create(CausalLm* model, Communicator* comm,
+                                                              const ShardOptions& options);
+  ~ShardedModel() override;
+
+  // UnitHooks.
+  at::Tensor Enter(int64_t unit, const at::Tensor& input) override;
+  at::Tensor Leave(int64_t unit, const at::Tensor& output) override;
+
+  // After the last micro-batch's backward of a step: completes the gradient reduction, so
+  // that every rank holds the sum over ranks and micro-batches of its gradient slices.
+  absl::Status FinishBackward();
+  // The L2 norm of the whole gradient (a collective; the same on every rank).
+  absl::StatusOr<double> GradNorm();
+  void ScaleGrads(double factor);
+  // AdamW on this rank's slices with learning rate `lr`, then (stages 1-2) the updated slices
+  // all-gathered into every rank's whole parameters. Frees the gradients.
+  absl::Status Step(double lr);
+  // Frees the gradients without an update (a skipped step).
+  void ZeroGrad();
+  int64_t optimizer_steps() const { return optimizer_steps_; }
+
+  // This rank's slices for a checkpoint: "unit.<u>.param", "unit.<u>.exp_avg",
+  // "unit.<u>.exp_avg_sq" (the logical elements this rank owns, padding excluded).
+  void AddShardTo(TensorsToWrite* out) const;
+  // Restores the trainable parameters and the moments from `checkpoint`, written by a run
+  // of any stage on any number of ranks (named tensors of a stage-0 run, or the slices of
+  // AddShardTo with their world size in the state). DATA_LOSS naming the file and tensor
+  // when one is missing or has another size.
+  absl::Status Restore(const LoadedCheckpoint& checkpoint);
+
+  // Calls `fn` on every rank with each unit's whole trainable tensors by name (float32,
+  // on the device), one unit at a time; at stage 3 each unit is all-gathered for the call
+  // and freed after it (a collective: every rank calls this).
+  absl::Status ForEachTrainableUnit(
+      const std::function<
+          absl::Status(int64_t unit, const std::vector<std::pair<std::string, at::Tensor>>&)>& fn);
+
+  ShardBytes bytes() const;
+  // The first collective error met inside forward or backward (OK when none).
+  const absl::Status& error() const { return error_; }
+  int64_t stage() const { return options_.stage; }
+  int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
+
+  // The autograd functions' callbacks (public for them; not for other callers).
+  void UnitGradients(int64_t unit, const std::vector<at::Tensor>& grads);
+  void BeforeBackward(int64_t use);
+  void UseDone(int64_t use);
+  // The trainable views of `unit`'s whole buffer, one per trainable tensor.
+  std::vector<at::Tensor> TrainableViews(int64_t unit) const;
+
+ private:
+  struct Unit {
+    std::vector<at::Tensor*> frozen_slots, trainable_slots;
+    FlatLayout frozen, trainable;
+    int64_t frozen_shard = 0, trainable_shard = 0;  // elements per rank (S)
+    at::ScalarType frozen_dtype = at::kFloat;
+    // Stage 3: this rank's slices (host memory with offload_params).
+    at::Tensor frozen_slice, trainable_slice;
+    // The whole unit, [world * S]: stages 1-2 keep the trainable one; stage 3 gathers both
+    // and frees their storage when the unit is released.
+    at::Tensor frozen_whole, trainable_whole;
+    int refs = 0;
+    bool gathered = false;
+    std::vector<std::unique_ptr<CommWork>> gathers;  // a gather in flight (prefetch)
+    std::vector<at::Tensor> gather_inputs;           // kept alive until it is waited for
+    // Gradients: the summed slice, and (stage 1) the whole gradient summed over the step.
+    at::Tensor grad_slice, grad_whole;
+    // Optimizer: the master slice (the device slice itself unless offloaded) and AdamW's
+    // moments; decay_ranges are the parts of the slice AdamW decays.
+    at::Tensor param_slice, master, exp_avg, exp_avg_sq;
+    std::vector<FlatRange> decay_ranges;
+  };
+  // One forward pass through a unit (with the head's tied embeddings, two units): released
+  // when its backward events (the input's gradient, the parameters' gradients) are done.
+  struct Use {
+    std::vector<int64_t> units;
+    int pending = 0;
+  };
+  struct PendingReduce {
+    int64_t unit;
+    at::Tensor whole, slice;
+    std::unique_ptr<CommWork> work;
+  };
+
+  ShardedModel(CausalLm* model, Communicator* comm, const ShardOptions& options);
+  absl::Status Init();
+  // Throws c10::Error after keeping `status` in error_.
+  [[noreturn]] void Fail(const absl::Status& status);
+  void Check(const absl::Status& status) {
+    if (!status.ok()) Fail(status);
+  }
+  void StartGather(int64_t unit);
+  void Acquire(int64_t unit);
+  void Release(int64_t unit);
+  void Bind(int64_t unit, int64_t use);
+  void DrainOneReduce();
+  void ReleaseUse(int64_t use);
+  at::Device device() const { return model_->options().device; }
+  at::Device master_device() const;
+
+  CausalLm* model_;
+  Communicator* comm_;
+  ShardOptions options_;
+  int64_t rank_ = 0, world_ = 1;
+  std::vector<Unit> units_;
+  bool tied_ = false;
+  at::Tensor anchor_;  // an empty leaf that requires grad: the input of UnitParams nodes
+  std::map<int64_t, Use> uses_;
+  int64_t next_use_ = 0;
+  std::vector<int64_t> current_use_;   // by unit: the use between Enter and Leave
+  std::vector<bool> awaits_backward_;  // by unit: gathered again before its backward
+  std::deque<PendingReduce> reduces_;
+  int64_t optimizer_steps_ = 0;
+  absl::Status error_;
+};
+
+}  // namespace lathe
+
+#endif  // LATHE_WORKER_SHARD_SHARDED_MODEL_H_
