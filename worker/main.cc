@@ -30,9 +30,10 @@
 #include "common/proto/trainer_io.h"
 #include "grpcpp/grpcpp.h"
 #include "worker/agent/agent_main.h"
-#include "worker/comm/gloo_communicator.h"
 #include "worker/comm/grpc_kv_store.h"
 #endif
+#include "worker/comm/file_kv_store.h"
+#include "worker/comm/gloo_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/memory_tracker.h"
@@ -69,6 +70,14 @@ const std::vector<FlagSpec> kTrainFlags = {
 #endif
     {"output", true, "table | json: one TrainerEvent per line (default table)"},
     {"threads", true, "intra-op threads (default: every core)"},
+    {"rank", true, "with --spec: this process's rank (default 0)"},
+    {"world-size", true, "with --spec: the number of ranks; must equal resources.ranks"},
+    {"rendezvous-dir", true,
+     "with --spec and several ranks: a directory every rank reaches, where they meet"},
+    {"collective-timeout", true,
+     "seconds a collective waits for the other ranks before it fails (default: the task's, "
+     "else 60)"},
+    {"prefetch", true, "on | off: ZeRO-3 gathers the next unit while one computes (default on)"},
     {"peak-flops", true,
      "the device's peak FLOP/s for MFU (default: the task's, else looked up (CUDA) or measured "
      "(CPU))"},
@@ -82,6 +91,7 @@ struct TrainJob {
   std::string job_id;
   int64_t generation = 0;
   std::string rendezvous_address;
+  std::string rendezvous_dir;                             // --spec with several ranks
   absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
 };
 
@@ -93,6 +103,20 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
   if (flags.Has("spec")) {
     LATHE_ASSIGN_OR_RETURN(job.spec, LoadJobSpec(flags.Get("spec")));
     job.plan = PlanFromSpec(job.spec);
+    LATHE_ASSIGN_OR_RETURN(job.options.rank, flags.GetInt("rank", 0));
+    LATHE_ASSIGN_OR_RETURN(job.options.world_size, flags.GetInt("world-size", 1));
+    job.rendezvous_dir = flags.Get("rendezvous-dir", "");
+    if (job.options.world_size != job.plan.ranks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "resources.ranks: ", job.plan.ranks, " but --world-size is ", job.options.world_size));
+    }
+    if (job.options.rank < 0 || job.options.rank >= job.options.world_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--rank: ", job.options.rank, " is outside world size ", job.options.world_size));
+    }
+  } else if (flags.Has("rank") || flags.Has("world-size") || flags.Has("rendezvous-dir")) {
+    return absl::InvalidArgumentError(
+        "--rank, --world-size and --rendezvous-dir go with --spec (a task names its own)");
   }
 #ifdef LATHE_WITH_AGENT
   if (flags.Has("task")) {
@@ -118,6 +142,20 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
     return absl::InvalidArgumentError(absl::StrCat("--peak-flops: must be > 0, got ", peak));
   }
   if (peak > 0) job.options.peak_flops = peak;
+  if (flags.Has("collective-timeout")) {
+    LATHE_ASSIGN_OR_RETURN(double seconds, flags.GetDouble("collective-timeout", 60));
+    if (seconds <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--collective-timeout: must be > 0 seconds, got ", seconds));
+    }
+    job.collective_timeout = absl::Seconds(seconds);
+  }
+  const std::string prefetch = flags.Get("prefetch", "on");
+  if (prefetch != "on" && prefetch != "off") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--prefetch: expected on or off, got \"", prefetch, "\""));
+  }
+  job.options.prefetch = prefetch == "on";
   return job;
 }
 
@@ -208,21 +246,27 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
   MemoryTracker::Install();  // before any thread allocates through libtorch
   LATHE_ASSIGN_OR_RETURN(TrainJob job, LoadTrainJob(flags));
   const JobSpec& spec = job.spec;
-#ifdef LATHE_WITH_AGENT
-  // Several ranks meet through the coordinator's rendezvous store and talk over gloo.
+  // Several ranks meet through the coordinator's rendezvous store (a task) or a shared
+  // directory (--spec), and talk over gloo.
   std::unique_ptr<KvStore> store;
   std::unique_ptr<Communicator> comm;
   if (job.options.world_size > 1) {
-    if (job.rendezvous_address.empty() || job.job_id.empty()) {
+    if (!job.rendezvous_dir.empty()) {
+      LATHE_ASSIGN_OR_RETURN(store, FileKvStore::Open(job.rendezvous_dir));
+#ifdef LATHE_WITH_AGENT
+    } else if (!job.rendezvous_address.empty() && !job.job_id.empty()) {
+      GrpcKvStoreOptions store_options;
+      store_options.job_id = job.job_id;
+      store_options.generation = job.generation;
+      store = std::make_unique<GrpcKvStore>(
+          grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
+          store_options);
+#endif
+    } else {
       return absl::InvalidArgumentError(
-          "the task's world_size is above 1 but it names no rendezvous_address or job_id");
+          "several ranks need a place to meet: --rendezvous-dir with --spec, or a task that "
+          "names its rendezvous_address and job_id");
     }
-    GrpcKvStoreOptions store_options;
-    store_options.job_id = job.job_id;
-    store_options.generation = job.generation;
-    store = std::make_unique<GrpcKvStore>(
-        grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
-        store_options);
     GlooOptions gloo;
     gloo.timeout = job.collective_timeout;
     absl::StatusOr<std::unique_ptr<Communicator>> connected =
@@ -232,7 +276,6 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
     comm = *std::move(connected);
     job.options.comm = comm.get();
   }
-#endif
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                          Trainer::Create(spec, job.plan, job.options));
   for (const std::string& skipped : trainer->skipped_checkpoints()) {

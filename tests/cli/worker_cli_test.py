@@ -152,6 +152,44 @@ class WorkerTrainBadInputTest(unittest.TestCase):
         self.expect_spec_error(self.spec(data__seq_len=65), "data.seq_len", "65",
                                "max_position_embeddings 64")
 
+    def expect_flag_error(self, spec, flags, *fragments):
+        result = run("lathe-worker", "train", "--spec", self.write("job.json", json.dumps(spec)),
+                     *flags)
+        self.assertNotEqual(result.returncode, 0, result.stdout)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        for fragment in fragments:
+            self.assertIn(fragment, lines[0])
+        self.assertFalse(os.path.exists(self.output), "bad input left output behind")
+
+    def test_several_ranks_without_a_place_to_meet(self):
+        two = self.spec(resources={"ranks": 2, "device": "cpu"})
+        self.expect_flag_error(two, ["--rank", "0", "--world-size", "2"], "--rendezvous-dir")
+
+    def test_world_size_other_than_the_specs_ranks(self):
+        self.expect_flag_error(self.spec(), ["--world-size", "2", "--rendezvous-dir", self.dir],
+                               "resources.ranks: 1", "--world-size is 2")
+
+    def test_bad_prefetch_and_collective_timeout(self):
+        self.expect_flag_error(self.spec(), ["--prefetch", "maybe"], "--prefetch", "maybe")
+        self.expect_flag_error(self.spec(), ["--collective-timeout", "0"],
+                               "--collective-timeout")
+
+    def test_two_ranks_meet_in_a_directory_and_shard_with_zero3(self):
+        spec = self.write("job.json", json.dumps(self.spec(
+            resources={"ranks": 2, "device": "cpu"}, strategy={"zero_stage": 3})))
+        rendezvous = os.path.join(self.dir, "rendezvous")
+        procs = [subprocess.Popen(
+            [os.path.join(BIN, "lathe-worker"), "train", "--spec", spec, "--rank", str(r),
+             "--world-size", "2", "--rendezvous-dir", rendezvous, "--threads", "1",
+             "--collective-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True) for r in range(2)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            self.assertEqual(proc.returncode, 0, err)
+        self.assertTrue(os.path.isfile(os.path.join(self.output, "adapter",
+                                                    "adapter_model.safetensors")))
+
     def test_usage_error_exits_2(self):
         result = run("lathe-worker", "train", "--no-such-flag")
         self.assertEqual(result.returncode, 2)

@@ -16,6 +16,8 @@
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
 #include "tests/testing/status_matchers.h"
+#include "tests/testing/temp_dir.h"
+#include "worker/comm/file_kv_store.h"
 #include "worker/comm/grpc_kv_store.h"
 #include "worker/comm/memory_kv_store.h"
 #include "worker/comm/prefix_kv_store.h"
@@ -53,6 +55,15 @@ class PrefixUnderTest final : public StoreUnderTest {
  private:
   MemoryKvStore base_;
   PrefixKvStore prefixed_{&base_, "attempt-1"};
+};
+
+class FileUnderTest final : public StoreUnderTest {
+ public:
+  KvStore& store() override { return *store_; }
+
+ private:
+  testing::TempDir dir_;
+  std::unique_ptr<FileKvStore> store_ = *FileKvStore::Open(dir_.Path("rendezvous"));
 };
 
 class GrpcUnderTest final : public StoreUnderTest {
@@ -159,6 +170,7 @@ INSTANTIATE_TEST_SUITE_P(
     Stores, KvStoreContractTest,
     ::testing::Values(StoreParam{"Memory", [] { return std::make_unique<MemoryUnderTest>(); }},
                       StoreParam{"Prefix", [] { return std::make_unique<PrefixUnderTest>(); }},
+                      StoreParam{"File", [] { return std::make_unique<FileUnderTest>(); }},
                       StoreParam{"Grpc", [] { return std::make_unique<GrpcUnderTest>(); }}),
     [](const ::testing::TestParamInfo<StoreParam>& param_info) { return param_info.param.name; });
 

@@ -4,7 +4,8 @@
 //
 // Implementations: MemoryKvStore (in-process, for tests and single-process groups),
 // GrpcKvStore (the coordinator's RendezvousService, scoped by job and generation) and the
-// PrefixKvStore decorator (a namespace per communicator or per attempt).
+// PrefixKvStore decorator (a namespace per communicator or per attempt) and FileKvStore (a
+// directory, for trainers started without a coordinator).
 //
 // Values are arbitrary bytes. Keys are never deleted while a store is in use; a key set
 // twice keeps the later value.

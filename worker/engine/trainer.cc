@@ -269,6 +269,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
     shard.stage = plan.zero_stage;
     shard.offload_optimizer = plan.offload_optimizer;
     shard.offload_params = plan.offload_params;
+    shard.prefetch = options.prefetch;
     shard.adam = {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
     LATHE_ASSIGN_OR_RETURN(trainer->sharded_,
                            ShardedModel::Create(trainer->model_.get(), comm, shard));

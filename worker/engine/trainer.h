@@ -53,6 +53,8 @@ struct TrainerOptions {
   // Peak FLOP/s of this rank's device for MFU; 0: looked up (CUDA) or measured (CPU) by
   // PeakFlopsFor (peak_flops.h).
   double peak_flops = 0.0;
+  // ZeRO-3: gather the next unit while the current one computes (worker/shard).
+  bool prefetch = true;
 };
 
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
