@@ -131,5 +131,36 @@ TEST_F(CheckpointStoreTest, InterruptedSavesLeaveNoTrace) {
   EXPECT_THAT(names, ElementsAre("step-00000010"));
 }
 
+TEST_F(CheckpointStoreTest, ShardFilesOfSeveralRanksAreCommittedAndVerifiedTogether) {
+  CheckpointStore store(dir_.Path("ckpt"), 3);
+  ASSERT_TRUE(store.Prepare(10).ok());
+  for (int rank = 0; rank < 2; ++rank) {  // what each rank writes
+    float values[2] = {1.0f * rank, 2.0f};
+    TensorToWrite slice{"unit.1.param", DType::kF32, {2}, values, sizeof(values)};
+    ASSERT_TRUE(WriteSafetensors(store.TempDir(10) + "/" + ShardFileName(rank), {&slice, 1}).ok());
+  }
+  TrainingState state = State(10);
+  state.shard_world = 2;
+  ASSERT_TRUE(store.Commit(state).ok());
+  absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = store.LoadNewest(nullptr);
+  ASSERT_TRUE(loaded.ok() && loaded->has_value()) << loaded.status();
+  EXPECT_EQ((*loaded)->state.shard_world, 2);
+  EXPECT_EQ((*loaded)->trainable, nullptr);
+  ASSERT_EQ((*loaded)->files.size(), 2u);
+  const TensorView* slice = (*loaded)->files.at("shard-00001.safetensors")->Find("unit.1.param");
+  ASSERT_NE(slice, nullptr);
+  EXPECT_EQ(reinterpret_cast<const float*>(slice->data)[0], 1.0f);
+
+  // A rank's file that went missing, or changed, fails verification: the checkpoint is
+  // skipped, never half-loaded.
+  fs::remove(StepDir(10) + "/shard-00001.safetensors");
+  std::vector<std::string> rejected;
+  loaded = store.LoadNewest(&rejected);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_FALSE(loaded->has_value());
+  ASSERT_EQ(rejected.size(), 1u);
+  EXPECT_THAT(rejected[0], HasSubstr("shard-00001.safetensors: missing"));
+}
+
 }  // namespace
 }  // namespace lathe

@@ -598,8 +598,11 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW* optimiz
     } else if (options_.world_size > 1) {
       LATHE_RETURN_IF_ERROR(AllReduceGradients(*optimizer));
     }
+    const double reduce_seconds = lap();
     LATHE_RETURN_IF_ERROR(SumAcrossRanks(&loss_sum, "summing the loss across ranks"));
-    phases.comm += lap();
+    // Sharded: the time blocked on every collective of the step so far, those inside forward
+    // and backward (and so inside those phases too) included; the optimizer's come below.
+    phases.comm += (sharded_ ? sharded_->TakeCommSeconds() : reduce_seconds) + lap();
   }
   auto scale_grads = [&](double factor) {
     sharded_ ? sharded_->ScaleGrads(factor) : optimizer->ScaleGrads(factor);
@@ -633,6 +636,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW* optimiz
   }
   zero_grads();
   phases.optimizer += lap();
+  if (sharded_) phases.comm += sharded_->TakeCommSeconds();
   return absl::OkStatus();
 }
 

@@ -60,10 +60,12 @@ struct TrainerOptions {
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
 // (kernels run asynchronously; the loss read-back at the end of backward synchronises).
 struct PhaseSeconds {
-  double forward = 0.0;    // embeddings to the final norm
-  double loss = 0.0;       // LM head and cross-entropy
-  double backward = 0.0;   // everything's backward (recomputation included)
-  double comm = 0.0;       // gradient sum across ranks
+  double forward = 0.0;   // embeddings to the final norm
+  double loss = 0.0;      // LM head and cross-entropy
+  double backward = 0.0;  // everything's backward (recomputation included)
+  // Gradient sum across ranks; sharded (worker/shard), the time blocked on any collective,
+  // also inside forward, backward and the optimizer step (and so inside those phases too).
+  double comm = 0.0;
   double optimizer = 0.0;  // unscaling, norm, clipping, AdamW, zeroing
 };
 

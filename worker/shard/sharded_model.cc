@@ -1,5 +1,6 @@
 #include "worker/shard/sharded_model.h"
 
+#include <chrono>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -239,6 +240,19 @@ absl::Status ShardedModel::Init() {
   return absl::OkStatus();
 }
 
+absl::Status ShardedModel::Timed(const std::function<absl::Status()>& wait) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status = wait();
+  comm_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return status;
+}
+
+double ShardedModel::TakeCommSeconds() {
+  const double seconds = comm_seconds_;
+  comm_seconds_ = 0.0;
+  return seconds;
+}
+
 void ShardedModel::Fail(const absl::Status& status) {
   if (error_.ok()) error_ = status;
   TORCH_CHECK(false, std::string(status.message()));
@@ -275,7 +289,7 @@ void ShardedModel::Acquire(int64_t unit) {
   if (u.refs++ > 0 || options_.stage != 3) return;
   StartGather(unit);
   for (auto& work : u.gathers) {
-    absl::Status status = work->Wait();
+    absl::Status status = Timed([&] { return work->Wait(); });
     if (!status.ok()) Fail(Annotate(status, absl::StrCat("gathering unit ", unit)));
   }
   u.gathers.clear();
@@ -365,7 +379,9 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
   Unit& u = units_[unit];
   at::Tensor whole;
   {
-    MemoryScope scope(MemoryComponent::kCommBuffers);
+    // Stage 1 keeps it (the step's whole gradient); above, a bucket on its way to be reduced.
+    MemoryScope scope(options_.stage == 1 ? MemoryComponent::kGradients
+                                          : MemoryComponent::kCommBuffers);
     whole = at::zeros({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
   }
   for (size_t i = 0; i < u.trainable.entries.size() && i < grads.size(); ++i) {
@@ -374,7 +390,6 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
     whole.slice(0, e.offset, e.offset + e.numel).copy_(grads[i].reshape({-1}));
   }
   if (options_.stage == 1) {
-    MemoryScope scope(MemoryComponent::kGradients);
     if (u.grad_whole.defined()) {
       u.grad_whole.add_(whole);
     } else {
@@ -397,8 +412,8 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
 void ShardedModel::DrainOneReduce() {
   PendingReduce reduce = std::move(reduces_.front());
   reduces_.pop_front();
-  Check(
-      Annotate(reduce.work->Wait(), absl::StrCat("reducing the gradients of unit ", reduce.unit)));
+  Check(Annotate(Timed([&] { return reduce.work->Wait(); }),
+                 absl::StrCat("reducing the gradients of unit ", reduce.unit)));
   Unit& u = units_[reduce.unit];
   if (u.grad_slice.defined()) {
     u.grad_slice.add_(reduce.slice);
@@ -417,10 +432,13 @@ absl::Status ShardedModel::FinishBackward() {
       if (!u.grad_whole.defined()) continue;
       MemoryScope scope(MemoryComponent::kGradients);
       u.grad_slice = at::empty({u.trainable_shard}, u.grad_whole.options());
-      LATHE_RETURN_IF_ERROR(Annotate(
-          comm_->ReduceScatterSum(u.grad_whole.data_ptr(), u.grad_slice.data_ptr(),
-                                  static_cast<size_t>(u.trainable_shard), CommDType::kFloat32),
-          absl::StrCat("reducing the gradients of unit ", index)));
+      LATHE_RETURN_IF_ERROR(Annotate(Timed([&] {
+                                       return comm_->ReduceScatterSum(
+                                           u.grad_whole.data_ptr(), u.grad_slice.data_ptr(),
+                                           static_cast<size_t>(u.trainable_shard),
+                                           CommDType::kFloat32);
+                                     }),
+                                     absl::StrCat("reducing the gradients of unit ", index)));
       u.grad_whole = at::Tensor();
     }
     // Uses whose backward never came (no gradient reached them) end with the step.
@@ -428,7 +446,8 @@ absl::Status ShardedModel::FinishBackward() {
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
       for (auto& work : u.gathers) {
-        LATHE_RETURN_IF_ERROR(Annotate(work->Wait(), absl::StrCat("gathering unit ", index)));
+        LATHE_RETURN_IF_ERROR(
+            Annotate(Timed([&] { return work->Wait(); }), absl::StrCat("gathering unit ", index)));
       }
       u.gathers.clear();
       u.gather_inputs.clear();
@@ -462,8 +481,9 @@ absl::StatusOr<double> ShardedModel::GradNorm() {
   }
   double local = norms.empty() ? 0.0 : at::stack(norms).norm(2).item<double>();
   double sum_squares = local * local;
-  LATHE_RETURN_IF_ERROR(Annotate(comm_->AllReduceSum(&sum_squares, 1, CommDType::kFloat64),
-                                 "summing the gradient norm across ranks"));
+  LATHE_RETURN_IF_ERROR(
+      Annotate(Timed([&] { return comm_->AllReduceSum(&sum_squares, 1, CommDType::kFloat64); }),
+               "summing the gradient norm across ranks"));
   return std::sqrt(sum_squares);
 }
 
@@ -509,9 +529,12 @@ absl::Status ShardedModel::Step(double lr) {
       if (options_.stage < 3) {
         // Every rank's updated slice into every rank's whole parameters (in place).
         const size_t bytes = static_cast<size_t>(u.trainable_shard) * sizeof(float);
-        LATHE_RETURN_IF_ERROR(Annotate(
-            comm_->AllGather(u.param_slice.data_ptr(), u.trainable_whole.data_ptr(), bytes),
-            absl::StrCat("gathering the updated parameters of unit ", index)));
+        LATHE_RETURN_IF_ERROR(
+            Annotate(Timed([&] {
+                       return comm_->AllGather(u.param_slice.data_ptr(),
+                                               u.trainable_whole.data_ptr(), bytes);
+                     }),
+                     absl::StrCat("gathering the updated parameters of unit ", index)));
       }
     }
   } catch (const c10::Error& e) {

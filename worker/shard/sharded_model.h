@@ -112,6 +112,9 @@ class ShardedModel final : public UnitHooks {
           absl::Status(int64_t unit, const std::vector<std::pair<std::string, at::Tensor>>&)>& fn);
 
   ShardBytes bytes() const;
+  // Seconds this rank spent blocked on collectives since the last call: what communication
+  // prefetch and the overlap with backward did not hide.
+  double TakeCommSeconds();
   // The first collective error met inside forward or backward (OK when none).
   const absl::Status& error() const { return error_; }
   int64_t stage() const { return options_.stage; }
@@ -162,6 +165,8 @@ class ShardedModel final : public UnitHooks {
   absl::Status Init();
   // Throws c10::Error after keeping `status` in error_.
   [[noreturn]] void Fail(const absl::Status& status);
+  // Runs `wait` (a collective, or waiting for one) and adds its time to comm_seconds_.
+  absl::Status Timed(const std::function<absl::Status()>& wait);
   void Check(const absl::Status& status) {
     if (!status.ok()) Fail(status);
   }
@@ -187,6 +192,7 @@ class ShardedModel final : public UnitHooks {
   std::vector<bool> awaits_backward_;  // by unit: gathered again before its backward
   std::deque<PendingReduce> reduces_;
   int64_t optimizer_steps_ = 0;
+  double comm_seconds_ = 0.0;
   absl::Status error_;
 };
 
