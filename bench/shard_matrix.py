@@ -65,8 +65,6 @@ def main():
     runs = []
     for method in ("lora", "full"):
         for precision in ("fp32", "bf16", "fp16"):
-            if precision != "fp32" and method == "full":
-                continue
             reference = losses(f"{method}-{precision}-single", 1, method=method,
                                precision=precision)
             variants = []

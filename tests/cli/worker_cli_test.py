@@ -57,8 +57,8 @@ class WorkerTrainBadInputTest(unittest.TestCase):
             f.write(text)
         return path
 
-    def expect_error(self, spec_path, *fragments):
-        result = run("lathe-worker", "train", "--spec", spec_path)
+    def expect_error(self, spec_path, *fragments, flags=()):
+        result = run("lathe-worker", "train", "--spec", spec_path, *flags)
         self.assertNotEqual(result.returncode, 0, result.stdout)
         lines = result.stderr.strip().splitlines()
         self.assertEqual(len(lines), 1, result.stderr)
@@ -153,14 +153,7 @@ class WorkerTrainBadInputTest(unittest.TestCase):
                                "max_position_embeddings 64")
 
     def expect_flag_error(self, spec, flags, *fragments):
-        result = run("lathe-worker", "train", "--spec", self.write("job.json", json.dumps(spec)),
-                     *flags)
-        self.assertNotEqual(result.returncode, 0, result.stdout)
-        lines = result.stderr.strip().splitlines()
-        self.assertEqual(len(lines), 1, result.stderr)
-        for fragment in fragments:
-            self.assertIn(fragment, lines[0])
-        self.assertFalse(os.path.exists(self.output), "bad input left output behind")
+        self.expect_error(self.write("job.json", json.dumps(spec)), *fragments, flags=flags)
 
     def test_several_ranks_without_a_place_to_meet(self):
         two = self.spec(resources={"ranks": 2, "device": "cpu"})

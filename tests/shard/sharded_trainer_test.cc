@@ -17,6 +17,7 @@
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/trainer.h"
 #include "worker/shard/flat_layout.h"
+#include "worker/tools/synthetic.h"
 
 namespace lathe {
 namespace {
@@ -214,6 +215,37 @@ TEST_F(ShardedTrainerTest, FullFineTuningOnEveryStage) {
   ASSERT_TRUE(single.ok()) << single.status();
   at::Tensor ids = at::arange(12, at::kLong).view({1, 12});
   EXPECT_TRUE(at::allclose((*loaded)->Logits(ids), (*single)->Logits(ids), 1e-4, 1e-5));
+}
+
+TEST_F(ShardedTrainerTest, TiedEmbeddingsAndEvaluationOnZero3) {
+  // The head borrows the embeddings' unit: gathered twice per step, trained by both uses.
+  config_.tie_word_embeddings = true;
+  spec_ = testing::TinyLoraJob(dir_, config_);
+  spec_.method = Method::kFull;
+  spec_.train.lr = 1e-3;
+  spec_.train.global_batch = 6;
+  spec_.train.micro_batch = 1;
+  spec_.train.steps = 4;
+  SyntheticDataOptions eval_data;
+  eval_data.vocab = config_.vocab_size;
+  eval_data.records = 6;
+  eval_data.seed = 9;
+  spec_.data.eval = dir_.Write("eval.jsonl", SyntheticDataJsonl(eval_data));
+  spec_.train.eval_every = 2;
+  spec_.output = dir_.Path("single");
+  RankRun single = RunRanks(spec_);
+  ASSERT_TRUE(single.statuses[0].ok()) << single.statuses[0];
+  RankRun sharded = RunRanks(Sharded(spec_, 3, 3, "tied"));
+  for (const absl::Status& s : sharded.statuses) ASSERT_TRUE(s.ok()) << s;
+  ExpectLossesNear(sharded.losses[0], single.losses[0], 1e-5, "tied");
+  for (size_t i = 0; i < single.reports[0].size(); ++i) {
+    const std::optional<double>& want = single.reports[0][i].eval_loss;
+    const std::optional<double>& got = sharded.reports[0][i].eval_loss;
+    ASSERT_EQ(got.has_value(), want.has_value()) << i;
+    if (want) {
+      EXPECT_NEAR(*got, *want, 1e-5 * *want) << i;
+    }
+  }
 }
 
 TEST_F(ShardedTrainerTest, LowPrecisionOnZero3) {

@@ -55,37 +55,29 @@ class UnitParams : public torch::autograd::Function<UnitParams> {
   }
 };
 
-// Identity on a unit's output; its backward runs just before the unit's backward and
-// gathers the unit again.
-class BeforeUnitBackward : public torch::autograd::Function<BeforeUnitBackward> {
+// Identity on a unit's output or input, whose backward tells the ShardedModel where
+// backward has come to. On the output (kBefore) it runs just before the unit's backward,
+// which needs the unit gathered again; on the input (kAfter) it runs once the unit's input
+// gradient is complete, that is after every node of the unit that needs its weights.
+class UnitBoundary : public torch::autograd::Function<UnitBoundary> {
  public:
+  enum Side : int64_t { kBefore, kAfter };
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, ShardedModel* owner,
-                            int64_t use) {
+                            int64_t use, int64_t side) {
     ctx->saved_data["owner"] = reinterpret_cast<int64_t>(owner);
     ctx->saved_data["use"] = use;
+    ctx->saved_data["side"] = side;
     return x.view_as(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* owner = reinterpret_cast<ShardedModel*>(ctx->saved_data["owner"].toInt());
-    owner->BeforeBackward(ctx->saved_data["use"].toInt());
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
-
-// Identity on a unit's input; its backward runs once the unit's input gradient is complete,
-// that is after every node of the unit that needs the unit's weights.
-class AfterUnitBackward : public torch::autograd::Function<AfterUnitBackward> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, ShardedModel* owner,
-                            int64_t use) {
-    ctx->saved_data["owner"] = reinterpret_cast<int64_t>(owner);
-    ctx->saved_data["use"] = use;
-    return x.view_as(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* owner = reinterpret_cast<ShardedModel*>(ctx->saved_data["owner"].toInt());
-    owner->UseDone(ctx->saved_data["use"].toInt());
-    return {grads[0], at::Tensor(), at::Tensor()};
+    const int64_t use = ctx->saved_data["use"].toInt();
+    if (ctx->saved_data["side"].toInt() == kBefore) {
+      owner->BeforeBackward(use);
+    } else {
+      owner->UseDone(use);
+    }
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -127,10 +119,6 @@ absl::StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::Create(CausalLm* mod
   return sharded;
 }
 
-at::Device ShardedModel::master_device() const {
-  return options_.offload_optimizer || options_.offload_params ? at::Device(at::kCPU) : device();
-}
-
 absl::Status ShardedModel::Init() {
   at::NoGradGuard no_grad;
   rank_ = comm_->rank();
@@ -159,43 +147,34 @@ absl::Status ShardedModel::Init() {
     u.frozen_dtype = weight_dtype;
     u.frozen_shard = ShardNumel(u.frozen.numel, world_);
     u.trainable_shard = ShardNumel(u.trainable.numel, world_);
-    const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
-    const int64_t base_t = rank_ * u.trainable_shard;
     if (stage3) {
       // Copy only this rank's part of each tensor into its slices; the rest of the mapped
-      // file is never touched.
-      const FlatRange owned_f = OwnedRange(u.frozen.numel, rank_, world_);
-      const int64_t base_f = rank_ * u.frozen_shard;
-      {
-        MemoryScope scope(MemoryComponent::kWeights);
-        u.frozen_slice =
-            at::zeros({u.frozen_shard}, at::TensorOptions(weight_dtype).device(slice_device));
-      }
-      for (size_t i = 0; i < u.frozen.entries.size(); ++i) {
-        const FlatEntry& e = u.frozen.entries[i];
-        const FlatRange part = Intersect(e.range(), owned_f);
-        if (part.size() > 0) {
-          u.frozen_slice.slice(0, part.begin - base_f, part.end - base_f)
-              .copy_(u.frozen_slots[i]->reshape({-1}).slice(0, part.begin - e.offset,
-                                                            part.end - e.offset));
+      // file is never touched. The model's slots are cleared (unmapping the file).
+      auto slice_of = [&](const FlatLayout& layout, const std::vector<at::Tensor*>& slots,
+                          int64_t shard, at::ScalarType dtype, MemoryComponent component) {
+        at::Tensor slice;
+        {
+          MemoryScope scope(component);
+          slice = at::zeros({shard}, at::TensorOptions(dtype).device(slice_device));
         }
-        *u.frozen_slots[i] = at::Tensor();  // unmaps once every slot is cleared
-      }
-      {
-        MemoryScope scope(MemoryComponent::kTrainable);
-        u.trainable_slice =
-            at::zeros({u.trainable_shard}, at::TensorOptions(at::kFloat).device(slice_device));
-      }
-      for (size_t i = 0; i < u.trainable.entries.size(); ++i) {
-        const FlatEntry& e = u.trainable.entries[i];
-        const FlatRange part = Intersect(e.range(), owned_t);
-        if (part.size() > 0) {
-          u.trainable_slice.slice(0, part.begin - base_t, part.end - base_t)
-              .copy_(u.trainable_slots[i]->detach().reshape({-1}).slice(0, part.begin - e.offset,
-                                                                        part.end - e.offset));
+        const FlatRange owned = OwnedRange(layout.numel, rank_, world_);
+        const int64_t base = rank_ * shard;
+        for (size_t i = 0; i < layout.entries.size(); ++i) {
+          const FlatEntry& e = layout.entries[i];
+          const FlatRange part = Intersect(e.range(), owned);
+          if (part.size() > 0) {
+            slice.slice(0, part.begin - base, part.end - base)
+                .copy_(slots[i]->detach().reshape({-1}).slice(0, part.begin - e.offset,
+                                                              part.end - e.offset));
+          }
+          *slots[i] = at::Tensor();
         }
-        *u.trainable_slots[i] = at::Tensor();
-      }
+        return slice;
+      };
+      u.frozen_slice = slice_of(u.frozen, u.frozen_slots, u.frozen_shard, weight_dtype,
+                                MemoryComponent::kWeights);
+      u.trainable_slice = slice_of(u.trainable, u.trainable_slots, u.trainable_shard, at::kFloat,
+                                   MemoryComponent::kTrainable);
       MemoryScope scope(MemoryComponent::kCommBuffers);
       u.frozen_whole =
           at::empty({world_ * u.frozen_shard}, at::TensorOptions(weight_dtype).device(device()));
@@ -216,15 +195,19 @@ absl::Status ShardedModel::Init() {
             .copy_(u.trainable_slots[i]->detach().reshape({-1}));
         *u.trainable_slots[i] = Flat(u.trainable_whole, e);
       }
-      u.param_slice = u.trainable_whole.slice(0, base_t, base_t + u.trainable_shard);
+      u.param_slice =
+          u.trainable_whole.slice(0, rank_ * u.trainable_shard, (rank_ + 1) * u.trainable_shard);
     }
-    // The optimizer's slice: the device slice, or a host copy of it when offloaded.
+    // The optimizer's slice: the parameter slice itself, or a host copy of it when the
+    // optimizer is offloaded (with offload_params the slice is in host memory already).
     MemoryScope scope(MemoryComponent::kOptimizer);
-    u.master = master_device() == u.param_slice.device() && !options_.offload_optimizer
-                   ? u.param_slice
-                   : u.param_slice.to(master_device(), /*non_blocking=*/false, /*copy=*/true);
+    u.master = options_.offload_optimizer
+                   ? u.param_slice.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
+                   : u.param_slice;
     u.exp_avg = at::zeros_like(u.master);
     u.exp_avg_sq = at::zeros_like(u.master);
+    const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
+    const int64_t base_t = rank_ * u.trainable_shard;
     for (const FlatEntry& e : u.trainable.entries) {
       if (!e.weight_decay) continue;
       const FlatRange part = Intersect(e.range(), owned_t);
@@ -334,7 +317,7 @@ at::Tensor ShardedModel::Enter(int64_t unit, const at::Tensor& input) {
   current_use_[unit] = id;
   if (grad && input.requires_grad()) {
     ++uses_[id].pending;
-    return AfterUnitBackward::apply(input, this, id);
+    return UnitBoundary::apply(input, this, id, UnitBoundary::kAfter);
   }
   return input;
 }
@@ -351,7 +334,7 @@ at::Tensor ShardedModel::Leave(int64_t unit, const at::Tensor& output) {
   if (unit == num_units() - 1) return output;  // backward follows at once: stay gathered
   for (int64_t v : use.units) Release(v);
   awaits_backward_[unit] = true;
-  return BeforeUnitBackward::apply(output, this, id);
+  return UnitBoundary::apply(output, this, id, UnitBoundary::kBefore);
 }
 
 void ShardedModel::BeforeBackward(int64_t id) {

@@ -177,7 +177,6 @@ class ShardedModel final : public UnitHooks {
   void DrainOneReduce();
   void ReleaseUse(int64_t use);
   at::Device device() const { return model_->options().device; }
-  at::Device master_device() const;
 
   CausalLm* model_;
   Communicator* comm_;
