@@ -36,6 +36,7 @@ const EngineCapabilities& Engine() {
       /*max_zero_stage=*/3,
       /*offload=*/true,
       /*max_cuda_ranks=*/1,
+      /*cuda_sharding=*/false,
   };
   return *kEngine;
 }
@@ -65,10 +66,17 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
   }
   const StrategySpec& s = spec.strategy;
   if (!s.automatic && s.zero_stage > caps.max_zero_stage) {
-    return absl::UnimplementedError(
-        absl::StrCat("strategy.zero_stage: ", s.zero_stage,
-                     " is not supported by this engine yet (supported: 0 to ", caps.max_zero_stage,
-                     "; sharding comes with the ZeRO work)"));
+    return absl::UnimplementedError(absl::StrCat(
+        "strategy.zero_stage: ", s.zero_stage,
+        " is not supported by this engine yet (supported: 0 to ", caps.max_zero_stage, ")"));
+  }
+  if (!s.automatic && spec.resources.device == DeviceKind::kCuda && !caps.cuda_sharding &&
+      (s.zero_stage > 0 || s.offload_optimizer || s.offload_params)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "strategy.zero_stage: ", s.zero_stage,
+        (s.offload_optimizer || s.offload_params) ? " with offload" : "",
+        " on cuda is not supported by this engine yet (sharding and offload run on cpu; on "
+        "cuda they wait for collectives on device memory, docs/sharding.md)"));
   }
   if (!caps.offload && !s.automatic) {
     for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},

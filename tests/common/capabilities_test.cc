@@ -34,6 +34,14 @@ TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
   spec.strategy.activation_checkpointing = true;
   spec.strategy.chunked_loss = true;
   EXPECT_TRUE(CheckEngineSupports(spec).ok());
+  for (int64_t stage : {1, 2, 3}) {  // ZeRO and offload on the CPU
+    spec.strategy.zero_stage = stage;
+    spec.strategy.offload_optimizer = true;
+    spec.strategy.offload_params = stage == 3;
+    EXPECT_TRUE(CheckEngineSupports(spec).ok()) << stage;
+  }
+  spec.strategy.zero_stage = 0;
+  spec.strategy.offload_optimizer = spec.strategy.offload_params = false;
   spec.resources.device = DeviceKind::kCuda;
   spec.resources.ranks = 1;
   EXPECT_TRUE(CheckEngineSupports(spec).ok());
@@ -66,6 +74,13 @@ INSTANTIATE_TEST_SUITE_P(
                         [](JobSpec* s) { s->train.optimizer = OptimizerKind::kAdafactor; },
                         "train.optimizer: adafactor is not supported by this engine yet "
                         "(supported: adamw)"},
+        UnsupportedCase{"ZeroOnCuda",
+                        [](JobSpec* s) {
+                          s->resources.device = DeviceKind::kCuda;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 3;
+                        },
+                        "strategy.zero_stage: 3 on cuda is not supported by this engine yet"},
         UnsupportedCase{"SeveralCudaRanks",
                         [](JobSpec* s) {
                           s->resources.device = DeviceKind::kCuda;
