@@ -16,132 +16,13 @@
 #include "absl/strings/string_view.h"
 #include "common/capabilities.h"
 #include "common/file_util.h"
+#include "common/json_fields.h"
 #include "common/status_macros.h"
 
 namespace lathe {
 namespace {
 
 using Json = nlohmann::json;
-
-// Renders a JSON value for an error message, kept to one short line.
-std::string Describe(const Json& value) {
-  std::string text = value.dump();
-  constexpr size_t kMaxChars = 40;
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
-  return text;
-}
-
-// Typed access to the keys of one JSON object. Absent and null keys read as std::nullopt
-// (Hugging Face writes null for "use the default"). Errors read
-// "<source>: <prefix><key>: <problem>".
-class ConfigFields {
- public:
-  ConfigFields(const Json& object, absl::string_view source, std::string prefix)
-      : object_(object), source_(source), prefix_(std::move(prefix)) {}
-
-  absl::Status Error(absl::string_view key, absl::string_view problem) const {
-    return absl::InvalidArgumentError(absl::StrCat(source_, ": ", prefix_, key, ": ", problem));
-  }
-
-  const Json* Find(absl::string_view key) const {
-    auto it = object_.find(std::string(key));
-    if (it == object_.end() || it->is_null()) return nullptr;
-    return &*it;
-  }
-
-  absl::StatusOr<std::optional<int64_t>> Int(absl::string_view key) const {
-    const Json* value = Find(key);
-    if (value == nullptr) return std::nullopt;
-    if (value->is_number_unsigned()) {
-      uint64_t v = value->get<uint64_t>();
-      if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-        return Error(key, absl::StrCat(Describe(*value), " is out of range"));
-      }
-      return static_cast<int64_t>(v);
-    }
-    if (value->is_number_integer()) return value->get<int64_t>();
-    if (value->is_number_float()) {
-      // Some exporters write integral sizes as floats ("hidden_size": 4096.0).
-      double v = value->get<double>();
-      if (std::isfinite(v) && std::floor(v) == v && std::fabs(v) < 9.0e18) {
-        return static_cast<int64_t>(v);
-      }
-    }
-    return Error(key, absl::StrCat("expected an integer, got ", Describe(*value)));
-  }
-
-  absl::StatusOr<std::optional<double>> Double(absl::string_view key) const {
-    const Json* value = Find(key);
-    if (value == nullptr) return std::nullopt;
-    if (!value->is_number()) {
-      return Error(key, absl::StrCat("expected a number, got ", Describe(*value)));
-    }
-    return value->get<double>();
-  }
-
-  absl::StatusOr<std::optional<bool>> Bool(absl::string_view key) const {
-    const Json* value = Find(key);
-    if (value == nullptr) return std::nullopt;
-    if (!value->is_boolean()) {
-      return Error(key, absl::StrCat("expected true or false, got ", Describe(*value)));
-    }
-    return value->get<bool>();
-  }
-
-  absl::StatusOr<std::optional<std::string>> String(absl::string_view key) const {
-    const Json* value = Find(key);
-    if (value == nullptr) return std::nullopt;
-    if (!value->is_string()) {
-      return Error(key, absl::StrCat("expected a string, got ", Describe(*value)));
-    }
-    return value->get<std::string>();
-  }
-
-  // A size that must be present and > 0.
-  absl::StatusOr<int64_t> RequiredPositive(absl::string_view key) const {
-    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
-    if (!value.has_value()) return Error(key, "required field is missing");
-    return CheckPositive(key, *value);
-  }
-
-  // A size that defaults to `fallback` when absent or null, and must be > 0 when given.
-  absl::StatusOr<int64_t> OptionalPositive(absl::string_view key, int64_t fallback) const {
-    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
-    if (!value.has_value()) return fallback;
-    return CheckPositive(key, *value);
-  }
-
-  // A real number that defaults to `fallback` and must be finite and > 0.
-  absl::StatusOr<double> PositiveDouble(absl::string_view key, double fallback) const {
-    LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
-    if (!value.has_value()) return fallback;
-    if (!std::isfinite(*value) || *value <= 0) {
-      return Error(key, absl::StrCat("must be > 0, got ", *value));
-    }
-    return *value;
-  }
-
-  absl::StatusOr<double> RequiredDouble(absl::string_view key) const {
-    LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
-    if (!value.has_value()) return Error(key, "required field is missing");
-    return *value;
-  }
-
-  absl::StatusOr<bool> BoolOr(absl::string_view key, bool fallback) const {
-    LATHE_ASSIGN_OR_RETURN(std::optional<bool> value, Bool(key));
-    return value.value_or(fallback);
-  }
-
- private:
-  absl::StatusOr<int64_t> CheckPositive(absl::string_view key, int64_t value) const {
-    if (value <= 0) return Error(key, absl::StrCat("must be > 0, got ", value));
-    return value;
-  }
-
-  const Json& object_;
-  absl::string_view source_;
-  std::string prefix_;
-};
 
 absl::string_view DefaultArchitecture(absl::string_view model_type) {
   if (model_type == "mistral") return "MistralForCausalLM";
@@ -156,7 +37,7 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::stri
   if (value == nullptr) return scaling;
   if (!value->is_object()) {
     return top.Error("rope_scaling",
-                     absl::StrCat("expected an object or null, got ", Describe(*value)));
+                     absl::StrCat("expected an object or null, got ", DescribeJson(*value)));
   }
   ConfigFields fields(*value, source, "rope_scaling.");
   // Transformers >= 4.43 writes "rope_type"; older configs write "type".
@@ -251,8 +132,8 @@ absl::StatusOr<std::vector<int64_t>> ParseTokenIds(const ConfigFields& fields,
   std::vector<int64_t> ids;
   for (const Json& entry : entries) {
     if (!entry.is_number_integer()) {
-      return fields.Error(
-          key, absl::StrCat("expected an integer or a list of integers, got ", Describe(*value)));
+      return fields.Error(key, absl::StrCat("expected an integer or a list of integers, got ",
+                                            DescribeJson(*value)));
     }
     const bool fits =
         !entry.is_number_unsigned() ||
@@ -279,8 +160,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON: ", e.what()));
   }
   if (!root.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source, ": expected a JSON object at the top level, got ", Describe(root)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": expected a JSON object at the top level, got ", DescribeJson(root)));
   }
   ConfigFields fields(root, source, "");
   ModelConfig config;
@@ -298,7 +179,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     if (!architectures->is_array() ||
         (!architectures->empty() && !(*architectures)[0].is_string())) {
       return fields.Error("architectures", absl::StrCat("expected a list of strings, got ",
-                                                        Describe(*architectures)));
+                                                        DescribeJson(*architectures)));
     }
     if (!architectures->empty()) config.architecture = (*architectures)[0].get<std::string>();
   }

@@ -13,6 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/testing/source_path.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/engine/pre_tokenizer.h"
@@ -23,14 +24,10 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::Optional;
+using testing::SourcePath;
 using testing::StatusIs;
 using testing::TempDir;
 using Json = nlohmann::json;
-
-std::string SourcePath(const std::string& relative) {
-  const char* root = std::getenv("LATHE_SOURCE_DIR");
-  return absl::StrCat(root != nullptr ? root : ".", "/", relative);
-}
 
 // The tokenizer.json of `lathe-synth tokenizer --flavor F`, parsed (made once per flavor).
 const Json& SyntheticJson(TokenizerFlavor flavor) {

@@ -1,0 +1,116 @@
+#include "common/json_fields.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+
+namespace lathe {
+
+using Json = nlohmann::json;
+
+std::string DescribeJson(const Json& value) {
+  std::string text = value.dump();
+  constexpr size_t kMaxChars = 40;
+  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
+  return text;
+}
+
+absl::Status ConfigFields::Error(absl::string_view key, absl::string_view problem) const {
+  return absl::InvalidArgumentError(absl::StrCat(source_, ": ", prefix_, key, ": ", problem));
+}
+
+const Json* ConfigFields::Find(absl::string_view key) const {
+  auto it = object_.find(std::string(key));
+  if (it == object_.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::StatusOr<std::optional<int64_t>> ConfigFields::Int(absl::string_view key) const {
+  const Json* value = Find(key);
+  if (value == nullptr) return std::nullopt;
+  if (value->is_number_unsigned()) {
+    uint64_t v = value->get<uint64_t>();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return Error(key, absl::StrCat(DescribeJson(*value), " is out of range"));
+    }
+    return static_cast<int64_t>(v);
+  }
+  if (value->is_number_integer()) return value->get<int64_t>();
+  if (value->is_number_float()) {
+    // Some exporters write integral sizes as floats ("hidden_size": 4096.0).
+    double v = value->get<double>();
+    if (std::isfinite(v) && std::floor(v) == v && std::fabs(v) < 9.0e18) {
+      return static_cast<int64_t>(v);
+    }
+  }
+  return Error(key, absl::StrCat("expected an integer, got ", DescribeJson(*value)));
+}
+
+absl::StatusOr<std::optional<double>> ConfigFields::Double(absl::string_view key) const {
+  const Json* value = Find(key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_number()) {
+    return Error(key, absl::StrCat("expected a number, got ", DescribeJson(*value)));
+  }
+  return value->get<double>();
+}
+
+absl::StatusOr<std::optional<bool>> ConfigFields::Bool(absl::string_view key) const {
+  const Json* value = Find(key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_boolean()) {
+    return Error(key, absl::StrCat("expected true or false, got ", DescribeJson(*value)));
+  }
+  return value->get<bool>();
+}
+
+absl::StatusOr<std::optional<std::string>> ConfigFields::String(absl::string_view key) const {
+  const Json* value = Find(key);
+  if (value == nullptr) return std::nullopt;
+  if (!value->is_string()) {
+    return Error(key, absl::StrCat("expected a string, got ", DescribeJson(*value)));
+  }
+  return value->get<std::string>();
+}
+
+absl::StatusOr<int64_t> ConfigFields::RequiredPositive(absl::string_view key) const {
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
+  if (!value.has_value()) return Error(key, "required field is missing");
+  return CheckPositive(key, *value);
+}
+
+absl::StatusOr<int64_t> ConfigFields::OptionalPositive(absl::string_view key,
+                                                       int64_t fallback) const {
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> value, Int(key));
+  if (!value.has_value()) return fallback;
+  return CheckPositive(key, *value);
+}
+
+absl::StatusOr<double> ConfigFields::PositiveDouble(absl::string_view key, double fallback) const {
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
+  if (!value.has_value()) return fallback;
+  if (!std::isfinite(*value) || *value <= 0) {
+    return Error(key, absl::StrCat("must be > 0, got ", *value));
+  }
+  return *value;
+}
+
+absl::StatusOr<double> ConfigFields::RequiredDouble(absl::string_view key) const {
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> value, Double(key));
+  if (!value.has_value()) return Error(key, "required field is missing");
+  return *value;
+}
+
+absl::StatusOr<bool> ConfigFields::BoolOr(absl::string_view key, bool fallback) const {
+  LATHE_ASSIGN_OR_RETURN(std::optional<bool> value, Bool(key));
+  return value.value_or(fallback);
+}
+
+absl::StatusOr<int64_t> ConfigFields::CheckPositive(absl::string_view key, int64_t value) const {
+  if (value <= 0) return Error(key, absl::StrCat("must be > 0, got ", value));
+  return value;
+}
+
+}  // namespace lathe
