@@ -1,0 +1,112 @@
+// The planner's model shapes against the parameter counts of real models: their config.json
+// shape fields are in tests/coordinator/data/configs/, the counts are those of the published
+// checkpoints (sum of every tensor in their safetensors).
+#include "coordinator/planner/model_shape.h"
+
+#include "common/file_util.h"
+#include "common/status_macros.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/source_path.h"
+#include "tests/testing/status_matchers.h"
+
+namespace lathe {
+namespace {
+
+using testing::SourcePath;
+using testing::StatusIs;
+
+absl::StatusOr<ModelShape> ShapeOf(const std::string& name) {
+  const std::string path = SourcePath("tests/coordinator/data/configs/" + name + ".json");
+  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseModelShape(text, path);
+}
+
+struct CountCase {
+  const char* config;
+  int64_t total;
+  ModelFamily family;
+  bool tied;
+};
+
+class ParameterCountTest : public ::testing::TestWithParam<CountCase> {};
+
+TEST_P(ParameterCountTest, EqualsThePublishedModel) {
+  absl::StatusOr<ModelShape> shape = ShapeOf(GetParam().config);
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  EXPECT_EQ(shape->total_params(), GetParam().total);
+  EXPECT_EQ(shape->family, GetParam().family);
+  EXPECT_EQ(shape->tied_embeddings, GetParam().tied);
+  EXPECT_EQ(shape->lm_head, GetParam().tied ? 0 : shape->embeddings);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    PublicModels, ParameterCountTest,
+    ::testing::Values(CountCase{"llama-3.1-8b", 8'030'261'248, ModelFamily::kLlama, false},
+                      CountCase{"llama-3.2-1b", 1'235'814'400, ModelFamily::kLlama, true},
+                      CountCase{"mistral-7b-v0.1", 7'241'732'096, ModelFamily::kMistral, false},
+                      CountCase{"qwen2.5-7b", 7'615'616'512, ModelFamily::kQwen2, false},
+                      CountCase{"qwen2.5-0.5b", 494'032'768, ModelFamily::kQwen2, true},
+                      CountCase{"gemma-2b", 2'506'172'416, ModelFamily::kGemma, true},
+                      CountCase{"gemma-2-9b", 9'241'705'984, ModelFamily::kGemma2, true},
+                      CountCase{"phi-3-mini-4k", 3'821'079'552, ModelFamily::kPhi3, false}),
+    [](const ::testing::TestParamInfo<CountCase>& param) {
+      std::string name = param.param.config;
+      for (char& c : name) {
+        if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+      }
+      return name;
+    });
+
+TEST(ModelShapeTest, BreaksABlockDownByKind) {
+  absl::StatusOr<ModelShape> shape = ShapeOf("qwen2.5-7b");
+  ASSERT_TRUE(shape.ok()) << shape.status();
+  // hidden 3584, 28 heads and 4 key/value heads of 128, intermediate 18944.
+  EXPECT_EQ(shape->head_dim, 128);
+  EXPECT_EQ(shape->block.attention, 2 * 3584 * 3584 + 2 * 3584 * 512);
+  EXPECT_EQ(shape->block.attention_bias, 3584 + 2 * 512);  // q, k, v; not o
+  EXPECT_EQ(shape->block.mlp, 3 * 3584 * 18944);
+  EXPECT_EQ(shape->block.norms, 2 * 3584);
+  // The head unit (final norm and LM head, 545M) outweighs a block (233M).
+  EXPECT_EQ(shape->largest_unit_params(), shape->final_norm + shape->lm_head);
+  absl::StatusOr<ModelShape> gemma2 = ShapeOf("gemma-2-9b");
+  ASSERT_TRUE(gemma2.ok()) << gemma2.status();
+  EXPECT_EQ(gemma2->block.norms, 4 * 3584);  // pre/post attention and MLP
+  EXPECT_EQ(gemma2->block.attention, 2 * 3584 * 4096 + 2 * 3584 * 2048);  // head_dim 256
+}
+
+TEST(ModelShapeTest, RefusesMixtureOfExperts) {
+  EXPECT_THAT(ShapeOf("mixtral-8x7b").status(),
+              StatusIs(absl::StatusCode::kUnimplemented,
+                       "mixtral-8x7b.json: num_local_experts: 8: mixture-of-experts"));
+}
+
+TEST(ModelShapeTest, BadConfigsAreOneLineErrorsNamingTheField) {
+  struct Case {
+    const char* json;
+    const char* message;
+  } cases[] = {
+      {"[1]", "c.json: not a JSON object"},
+      {R"({"vocab_size": 8})", "c.json: model_type: required field is missing"},
+      {R"({"model_type": "gpt2"})", "model_type: \"gpt2\" is not a known dense decoder"},
+      {R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+           "num_hidden_layers": 1})",
+       "c.json: num_attention_heads: required field is missing"},
+      {R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 6})",
+       "num_attention_heads: 6 does not divide hidden_size 64 and there is no head_dim"},
+      {R"({"model_type": "llama", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 3})",
+       "num_key_value_heads: 3 does not divide num_attention_heads 8"},
+      {R"({"model_type": "llama", "vocab_size": "many"})",
+       "c.json: vocab_size: expected an integer"},
+  };
+  for (const Case& c : cases) {
+    absl::StatusOr<ModelShape> shape = ParseModelShape(c.json, "c.json");
+    EXPECT_THAT(shape.status(), StatusIs(absl::StatusCode::kInvalidArgument, c.message)) << c.json;
+    EXPECT_EQ(std::string(shape.status().message()).find('\n'), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace lathe
