@@ -1,0 +1,98 @@
+#include "coordinator/planner/model_states.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace lathe {
+namespace {
+
+int64_t Slice(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; }
+
+}  // namespace
+
+absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
+                                           const std::vector<std::string>& targets) {
+  const int64_t h = shape.hidden_size, i = shape.intermediate_size;
+  const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
+  int64_t total = 0;
+  for (const std::string& target : targets) {
+    int64_t in = 0, out = 0;
+    if (target == "q_proj") {
+      in = h, out = q;
+    } else if (target == "k_proj" || target == "v_proj") {
+      in = h, out = kv;
+    } else if (target == "o_proj") {
+      in = q, out = h;
+    } else if (target == "gate_proj" || target == "up_proj") {
+      in = h, out = i;
+    } else if (target == "down_proj") {
+      in = i, out = h;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("lora.targets: \"", target, "\" is not a ",
+                                                     ModelFamilyName(shape.family), " projection"));
+    }
+    total += rank * (in + out);  // A [rank, in] and B [out, rank]
+  }
+  return total;
+}
+
+absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Method method,
+                                                  int64_t lora_rank,
+                                                  const std::vector<std::string>& targets) {
+  const bool full = method == Method::kFull;
+  auto unit = [full](int64_t base, int64_t adapters) {
+    return full ? UnitElements{0, base} : UnitElements{base, adapters};
+  };
+  int64_t adapters = 0;
+  if (!full) {
+    absl::StatusOr<int64_t> lora = LoraParamsPerBlock(shape, lora_rank, targets);
+    if (!lora.ok()) return lora.status();
+    adapters = *lora;
+  }
+  std::vector<UnitElements> units = {unit(shape.embeddings, 0)};
+  units.insert(units.end(), shape.num_layers, unit(shape.block.total(), adapters));
+  units.push_back(unit(shape.final_norm + shape.lm_head, 0));
+  return units;
+}
+
+ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weight_bytes,
+                            const ShardingChoice& c) {
+  const int64_t n = c.ranks;
+  ModelStateBytes b;
+  for (const UnitElements& u : units) {
+    const int64_t frozen_slice = Slice(u.frozen, n), trainable_slice = Slice(u.trainable, n);
+    switch (c.zero_stage) {
+      case 0:
+        b.weights += weight_bytes * u.frozen;
+        b.trainable += 4 * u.trainable;
+        b.gradients += 4 * u.trainable;
+        b.optimizer += 8 * u.trainable;
+        break;
+      case 1:
+      case 2:
+        b.weights += weight_bytes * u.frozen;
+        b.trainable += 4 * n * trainable_slice;  // whole, padded
+        b.gradients += 4 * (c.zero_stage == 1 ? n * trainable_slice : trainable_slice);
+        b.optimizer += 8 * trainable_slice;
+        break;
+      default:
+        b.weights += weight_bytes * frozen_slice;
+        b.trainable += 4 * trainable_slice;
+        b.gradients += 4 * trainable_slice;
+        b.optimizer += 8 * trainable_slice;
+        b.gathered_unit =
+            std::max(b.gathered_unit, n * (weight_bytes * frozen_slice + 4 * trainable_slice));
+        break;
+    }
+    if (c.offload_optimizer) b.host += 12 * trainable_slice;  // master and both moments
+  }
+  if (c.offload_optimizer) b.optimizer = 0;
+  if (c.offload_params && c.zero_stage == 3) {
+    b.host += b.weights + b.trainable;
+    b.weights = b.trainable = 0;
+  }
+  return b;
+}
+
+}  // namespace lathe

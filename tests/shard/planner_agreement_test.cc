@@ -1,0 +1,82 @@
+// The planner's model-state formulas (coordinator/planner/model_states.h) against what the
+// engine's ZeRO layer actually allocates (ShardedModel::bytes()), rank by rank, for every
+// stage, rank count and method, on sizes no rank count divides.
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "common/model_config.h"
+#include "coordinator/planner/model_shape.h"
+#include "coordinator/planner/model_states.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+#include "tests/testing/tiny_model.h"
+#include "worker/comm/fake_communicator.h"
+#include "worker/engine/causal_lm.h"
+#include "worker/shard/sharded_model.h"
+#include "worker/tools/synthetic.h"
+
+namespace lathe {
+namespace {
+
+TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
+  testing::TempDir dir;
+  for (bool qwen : {false, true}) {
+    ModelConfig config = testing::TinyModelConfig(qwen ? "qwen2" : "llama");  // qwen2: biases
+    config.tie_word_embeddings = qwen;
+    const std::string model_dir = dir.Path(qwen ? "qwen" : "llama");
+    ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, model_dir).ok());
+    absl::StatusOr<ModelShape> shape = ParseModelShape(ModelConfigToJson(config), "config.json");
+    ASSERT_TRUE(shape.ok()) << shape.status();
+    EXPECT_EQ(shape->total_params(), ParameterCount(config));
+    LoraSpec lora;
+    lora.rank = 5;
+    lora.targets = {"q_proj", "v_proj", "down_proj"};
+    for (Method method : {Method::kLora, Method::kFull}) {
+      absl::StatusOr<std::vector<UnitElements>> units =
+          UnitsOf(*shape, method, lora.rank, lora.targets);
+      ASSERT_TRUE(units.ok()) << units.status();
+      for (int64_t stage : {1, 2, 3}) {
+        for (int world : {1, 2, 3, 4}) {
+          const std::string what = absl::StrCat(config.model_type, " ", MethodName(method),
+                                                " stage ", stage, " ranks ", world);
+          std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(world);
+          for (int rank = 0; rank < world; ++rank) {
+            ModelOptions options;
+            options.keep_mapped = stage == 3;
+            absl::StatusOr<std::unique_ptr<CausalLm>> model =
+                CausalLm::Load(model_dir, config, method == Method::kFull, options);
+            ASSERT_TRUE(model.ok()) << model.status();
+            if (method == Method::kLora) (*model)->InitLora(lora, 1);
+            ShardOptions shard;
+            shard.stage = stage;
+            absl::StatusOr<std::unique_ptr<ShardedModel>> sharded =
+                ShardedModel::Create(model->get(), group[rank].get(), shard);
+            ASSERT_TRUE(sharded.ok()) << sharded.status();
+            const ShardBytes engine = (*sharded)->bytes();
+            const ModelStateBytes planned = ModelStates(*units, 4, {world, stage, false, false});
+            EXPECT_EQ(planned.weights, engine.frozen) << what;
+            EXPECT_EQ(planned.trainable, engine.trainable) << what;
+            EXPECT_EQ(planned.gradients, engine.gradients) << what;
+            EXPECT_EQ(planned.optimizer, engine.optimizer) << what;
+            EXPECT_EQ(planned.gathered_unit, engine.largest_unit) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PlannerAgreementTest, OffloadMovesStatesToTheHost) {
+  std::vector<UnitElements> units = {{1000, 0}, {3000, 50}, {3000, 50}, {1001, 0}};
+  const ModelStateBytes on_device = ModelStates(units, 2, {4, 3, false, false});
+  const ModelStateBytes offloaded = ModelStates(units, 2, {4, 3, true, true});
+  EXPECT_EQ(offloaded.optimizer, 0);
+  EXPECT_EQ(offloaded.weights, 0);
+  EXPECT_EQ(offloaded.trainable, 0);
+  EXPECT_EQ(offloaded.gradients, on_device.gradients);
+  // Master slice and two moments (3 x 4 bytes x 13 per block), and the parameter slices.
+  EXPECT_EQ(offloaded.host, 2 * 12 * 13 + on_device.weights + on_device.trainable);
+}
+
+}  // namespace
+}  // namespace lathe
