@@ -282,6 +282,10 @@ void ShardedModel::Acquire(int64_t unit) {
 void ShardedModel::Release(int64_t unit) {
   Unit& u = units_[unit];
   if (--u.refs > 0 || options_.stage != 3) return;
+  // A gather still in flight writes into the storage: it was prefetched for a coming use
+  // (the tied embeddings are released by the head while unit 0's backward gather may have
+  // started), so keep the unit.
+  if (!u.gathers.empty()) return;
   FreeStorage(u.frozen_whole);
   FreeStorage(u.trainable_whole);
   u.gathered = false;
