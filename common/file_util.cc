@@ -166,4 +166,16 @@ absl::Status AtomicFileWriter::Commit() {
   return SyncDirectory(ParentDirectory(path_));
 }
 
+absl::Status CheckNoFinishedRun(const std::string& output) {
+  for (const char* finished : {"adapter/adapter_config.json", "model/config.json"}) {
+    std::error_code error;
+    if (std::filesystem::exists(std::filesystem::path(output) / finished, error)) {
+      return absl::InvalidArgumentError(absl::StrCat("output: ", output,
+                                                     " already holds a finished run (", finished,
+                                                     "); choose another directory"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace lathe

@@ -29,6 +29,11 @@ absl::Status WriteFileAtomically(const std::string& path, absl::string_view cont
 // text and the path) on failure.
 absl::Status SyncDirectory(const std::string& dir);
 
+// INVALID_ARGUMENT "output: <dir> already holds a finished run (<file>); choose another
+// directory" when `output` holds a trainer's finished adapter or model; the trainer and the
+// coordinator's SubmitJob both refuse such a job with this message.
+absl::Status CheckNoFinishedRun(const std::string& output);
+
 // Writes one file atomically in pieces, for contents too large to hold in memory at once
 // (WriteFileAtomically is built on it):
 //

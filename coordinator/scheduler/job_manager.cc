@@ -9,6 +9,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/capabilities.h"
+#include "common/file_util.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/plan.h"
@@ -81,6 +82,7 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
       return SpecError(field, absl::StrCat(path, ": no such file"));
     }
   }
+  LATHE_RETURN_IF_ERROR(Annotate(CheckNoFinishedRun(spec.output), "spec"));
   v1::JobStatus job;
   job.set_job_id(
       absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(absl::BitGen()) & 0xFFFFFF));

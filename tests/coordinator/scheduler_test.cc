@@ -370,6 +370,13 @@ TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
   bad = spec;
   bad.mutable_model()->set_path(dir_.Path("missing-model"));
   ExpectRefused(bad, "spec: model.path: ");
+  // What the trainer would refuse: an output that holds a finished run.
+  bad = spec;
+  std::filesystem::create_directories(dir_.Path("done/adapter"));
+  dir_.Write("done/adapter/adapter_config.json", "{}");
+  bad.set_output(dir_.Path("done"));
+  ExpectRefused(bad, "spec: output: " + dir_.Path("done") +
+                         " already holds a finished run (adapter/adapter_config.json)");
   bad = spec;
   bad.mutable_data()->set_train("relative/train.jsonl");
   ExpectRefused(bad, "spec: data.train: must be an absolute path");

@@ -62,15 +62,10 @@ absl::Status CheckSupported(const JobSpec& spec, const Plan& plan, const Trainer
   return absl::OkStatus();
 }
 
-// The output directory must not hold a finished run and must be creatable.
+// The output directory must not hold a finished run (the same check as at submit) and must
+// be creatable.
 absl::Status CheckOutput(const std::string& output) {
-  for (const char* finished : {"adapter/adapter_config.json", "model/config.json"}) {
-    if (fs::exists(fs::path(output) / finished)) {
-      return absl::InvalidArgumentError(absl::StrCat("output: ", output,
-                                                     " already holds a finished run (", finished,
-                                                     "); choose another directory"));
-    }
-  }
+  LATHE_RETURN_IF_ERROR(CheckNoFinishedRun(output));
   fs::path existing = fs::absolute(output);
   while (!fs::exists(existing) && existing.has_parent_path() &&
          existing != existing.parent_path()) {
