@@ -177,19 +177,6 @@ std::string ShortDuration(absl::Duration duration) {
   return absl::StrFormat("%dd%02dh", s / 86400, s % 86400 / 3600);
 }
 
-std::string FormatBytes(uint64_t bytes) {
-  if (bytes < 1024) return absl::StrCat(bytes, " B");
-  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double value = static_cast<double>(bytes) / 1024;
-  size_t unit = 0;
-  while (value >= 1024 && unit + 1 < std::size(kUnits)) {
-    value /= 1024;
-    ++unit;
-  }
-  const int decimals = value < 10 ? 2 : value < 100 ? 1 : 0;
-  return absl::StrFormat("%.*f %s", decimals, value, kUnits[unit]);
-}
-
 std::string FormatTimestamp(int64_t unix_ms) {
   if (unix_ms == 0) return "-";
   return absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::FromUnixMillis(unix_ms), absl::UTCTimeZone());

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "common/job_spec.h"  // FormatBytes
 #include "common/proto/job_state.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
@@ -36,9 +37,6 @@ absl::StatusOr<v1::JobState> ParseJobState(absl::string_view text);
 // "45s", "1m05s", "2h03m", "3d04h"; negative durations read "0s". (Not named FormatDuration:
 // argument-dependent lookup would find absl::FormatDuration too.)
 std::string ShortDuration(absl::Duration duration);
-
-// "512 B", "1.50 KiB", "80.0 GiB" (powers of 1024, three significant digits).
-std::string FormatBytes(uint64_t bytes);
 
 // "2026-01-02T03:04:05Z" (UTC); "-" for 0.
 std::string FormatTimestamp(int64_t unix_ms);

@@ -18,6 +18,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
@@ -876,6 +877,19 @@ absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text) {
   const Wide total = whole * found->bytes + fraction_bytes / fraction_scale;
   if (total > kMax) return invalid("overflows 64 bits");
   return static_cast<uint64_t>(total);
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  static constexpr const char* kUnits[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = static_cast<double>(bytes) / 1024;
+  size_t unit = 0;
+  while (value >= 1024 && unit + 1 < std::size(kUnits)) {
+    value /= 1024;
+    ++unit;
+  }
+  const int decimals = value < 10 ? 2 : value < 100 ? 1 : 0;
+  return absl::StrFormat("%.*f %s", decimals, value, kUnits[unit]);
 }
 
 }  // namespace lathe

@@ -140,6 +140,9 @@ std::string JobSpecToJson(const JobSpec& spec);
 // otherwise.
 absl::StatusOr<uint64_t> ParseByteSize(absl::string_view text);
 
+// "512 B", "1.50 KiB", "80.0 GiB" (powers of 1024, three significant digits).
+std::string FormatBytes(uint64_t bytes);
+
 }  // namespace lathe
 
 #endif  // LATHE_COMMON_JOB_SPEC_H_

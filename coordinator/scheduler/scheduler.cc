@@ -6,6 +6,7 @@
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/job_spec.h"
 #include "common/proto/job_state.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
@@ -181,6 +182,28 @@ absl::StatusOr<v1::JobStatus> Scheduler::WaitForJobChange(absl::string_view job_
   return status;
 }
 
+std::optional<uint64_t> Scheduler::FreeMemory(const WorkerState& worker, int64_t slot, size_t taken,
+                                              uint64_t need) const {
+  if (need == 0) return std::nullopt;
+  if (worker.status.device() == v1::DEVICE_CUDA) {
+    // One rank per GPU: the slot's device memory.
+    for (const v1::DeviceInfo& d : worker.status.devices()) {
+      if (d.index() == slot && d.memory_bytes() > 0) return d.memory_bytes();
+    }
+    return std::nullopt;
+  }
+  // CPU slots share the host's memory: what the ranks placed there (and the `taken` slots
+  // of this placement) leave of it.
+  const uint64_t host = worker.status.host_memory_bytes();
+  if (host == 0) return std::nullopt;
+  uint64_t used = taken * need;
+  for (const auto& [busy_slot, ref] : worker.busy) {
+    auto job = jobs_.find(ref.job_id);
+    if (job != jobs_.end()) used += job->second.status.plan().predicted_memory().total();
+  }
+  return used >= host ? 0 : host - used;
+}
+
 void Scheduler::Schedule() {
   std::vector<JobState*> queued;
   for (auto& [id, job] : jobs_) {
@@ -195,13 +218,16 @@ void Scheduler::Schedule() {
   for (JobState* job : queued) {
     const int64_t ranks = RanksOf(job->status);
     const v1::Device device = DeviceOf(job->status);
+    // The plan's per-rank peak; 0 while the planner does not predict it.
+    const uint64_t need = job->status.plan().predicted_memory().total();
     // Live workers of the job's device, most free slots first, so ranks stay together.
     struct Candidate {
       WorkerState* worker;
       std::vector<int64_t> free_slots;
     };
     std::vector<Candidate> candidates;
-    int64_t registered = 0, free = 0;
+    int64_t registered = 0, free = 0, fitting = 0;
+    uint64_t largest_free = 0;  // memory of the roomiest free slot, when memory decides
     for (auto& [id, worker] : workers_) {
       if (worker.status.state() != v1::WORKER_STATE_READY || worker.session_id.empty() ||
           worker.status.device() != device) {
@@ -209,18 +235,29 @@ void Scheduler::Schedule() {
       }
       registered += worker.status.slots();
       Candidate c{&worker, {}};
+      int64_t free_here = 0;
       for (int64_t slot = 0; slot < worker.status.slots(); ++slot) {
-        if (!worker.busy.count(slot)) c.free_slots.push_back(slot);
+        if (worker.busy.count(slot)) continue;
+        ++free_here;
+        const std::optional<uint64_t> memory = FreeMemory(worker, slot, c.free_slots.size(), need);
+        if (memory) largest_free = std::max(largest_free, *memory);
+        if (!memory || *memory >= need) c.free_slots.push_back(slot);
       }
-      free += static_cast<int64_t>(c.free_slots.size());
+      free += free_here;
+      fitting += static_cast<int64_t>(c.free_slots.size());
       if (!c.free_slots.empty()) candidates.push_back(std::move(c));
     }
-    if (free < ranks) {
-      std::string reason = registered < ranks
-                               ? absl::StrFormat("needs %d %s slots; %d registered", ranks,
-                                                 DeviceName(device), registered)
-                               : absl::StrFormat("waiting for %d free %s slots; %d of %d free",
-                                                 ranks, DeviceName(device), free, registered);
+    if (fitting < ranks) {
+      std::string reason =
+          registered < ranks ? absl::StrFormat("needs %d %s slots; %d registered", ranks,
+                                               DeviceName(device), registered)
+          : free < ranks     ? absl::StrFormat("waiting for %d free %s slots; %d of %d free", ranks,
+                                               DeviceName(device), free, registered)
+                             : absl::StrFormat(
+                                   "needs %s per rank on %d %s slots; %d of the %d free slots "
+                                       "have that much (largest free %s)",
+                                   FormatBytes(need), ranks, DeviceName(device), fitting, free,
+                                   FormatBytes(largest_free));
       if (job->status.reason() != reason) {
         job->status.set_reason(reason);
         (void)Commit(*job);
@@ -330,6 +367,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   s.set_device(request.device() == v1::DEVICE_UNSPECIFIED ? v1::DEVICE_CPU : request.device());
   s.set_slots(request.slots());
   *s.mutable_devices() = request.devices();
+  s.set_host_memory_bytes(request.host_memory_bytes());
   s.set_last_heartbeat_unix_ms(NowMs());
   s.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
   PersistWorker(worker);

@@ -119,6 +119,12 @@ class Scheduler {
 
   Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options);
 
+  // Memory a new rank of a job needing `need` bytes per rank would have in `slot`, with
+  // `taken` other free slots of this worker already given to the same placement; nullopt
+  // when `need` is 0 (no prediction) or the worker did not report its memory.
+  std::optional<uint64_t> FreeMemory(const WorkerState& worker, int64_t slot, size_t taken,
+                                     uint64_t need) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Writes the job to the store and wakes its watchers.
   absl::Status Commit(JobState& job, bool force_persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places every queued job that fits.

@@ -25,11 +25,18 @@ class SchedulerTest : public ::testing::Test {
   }
 
   // Registers a worker; returns its session.
-  std::string Register(const std::string& id, int64_t slots = 1) {
+  std::string Register(const std::string& id, int64_t slots = 1, uint64_t host_memory = 0,
+                       std::vector<uint64_t> gpu_memory = {}) {
     v1::RegisterWorkerRequest request;
     request.set_worker_id(id);
-    request.set_device(v1::DEVICE_CPU);
+    request.set_device(gpu_memory.empty() ? v1::DEVICE_CPU : v1::DEVICE_CUDA);
     request.set_slots(slots);
+    request.set_host_memory_bytes(host_memory);
+    for (size_t i = 0; i < gpu_memory.size(); ++i) {
+      v1::DeviceInfo* d = request.add_devices();
+      d->set_index(static_cast<int64_t>(i));
+      d->set_memory_bytes(gpu_memory[i]);
+    }
     absl::StatusOr<v1::RegisterWorkerResponse> response = scheduler_->RegisterWorker(request);
     EXPECT_TRUE(response.ok()) << response.status();
     sessions_[id] = response->session_id();
@@ -48,13 +55,15 @@ class SchedulerTest : public ::testing::Test {
     return response.ok() ? *response : v1::HeartbeatResponse();
   }
 
-  std::string Add(const std::string& id, int64_t ranks = 1, int64_t priority = 0) {
+  std::string Add(const std::string& id, int64_t ranks = 1, int64_t priority = 0,
+                  uint64_t per_rank_peak = 0, v1::Device device = v1::DEVICE_CPU) {
     v1::JobStatus job;
     job.set_job_id(id);
     job.mutable_spec()->set_name(id);
     job.mutable_spec()->set_priority(priority);
     job.mutable_plan()->set_ranks(ranks);
-    job.mutable_plan()->set_device(v1::DEVICE_CPU);
+    job.mutable_plan()->set_device(device);
+    job.mutable_plan()->mutable_predicted_memory()->set_total(per_rank_peak);
     bool existing = false;
     absl::StatusOr<v1::JobStatus> added = scheduler_->AddJob(job, "", &existing);
     EXPECT_TRUE(added.ok()) << added.status();
@@ -113,6 +122,40 @@ TEST_F(SchedulerTest, WaitingReasonCountsFreeSlots) {
   Add("a", 1);
   Add("b", 2);
   EXPECT_THAT(Job("b").reason(), HasSubstr("waiting for 2 free cpu slots; 1 of 2 free"));
+}
+
+TEST_F(SchedulerTest, AJobIsPlacedOnlyWhereItsPredictedPeakFits) {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  // CPU slots share their host's memory: two ranks of 10 GiB do not fit in 16 GiB.
+  Register("small", 2, 16 * kGiB);
+  Add("cpu", 2, 0, 10 * kGiB);
+  EXPECT_EQ(Job("cpu").state(), v1::JOB_STATE_QUEUED);
+  EXPECT_THAT(Job("cpu").reason(),
+              HasSubstr("needs 10.0 GiB per rank on 2 cpu slots; 1 of the 2 free slots have "
+                        "that much (largest free 16.0 GiB)"));
+  EXPECT_EQ(Beat("small").assignments_size(), 0);
+  Register("big", 3, 64 * kGiB);
+  const v1::JobStatus placed = Job("cpu");
+  ASSERT_EQ(placed.state(), v1::JOB_STATE_RUNNING);
+  for (const v1::RankPlacement& p : placed.attempts(0).placements()) {
+    EXPECT_EQ(p.worker_id(), "big");
+  }
+  // What runs there counts: 44 GiB are left on "big", so a 50 GiB rank waits...
+  Add("huge", 1, 0, 50 * kGiB);
+  EXPECT_EQ(Job("huge").state(), v1::JOB_STATE_QUEUED);
+  EXPECT_THAT(Job("huge").reason(), HasSubstr("largest free 44.0 GiB"));
+  // ...and a job with no prediction is placed as before.
+  Add("unknown", 1);
+  EXPECT_EQ(Job("unknown").state(), v1::JOB_STATE_RUNNING);
+
+  // A GPU slot is one device: its own memory decides.
+  Register("gpus", 2, 0, {40 * kGiB, 80 * kGiB});
+  Add("gpu", 1, 0, 60 * kGiB, v1::DEVICE_CUDA);
+  ASSERT_EQ(Job("gpu").state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job("gpu").attempts(0).placements(0).slot(), 1);
+  Add("gpu-too-big", 1, 0, 60 * kGiB, v1::DEVICE_CUDA);
+  EXPECT_THAT(Job("gpu-too-big").reason(),
+              HasSubstr("needs 60.0 GiB per rank on 1 cuda slots; 0 of the 1 free slots"));
 }
 
 TEST_F(SchedulerTest, QueueOrderIsPriorityThenSubmission) {
