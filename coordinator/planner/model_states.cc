@@ -3,13 +3,9 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "common/flat_layout.h"
 
 namespace lathe {
-namespace {
-
-int64_t Slice(int64_t n, int64_t ranks) { return (n + ranks - 1) / ranks; }
-
-}  // namespace
 
 absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
                                            const std::vector<std::string>& targets) {
@@ -61,7 +57,8 @@ ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weig
   const int64_t n = c.ranks;
   ModelStateBytes b;
   for (const UnitElements& u : units) {
-    const int64_t frozen_slice = Slice(u.frozen, n), trainable_slice = Slice(u.trainable, n);
+    const int64_t frozen_slice = ShardNumel(u.frozen, n);
+    const int64_t trainable_slice = ShardNumel(u.trainable, n);
     switch (c.zero_stage) {
       case 0:
         b.weights += weight_bytes * u.frozen;

@@ -39,7 +39,7 @@
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/weights.h"
-#include "worker/shard/flat_layout.h"
+#include "common/flat_layout.h"
 
 namespace lathe {
 

@@ -1,5 +1,6 @@
 // How a unit's tensors are laid out in one flat buffer and split across ranks
-// (docs/sharding.md). No libtorch here: the planner's formulas use the same arithmetic.
+// (docs/sharding.md): used by the engine's ZeRO layer (worker/shard) and by the planner
+// (coordinator/planner/model_states.h), so that both slice alike.
 //
 // A unit's tensors of one kind (frozen or trainable) are concatenated, in the model's fixed
 // order, into a flat buffer of `numel` elements. The buffer is padded to world * shard_numel
@@ -8,8 +9,8 @@
 // the last ranks' slices) is never read as a tensor and stays zero.
 //
 // Thread-safety: value types and pure functions.
-#ifndef LATHE_WORKER_SHARD_FLAT_LAYOUT_H_
-#define LATHE_WORKER_SHARD_FLAT_LAYOUT_H_
+#ifndef LATHE_COMMON_FLAT_LAYOUT_H_
+#define LATHE_COMMON_FLAT_LAYOUT_H_
 
 #include <cstdint>
 #include <string>
@@ -55,4 +56,4 @@ struct FlatLayout {
 
 }  // namespace lathe
 
-#endif  // LATHE_WORKER_SHARD_FLAT_LAYOUT_H_
+#endif  // LATHE_COMMON_FLAT_LAYOUT_H_

@@ -1,4 +1,4 @@
-#include "worker/shard/flat_layout.h"
+#include "common/flat_layout.h"
 
 #include <algorithm>
 
