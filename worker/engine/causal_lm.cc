@@ -108,6 +108,11 @@ std::string ShapeText(at::IntArrayRef shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
+// Whether AdamW decays a base weight when it is trained: not biases and norms.
+bool DecaysWeight(const std::string& name) {
+  return !absl::EndsWith(name, ".bias") && !absl::EndsWith(name, "norm.weight");
+}
+
 double LoraScale(const LoraSpec& spec) {
   return spec.use_rslora ? spec.alpha / std::sqrt(static_cast<double>(spec.rank))
                          : spec.alpha / static_cast<double>(spec.rank);
@@ -228,7 +233,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
             " in the file vs ", ShapeText(shape), " from config.json"));
       }
       if (options.keep_mapped) {
-        LATHE_ASSIGN_OR_RETURN(*slot, MappedTensorFromFile(entry));
+        LATHE_ASSIGN_OR_RETURN(*slot, TensorFromFile(entry, at::ScalarType::Undefined, false));
         continue;
       }
       LATHE_ASSIGN_OR_RETURN(*slot, TensorFromFile(entry, dtype, trainable_base));
@@ -451,9 +456,6 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
 
 std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
   TORCH_CHECK(unit >= 0 && unit < num_units(), "no unit ", unit);
-  auto decays = [](const std::string& name) {
-    return !absl::EndsWith(name, ".bias") && !absl::EndsWith(name, "norm.weight");
-  };
   const bool head = unit == num_units() - 1;
   const std::string block_prefix = absl::StrCat("model.layers.", unit - 1, ".");
   std::vector<UnitTensor> tensors;
@@ -461,7 +463,7 @@ std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
     const bool mine = unit == 0 ? name == "model.embed_tokens.weight"
                       : head    ? name == "model.norm.weight" || name == "lm_head.weight"
                                 : absl::StartsWith(name, block_prefix);
-    if (mine) tensors.push_back({name, slot, trainable_base_, decays(name)});
+    if (mine) tensors.push_back({name, slot, trainable_base_, DecaysWeight(name)});
   }
   if (unit == 0 || head) return tensors;
   for (const std::string& module : LoraTargetModules()) {
@@ -488,8 +490,7 @@ std::vector<NamedParameter> CausalLm::TrainableParameters() {
   }
   for (auto& [name, slot] : BaseWeights()) {
     if (!slot->requires_grad()) continue;
-    bool no_decay = absl::EndsWith(name, ".bias") || absl::EndsWith(name, "norm.weight");
-    params.push_back({name, *slot, !no_decay});
+    params.push_back({name, *slot, DecaysWeight(name)});
   }
   return params;
 }

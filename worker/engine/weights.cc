@@ -69,15 +69,10 @@ absl::StatusOr<at::Tensor> TensorFromFile(const SafetensorsDirectory::Entry& ent
     mapped = at::empty(view.shape, at::TensorOptions(*stored));
     std::memcpy(mapped.data_ptr(), data, view.nbytes);
   }
+  if (dtype == at::ScalarType::Undefined) dtype = *stored;
   if (*stored == dtype && !writable && aligned) return mapped;  // read-only view of the file
   if (*stored == dtype) return aligned ? mapped.clone() : mapped;
   return mapped.to(dtype);
-}
-
-absl::StatusOr<at::Tensor> MappedTensorFromFile(const SafetensorsDirectory::Entry& entry) {
-  absl::StatusOr<at::ScalarType> stored = ScalarTypeOf(entry.tensor->dtype);
-  if (!stored.ok()) return TensorFromFile(entry, at::kFloat, false);  // the same error
-  return TensorFromFile(entry, *stored, /*writable=*/false);
 }
 
 void TensorsToWrite::Add(std::string name, const at::Tensor& tensor) {

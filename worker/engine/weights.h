@@ -14,16 +14,13 @@
 
 namespace lathe {
 
-// The tensor `entry` as a CPU tensor of `dtype`. When the file already holds `dtype`, the
+// The tensor `entry` as a CPU tensor of `dtype` (at::ScalarType::Undefined: the file's own
+// dtype, as the shard layer reads weights it slices). When the file already holds `dtype`, the
 // data is suitably aligned and `writable` is false, the result views the read-only mapping
 // (zero copy; it keeps the file mapped while alive); otherwise it is a fresh copy.
 // INVALID_ARGUMENT naming the tensor and file for dtypes libtorch cannot convert.
 absl::StatusOr<at::Tensor> TensorFromFile(const SafetensorsDirectory::Entry& entry,
                                           at::ScalarType dtype, bool writable);
-
-// The tensor `entry` in the file's own dtype, read-only: a view of the mapping when the
-// data is aligned, else a copy. INVALID_ARGUMENT as TensorFromFile.
-absl::StatusOr<at::Tensor> MappedTensorFromFile(const SafetensorsDirectory::Entry& entry);
 
 // Tensors prepared for WriteSafetensors. Holds contiguous CPU copies alive until destroyed.
 class TensorsToWrite {
