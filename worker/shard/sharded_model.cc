@@ -144,7 +144,6 @@ absl::Status ShardedModel::Init() {
         u.frozen_slots.push_back(t.slot);
       }
     }
-    u.frozen_dtype = weight_dtype;
     u.frozen_shard = ShardNumel(u.frozen.numel, world_);
     u.trainable_shard = ShardNumel(u.trainable.numel, world_);
     if (stage3) {
@@ -657,20 +656,25 @@ absl::Status ShardedModel::ForEachTrainableUnit(
 }
 
 ShardBytes ShardedModel::bytes() const {
+  // The tensors' own sizes (a gathered unit's even while its storage is freed); gradients
+  // exist only during a step, so theirs are counted from the layout.
+  auto bytes_of = [](const at::Tensor& t) {
+    return t.defined() ? t.numel() * static_cast<int64_t>(t.element_size()) : 0;
+  };
   ShardBytes b;
   for (const Unit& u : units_) {
-    const int64_t frozen_elem = c10::elementSize(u.frozen_dtype);
     if (options_.stage == 3) {
-      b.frozen += u.frozen_shard * frozen_elem;
-      b.trainable += u.trainable_shard * 4;
+      b.frozen += bytes_of(u.frozen_slice);
+      b.trainable += bytes_of(u.trainable_slice);
       b.largest_unit =
-          std::max(b.largest_unit, world_ * (u.frozen_shard * frozen_elem + u.trainable_shard * 4));
+          std::max(b.largest_unit, bytes_of(u.frozen_whole) + bytes_of(u.trainable_whole));
     } else {
-      b.frozen += u.frozen.numel * frozen_elem;
-      b.trainable += world_ * u.trainable_shard * 4;
+      for (const at::Tensor* slot : u.frozen_slots) b.frozen += bytes_of(*slot);
+      b.trainable += bytes_of(u.trainable_whole);
     }
     b.gradients += (options_.stage == 1 ? world_ : 1) * u.trainable_shard * 4;
-    b.optimizer += (u.master.is_same(u.param_slice) ? 2 : 3) * u.trainable_shard * 4;
+    b.optimizer += bytes_of(u.exp_avg) + bytes_of(u.exp_avg_sq) +
+                   (u.master.is_same(u.param_slice) ? 0 : bytes_of(u.master));
   }
   return b;
 }

@@ -34,12 +34,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "common/flat_layout.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine/adamw.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/weights.h"
-#include "common/flat_layout.h"
 
 namespace lathe {
 
@@ -132,7 +132,6 @@ class ShardedModel final : public UnitHooks {
     std::vector<at::Tensor*> frozen_slots, trainable_slots;
     FlatLayout frozen, trainable;
     int64_t frozen_shard = 0, trainable_shard = 0;  // elements per rank (S)
-    at::ScalarType frozen_dtype = at::kFloat;
     // Stage 3: this rank's slices (host memory with offload_params).
     at::Tensor frozen_slice, trainable_slice;
     // The whole unit, [world * S]: stages 1-2 keep the trainable one; stage 3 gathers both
