@@ -106,6 +106,8 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
     LATHE_ASSIGN_OR_RETURN(job.options.rank, flags.GetInt("rank", 0));
     LATHE_ASSIGN_OR_RETURN(job.options.world_size, flags.GetInt("world-size", 1));
     job.rendezvous_dir = flags.Get("rendezvous-dir", "");
+    // Trainer::Create checks these too, but the ranks connect before it runs: a wrong
+    // world size would wait out the rendezvous timeout instead of failing at once.
     if (job.options.world_size != job.plan.ranks) {
       return absl::InvalidArgumentError(absl::StrCat(
           "resources.ranks: ", job.plan.ranks, " but --world-size is ", job.options.world_size));

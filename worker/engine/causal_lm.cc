@@ -525,6 +525,10 @@ absl::Status CausalLm::ExportModel(const std::string& dir) const {
   if (error) return absl::InternalError(absl::StrCat(dir, ": ", error.message()));
   LATHE_RETURN_IF_ERROR(
       WriteSafetensors(dir + "/model.safetensors", tensors.tensors(), {{"format", "pt"}}));
+  return WriteExportedConfig(dir);
+}
+
+absl::Status CausalLm::WriteExportedConfig(const std::string& dir) const {
   ModelConfig exported = config_;
   exported.torch_dtype = "float32";
   return WriteFileAtomically(dir + "/config.json", ModelConfigToJson(exported));

@@ -140,6 +140,9 @@ class CausalLm {
   absl::Status ExportAdapter(const std::string& dir, const PeftAdapterConfig& config) const;
   // Writes config.json and model.safetensors (float32) to `dir`.
   absl::Status ExportModel(const std::string& dir) const;
+  // Writes the config.json of an exported model (float32 weights) to `dir`, as ExportModel
+  // does; for exports whose weights are written elsewhere (ZeRO-3, unit by unit).
+  absl::Status WriteExportedConfig(const std::string& dir) const;
 
   // The units (see UnitHooks) and the tensors of each, in a fixed order: frozen base weights
   // and, for LoRA, the unit's adapters (trainable); with a trainable base every weight is

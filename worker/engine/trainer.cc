@@ -521,9 +521,7 @@ absl::Status Trainer::ExportSharded(TrainResult& result) {
   index["metadata"]["total_size"] = total_bytes;
   LATHE_RETURN_IF_ERROR(
       WriteFileAtomically(dir + "/model.safetensors.index.json", index.dump(2) + "\n"));
-  ModelConfig exported = model_config_;
-  exported.torch_dtype = "float32";
-  return WriteFileAtomically(dir + "/config.json", ModelConfigToJson(exported));
+  return model_->WriteExportedConfig(dir);
 }
 
 bool Trainer::Evaluates() const {
