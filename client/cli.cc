@@ -1,5 +1,7 @@
 #include "client/cli.h"
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -24,6 +26,7 @@
 #include "common/job_spec.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
+#include "coordinator/planner/plan_proto.h"
 #include "nlohmann/json.hpp"
 
 namespace lathe {
@@ -143,6 +146,38 @@ int RunSubmit(const Invocation& inv) {
   return kExitOk;
 }
 
+// `plan`: the coordinator's plan, or with --local this process's (reading the model's
+// config.json here, fitting to --memory-per-rank or the spec's resources.memory_per_rank).
+int RunPlan(const Invocation& inv) {
+  absl::StatusOr<JobSpec> spec = LoadJobSpec(inv.positional[0]);
+  if (!spec.ok()) return Fail(inv, spec.status());
+  if (absl::Status status = MakeSpecPathsAbsolute(&*spec); !status.ok()) return Fail(inv, status);
+  absl::StatusOr<v1::PlanJobResponse> response;
+  if (inv.flags.Has("local")) {
+    uint64_t memory = 0;
+    if (inv.flags.Has("memory-per-rank")) {
+      absl::StatusOr<uint64_t> bytes = ParseByteSize(inv.flags.Get("memory-per-rank"));
+      if (!bytes.ok()) return Fail(inv, Annotate(bytes.status(), "--memory-per-rank"));
+      memory = *bytes;
+    } else if (spec->resources.device == DeviceKind::kCpu) {
+      memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+               static_cast<uint64_t>(sysconf(_SC_PAGESIZE));  // this machine's
+    }
+    absl::StatusOr<PlanOptions> options =
+        PlanOptionsFor(*spec, memory, inv.flags.Get("gpu", "h100"));
+    if (!options.ok()) return Fail(inv, options.status());
+    absl::StatusOr<PlanResult> result = PlanSpec(*spec, *options);
+    if (!result.ok()) return Fail(inv, result.status());
+    response = PlanResultToProto(*result, options->rates.memory_bytes);
+  } else {
+    response = inv.client->PlanJob(JobSpecToProto(*spec));
+  }
+  if (!response.ok()) return Fail(inv, response.status());
+  *inv.out << (inv.json ? JsonLine(PlanResponseJson(*response)) + "\n"
+                        : PlanReportText(*response, 12));
+  return kExitOk;
+}
+
 int RunList(const Invocation& inv) {
   std::vector<v1::JobState> states;
   for (const std::string& text : inv.states) {
@@ -243,6 +278,19 @@ const std::vector<Command>& Commands() {
        {{"request-id", true, "reuse this id to retry a submission (default: a new UUID)"}},
        1,
        RunSubmit},
+      {"plan",
+       "FILE [--local [--memory-per-rank SIZE] [--gpu h100|h200]]",
+       "Plan a job spec without submitting it: the strategy the planner picks, its memory per "
+       "rank by component, predicted speed, and every configuration considered with why it "
+       "lost. Exit status 1 with what would fit when nothing does.",
+       {{"local", false,
+         "plan here, without a coordinator (reads the model's config.json from this machine)"},
+        {"memory-per-rank", true,
+         "with --local: the memory of one rank (e.g. 24GiB; default: the spec's "
+         "resources.memory_per_rank, else the GPU's)"},
+        {"gpu", true, "with --local and device cuda: h100 (default) or h200"}},
+       1,
+       RunPlan},
       {"list",
        "[--state STATE]...",
        "List jobs, newest first.",

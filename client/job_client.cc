@@ -83,6 +83,16 @@ absl::StatusOr<v1::SubmitJobResponse> JobClient::SubmitJob(const v1::JobSpec& sp
   return response;
 }
 
+absl::StatusOr<v1::PlanJobResponse> JobClient::PlanJob(const v1::JobSpec& spec) const {
+  v1::PlanJobRequest request;
+  *request.mutable_spec() = spec;
+  v1::PlanJobResponse response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->PlanJob(c, request, &response); });
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::StatusOr<v1::JobStatus> JobClient::GetJob(absl::string_view job_id) const {
   v1::GetJobRequest request;
   request.set_job_id(std::string(job_id));

@@ -73,6 +73,9 @@ class JobClient {
   absl::StatusOr<v1::SubmitJobResponse> SubmitJob(const v1::JobSpec& spec,
                                                   absl::string_view request_id) const;
 
+  // JobService.PlanJob: the plan the coordinator would make, nothing stored.
+  absl::StatusOr<v1::PlanJobResponse> PlanJob(const v1::JobSpec& spec) const;
+
   // JobService.GetJob. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
 

@@ -174,4 +174,25 @@ std::string JsonLine(const Json& json) {
                    Json::error_handler_t::replace);
 }
 
+nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response) {
+  Json candidates = Json::array();
+  for (const v1::PlanCandidate& c : response.candidates()) {
+    candidates.push_back(Json{{"zero_stage", c.zero_stage()},
+                              {"offload_optimizer", c.offload_optimizer()},
+                              {"offload_params", c.offload_params()},
+                              {"activation_checkpointing", c.activation_checkpointing()},
+                              {"chunked_loss", c.chunked_loss()},
+                              {"micro_batch", c.micro_batch()},
+                              {"memory", MemoryJson(c.memory())},
+                              {"host_memory", c.host_memory()},
+                              {"step_seconds", Number(c.step_seconds())},
+                              {"fits", c.fits()},
+                              {"verdict", c.verdict()}});
+  }
+  return Json{{"plan", PlanJson(response.plan())},
+              {"tokens_per_second", Number(response.tokens_per_second())},
+              {"memory_per_rank", response.memory_per_rank()},
+              {"candidates", std::move(candidates)}};
+}
+
 }  // namespace lathe

@@ -34,6 +34,10 @@ nlohmann::ordered_json WorkerJson(const v1::WorkerStatus& worker);
 nlohmann::ordered_json ProgressJson(const v1::Progress& progress);
 nlohmann::ordered_json MemoryJson(const v1::MemoryBreakdown& memory);
 
+// The object of `lathe plan`: the plan (as inside a job object), the predicted tokens/s, the
+// memory per rank it was fitted to, and every candidate with its memory and verdict.
+nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response);
+
 // `json` on one line, without a trailing newline. Invalid UTF-8 in a string (a trainer's log
 // line in an attempt's error, say) becomes U+FFFD instead of failing.
 std::string JsonLine(const nlohmann::ordered_json& json);

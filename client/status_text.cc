@@ -312,4 +312,39 @@ std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time
   return RenderTable(rows);
 }
 
+std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candidates) {
+  std::string out;
+  AppendField(&out, "plan", PlanText(response.plan()));
+  AppendField(&out, "predicted",
+              absl::StrFormat("%.0f tokens/s; memory per rank %s", response.tokens_per_second(),
+                              FormatBytes(response.memory_per_rank())));
+  std::vector<Row> memory = {{"component", "bytes/rank (at the step's peak)"}};
+  for (const auto& [name, bytes] : MemoryComponents(response.plan().predicted_memory())) {
+    if (bytes > 0) memory.push_back({name, FormatBytes(bytes)});
+  }
+  AppendField(&out, "memory/rank", RenderTable(memory));
+  std::vector<Row> rows = {
+      {"ZERO", "OFFLOAD", "CKPT", "LOSS", "MICRO", "PEAK/RANK", "STEP", "VERDICT"}};
+  size_t shown = 0;
+  for (const v1::PlanCandidate& c : response.candidates()) {
+    if (shown++ == max_candidates) break;
+    std::string offload = c.offload_optimizer() && c.offload_params() ? "opt+params"
+                          : c.offload_optimizer()                     ? "optimizer"
+                          : c.offload_params()                        ? "params"
+                                                                      : "-";
+    rows.push_back({absl::StrCat(c.zero_stage()), offload,
+                    c.activation_checkpointing() ? "on" : "off",
+                    c.chunked_loss() ? "chunked" : "logits", absl::StrCat(c.micro_batch()),
+                    FormatBytes(c.memory().total()), absl::StrFormat("%.3g s", c.step_seconds()),
+                    c.verdict()});
+  }
+  std::string table = RenderTable(rows);
+  if (static_cast<size_t>(response.candidates_size()) > max_candidates) {
+    absl::StrAppend(&table, "(", response.candidates_size() - max_candidates,
+                    " more; --output json lists them all)\n");
+  }
+  AppendField(&out, "considered", table);
+  return out;
+}
+
 }  // namespace lathe

@@ -73,6 +73,10 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now);
 // The `lathe workers` table: ID, STATE, DEVICE, SLOTS, LAST HEARTBEAT, RUNNING.
 std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time now);
 
+// `lathe plan`: the chosen plan, its predicted speed and memory per component, and the
+// first `max_candidates` configurations considered with their verdicts.
+std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candidates);
+
 }  // namespace lathe
 
 #endif  // LATHE_CLIENT_STATUS_TEXT_H_

@@ -2,6 +2,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -507,21 +508,29 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
                                     {"zero_stage", "offload_optimizer", "offload_params",
                                      "activation_checkpointing", "chunked_loss", "fused_kernels"}));
   strategy->automatic = false;
-  if (const YAML::Node v = node["zero_stage"]) {
+  // A field given as `auto` is left to the planner (its default stays in the struct).
+  auto planner_chooses = [&](const YAML::Node& v, const char* field) {
+    if (!v.IsScalar() || v.Scalar() != "auto") return false;
+    strategy->auto_fields.push_back(field);
+    return true;
+  };
+  if (const YAML::Node v = node["zero_stage"]; v && !planner_chooses(v, "zero_stage")) {
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "strategy.zero_stage", &strategy->zero_stage));
   }
-  if (const YAML::Node v = node["offload_optimizer"]) {
+  if (const YAML::Node v = node["offload_optimizer"];
+      v && !planner_chooses(v, "offload_optimizer")) {
     LATHE_RETURN_IF_ERROR(
         r.ReadBool(v, "strategy.offload_optimizer", &strategy->offload_optimizer));
   }
-  if (const YAML::Node v = node["offload_params"]) {
+  if (const YAML::Node v = node["offload_params"]; v && !planner_chooses(v, "offload_params")) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.offload_params", &strategy->offload_params));
   }
-  if (const YAML::Node v = node["activation_checkpointing"]) {
+  if (const YAML::Node v = node["activation_checkpointing"];
+      v && !planner_chooses(v, "activation_checkpointing")) {
     LATHE_RETURN_IF_ERROR(
         r.ReadBool(v, "strategy.activation_checkpointing", &strategy->activation_checkpointing));
   }
-  if (const YAML::Node v = node["chunked_loss"]) {
+  if (const YAML::Node v = node["chunked_loss"]; v && !planner_chooses(v, "chunked_loss")) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.chunked_loss", &strategy->chunked_loss));
   }
   if (const YAML::Node v = node["fused_kernels"]) {
@@ -626,12 +635,19 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.AtLeast("resources.ranks", spec.resources.ranks, 1));
 
   const StrategySpec& strategy = spec.strategy;
+  for (const std::string& field : strategy.auto_fields) {
+    if (field != "zero_stage" && field != "offload_optimizer" && field != "offload_params" &&
+        field != "activation_checkpointing" && field != "chunked_loss") {
+      return r.Error(absl::StrCat("strategy.", field), "cannot be auto");
+    }
+  }
   if (strategy.zero_stage < 0 || strategy.zero_stage > 3) {
     return r.Error("strategy.zero_stage",
                    absl::StrCat("must be 0, 1, 2 or 3, got ", strategy.zero_stage));
   }
   // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
-  if (strategy.offload_params && strategy.zero_stage != 3) {
+  if (strategy.offload_params && strategy.zero_stage != 3 &&
+      !strategy.ChosenByPlanner("zero_stage")) {
     return r.Error("strategy.offload_params",
                    absl::StrCat("requires zero_stage 3, got zero_stage ", strategy.zero_stage));
   }
@@ -761,6 +777,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
                 {"activation_checkpointing", s.activation_checkpointing},
                 {"chunked_loss", s.chunked_loss},
                 {"fused_kernels", s.fused_kernels}};
+    for (const std::string& field : s.auto_fields) strategy[field] = "auto";
   }
   Json out = {
       {"name", spec.name},
@@ -890,6 +907,10 @@ std::string FormatBytes(uint64_t bytes) {
   }
   const int decimals = value < 10 ? 2 : value < 100 ? 1 : 0;
   return absl::StrFormat("%.*f %s", decimals, value, kUnits[unit]);
+}
+
+bool StrategySpec::ChosenByPlanner(absl::string_view field) const {
+  return automatic || std::find(auto_fields.begin(), auto_fields.end(), field) != auto_fields.end();
 }
 
 }  // namespace lathe

@@ -89,6 +89,10 @@ struct ResourcesSpec {
 
 struct StrategySpec {
   bool automatic = true;  // "strategy: auto"; the fields below are then chosen by the planner
+  // In a strategy map, the fields given as `auto` (zero_stage, offload_optimizer,
+  // offload_params, activation_checkpointing, chunked_loss): the planner chooses them, the
+  // others are fixed.
+  std::vector<std::string> auto_fields;
   int64_t zero_stage = 0;
   bool offload_optimizer = false;
   bool offload_params = false;
@@ -97,6 +101,9 @@ struct StrategySpec {
   // The engine's fused kernels (kernels/); false runs the plain ATen composition. Applies
   // under "strategy: auto" too.
   bool fused_kernels = true;
+
+  // Whether the planner chooses `field` (one of auto_fields' names).
+  bool ChosenByPlanner(absl::string_view field) const;
 };
 
 struct JobSpec {

@@ -128,6 +128,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   strategy->set_activation_checkpointing(s.activation_checkpointing);
   strategy->set_chunked_loss(s.chunked_loss);
   strategy->set_fused_kernels(s.fused_kernels);
+  for (const std::string& field : s.auto_fields) strategy->add_auto_fields(field);
 
   out.set_priority(spec.priority);
   out.set_max_restarts(spec.max_restarts);
@@ -209,6 +210,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
     s.offload_params = strategy.offload_params();
     s.activation_checkpointing = strategy.activation_checkpointing();
     s.chunked_loss = strategy.chunked_loss();
+    s.auto_fields.assign(strategy.auto_fields().begin(), strategy.auto_fields().end());
   }
   if (strategy.has_fused_kernels()) s.fused_kernels = strategy.fused_kernels();
 
@@ -233,13 +235,18 @@ v1::Plan PlanToProto(const Plan& plan) {
   out.set_gradient_accumulation(plan.gradient_accumulation);
   out.set_total_steps(plan.total_steps);
   out.set_precision(ToProtoEnum(kPrecisions, plan.precision));
-  v1::MemoryBreakdown* memory = out.mutable_predicted_memory();
-  for (MemoryComponent c : kMemoryComponents) {
-    SetComponentBytes(memory, c, plan.predicted_memory.components[static_cast<int>(c)]);
-  }
-  memory->set_total(plan.predicted_memory.total);
+  *out.mutable_predicted_memory() = MemoryBytesToProto(plan.predicted_memory);
   out.set_explanation(plan.explanation);
   return out;
+}
+
+v1::MemoryBreakdown MemoryBytesToProto(const MemoryBytes& bytes) {
+  v1::MemoryBreakdown memory;
+  for (MemoryComponent c : kMemoryComponents) {
+    SetComponentBytes(&memory, c, bytes.components[static_cast<int>(c)]);
+  }
+  memory.set_total(bytes.total);
+  return memory;
 }
 
 absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source) {

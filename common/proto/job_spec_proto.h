@@ -28,6 +28,8 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& spec, absl::string_v
 
 v1::Plan PlanToProto(const Plan& plan);
 
+v1::MemoryBreakdown MemoryBytesToProto(const MemoryBytes& bytes);
+
 // INVALID_ARGUMENT "<source>: plan.<field>: ..." for an enum value this build does not know.
 // (Whether the plan fits a spec is CheckPlanRunsSpec's question.)
 absl::StatusOr<Plan> PlanFromProto(const v1::Plan& plan, absl::string_view source);

@@ -23,6 +23,11 @@ grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJob
   return Respond(jobs_->Submit(*request), response);
 }
 
+grpc::Status JobServiceImpl::PlanJob(grpc::ServerContext*, const v1::PlanJobRequest* request,
+                                     v1::PlanJobResponse* response) {
+  return Respond(jobs_->Plan(*request), response);
+}
+
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
                                     v1::JobStatus* response) {
   return Respond(scheduler_->GetJob(request->job_id()), response);

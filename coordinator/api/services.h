@@ -19,6 +19,8 @@ class JobServiceImpl final : public v1::JobService::Service {
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* response) override;
+  grpc::Status PlanJob(grpc::ServerContext* context, const v1::PlanJobRequest* request,
+                       v1::PlanJobResponse* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                       v1::JobStatus* response) override;
   grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,

@@ -1,5 +1,8 @@
 #include "coordinator/scheduler/job_manager.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -15,6 +18,7 @@
 #include "common/plan.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
+#include "coordinator/planner/plan_proto.h"
 
 namespace lathe {
 namespace {
@@ -65,10 +69,10 @@ absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
-  LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(request.spec(), "spec"));
+absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto) const {
+  LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(proto, "spec"));
   LATHE_RETURN_IF_ERROR(Annotate(CheckEngineSupports(spec), "spec"));
-  LATHE_RETURN_IF_ERROR(CheckPaths(request.spec()));
+  LATHE_RETURN_IF_ERROR(CheckPaths(proto));
   absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
   if (!model.ok()) return SpecError("model.path", model.status().message());
   if (spec.data.seq_len > model->max_position_embeddings) {
@@ -83,11 +87,47 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
     }
   }
   LATHE_RETURN_IF_ERROR(Annotate(CheckNoFinishedRun(spec.output), "spec"));
+  LATHE_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFor(spec, DefaultMemoryPerRank(spec)));
+  absl::StatusOr<PlanResult> plan = PlanSpec(spec, options);
+  if (!plan.ok()) return Annotate(plan.status(), "spec");
+  return Admitted{std::move(spec), *std::move(plan), options.rates.memory_bytes};
+}
+
+uint64_t JobManager::DefaultMemoryPerRank(const JobSpec& spec) const {
+  // The largest memory one rank could have on a registered worker of the job's device;
+  // without one, for the CPU the coordinator's own host (a stand-in), for CUDA the GPU's
+  // default (PlanOptionsFor).
+  const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  uint64_t best = 0;
+  for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) {
+    if ((w.device() == v1::DEVICE_CUDA) != cuda) continue;
+    if (cuda) {
+      for (const v1::DeviceInfo& d : w.devices()) best = std::max<uint64_t>(best, d.memory_bytes());
+    } else {
+      best = std::max<uint64_t>(best, w.host_memory_bytes());
+    }
+  }
+  if (best == 0 && !cuda) {
+    best = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+           static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  }
+  // CPU ranks of one job share a host's memory.
+  return cuda ? best : best / static_cast<uint64_t>(spec.resources.ranks);
+}
+
+absl::StatusOr<v1::PlanJobResponse> JobManager::Plan(const v1::PlanJobRequest& request) const {
+  LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
+  return PlanResultToProto(admitted.plan, admitted.memory_per_rank);
+}
+
+absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
+  LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
+  const JobSpec& spec = admitted.spec;
   v1::JobStatus job;
   job.set_job_id(
       absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(absl::BitGen()) & 0xFFFFFF));
   *job.mutable_spec() = JobSpecToProto(spec);  // defaults filled in
-  *job.mutable_plan() = PlanToProto(PlanFromSpec(spec));
+  *job.mutable_plan() = PlanToProto(admitted.plan.plan);
   bool existing = false;
   LATHE_ASSIGN_OR_RETURN(v1::JobStatus status,
                          scheduler_->AddJob(std::move(job), request.request_id(), &existing));

@@ -48,6 +48,7 @@ CoordinatorServer::~CoordinatorServer() { Shutdown(); }
 void CoordinatorServer::Wait() { stop_.WaitForNotification(); }
 
 void CoordinatorServer::Shutdown() {
+  absl::MutexLock lock(&shutdown_mu_);
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (heartbeat_checker_.joinable()) heartbeat_checker_.join();

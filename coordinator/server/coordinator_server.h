@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
@@ -60,6 +61,8 @@ class CoordinatorServer {
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
   absl::Notification stop_;
+  // Held through Shutdown: a signal's Shutdown and main's (after Wait returns) may race.
+  absl::Mutex shutdown_mu_;
   std::thread heartbeat_checker_;
 };
 

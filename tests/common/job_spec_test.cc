@@ -282,6 +282,28 @@ TEST(JobSpecTest, StrategyAutoVersusMap) {
   EXPECT_EQ(empty.strategy.zero_stage, 0);
 }
 
+TEST(JobSpecTest, StrategyFieldsLeftToThePlanner) {
+  JobSpec partial = MustParse(std::string(kMinimalPrefix) +
+                              "train: {steps: 1}\nresources: {ranks: 2}\n"
+                              "strategy: {zero_stage: auto, offload_params: true, "
+                              "activation_checkpointing: auto}\n");
+  EXPECT_FALSE(partial.strategy.automatic);
+  EXPECT_THAT(partial.strategy.auto_fields, ElementsAre("zero_stage", "activation_checkpointing"));
+  EXPECT_TRUE(partial.strategy.ChosenByPlanner("zero_stage"));
+  EXPECT_FALSE(partial.strategy.ChosenByPlanner("offload_params"));
+  EXPECT_TRUE(partial.strategy.offload_params);  // the planner then needs ZeRO-3
+  // Round trip through the JSON form keeps the auto fields.
+  absl::StatusOr<JobSpec> back = ParseJobSpec(JobSpecToJson(partial), "spec.json");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->strategy.auto_fields, partial.strategy.auto_fields);
+
+  absl::StatusOr<JobSpec> bad = ParseJobSpec(
+      std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: {fused_kernels: auto}\n",
+      "spec.yaml");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("strategy.fused_kernels"));
+}
+
 TEST(JobSpecTest, MicroBatchAndMemoryForms) {
   JobSpec spec = MustParse(std::string(kMinimalPrefix) +
                            "train: {steps: 1, global_batch: 12, micro_batch: 3}\n"

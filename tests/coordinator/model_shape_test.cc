@@ -43,6 +43,7 @@ TEST_P(ParameterCountTest, EqualsThePublishedModel) {
 INSTANTIATE_TEST_SUITE_P(
     PublicModels, ParameterCountTest,
     ::testing::Values(CountCase{"llama-3.1-8b", 8'030'261'248, ModelFamily::kLlama, false},
+                      CountCase{"llama-3.1-70b", 70'553'706'496, ModelFamily::kLlama, false},
                       CountCase{"llama-3.2-1b", 1'235'814'400, ModelFamily::kLlama, true},
                       CountCase{"mistral-7b-v0.1", 7'241'732'096, ModelFamily::kMistral, false},
                       CountCase{"qwen2.5-7b", 7'615'616'512, ModelFamily::kQwen2, false},

@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The planner's memory model against the engine: for each configuration, `lathe plan --local`
+predicts the per-rank peak, `lathe-worker train` runs it (real processes over gloo for several
+ranks, bench/ranks.py) and the tracking allocator measures the peak of the last step on every
+rank. Prints a markdown table for bench/RESULTS.md and checks issue #11's bar: every
+configuration within 5% and the median within 2%.
+
+  python3 bench/planner_accuracy.py [--bin-dir build/bin] [--quick] [--keep DIR]
+
+--quick runs the smaller model (what the `planner_accuracy` test runs in CI).
+Exit status 1 when the bar is missed."""
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ranks as launcher  # noqa: E402
+
+MIB = 1 << 20
+FULL = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, seq=128)
+QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=704, seq=64)
+
+# (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels)
+CONFIGS = [
+    ("lora", "lora", 1, 0, False, 1, True),
+    ("lora-mb4", "lora", 1, 0, False, 4, True),
+    ("lora-ckpt", "lora", 1, 0, True, 1, True),
+    ("lora-ckpt-mb4", "lora", 1, 0, True, 4, True),
+    ("lora-unfused", "lora", 1, 0, False, 1, False),
+    ("lora-unfused-ckpt-mb4", "lora", 1, 0, True, 4, False),
+    ("full", "full", 1, 0, False, 1, True),
+    ("full-ckpt-mb4", "full", 1, 0, True, 4, True),
+    ("lora-z0-r2", "lora", 2, 0, False, 1, True),
+    ("lora-z2-r2-mb4", "lora", 2, 2, False, 4, True),
+    ("lora-z3-r2", "lora", 2, 3, False, 1, True),
+    ("lora-z3-r4-ckpt", "lora", 4, 3, True, 1, True),
+    ("full-z2-r2", "full", 2, 2, False, 1, True),
+    ("full-z3-r4-mb4", "full", 4, 3, False, 4, True),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bin-dir", default=os.path.join(os.path.dirname(__file__), "..",
+                                                           "build", "bin"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--keep", help="keep the work directory here")
+    args = parser.parse_args()
+    m = QUICK if args.quick else FULL
+    work = args.keep or tempfile.mkdtemp(prefix="lathe-planner-accuracy-")
+    os.makedirs(work, exist_ok=True)
+    synth = os.path.join(args.bin_dir, "lathe-synth")
+    subprocess.run([synth, "model", "--out", f"{work}/model", "--vocab", str(m["vocab"]),
+                    "--hidden", str(m["hidden"]), "--layers", str(m["layers"]), "--heads",
+                    str(m["heads"]), "--kv-heads", str(m["kv_heads"]), "--intermediate",
+                    str(m["intermediate"])], check=True, stdout=subprocess.DEVNULL)
+    # Every record longer than seq_len: every sequence is seq_len tokens, all of them targets,
+    # the case the planner sizes.
+    subprocess.run([synth, "data", "--out", f"{work}/train.jsonl", "--records", "64",
+                    "--vocab", str(m["vocab"]), "--min-len", str(m["seq"] + 8), "--max-len",
+                    str(m["seq"] + 40)], check=True, stdout=subprocess.DEVNULL)
+
+    print(f"# Planner accuracy, {datetime.date.today()}, {launcher.machine()}\n")
+    print(f"Model {m}; 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
+          "allocator's peak of the last step, the largest over ranks\n")
+    print("| config | method | ranks | ZeRO | ckpt | micro-batch | fused | peak at | "
+          "predicted MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for name, method, ranks, stage, ckpt, micro, fused in CONFIGS:
+        fields = {
+            "name": name, "model": f"{{path: {work}/model}}",
+            "data": f"{{train: {work}/train.jsonl, seq_len: {m['seq']}}}",
+            "method": method,
+            "train": f"{{steps: 2, global_batch: {micro * ranks}, micro_batch: {micro}, "
+                     "lr: 1.0e-4}",
+            "resources": f"{{ranks: {ranks}, device: cpu}}",
+            "strategy": f"{{zero_stage: {stage}, activation_checkpointing: "
+                        f"{str(ckpt).lower()}, fused_kernels: {str(fused).lower()}}}",
+            "output": f"{work}/out/{name}"}
+        if method == "lora":
+            fields["lora"] = "{rank: 8, alpha: 16}"
+        shutil.rmtree(f"{work}/out/{name}", ignore_errors=True)
+        spec = launcher.write_spec(f"{work}/{name}.yaml", fields)
+        plan = json.loads(subprocess.run(
+            [os.path.join(args.bin_dir, "lathe"), "plan", spec, "--local", "--output", "json"],
+            check=True, capture_output=True, text=True).stdout)
+        predicted = int(plan["plan"]["predicted_memory"]["total"])
+        phase = plan["plan"]["explanation"].split(" in the ")[-1].split(";")[0]
+        events = launcher.run_ranks(args.bin_dir, spec, ranks, work)
+        measured = max(int(launcher.steps(e)[-1]["memory"]["total"]) for e in events)
+        error = predicted / measured - 1
+        errors.append(abs(error))
+        print(f"| {name} | {method} | {ranks} | {stage} | {'on' if ckpt else 'off'} | {micro} | "
+              f"{'yes' if fused else 'no'} | {phase} | {predicted / MIB:.2f} | "
+              f"{measured / MIB:.2f} | {100 * error:+.1f}% |", flush=True)
+    worst, median = max(errors), statistics.median(errors)
+    ok = worst <= 0.05 and median <= 0.02
+    print(f"\nworst {100 * worst:.1f}%, median {100 * median:.1f}% (bar: 5% and 2%): "
+          f"{'met' if ok else 'MISSED'}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+#include "coordinator/planner/memory_model.h"
+
+#include <algorithm>
+
+#include "common/flat_layout.h"
+#include "coordinator/planner/model_states.h"
+#include "kernels/cpu/linear_cross_entropy.h"
+
+namespace lathe {
+namespace {
+
+// The CUDA context, cuBLAS workspaces and the caching allocator's slack, which the step's
+// own allocations do not show: a fixed allowance per GPU rank.
+constexpr uint64_t kCudaRuntimeBytes = uint64_t{1} << 30;
+
+// Bytes of one element of each kind of tensor the step makes.
+struct Widths {
+  int64_t compute;  // activations: float32, or bfloat16/float16 under those precisions
+  int64_t weight;   // frozen weights
+  int64_t math;     // LoRA's x A^T: float32 on the CPU whatever the precision
+};
+
+Widths WidthsOf(const JobShape& job) {
+  const int64_t half = job.precision == Precision::kFp32 ? 4 : 2;
+  return {half, job.method == Method::kFull ? 4 : half, job.device == DeviceKind::kCpu ? 4 : half};
+}
+
+// The loss's peak at the end of the forward pass: the target rows and their hidden
+// gradient (the CPU kernel computes it in forward), the log-sum-exp, the row indices, and
+// the kernel's workspace as the kernel sizes it; unfused, the [targets, vocab] logits and
+// their log-softmax.
+int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+  const ModelShape& m = job.model;
+  const int64_t n = p.micro_batch * (job.seq_len - 1);  // every position a target: the worst
+  const int64_t rows = 2 * n * m.hidden_size * w.compute + n * 4 + 2 * n * 8;
+  if (!p.chunked_loss) {
+    const int64_t logits = n * m.vocab_size;
+    // The log-softmax kept for backward, and at the start of backward the gradients of the
+    // loss and of the log-softmax, all [targets, vocab] float32.
+    return rows + 3 * logits * 4 + (w.compute == 4 ? 0 : logits * w.compute);
+  }
+  kernels::LinearCrossEntropyProblem problem;
+  problem.tokens = n;
+  problem.hidden_size = m.hidden_size;
+  problem.vocab = m.vocab_size;
+  problem.dtype = w.compute == 4 ? kernels::LinearCrossEntropyDtype::kFloat32
+                                 : kernels::LinearCrossEntropyDtype::kBFloat16;
+  const bool head_trains = job.method == Method::kFull;
+  int64_t workspace = 0;
+  if (head_trains && w.compute == 4) {
+    // One pass for both gradients when at least 128 tokens of the whole vocabulary fit.
+    const int64_t row = kernels::cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, 1);
+    const int64_t chunk = std::min(n, kernels::kDefaultLinearCrossEntropyBudgetBytes / row);
+    if (chunk >= std::min<int64_t>(n, 128)) {
+      workspace = kernels::cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) +
+                  m.vocab_size * m.hidden_size * 4;  // the head's gradient, made in forward
+      return rows + workspace;
+    }
+  }
+  auto bytes = [&](const kernels::LinearCrossEntropyChunks& c) {
+    return kernels::cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, true);
+  };
+  workspace = bytes(kernels::ChooseLinearCrossEntropyChunks(
+      problem, kernels::kDefaultLinearCrossEntropyBudgetBytes, bytes));
+  return rows + workspace;
+}
+
+// What one decoder block keeps for its backward pass: its input's norm, the attention's
+// q, k, v (the keys and values repeated to every head under GQA) and output, the residual
+// sum, the second norm, gate, up and their product, its output, LoRA's x A^T per target,
+// the norms' reciprocal RMS and the float32 attention probabilities (and their 16-bit copy).
+// The unfused kernels keep more: the norms' intermediates and SiLU(gate).
+int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+  const ModelShape& m = job.model;
+  const int64_t bt = p.micro_batch * job.seq_len;
+  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, i = m.intermediate_size;
+  const int64_t lora = job.method == Method::kLora
+                           ? job.lora_rank * static_cast<int64_t>(job.lora_targets.size())
+                           : 0;
+  const int64_t probs = p.micro_batch * m.num_heads * job.seq_len * job.seq_len;
+  int64_t bytes = bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 +
+                  probs * (4 + (w.compute == 4 ? 0 : w.compute));
+  if (!p.fused_kernels) bytes += bt * w.compute * (2 * h + i);
+  return bytes;
+}
+
+// The backward pass's own buffers within one block (incoming and outgoing gradients, the
+// SwiGLU's and the attention's), calibrated against the tracking allocator on the CPU
+// (bench/planner_accuracy.py): per token, 1.3 hidden and 2.14 MLP widths fused, 1.6 and
+// 1.7 unfused.
+int64_t BackwardTransientBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+  const int64_t bt = p.micro_batch * job.seq_len;
+  const int64_t h = bt * job.model.hidden_size * w.compute;
+  const int64_t i = bt * job.model.intermediate_size * w.compute;
+  return p.fused_kernels ? (13 * h + 21 * i) / 10 : (16 * h + 17 * i) / 10;
+}
+
+// The largest single trainable tensor: AdamW's step makes two temporaries of its size.
+int64_t LargestTrainableTensor(const JobShape& job) {
+  const ModelShape& m = job.model;
+  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim;
+  const int64_t kv = m.num_kv_heads * m.head_dim, i = m.intermediate_size;
+  if (job.method == Method::kFull) {
+    return std::max({m.vocab_size * h, q * h, kv * h, i * h});
+  }
+  int64_t largest = 0;
+  for (const std::string& t : job.lora_targets) {
+    int64_t in = h, out = h;
+    if (t == "q_proj") out = q;
+    if (t == "k_proj" || t == "v_proj") out = kv;
+    if (t == "o_proj") in = q;
+    if (t == "gate_proj" || t == "up_proj") out = i;
+    if (t == "down_proj") in = i;
+    largest = std::max({largest, job.lora_rank * in, out * job.lora_rank});
+  }
+  return largest;
+}
+
+}  // namespace
+
+absl::StatusOr<JobShape> JobShapeOf(const JobSpec& spec, const ModelShape& model) {
+  JobShape job;
+  job.model = model;
+  job.method = spec.method;
+  job.lora_rank = spec.lora.rank;
+  job.lora_targets = spec.lora.targets;
+  job.seq_len = spec.data.seq_len;
+  job.ranks = spec.resources.ranks;
+  job.device = spec.resources.device;
+  job.precision = spec.train.precision;
+  return job;
+}
+
+absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const StrategyPoint& p) {
+  const ModelShape& m = job.model;
+  const Widths w = WidthsOf(job);
+  absl::StatusOr<std::vector<UnitElements>> units =
+      UnitsOf(m, job.method, job.lora_rank, job.lora_targets);
+  if (!units.ok()) return units.status();
+  const bool cuda = job.device == DeviceKind::kCuda;
+  // On the CPU, offloading moves nothing out of the memory the ranks share.
+  ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
+                        p.offload_params && cuda};
+  const ModelStateBytes states = ModelStates(*units, w.weight, choice);
+
+  const int64_t b = p.micro_batch, t = job.seq_len, h = m.hidden_size, layers = m.num_layers;
+  const int64_t bt = b * t;
+  // The embeddings' output, the rotary tables and the token ids; with a micro-batch of more
+  // than one sequence, the loss's copy of the shifted hidden states.
+  int64_t fixed = bt * h * w.compute + 2 * t * m.head_dim * w.compute + bt * 8;
+  if (b > 1) fixed += b * (t - 1) * h * w.compute;
+  const int64_t block = BlockSavedBytes(job, p, w);
+  const int64_t transient = BackwardTransientBytes(job, p, w);
+  const int64_t dy = bt * h * w.compute;  // the gradient flowing into a block
+  // Checkpointing keeps each block's input (and the attention mask) instead of its insides.
+  const int64_t kept = p.activation_checkpointing
+                           ? fixed + t * t * w.compute + layers * bt * h * w.compute
+                           : fixed + layers * block;
+  const int64_t loss = LossPeakBytes(job, p, w);
+
+  // Per unit, in the engine's order: the bytes of its whole
+  // gradient bucket with the slice it reduces into (ZeRO-2/3), and of the unit gathered
+  // whole (ZeRO-3).
+  const int64_t n = job.ranks;
+  const int64_t num_units = static_cast<int64_t>(units->size());
+  std::vector<int64_t> bucket(num_units), whole(num_units);
+  int64_t largest_unit_trainable = 0;
+  for (int64_t u = 0; u < num_units; ++u) {
+    const UnitElements& e = (*units)[u];
+    largest_unit_trainable = std::max(largest_unit_trainable, e.trainable);
+    bucket[u] = 4 * (n + 1) * ShardNumel(e.trainable, n);
+    whole[u] = n * (w.weight * ShardNumel(e.frozen, n) + 4 * ShardNumel(e.trainable, n));
+  }
+  // Stage 0 makes whole gradients as backward goes, stage 1 whole flat ones, stages 2 and 3
+  // slices as their reductions finish; all are dropped after the step.
+  const int64_t sharded_grads = p.zero_stage == 0 ? 0 : states.gradients;
+  const bool stage3 = p.zero_stage == 3;
+
+  struct Moment {
+    const char* phase;
+    std::array<int64_t, kNumMemoryComponents> c{};
+  };
+  auto base = [&](const char* phase, bool with_gradients) {
+    Moment mo{phase};
+    mo.c[static_cast<int>(MemoryComponent::kWeights)] = states.weights;
+    mo.c[static_cast<int>(MemoryComponent::kTrainable)] = states.trainable;
+    mo.c[static_cast<int>(MemoryComponent::kOptimizer)] = states.optimizer;
+    mo.c[static_cast<int>(MemoryComponent::kGradients)] = with_gradients ? sharded_grads : 0;
+    mo.c[static_cast<int>(MemoryComponent::kOverhead)] = bt * 16;  // ids and labels
+    return mo;
+  };
+  auto at = [](Moment& mo, MemoryComponent c) -> int64_t& { return mo.c[static_cast<int>(c)]; };
+  std::vector<Moment> moments;
+  const int64_t head = num_units - 1;
+
+  // The end of the forward pass: the last block done (ZeRO-3: still gathered, the head
+  // prefetched), then inside the loss (the unfused loss peaks at the start of backward, with
+  // everything still kept).
+  Moment blocks_done = base("the forward pass", false);
+  at(blocks_done, MemoryComponent::kActivations) = kept;
+  if (stage3) at(blocks_done, MemoryComponent::kCommBuffers) = whole[head] + whole[head - 1];
+  moments.push_back(blocks_done);
+  Moment in_loss = base("the forward pass", false);
+  at(in_loss, MemoryComponent::kActivations) = kept;
+  at(in_loss, MemoryComponent::kLogits) = loss;
+  if (stage3) at(in_loss, MemoryComponent::kCommBuffers) = whole[head];
+  moments.push_back(in_loss);
+
+  // Backward, unit by unit from the head: while block j runs backward (its insides kept or
+  // recomputed, its own transient buffers, the blocks below it still kept; ZeRO-3 holds it
+  // and prefetches the one below), and as each unit hands its gradients over (autograd's
+  // still alive while they are copied into the unit's bucket). Stage 0 accumulates whole
+  // gradients; stages 2 and 3 have up to three buckets in flight to their reduce-scatter
+  // (two waiting, one starting).
+  const int64_t input = bt * h * w.compute;
+  const int64_t mask = t * t * w.compute;
+  int64_t made = 0;  // stage 0: the gradients made so far
+  std::vector<int64_t> flight;
+  auto in_flight = [&flight](size_t count) {
+    int64_t sum = 0;
+    for (size_t k = 0; k < count && k < flight.size(); ++k) sum += flight[flight.size() - 1 - k];
+    return sum;
+  };
+  // Stages 2 and 3: the gradient slices of the units reduced so far.
+  int64_t slices = 0;
+  auto hand_over = [&](int64_t unit, int64_t activations, int64_t extra_gradients) {
+    const int64_t grads = 4 * (*units)[unit].trainable;
+    made += grads;
+    flight.push_back(bucket[unit]);
+    Moment after = base("the backward pass", p.zero_stage == 1);
+    at(after, MemoryComponent::kActivations) = activations;
+    at(after, MemoryComponent::kGradients) +=
+        extra_gradients + (p.zero_stage == 0   ? made
+                           : p.zero_stage == 1 ? 0
+                                               : slices + grads);
+    at(after, MemoryComponent::kCommBuffers) =
+        (p.zero_stage >= 2 ? in_flight(3) : 0) + (stage3 ? whole[unit] : 0);
+    moments.push_back(after);
+    slices += 4 * ShardNumel((*units)[unit].trainable, n);
+  };
+  hand_over(head, kept, dy);
+  for (int64_t j = layers - 1; j >= 0; --j) {
+    const int64_t unit = j + 1;
+    Moment during = base("the backward pass", p.zero_stage == 1);
+    at(during, MemoryComponent::kActivations) = p.activation_checkpointing
+                                                    ? fixed + mask + (j + 1) * input + block
+                                                    : fixed + (j + 1) * block;
+    at(during, MemoryComponent::kGradients) += transient + dy +
+                                               (p.zero_stage == 0   ? made
+                                                : p.zero_stage >= 2 ? slices
+                                                                    : 0);
+    // The embeddings are gathered for backward only when they train.
+    const bool below = unit - 1 >= 1 || (*units)[0].trainable > 0;
+    at(during, MemoryComponent::kCommBuffers) =
+        (p.zero_stage >= 2 ? in_flight(2) : 0) +
+        (stage3 ? whole[unit] + (below ? whole[unit - 1] : 0) : 0);
+    moments.push_back(during);
+    hand_over(
+        unit,
+        j == 0 ? 0 : (p.activation_checkpointing ? fixed + mask + j * input : fixed + j * block),
+        0);
+  }
+  if ((*units)[0].trainable > 0) hand_over(0, 0, 0);
+  if (p.zero_stage >= 2) {
+    // The last reductions drain: every slice made, the last buckets not yet dropped.
+    Moment drained = base("the backward pass", false);
+    at(drained, MemoryComponent::kGradients) = slices;
+    at(drained, MemoryComponent::kCommBuffers) = in_flight(3);
+    moments.push_back(drained);
+  }
+
+  // The optimizer step: every gradient, and two temporaries of the largest tensor (of the
+  // largest unit's slice when sharded); offloaded, the step runs in host memory.
+  Moment step = base("the optimizer step", true);
+  if (p.zero_stage == 0) {
+    at(step, MemoryComponent::kGradients) = made;
+    at(step, MemoryComponent::kOptimizer) += 2 * 4 * LargestTrainableTensor(job);
+  } else if (!choice.offload_optimizer) {
+    at(step, MemoryComponent::kOptimizer) +=
+        2 * 4 * ((largest_unit_trainable + job.ranks - 1) / job.ranks);
+  }
+  moments.push_back(step);
+
+  MemoryEstimate estimate;
+  const Moment* peak = &moments.front();
+  int64_t peak_total = -1;
+  for (const Moment& mo : moments) {
+    int64_t total = 0;
+    for (int64_t v : mo.c) total += v;
+    if (total > peak_total) {
+      peak_total = total;
+      peak = &mo;
+    }
+  }
+  for (int i = 0; i < kNumMemoryComponents; ++i) {
+    estimate.device.components[i] = static_cast<uint64_t>(peak->c[i]);
+  }
+  if (cuda)
+    estimate.device.components[static_cast<int>(MemoryComponent::kOverhead)] += kCudaRuntimeBytes;
+  for (uint64_t v : estimate.device.components) estimate.device.total += v;
+  estimate.host = static_cast<uint64_t>(states.host);
+  estimate.peak_phase = peak->phase;
+  return estimate;
+}
+
+}  // namespace lathe

@@ -1,0 +1,61 @@
+// The planner's memory model (issue #11, docs/planner.md): the bytes one rank holds at the
+// peak of a training step, in the eight components of DESIGN.md, for a job and one point of
+// the strategy space. Model states come from model_states.h; activations and the loss peak
+// follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc, kernels/ops/),
+// with the backward pass's transient buffers calibrated against the tracking allocator
+// (bench/planner_accuracy.py). The step's peak is the largest of three moments: the end of
+// the forward pass (inside the loss), the backward pass, and the optimizer step.
+//
+// Thread-safety: pure functions.
+#ifndef LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_
+#define LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/plan.h"
+#include "coordinator/planner/model_shape.h"
+
+namespace lathe {
+
+// What the memory model needs of a job besides its strategy.
+struct JobShape {
+  ModelShape model;
+  Method method = Method::kLora;
+  int64_t lora_rank = 0;
+  std::vector<std::string> lora_targets;
+  int64_t seq_len = 0;
+  int64_t ranks = 1;
+  DeviceKind device = DeviceKind::kCpu;
+  Precision precision = Precision::kFp32;
+};
+
+// The job's shape from a spec and the model's config.json text.
+absl::StatusOr<JobShape> JobShapeOf(const JobSpec& spec, const ModelShape& model);
+
+// One point of the strategy space.
+struct StrategyPoint {
+  int64_t zero_stage = 0;
+  bool offload_optimizer = false;
+  bool offload_params = false;
+  bool activation_checkpointing = false;
+  bool chunked_loss = true;  // the fused linear cross-entropy (no [tokens, vocab] logits)
+  bool fused_kernels = true;
+  int64_t micro_batch = 1;
+};
+
+struct MemoryEstimate {
+  MemoryBytes device;      // per rank, components at the peak; total = their sum
+  uint64_t host = 0;       // per rank, in host memory (offloaded states), beyond `device` on CPU
+  std::string peak_phase;  // "the forward pass", "the backward pass", "the optimizer step"
+};
+
+// The per-rank estimate. INVALID_ARGUMENT for a LoRA target the family lacks.
+absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const StrategyPoint& point);
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_

@@ -1,0 +1,69 @@
+#include "coordinator/planner/plan_proto.h"
+
+#include "absl/strings/str_cat.h"
+#include "common/capabilities.h"
+#include "common/file_util.h"
+#include "common/proto/job_spec_proto.h"
+
+namespace lathe {
+
+v1::PlanJobResponse PlanResultToProto(const PlanResult& result, uint64_t memory_per_rank) {
+  v1::PlanJobResponse out;
+  *out.mutable_plan() = PlanToProto(result.plan);
+  for (const Candidate& c : result.candidates) {
+    v1::PlanCandidate* p = out.add_candidates();
+    p->set_zero_stage(c.point.zero_stage);
+    p->set_offload_optimizer(c.point.offload_optimizer);
+    p->set_offload_params(c.point.offload_params);
+    p->set_activation_checkpointing(c.point.activation_checkpointing);
+    p->set_chunked_loss(c.point.chunked_loss);
+    p->set_micro_batch(c.point.micro_batch);
+    *p->mutable_memory() = MemoryBytesToProto(c.memory.device);
+    p->set_host_memory(c.memory.host);
+    p->set_step_seconds(c.step_seconds);
+    p->set_fits(c.fits);
+    p->set_verdict(c.verdict);
+  }
+  out.set_tokens_per_second(result.tokens_per_second);
+  out.set_memory_per_rank(memory_per_rank);
+  return out;
+}
+
+absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default_memory,
+                                           absl::string_view gpu_kind) {
+  const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  absl::StatusOr<DeviceRates> rates = DefaultRates(cuda ? gpu_kind : "cpu");
+  if (!rates.ok()) return rates.status();
+  PlanOptions options;
+  options.rates = *rates;
+  if (spec.resources.memory_per_rank > 0) {
+    options.rates.memory_bytes = spec.resources.memory_per_rank;
+  } else if (default_memory > 0) {
+    options.rates.memory_bytes = default_memory;
+  }
+  if (options.rates.memory_bytes == 0) {
+    return absl::FailedPreconditionError(
+        "resources.memory_per_rank: not given, and no worker has reported its memory");
+  }
+  const EngineCapabilities& caps = Engine();
+  options.max_zero_stage = cuda && !caps.cuda_sharding ? 0 : caps.max_zero_stage;
+  options.offload = caps.offload && (!cuda || caps.cuda_sharding);
+  return options;
+}
+
+absl::StatusOr<PlanResult> PlanSpec(const JobSpec& spec, const PlanOptions& options) {
+  const std::string path = spec.model.path + "/config.json";
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("model.path: ", text.status().message()));
+  }
+  absl::StatusOr<ModelShape> shape = ParseModelShape(*text, path);
+  if (!shape.ok()) {
+    return absl::Status(shape.status().code(),
+                        absl::StrCat("model.path: ", shape.status().message()));
+  }
+  return PlanJob(spec, *shape, options);
+}
+
+}  // namespace lathe

@@ -1,0 +1,29 @@
+// The planner's answer as lathe.v1.PlanJobResponse, and the plan of a spec from its model
+// directory: what JobService.PlanJob and SubmitJob answer, and what `lathe plan --local`
+// prints without a coordinator.
+//
+// Thread-safety: pure functions, except PlanSpec, which reads the model's config.json.
+#ifndef LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_
+#define LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_
+
+#include "absl/status/statusor.h"
+#include "coordinator/planner/planner.h"
+#include "lathe/v1/coordinator.pb.h"
+
+namespace lathe {
+
+v1::PlanJobResponse PlanResultToProto(const PlanResult& result, uint64_t memory_per_rank);
+
+// The options for `spec`: the default rates of its device (`gpu_kind` for cuda: "h100" or
+// "h200"), and the memory per rank: the spec's resources.memory_per_rank when it gives one,
+// else `default_memory` (the caller's view of the workers), else the kind's default.
+absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default_memory,
+                                           absl::string_view gpu_kind = "h100");
+
+// Reads `spec.model.path`/config.json and plans. NOT_FOUND / INVALID_ARGUMENT naming
+// model.path's file for a missing or bad config; otherwise PlanJob's errors.
+absl::StatusOr<PlanResult> PlanSpec(const JobSpec& spec, const PlanOptions& options);
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_

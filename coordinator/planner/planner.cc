@@ -1,0 +1,309 @@
+#include "coordinator/planner/planner.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/flops.h"
+#include "common/model_config.h"
+#include "coordinator/planner/model_states.h"
+
+namespace lathe {
+namespace {
+
+// The engine's FLOPs per token (common/flops.h) need only the shape's sizes.
+ModelConfig ConfigOf(const ModelShape& shape) {
+  ModelConfig config;
+  config.vocab_size = shape.vocab_size;
+  config.hidden_size = shape.hidden_size;
+  config.intermediate_size = shape.intermediate_size;
+  config.num_hidden_layers = shape.num_layers;
+  config.num_attention_heads = shape.num_heads;
+  config.num_key_value_heads = shape.num_kv_heads;
+  config.head_dim = shape.head_dim;
+  config.tie_word_embeddings = shape.tied_embeddings;
+  return config;
+}
+
+std::string StrategyText(const StrategyPoint& p) {
+  std::vector<std::string> parts = {absl::StrCat("ZeRO-", p.zero_stage)};
+  if (p.offload_optimizer) parts.push_back("optimizer offload");
+  if (p.offload_params) parts.push_back("parameter offload");
+  if (p.activation_checkpointing) parts.push_back("checkpointing");
+  if (!p.chunked_loss) parts.push_back("unfused loss");
+  parts.push_back(absl::StrCat("micro-batch ", p.micro_batch));
+  return absl::StrJoin(parts, ", ");
+}
+
+std::string BreakdownText(const MemoryBytes& memory) {
+  std::vector<std::string> parts;
+  for (MemoryComponent c : kMemoryComponents) {
+    const uint64_t bytes = memory.components[static_cast<int>(c)];
+    if (bytes > 0) parts.push_back(absl::StrCat(MemoryComponentName(c), " ", FormatBytes(bytes)));
+  }
+  return absl::StrJoin(parts, ", ");
+}
+
+// The choices of one field: the spec's value when it fixes the field, else `all`.
+template <typename T>
+std::vector<T> Choices(const StrategySpec& s, absl::string_view field, T fixed,
+                       std::vector<T> all) {
+  if (!s.ChosenByPlanner(field)) return {fixed};
+  return all;
+}
+
+struct Totals {
+  int64_t frozen = 0, trainable = 0, largest_trainable = 0;
+};
+
+Totals TotalsOf(const std::vector<UnitElements>& units) {
+  Totals t;
+  for (const UnitElements& u : units) {
+    t.frozen += u.frozen;
+    t.trainable += u.trainable;
+    t.largest_trainable = std::max(t.largest_trainable, u.trainable);
+  }
+  return t;
+}
+
+void Time(const JobSpec& spec, const JobShape& job, const Totals& totals,
+          const PlanOptions& options, double flops_per_token, Candidate& c) {
+  const DeviceRates& r = options.rates;
+  const StrategyPoint& p = c.point;
+  const int64_t n = job.ranks;
+  const int64_t per_rank = spec.train.global_batch / n;
+  const int64_t accumulation = per_rank / p.micro_batch;
+  const double micro_tokens = static_cast<double>(p.micro_batch * job.seq_len);
+  const double efficiency = micro_tokens / (micro_tokens + r.half_saturation_tokens);
+  c.compute_seconds =
+      static_cast<double>(per_rank) * job.seq_len * flops_per_token / (r.flops * efficiency);
+  const double weight_bytes =
+      job.method == Method::kFull || job.precision == Precision::kFp32 ? 4.0 : 2.0;
+  const double grads = 4.0 * static_cast<double>(totals.trainable);
+  const double frozen = weight_bytes * static_cast<double>(totals.frozen);
+  double comm = 0;
+  if (n > 1) {
+    const double f = static_cast<double>(n - 1) / static_cast<double>(n);
+    switch (p.zero_stage) {
+      case 0:  // all-reduce of the gradients
+      case 1:  // reduce-scatter of the gradients, all-gather of the updated parameters
+        comm = 2 * f * grads;
+        break;
+      case 2:  // reduce-scatter after every micro-batch's backward
+        comm = f * grads * (accumulation + 1);
+        break;
+      default:  // every unit gathered for forward and again for backward, every micro-batch;
+                // prefetch hides about half of the gathers (bench/RESULTS.md, ZeRO memory)
+        comm = f * grads * (accumulation + 1) + 0.5 * 2 * f * (frozen + grads) * accumulation;
+        break;
+    }
+  }
+  c.comm_seconds = comm / r.link_bytes_per_s;
+  double offload = 0;
+  const double shard = 1.0 / static_cast<double>(n);
+  if (p.offload_optimizer) offload += 2 * grads * shard;  // gradients out, parameters back
+  if (p.offload_params) offload += 2 * (frozen + grads) * shard * accumulation;
+  c.offload_seconds = offload / r.host_link_bytes_per_s;
+  c.step_seconds = c.compute_seconds + c.comm_seconds + c.offload_seconds;
+}
+
+std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
+
+}  // namespace
+
+absl::StatusOr<DeviceRates> DefaultRates(absl::string_view kind) {
+  DeviceRates r;
+  if (kind == "cpu") {
+    // A 2-core AVX-512 machine's float32 products through OpenBLAS (bench/RESULTS.md), gloo
+    // over loopback, and memcpy for "offload" within the same memory.
+    r.flops = 60e9;
+    r.half_saturation_tokens = 64;
+    r.link_bytes_per_s = 1e9;
+    r.host_link_bytes_per_s = 10e9;
+    return r;
+  }
+  if (kind == "h100" || kind == "h200") {
+    // 40% of the bf16 dense peak; NVLink 4's ring bus bandwidth; PCIe 5 x16 to the host.
+    r.flops = 0.4 * 989.4e12;
+    r.half_saturation_tokens = 1024;
+    r.link_bytes_per_s = 360e9;
+    r.host_link_bytes_per_s = 50e9;
+    r.memory_bytes = kind == "h100" ? uint64_t{80} << 30 : uint64_t{141} * 1000000000;
+    return r;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("device rates: unknown kind \"", kind, "\" (known: cpu, h100, h200)"));
+}
+
+absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
+                                   const PlanOptions& options) {
+  absl::StatusOr<JobShape> job_or = JobShapeOf(spec, shape);
+  if (!job_or.ok()) return job_or.status();
+  const JobShape& job = *job_or;
+  absl::StatusOr<std::vector<UnitElements>> units =
+      UnitsOf(shape, spec.method, spec.lora.rank, spec.lora.targets);
+  if (!units.ok()) return units.status();
+  const Totals totals = TotalsOf(*units);
+  const ModelConfig config = ConfigOf(shape);
+  const double flops = TrainingFlopsPerToken(config, spec, spec.data.seq_len, false);
+  const double flops_recompute = TrainingFlopsPerToken(config, spec, spec.data.seq_len, true);
+
+  const StrategySpec& s = spec.strategy;
+  const bool cpu = spec.resources.device == DeviceKind::kCpu;
+  const int64_t ranks = spec.resources.ranks;
+  std::vector<int64_t> stages = {0};
+  if (ranks > 1) {
+    for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
+  }
+  // On the CPU offloading saves nothing (host and device memory are one): only when fixed.
+  const std::vector<bool> offload_choices =
+      options.offload && !cpu ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  std::vector<int64_t> micro_batches;
+  const int64_t per_rank = spec.train.global_batch / ranks;
+  if (spec.train.micro_batch > 0) {
+    micro_batches = {spec.train.micro_batch};
+  } else {
+    for (int64_t m = 1; m <= per_rank; ++m) {
+      if (per_rank % m == 0) micro_batches.push_back(m);
+    }
+  }
+  const uint64_t budget = static_cast<uint64_t>(static_cast<double>(options.rates.memory_bytes) *
+                                                (1.0 - options.headroom));
+
+  std::vector<Candidate> candidates;
+  for (int64_t stage : Choices(s, "zero_stage", s.zero_stage, stages)) {
+    for (bool offload_optimizer :
+         Choices(s, "offload_optimizer", s.offload_optimizer, offload_choices)) {
+      if (offload_optimizer && stage == 0 && s.ChosenByPlanner("offload_optimizer")) continue;
+      for (bool offload_params : Choices(s, "offload_params", s.offload_params, offload_choices)) {
+        if (offload_params && stage != 3) continue;
+        for (bool ckpt :
+             Choices(s, "activation_checkpointing", s.activation_checkpointing, {false, true})) {
+          const std::vector<bool> losses =
+              s.fused_kernels ? std::vector<bool>{true} : std::vector<bool>{true, false};
+          for (bool chunked :
+               Choices(s, "chunked_loss", s.chunked_loss || s.fused_kernels, losses)) {
+            for (int64_t micro : micro_batches) {
+              Candidate c;
+              c.point = {stage,   offload_optimizer, offload_params, ckpt,
+                         chunked, s.fused_kernels,   micro};
+              absl::StatusOr<MemoryEstimate> memory = EstimateMemory(job, c.point);
+              if (!memory.ok()) return memory.status();
+              c.memory = *memory;
+              c.fits = c.memory.device.total <= budget;
+              Time(spec, job, totals, options, ckpt ? flops_recompute : flops, c);
+              candidates.push_back(std::move(c));
+            }
+          }
+        }
+      }
+    }
+  }
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const Candidate& a, const Candidate& b) {
+                     if (a.fits != b.fits) return a.fits;
+                     if (a.fits) {
+                       if (a.step_seconds != b.step_seconds) return a.step_seconds < b.step_seconds;
+                     }
+                     return a.memory.device.total < b.memory.device.total;
+                   });
+  if (candidates.empty() || !candidates.front().fits) {
+    const Candidate* smallest = nullptr;
+    for (const Candidate& c : candidates) {
+      if (smallest == nullptr || c.memory.device.total < smallest->memory.device.total) {
+        smallest = &c;
+      }
+    }
+    std::string suggestions;
+    if (smallest != nullptr) {
+      // What would fit: more ranks (same strategy, ZeRO-3 if allowed), a shorter sequence.
+      std::vector<std::string> fixes;
+      JobShape more = job;
+      StrategyPoint p = smallest->point;
+      if (options.max_zero_stage >= 3 && s.ChosenByPlanner("zero_stage")) p.zero_stage = 3;
+      for (int64_t r = std::max<int64_t>(2, ranks * 2); r <= 4096; r *= 2) {
+        more.ranks = r;
+        absl::StatusOr<MemoryEstimate> m = EstimateMemory(more, p);
+        if (m.ok() && m->device.total <= budget) {
+          fixes.push_back(absl::StrCat(r, " ranks (", StrategyText(p), ")"));
+          break;
+        }
+      }
+      JobShape shorter = job;
+      for (int64_t t = job.seq_len / 2; t >= 16; t /= 2) {
+        shorter.seq_len = t;
+        absl::StatusOr<MemoryEstimate> m = EstimateMemory(shorter, smallest->point);
+        if (m.ok() && m->device.total <= budget) {
+          fixes.push_back(absl::StrCat("data.seq_len ", t));
+          break;
+        }
+      }
+      if (spec.method == Method::kLora) {
+        fixes.push_back(absl::StrCat(
+            "QLoRA's 4-bit frozen weights (not in the engine yet) would cut weights to about ",
+            FormatBytes(smallest->memory.device.components[0] /
+                        (job.precision == Precision::kFp32 ? 8 : 4))));
+      }
+      suggestions = absl::StrCat("; it would fit with ", absl::StrJoin(fixes, ", or "));
+    }
+    return absl::ResourceExhaustedError(
+        absl::StrCat("nothing fits: the smallest configuration (",
+                     smallest ? StrategyText(smallest->point) : "none", ") needs ",
+                     smallest ? FormatBytes(smallest->memory.device.total) : "?", " per rank (",
+                     smallest ? BreakdownText(smallest->memory.device) : "", "), more than ",
+                     FormatBytes(budget), " (", FormatBytes(options.rates.memory_bytes), " less ",
+                     absl::StrFormat("%.0f%%", options.headroom * 100), " headroom)", suggestions));
+  }
+
+  const Candidate& best = candidates.front();
+  int64_t fitting = 0;
+  for (Candidate& c : candidates) {
+    if (c.fits) ++fitting;
+    if (&c == &best) {
+      c.verdict = "chosen";
+    } else if (!c.fits) {
+      c.verdict = absl::StrCat("does not fit: needs ", FormatBytes(c.memory.device.total), " of ",
+                               FormatBytes(budget));
+    } else {
+      const double slower = c.step_seconds / best.step_seconds - 1;
+      std::string why = "compute";
+      if (c.comm_seconds - best.comm_seconds > c.compute_seconds - best.compute_seconds) {
+        why = "communication";
+      }
+      if (c.offload_seconds - best.offload_seconds >
+          std::max(c.comm_seconds - best.comm_seconds, c.compute_seconds - best.compute_seconds)) {
+        why = "offload";
+      }
+      c.verdict = absl::StrFormat("%.0f%% slower (%s)", 100 * slower, why);
+    }
+  }
+  PlanResult result;
+  Plan& plan = result.plan;
+  plan.ranks = ranks;
+  plan.device = spec.resources.device;
+  plan.precision = spec.train.precision;
+  plan.total_steps = spec.train.steps;
+  plan.zero_stage = best.point.zero_stage;
+  plan.offload_optimizer = best.point.offload_optimizer;
+  plan.offload_params = best.point.offload_params;
+  plan.activation_checkpointing = best.point.activation_checkpointing;
+  plan.chunked_loss = best.point.chunked_loss;
+  plan.fused_kernels = best.point.fused_kernels;
+  plan.micro_batch = best.point.micro_batch;
+  plan.gradient_accumulation = per_rank / best.point.micro_batch;
+  plan.predicted_memory = best.memory.device;
+  result.tokens_per_second =
+      static_cast<double>(spec.train.global_batch * spec.data.seq_len) / best.step_seconds;
+  plan.explanation = absl::StrCat(
+      "planner: ", StrategyText(best.point), ", the fastest of ", fitting, " of ",
+      candidates.size(), " configurations that fit ", FormatBytes(budget), " per rank; peak ",
+      FormatBytes(best.memory.device.total), " in ", best.memory.peak_phase,
+      absl::StrFormat("; predicted step %s, %.0f tokens/s", SecondsText(best.step_seconds),
+                      result.tokens_per_second));
+  result.candidates = std::move(candidates);
+  return result;
+}
+
+}  // namespace lathe

@@ -1,0 +1,70 @@
+// The strategy search (issue #11, docs/planner.md): every combination of ZeRO stage,
+// optimizer and parameter offload, activation checkpointing, the loss kind and the
+// micro-batch the job's ranks and device allow, minus the fields the spec fixes; each is
+// sized by the memory model (memory_model.h), dropped when its per-rank peak (with a
+// headroom) exceeds the memory a rank has, and timed by a cost model: compute from the
+// step's FLOPs and the device's rate, communication from the bytes each collective moves
+// and the link's bandwidth, offload from the host link's. The fastest that fits wins.
+//
+// Thread-safety: pure functions.
+#ifndef LATHE_COORDINATOR_PLANNER_PLANNER_H_
+#define LATHE_COORDINATOR_PLANNER_PLANNER_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "common/job_spec.h"
+#include "common/plan.h"
+#include "coordinator/planner/memory_model.h"
+#include "coordinator/planner/model_shape.h"
+
+namespace lathe {
+
+// What one rank's device can do, for the cost model and the fit.
+struct DeviceRates {
+  double flops = 0;                   // sustained FLOP/s of the matrix products
+  double half_saturation_tokens = 0;  // tokens per micro-batch at which it runs at half rate
+  double link_bytes_per_s = 0;        // between ranks, per rank (bus bandwidth of a ring)
+  double host_link_bytes_per_s = 0;   // device <-> host memory (offload)
+  uint64_t memory_bytes = 0;          // per rank
+};
+
+// Defaults for "cpu" (this kind of 2-core machine; memory 0: the caller sets it), "h100"
+// and "h200". INVALID_ARGUMENT naming the kind otherwise.
+absl::StatusOr<DeviceRates> DefaultRates(absl::string_view kind);
+
+struct PlanOptions {
+  DeviceRates rates;
+  double headroom = 0.10;  // a plan fits when its peak is at most (1 - headroom) x memory
+  // The engine's limits (common/capabilities.h): the stages and offload it runs.
+  int64_t max_zero_stage = 3;
+  bool offload = true;
+};
+
+struct Candidate {
+  StrategyPoint point;
+  MemoryEstimate memory;
+  double step_seconds = 0;
+  double compute_seconds = 0, comm_seconds = 0, offload_seconds = 0;
+  bool fits = false;
+  std::string verdict;  // "chosen", or why it lost
+};
+
+struct PlanResult {
+  Plan plan;                          // the chosen strategy, its memory and explanation
+  std::vector<Candidate> candidates;  // fastest first; the chosen one first of all
+  double tokens_per_second = 0;
+};
+
+// Plans `spec` (valid, ValidateJobSpec) for the model `shape`. Fields the spec fixes
+// (an explicit strategy's fields other than `auto`, a micro-batch) are honoured.
+// RESOURCE_EXHAUSTED when nothing fits, with the smallest configuration's breakdown and
+// what would make it fit; INVALID_ARGUMENT for a LoRA target the model lacks.
+absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
+                                   const PlanOptions& options);
+
+}  // namespace lathe
+
+#endif  // LATHE_COORDINATOR_PLANNER_PLANNER_H_
