@@ -1,7 +1,5 @@
 #include "client/cli.h"
 
-#include <unistd.h>
-
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -147,7 +145,8 @@ int RunSubmit(const Invocation& inv) {
 }
 
 // `plan`: the coordinator's plan, or with --local this process's (reading the model's
-// config.json here, fitting to --memory-per-rank or the spec's resources.memory_per_rank).
+// config.json here, fitting to --memory-per-rank, the spec's resources.memory_per_rank, or
+// this machine's memory over the ranks).
 int RunPlan(const Invocation& inv) {
   absl::StatusOr<JobSpec> spec = LoadJobSpec(inv.positional[0]);
   if (!spec.ok()) return Fail(inv, spec.status());
@@ -159,9 +158,6 @@ int RunPlan(const Invocation& inv) {
       absl::StatusOr<uint64_t> bytes = ParseByteSize(inv.flags.Get("memory-per-rank"));
       if (!bytes.ok()) return Fail(inv, Annotate(bytes.status(), "--memory-per-rank"));
       memory = *bytes;
-    } else if (spec->resources.device == DeviceKind::kCpu) {
-      memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-               static_cast<uint64_t>(sysconf(_SC_PAGESIZE));  // this machine's
     }
     absl::StatusOr<PlanOptions> options =
         PlanOptionsFor(*spec, memory, inv.flags.Get("gpu", "h100"));

@@ -91,6 +91,11 @@ absl::string_view DeviceKindName(DeviceKind device) {
 
 namespace {
 
+// The strategy fields a map may give as `auto` (StrategySpec::auto_fields).
+constexpr absl::string_view kAutoStrategyFields[] = {"zero_stage", "offload_optimizer",
+                                                     "offload_params", "activation_checkpointing",
+                                                     "chunked_loss"};
+
 // True for a scalar the author quoted (or tagged !!str): a string even when it reads like
 // a number. JSON strings arrive this way, so "lr": "2e-4" is refused like lr: "2e-4".
 bool IsStringScalar(const YAML::Node& node) {
@@ -636,8 +641,8 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
 
   const StrategySpec& strategy = spec.strategy;
   for (const std::string& field : strategy.auto_fields) {
-    if (field != "zero_stage" && field != "offload_optimizer" && field != "offload_params" &&
-        field != "activation_checkpointing" && field != "chunked_loss") {
+    if (std::find(std::begin(kAutoStrategyFields), std::end(kAutoStrategyFields), field) ==
+        std::end(kAutoStrategyFields)) {
       return r.Error(absl::StrCat("strategy.", field), "cannot be auto");
     }
   }

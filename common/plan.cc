@@ -33,7 +33,8 @@ Plan PlanFromSpec(const JobSpec& spec) {
   plan.gradient_accumulation = per_rank / plan.micro_batch;
   if (s.automatic) {
     plan.explanation = absl::StrCat(
-        "no planner yet: the spec's resources without sharding, offload or checkpointing; ",
+        "not planned by a coordinator: the spec's resources without sharding, offload or "
+        "checkpointing; ",
         train.micro_batch > 0 ? "the spec's micro-batch"
                               : "micro-batch auto: the largest divisor of the per-rank batch "
                                 "within 8192 tokens");

@@ -2,10 +2,12 @@
 // (DESIGN.md, "Flow of a job"). It mirrors lathe.v1.Plan (common/proto/job_spec_proto.h
 // converts); the engine takes this struct so that it builds without protobuf.
 //
-// Until the planner (coordinator/planner/) predicts memory, PlanFromSpec is the one place
-// that turns a spec into a plan: the spec's explicit strategy, or for "strategy: auto" no
-// sharding, no offload and no checkpointing; the micro-batch from train.micro_batch or, when
-// it is auto, AutoMicroBatch. The trainer never decides any of this again.
+// The coordinator's planner (coordinator/planner/, docs/planner.md) makes the plans of
+// submitted jobs, starting from PlanFromSpec's fields. PlanFromSpec alone is the plan of
+// `lathe-worker train --spec` without a coordinator: the spec's explicit strategy (fields
+// given as `auto` at their defaults), or for "strategy: auto" no sharding, no offload and no
+// checkpointing; the micro-batch from train.micro_batch or, when it is auto,
+// AutoMicroBatch. The trainer never decides any of this again.
 //
 // Thread-safety: plain values and pure functions.
 #ifndef LATHE_COMMON_PLAN_H_

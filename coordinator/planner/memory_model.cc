@@ -45,24 +45,19 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
   problem.vocab = m.vocab_size;
   problem.dtype = w.compute == 4 ? kernels::LinearCrossEntropyDtype::kFloat32
                                  : kernels::LinearCrossEntropyDtype::kBFloat16;
-  const bool head_trains = job.method == Method::kFull;
-  int64_t workspace = 0;
-  if (head_trains && w.compute == 4) {
-    // One pass for both gradients when at least 128 tokens of the whole vocabulary fit.
-    const int64_t row = kernels::cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, 1);
-    const int64_t chunk = std::min(n, kernels::kDefaultLinearCrossEntropyBudgetBytes / row);
-    if (chunk >= std::min<int64_t>(n, 128)) {
-      workspace = kernels::cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) +
-                  m.vocab_size * m.hidden_size * 4;  // the head's gradient, made in forward
-      return rows + workspace;
+  constexpr int64_t kBudget = kernels::kDefaultLinearCrossEntropyBudgetBytes;
+  if (job.method == Method::kFull && w.compute == 4) {
+    // A trained float32 head: one pass for both gradients when enough tokens fit.
+    const int64_t chunk = kernels::cpu::LinearCrossEntropySinglePassTokenChunk(problem, kBudget);
+    if (chunk > 0) {
+      return rows + kernels::cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) +
+             m.vocab_size * m.hidden_size * 4;  // the head's gradient, made in forward
     }
   }
   auto bytes = [&](const kernels::LinearCrossEntropyChunks& c) {
     return kernels::cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, true);
   };
-  workspace = bytes(kernels::ChooseLinearCrossEntropyChunks(
-      problem, kernels::kDefaultLinearCrossEntropyBudgetBytes, bytes));
-  return rows + workspace;
+  return rows + bytes(kernels::ChooseLinearCrossEntropyChunks(problem, kBudget, bytes));
 }
 
 // What one decoder block keeps for its backward pass: its input's norm, the attention's
@@ -96,29 +91,25 @@ int64_t BackwardTransientBytes(const JobShape& job, const StrategyPoint& p, cons
 }
 
 // The largest single trainable tensor: AdamW's step makes two temporaries of its size.
+// (The targets are known to be valid: UnitsOf has checked them.)
 int64_t LargestTrainableTensor(const JobShape& job) {
   const ModelShape& m = job.model;
-  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim;
-  const int64_t kv = m.num_kv_heads * m.head_dim, i = m.intermediate_size;
   if (job.method == Method::kFull) {
-    return std::max({m.vocab_size * h, q * h, kv * h, i * h});
+    return std::max({m.vocab_size, m.num_heads * m.head_dim, m.intermediate_size}) * m.hidden_size;
   }
   int64_t largest = 0;
   for (const std::string& t : job.lora_targets) {
-    int64_t in = h, out = h;
-    if (t == "q_proj") out = q;
-    if (t == "k_proj" || t == "v_proj") out = kv;
-    if (t == "o_proj") in = q;
-    if (t == "gate_proj" || t == "up_proj") out = i;
-    if (t == "down_proj") in = i;
-    largest = std::max({largest, job.lora_rank * in, out * job.lora_rank});
+    const absl::StatusOr<ProjectionDims> p = ProjectionOf(m, t);
+    if (p.ok()) largest = std::max(largest, job.lora_rank * std::max(p->in, p->out));
   }
   return largest;
 }
 
 }  // namespace
 
-absl::StatusOr<JobShape> JobShapeOf(const JobSpec& spec, const ModelShape& model) {
+int64_t WeightBytes(const JobShape& job) { return WidthsOf(job).weight; }
+
+JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   JobShape job;
   job.model = model;
   job.method = spec.method;

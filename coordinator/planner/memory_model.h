@@ -33,8 +33,12 @@ struct JobShape {
   Precision precision = Precision::kFp32;
 };
 
-// The job's shape from a spec and the model's config.json text.
-absl::StatusOr<JobShape> JobShapeOf(const JobSpec& spec, const ModelShape& model);
+// The job's shape from a spec and the model's shape.
+JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model);
+
+// Bytes per frozen weight: 4 in fp32 (and for full fine-tuning, whose weights are float32
+// masters), 2 under bf16 and fp16.
+int64_t WeightBytes(const JobShape& job);
 
 // One point of the strategy space.
 struct StrategyPoint {

@@ -7,28 +7,25 @@
 
 namespace lathe {
 
-absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
-                                           const std::vector<std::string>& targets) {
+absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name) {
   const int64_t h = shape.hidden_size, i = shape.intermediate_size;
   const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
+  if (name == "q_proj") return ProjectionDims{h, q};
+  if (name == "k_proj" || name == "v_proj") return ProjectionDims{h, kv};
+  if (name == "o_proj") return ProjectionDims{q, h};
+  if (name == "gate_proj" || name == "up_proj") return ProjectionDims{h, i};
+  if (name == "down_proj") return ProjectionDims{i, h};
+  return absl::InvalidArgumentError(absl::StrCat("lora.targets: \"", name, "\" is not a ",
+                                                 ModelFamilyName(shape.family), " projection"));
+}
+
+absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
+                                           const std::vector<std::string>& targets) {
   int64_t total = 0;
   for (const std::string& target : targets) {
-    int64_t in = 0, out = 0;
-    if (target == "q_proj") {
-      in = h, out = q;
-    } else if (target == "k_proj" || target == "v_proj") {
-      in = h, out = kv;
-    } else if (target == "o_proj") {
-      in = q, out = h;
-    } else if (target == "gate_proj" || target == "up_proj") {
-      in = h, out = i;
-    } else if (target == "down_proj") {
-      in = i, out = h;
-    } else {
-      return absl::InvalidArgumentError(absl::StrCat("lora.targets: \"", target, "\" is not a ",
-                                                     ModelFamilyName(shape.family), " projection"));
-    }
-    total += rank * (in + out);  // A [rank, in] and B [out, rank]
+    absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
+    if (!p.ok()) return p.status();
+    total += rank * (p->in + p->out);  // A [rank, in] and B [out, rank]
   }
   return total;
 }

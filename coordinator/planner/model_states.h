@@ -23,6 +23,15 @@ struct UnitElements {
   int64_t trainable = 0;
 };
 
+// The [in, out] features of a projection by the engine's name (q_proj, k_proj, v_proj,
+// o_proj, gate_proj, up_proj, down_proj). INVALID_ARGUMENT "lora.targets: ..." for a name
+// the family has no projection of.
+struct ProjectionDims {
+  int64_t in = 0;
+  int64_t out = 0;
+};
+absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name);
+
 // LoRA parameters of one block for `rank` on `targets` (the engine's names: q_proj, k_proj,
 // v_proj, o_proj, gate_proj, up_proj, down_proj). INVALID_ARGUMENT "lora.targets: ..." for
 // a name the family has no projection of.

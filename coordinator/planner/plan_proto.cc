@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/capabilities.h"
 #include "common/file_util.h"
+#include "common/host_memory.h"
 #include "common/proto/job_spec_proto.h"
 
 namespace lathe {
@@ -40,10 +41,15 @@ absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default
     options.rates.memory_bytes = spec.resources.memory_per_rank;
   } else if (default_memory > 0) {
     options.rates.memory_bytes = default_memory;
-  }
-  if (options.rates.memory_bytes == 0) {
-    return absl::FailedPreconditionError(
-        "resources.memory_per_rank: not given, and no worker has reported its memory");
+  } else if (!cuda) {
+    // This machine's memory, shared by the job's ranks: a stand-in for the workers'.
+    absl::StatusOr<uint64_t> host = HostMemoryBytes();
+    if (!host.ok()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("resources.memory_per_rank: not given, and this host's memory is unknown: ",
+                       host.status().message()));
+    }
+    options.rates.memory_bytes = *host / static_cast<uint64_t>(spec.resources.ranks);
   }
   const EngineCapabilities& caps = Engine();
   options.max_zero_stage = cuda && !caps.cuda_sharding ? 0 : caps.max_zero_stage;

@@ -2,7 +2,8 @@
 // directory: what JobService.PlanJob and SubmitJob answer, and what `lathe plan --local`
 // prints without a coordinator.
 //
-// Thread-safety: pure functions, except PlanSpec, which reads the model's config.json.
+// Thread-safety: pure functions, except PlanSpec, which reads the model's config.json, and
+// PlanOptionsFor, which may read /proc/meminfo.
 #ifndef LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_
 #define LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_
 
@@ -16,7 +17,9 @@ v1::PlanJobResponse PlanResultToProto(const PlanResult& result, uint64_t memory_
 
 // The options for `spec`: the default rates of its device (`gpu_kind` for cuda: "h100" or
 // "h200"), and the memory per rank: the spec's resources.memory_per_rank when it gives one,
-// else `default_memory` (the caller's view of the workers), else the kind's default.
+// else `default_memory` (the caller's view of the workers; 0: none), else for the CPU this
+// host's memory over the job's ranks (FAILED_PRECONDITION when it cannot be read), for
+// CUDA the GPU's.
 absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default_memory,
                                            absl::string_view gpu_kind = "h100");
 

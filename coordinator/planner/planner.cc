@@ -55,7 +55,7 @@ std::vector<T> Choices(const StrategySpec& s, absl::string_view field, T fixed,
 }
 
 struct Totals {
-  int64_t frozen = 0, trainable = 0, largest_trainable = 0;
+  int64_t frozen = 0, trainable = 0;
 };
 
 Totals TotalsOf(const std::vector<UnitElements>& units) {
@@ -63,7 +63,6 @@ Totals TotalsOf(const std::vector<UnitElements>& units) {
   for (const UnitElements& u : units) {
     t.frozen += u.frozen;
     t.trainable += u.trainable;
-    t.largest_trainable = std::max(t.largest_trainable, u.trainable);
   }
   return t;
 }
@@ -79,10 +78,8 @@ void Time(const JobSpec& spec, const JobShape& job, const Totals& totals,
   const double efficiency = micro_tokens / (micro_tokens + r.half_saturation_tokens);
   c.compute_seconds =
       static_cast<double>(per_rank) * job.seq_len * flops_per_token / (r.flops * efficiency);
-  const double weight_bytes =
-      job.method == Method::kFull || job.precision == Precision::kFp32 ? 4.0 : 2.0;
   const double grads = 4.0 * static_cast<double>(totals.trainable);
-  const double frozen = weight_bytes * static_cast<double>(totals.frozen);
+  const double frozen = static_cast<double>(WeightBytes(job) * totals.frozen);
   double comm = 0;
   if (n > 1) {
     const double f = static_cast<double>(n - 1) / static_cast<double>(n);
@@ -139,9 +136,7 @@ absl::StatusOr<DeviceRates> DefaultRates(absl::string_view kind) {
 
 absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                                    const PlanOptions& options) {
-  absl::StatusOr<JobShape> job_or = JobShapeOf(spec, shape);
-  if (!job_or.ok()) return job_or.status();
-  const JobShape& job = *job_or;
+  const JobShape job = JobShapeOf(spec, shape);
   absl::StatusOr<std::vector<UnitElements>> units =
       UnitsOf(shape, spec.method, spec.lora.rank, spec.lora.targets);
   if (!units.ok()) return units.status();
@@ -281,10 +276,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   }
   PlanResult result;
   Plan& plan = result.plan;
-  plan.ranks = ranks;
-  plan.device = spec.resources.device;
-  plan.precision = spec.train.precision;
-  plan.total_steps = spec.train.steps;
+  plan = PlanFromSpec(spec);  // ranks, device, precision, steps; the strategy below
   plan.zero_stage = best.point.zero_stage;
   plan.offload_optimizer = best.point.offload_optimizer;
   plan.offload_params = best.point.offload_params;

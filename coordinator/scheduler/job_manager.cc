@@ -1,7 +1,5 @@
 #include "coordinator/scheduler/job_manager.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <filesystem>
 #include <set>
@@ -94,9 +92,8 @@ absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto)
 }
 
 uint64_t JobManager::DefaultMemoryPerRank(const JobSpec& spec) const {
-  // The largest memory one rank could have on a registered worker of the job's device;
-  // without one, for the CPU the coordinator's own host (a stand-in), for CUDA the GPU's
-  // default (PlanOptionsFor).
+  // The largest memory one rank could have on a registered worker of the job's device; 0
+  // without one (PlanOptionsFor falls back).
   const bool cuda = spec.resources.device == DeviceKind::kCuda;
   uint64_t best = 0;
   for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) {
@@ -106,10 +103,6 @@ uint64_t JobManager::DefaultMemoryPerRank(const JobSpec& spec) const {
     } else {
       best = std::max<uint64_t>(best, w.host_memory_bytes());
     }
-  }
-  if (best == 0 && !cuda) {
-    best = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-           static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   }
   // CPU ranks of one job share a host's memory.
   return cuda ? best : best / static_cast<uint64_t>(spec.resources.ranks);

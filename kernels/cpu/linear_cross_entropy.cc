@@ -278,6 +278,17 @@ int64_t LinearCrossEntropySinglePassWorkspaceBytes(const LinearCrossEntropyProbl
   return layout.bytes();
 }
 
+int64_t LinearCrossEntropySinglePassTokenChunk(const LinearCrossEntropyProblem& problem,
+                                               int64_t budget_bytes) {
+  constexpr int64_t kMinTokens = 128;
+  const int64_t row_bytes = LinearCrossEntropySinglePassWorkspaceBytes(problem, 1);
+  int64_t chunk = std::min(problem.tokens, budget_bytes / row_bytes);
+  while (chunk > 0 && LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) > budget_bytes) {
+    --chunk;
+  }
+  return chunk >= std::min(problem.tokens, kMinTokens) ? chunk : 0;
+}
+
 double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
                                  const LinearCrossEntropyChunks& chunks, const void* hidden,
                                  const int64_t* targets, const void* weight, float grad_scale,

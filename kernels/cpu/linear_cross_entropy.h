@@ -87,6 +87,12 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
 // LinearCrossEntropyForward.
 int64_t LinearCrossEntropySinglePassWorkspaceBytes(const LinearCrossEntropyProblem& problem,
                                                    int64_t token_chunk);
+// The token chunk of LinearCrossEntropySinglePass (the whole vocabulary per chunk) whose
+// workspace fits `budget_bytes`, or 0 when fewer than min(tokens, 128) tokens fit: smaller
+// chunks make its products slow (the weight is packed, and its gradient read and written,
+// once per chunk).
+int64_t LinearCrossEntropySinglePassTokenChunk(const LinearCrossEntropyProblem& problem,
+                                               int64_t budget_bytes);
 double LinearCrossEntropySinglePass(const LinearCrossEntropyProblem& problem, int64_t token_chunk,
                                     const void* hidden, const int64_t* targets, const void* weight,
                                     float grad_scale, float* lse, void* grad_hidden,

@@ -207,22 +207,12 @@ at::Tensor Reduce(const at::Tensor& sum, const at::Tensor& count,
   return sum / count.clamp_min(1).to(at::kFloat);
 }
 
-// The token chunk of LinearCrossEntropySinglePass (the whole vocabulary per chunk) that fits
-// the budget, or 0 when fewer than kMinSinglePassTokens tokens fit: smaller chunks make its
-// products slow (the weight is packed, and its gradient read and written, once per chunk).
-constexpr int64_t kMinSinglePassTokens = 128;
-
+// The single pass's token chunk (kernels/cpu/linear_cross_entropy.h), or the caller's.
 int64_t SinglePassTokenChunk(const LinearCrossEntropyProblem& problem,
                              const LinearCrossEntropyOptions& options) {
   if (options.vocab_chunk > 0 && options.vocab_chunk < problem.vocab) return 0;
   if (options.token_chunk > 0) return std::min(problem.tokens, options.token_chunk);
-  const int64_t row_bytes = cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, 1);
-  int64_t chunk = std::min(problem.tokens, options.memory_budget_bytes / row_bytes);
-  while (chunk > 0 && cpu::LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) >
-                          options.memory_budget_bytes) {
-    --chunk;
-  }
-  return chunk >= std::min(problem.tokens, kMinSinglePassTokens) ? chunk : 0;
+  return cpu::LinearCrossEntropySinglePassTokenChunk(problem, options.memory_budget_bytes);
 }
 
 class LinearCrossEntropyFunction : public torch::autograd::Function<LinearCrossEntropyFunction> {

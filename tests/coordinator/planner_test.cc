@@ -45,7 +45,7 @@ PlanOptions Options(absl::string_view kind, uint64_t memory) {
   return options;
 }
 
-JobShape Job(const ModelShape& shape, const JobSpec& spec) { return *JobShapeOf(spec, shape); }
+JobShape Job(const ModelShape& shape, const JobSpec& spec) { return JobShapeOf(spec, shape); }
 
 MemoryEstimate Estimate(const JobShape& job, const StrategyPoint& point) {
   absl::StatusOr<MemoryEstimate> m = EstimateMemory(job, point);

@@ -23,6 +23,9 @@ class DemoTest(unittest.TestCase):
             out = result.stdout
             self.assertEqual(result.returncode, 0, out[-3000:] + result.stderr[-3000:])
             self.assertIn("SUCCEEDED", out)
+            # `lathe plan` through the coordinator: the chosen strategy and the alternatives.
+            self.assertRegex(out, r"plan +1 rank on cpu, ZeRO-0")
+            self.assertRegex(out, r"considered +ZERO +OFFLOAD .*\n +0 .* chosen")
             self.assertRegex(out, r"progress +step 60/60 .*MFU \d+\.\d%")
             adapter = os.path.join(work, "run", "adapter")
             for name in ("adapter_model.safetensors", "adapter_config.json"):

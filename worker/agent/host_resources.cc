@@ -13,27 +13,6 @@
 
 namespace lathe {
 
-absl::StatusOr<uint64_t> ParseMemTotalBytes(absl::string_view meminfo) {
-  for (absl::string_view line : absl::StrSplit(meminfo, '\n')) {
-    if (!absl::ConsumePrefix(&line, "MemTotal:")) continue;
-    line = absl::StripAsciiWhitespace(line);
-    uint64_t multiplier = 1;
-    if (absl::ConsumeSuffix(&line, "kB")) multiplier = 1024;
-    uint64_t value = 0;
-    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("meminfo: MemTotal: not a number: \"", line, "\""));
-    }
-    return value * multiplier;
-  }
-  return absl::InvalidArgumentError("meminfo: no MemTotal line");
-}
-
-absl::StatusOr<uint64_t> HostMemoryBytes() {
-  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile("/proc/meminfo"));
-  return ParseMemTotalBytes(text);
-}
-
 absl::StatusOr<std::vector<GpuInfo>> ParseNvidiaSmiGpus(absl::string_view csv) {
   std::vector<GpuInfo> gpus;
   for (absl::string_view line : absl::StrSplit(csv, '\n', absl::SkipWhitespace())) {

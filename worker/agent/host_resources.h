@@ -1,6 +1,6 @@
-// What a worker has to offer, for its registration: host memory and the devices behind its
-// slots. Reading the machine is kept apart from parsing, so that the parsers are tested on
-// fixed text.
+// What a worker has to offer, for its registration: host memory (common/host_memory.h) and
+// the devices behind its slots. Reading the machine is kept apart from parsing, so that the
+// parsers are tested on fixed text.
 //
 // Thread-safety: free functions; safe to call concurrently.
 #ifndef LATHE_WORKER_AGENT_HOST_RESOURCES_H_
@@ -12,15 +12,11 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/host_memory.h"  // HostMemoryBytes, ParseMemTotalBytes
 #include "lathe/v1/coordinator.pb.h"
 #include "worker/agent/process_launcher.h"
 
 namespace lathe {
-
-// MemTotal of /proc/meminfo text, in bytes. INVALID_ARGUMENT when it is missing or garbled.
-absl::StatusOr<uint64_t> ParseMemTotalBytes(absl::string_view meminfo);
-// The host's memory from /proc/meminfo; NOT_FOUND / INTERNAL when it cannot be read.
-absl::StatusOr<uint64_t> HostMemoryBytes();
 
 // One GPU as nvidia-smi lists it.
 struct GpuInfo {
