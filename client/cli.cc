@@ -148,19 +148,34 @@ int RunSubmit(const Invocation& inv) {
 // config.json here, fitting to --memory-per-rank, the spec's resources.memory_per_rank, or
 // this machine's memory over the ranks).
 int RunPlan(const Invocation& inv) {
+  if (inv.flags.Has("history")) {
+    absl::StatusOr<int64_t> limit = inv.flags.GetInt("limit", 20);
+    if (!limit.ok()) return Fail(inv, limit.status());
+    if (*limit < 1 || *limit > 1000) {
+      return Fail(inv, absl::InvalidArgumentError(
+                           absl::StrCat("--limit: must be 1 to 1000, got ", *limit)));
+    }
+    absl::StatusOr<v1::GetPlanHistoryResponse> history =
+        inv.client->GetPlanHistory(static_cast<int32_t>(*limit));
+    if (!history.ok()) return Fail(inv, history.status());
+    *inv.out << (inv.json ? JsonLine(PlanHistoryJson(*history)) + "\n" : PlanHistoryText(*history));
+    return kExitOk;
+  }
   absl::StatusOr<JobSpec> spec = LoadJobSpec(inv.positional[0]);
   if (!spec.ok()) return Fail(inv, spec.status());
   if (absl::Status status = MakeSpecPathsAbsolute(&*spec); !status.ok()) return Fail(inv, status);
   absl::StatusOr<v1::PlanJobResponse> response;
   if (inv.flags.Has("local")) {
-    uint64_t memory = 0;
+    const std::string pool =
+        spec->resources.device == DeviceKind::kCuda ? inv.flags.Get("gpu", "h100") : "cpu";
+    absl::StatusOr<DeviceRates> rates = DefaultRates(pool);
+    if (!rates.ok()) return Fail(inv, Annotate(rates.status(), "--gpu"));
     if (inv.flags.Has("memory-per-rank")) {
       absl::StatusOr<uint64_t> bytes = ParseByteSize(inv.flags.Get("memory-per-rank"));
       if (!bytes.ok()) return Fail(inv, Annotate(bytes.status(), "--memory-per-rank"));
-      memory = *bytes;
+      rates->memory_bytes = *bytes;
     }
-    absl::StatusOr<PlanOptions> options =
-        PlanOptionsFor(*spec, memory, inv.flags.Get("gpu", "h100"));
+    absl::StatusOr<PlanOptions> options = PlanOptionsFor(*spec, pool, *rates);
     if (!options.ok()) return Fail(inv, options.status());
     absl::StatusOr<PlanResult> result = PlanSpec(*spec, *options);
     if (!result.ok()) return Fail(inv, result.status());
@@ -275,16 +290,20 @@ const std::vector<Command>& Commands() {
        1,
        RunSubmit},
       {"plan",
-       "FILE [--local [--memory-per-rank SIZE] [--gpu h100|h200]]",
+       "FILE [--local [--memory-per-rank SIZE] [--gpu h100|h200]] | --history [--limit N]",
        "Plan a job spec without submitting it: the strategy the planner picks, its memory per "
        "rank by component, predicted speed, and every configuration considered with why it "
-       "lost. Exit status 1 with what would fit when nothing does.",
+       "lost. Exit status 1 with what would fit when nothing does. With --history: the "
+       "coordinator's predicted and measured peaks of the latest attempts, and the "
+       "corrections it learned from them.",
        {{"local", false,
          "plan here, without a coordinator (reads the model's config.json from this machine)"},
         {"memory-per-rank", true,
          "with --local: the memory of one rank (e.g. 24GiB; default: the spec's "
          "resources.memory_per_rank, else the GPU's)"},
-        {"gpu", true, "with --local and device cuda: h100 (default) or h200"}},
+        {"gpu", true, "with --local and device cuda: h100 (default) or h200"},
+        {"history", false, "predicted against measured peaks of the latest attempts, no FILE"},
+        {"limit", true, "with --history: how many attempts (default 20)"}},
        1,
        RunPlan},
       {"list",
@@ -419,12 +438,14 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
     return UsageError(err, absl::StrCat("--output: expected table or json, got \"", output, "\""),
                       usage);
   }
-  if (flags->positional().size() != command->positional) {
+  // `plan --history` takes no FILE.
+  const size_t positional =
+      command->name == "plan" && flags->Has("history") ? 0 : command->positional;
+  if (flags->positional().size() != positional) {
     std::string message =
-        flags->positional().size() < command->positional
+        flags->positional().size() < positional
             ? absl::StrCat("missing argument: ", command->name, " ", command->arguments)
-            : absl::StrCat("unexpected argument \"", flags->positional()[command->positional],
-                           "\"");
+            : absl::StrCat("unexpected argument \"", flags->positional()[positional], "\"");
     return UsageError(err, message, usage);
   }
 

@@ -93,6 +93,16 @@ absl::StatusOr<v1::PlanJobResponse> JobClient::PlanJob(const v1::JobSpec& spec) 
   return response;
 }
 
+absl::StatusOr<v1::GetPlanHistoryResponse> JobClient::GetPlanHistory(int32_t limit) const {
+  v1::GetPlanHistoryRequest request;
+  request.set_limit(limit);
+  v1::GetPlanHistoryResponse response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->GetPlanHistory(c, request, &response); });
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::StatusOr<v1::JobStatus> JobClient::GetJob(absl::string_view job_id) const {
   v1::GetJobRequest request;
   request.set_job_id(std::string(job_id));

@@ -76,6 +76,9 @@ class JobClient {
   // JobService.PlanJob: the plan the coordinator would make, nothing stored.
   absl::StatusOr<v1::PlanJobResponse> PlanJob(const v1::JobSpec& spec) const;
 
+  // JobService.GetPlanHistory: the latest `limit` measured attempts and the corrections.
+  absl::StatusOr<v1::GetPlanHistoryResponse> GetPlanHistory(int32_t limit) const;
+
   // JobService.GetJob. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
 

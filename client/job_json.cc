@@ -55,6 +55,9 @@ Json PhasesJson(const v1::StepPhases& phases) {
               {"optimizer", Number(phases.optimizer())}};
 }
 
+// A memory correction; 0 (stored before corrections existed) reads as 1.
+double Correction(double factor) { return factor > 0 ? factor : 1.0; }
+
 Json PlanJson(const v1::Plan& plan) {
   return Json{{"ranks", plan.ranks()},
               {"device", DeviceWord(plan.device())},
@@ -69,6 +72,8 @@ Json PlanJson(const v1::Plan& plan) {
               {"total_steps", plan.total_steps()},
               {"precision", PrecisionWord(plan.precision())},
               {"predicted_memory", MemoryJson(plan.predicted_memory())},
+              {"memory_correction", Correction(plan.memory_correction())},
+              {"calibration_key", plan.calibration_key()},
               {"explanation", plan.explanation()}};
 }
 
@@ -84,7 +89,9 @@ Json AttemptJson(const v1::Attempt& attempt) {
               {"started_unix_ms", attempt.started_unix_ms()},
               {"ended_unix_ms", attempt.ended_unix_ms()},
               {"error", attempt.error()},
-              {"progress", ProgressJson(attempt.progress())}};
+              {"progress", ProgressJson(attempt.progress())},
+              {"predicted_memory", MemoryJson(attempt.predicted_memory())},
+              {"peak_memory", MemoryJson(attempt.peak_memory())}};
 }
 
 // The spec in its own schema, or null when the proto does not convert to a valid spec.
@@ -187,12 +194,34 @@ nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response) {
                               {"host_memory", c.host_memory()},
                               {"step_seconds", Number(c.step_seconds())},
                               {"fits", c.fits()},
-                              {"verdict", c.verdict()}});
+                              {"verdict", c.verdict()},
+                              {"memory_correction", Correction(c.memory_correction())}});
   }
   return Json{{"plan", PlanJson(response.plan())},
               {"tokens_per_second", Number(response.tokens_per_second())},
               {"memory_per_rank", response.memory_per_rank()},
               {"candidates", std::move(candidates)}};
+}
+
+nlohmann::ordered_json PlanHistoryJson(const v1::GetPlanHistoryResponse& history) {
+  Json attempts = Json::array();
+  for (const v1::PlanHistoryEntry& e : history.attempts()) {
+    attempts.push_back(Json{{"job_id", e.job_id()},
+                            {"generation", e.generation()},
+                            {"state", EnumWord(v1::AttemptState_Name(e.state()), "ATTEMPT_STATE_")},
+                            {"ended_unix_ms", e.ended_unix_ms()},
+                            {"calibration_key", e.calibration_key()},
+                            {"predicted", MemoryJson(e.predicted())},
+                            {"memory_correction", Correction(e.memory_correction())},
+                            {"measured", MemoryJson(e.measured())}});
+  }
+  Json corrections = Json::array();
+  for (const v1::MemoryCorrection& c : history.corrections()) {
+    corrections.push_back(Json{{"calibration_key", c.calibration_key()},
+                               {"factor", Number(c.factor())},
+                               {"attempts", c.attempts()}});
+  }
+  return Json{{"attempts", std::move(attempts)}, {"corrections", std::move(corrections)}};
 }
 
 }  // namespace lathe

@@ -38,6 +38,9 @@ nlohmann::ordered_json MemoryJson(const v1::MemoryBreakdown& memory);
 // memory per rank it was fitted to, and every candidate with its memory and verdict.
 nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response);
 
+// The object of `lathe plan --history`: the measured attempts and the corrections.
+nlohmann::ordered_json PlanHistoryJson(const v1::GetPlanHistoryResponse& history);
+
 // `json` on one line, without a trailing newline. Invalid UTF-8 in a string (a trainer's log
 // line in an attempt's error, say) becomes U+FFFD instead of failing.
 std::string JsonLine(const nlohmann::ordered_json& json);

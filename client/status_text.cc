@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -134,7 +135,15 @@ std::string ProgressText(const v1::JobStatus& status, const v1::Progress& p, abs
   return text;
 }
 
-std::string MemoryText(const v1::MemoryBreakdown& predicted, const v1::MemoryBreakdown& measured) {
+// The row that says what the plan multiplied the memory model's total by, when it did.
+std::optional<Row> CorrectionRow(const v1::MemoryBreakdown& predicted, double correction) {
+  if (correction <= 0 || correction == 1 || predicted.total() == 0) return std::nullopt;
+  return Row{absl::StrFormat("planned (x%.3f)", correction),
+             FormatBytes(CorrectedTotal(predicted, correction))};
+}
+
+std::string MemoryText(const v1::MemoryBreakdown& predicted, double correction,
+                       const v1::MemoryBreakdown& measured) {
   auto p = MemoryComponents(predicted);
   auto m = MemoryComponents(measured);
   std::vector<Row> rows = {{"", "predicted", "measured"}};
@@ -144,8 +153,14 @@ std::string MemoryText(const v1::MemoryBreakdown& predicted, const v1::MemoryBre
                     m[i].second ? FormatBytes(m[i].second) : "-"});
   }
   if (rows.size() == 1) return "";
+  if (std::optional<Row> row = CorrectionRow(predicted, correction)) {
+    row->push_back("");
+    rows.push_back(*std::move(row));
+  }
   return RenderTable(rows);
 }
+
+std::string PercentText(double fraction) { return absl::StrFormat("%+.1f%%", 100 * fraction); }
 
 }  // namespace
 
@@ -282,9 +297,14 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
   }
   const v1::Progress* p = LatestProgress(status);
   if (p != nullptr) AppendField(&out, "progress", ProgressText(status, *p, now));
+  // Measured: the latest attempt's largest peak over its ranks, else rank 0's progress.
+  const v1::MemoryBreakdown* measured =
+      p != nullptr ? &p->memory() : &v1::MemoryBreakdown::default_instance();
+  if (!status.attempts().empty() && status.attempts().rbegin()->peak_memory().total() > 0) {
+    measured = &status.attempts().rbegin()->peak_memory();
+  }
   std::string memory =
-      MemoryText(status.plan().predicted_memory(),
-                 p != nullptr ? p->memory() : v1::MemoryBreakdown::default_instance());
+      MemoryText(status.plan().predicted_memory(), status.plan().memory_correction(), *measured);
   if (!memory.empty()) AppendField(&out, "memory/rank", memory);
   if (status.has_final_loss()) AppendField(&out, "final loss", LossText(status.final_loss()));
   if (!status.adapter_path().empty()) AppendField(&out, "adapter", status.adapter_path());
@@ -322,6 +342,10 @@ std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candi
   for (const auto& [name, bytes] : MemoryComponents(response.plan().predicted_memory())) {
     if (bytes > 0) memory.push_back({name, FormatBytes(bytes)});
   }
+  if (std::optional<Row> row =
+          CorrectionRow(response.plan().predicted_memory(), response.plan().memory_correction())) {
+    memory.push_back(*std::move(row));
+  }
   AppendField(&out, "memory/rank", RenderTable(memory));
   std::vector<Row> rows = {
       {"ZERO", "OFFLOAD", "CKPT", "LOSS", "MICRO", "PEAK/RANK", "STEP", "VERDICT"}};
@@ -335,8 +359,8 @@ std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candi
     rows.push_back({absl::StrCat(c.zero_stage()), offload,
                     c.activation_checkpointing() ? "on" : "off",
                     c.chunked_loss() ? "chunked" : "logits", absl::StrCat(c.micro_batch()),
-                    FormatBytes(c.memory().total()), absl::StrFormat("%.3g s", c.step_seconds()),
-                    c.verdict()});
+                    FormatBytes(CorrectedTotal(c.memory(), c.memory_correction())),
+                    absl::StrFormat("%.3g s", c.step_seconds()), c.verdict()});
   }
   std::string table = RenderTable(rows);
   if (static_cast<size_t>(response.candidates_size()) > max_candidates) {
@@ -344,6 +368,53 @@ std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candi
                     " more; --output json lists them all)\n");
   }
   AppendField(&out, "considered", table);
+  return out;
+}
+
+std::string PlanHistoryText(const v1::GetPlanHistoryResponse& history) {
+  std::string out;
+  if (history.attempts().empty()) {
+    out = "no measured attempts yet (an attempt counts once it has run a step)\n";
+  } else {
+    std::vector<Row> rows = {
+        {"JOB", "ATTEMPT", "STATE", "PREDICTED", "PLANNED", "MEASURED", "MODEL ERR", "PLAN ERR"}};
+    std::vector<double> model_errors, plan_errors;
+    for (const v1::PlanHistoryEntry& e : history.attempts()) {
+      const double measured = static_cast<double>(e.measured().total());
+      const uint64_t planned = CorrectedTotal(e.predicted(), e.memory_correction());
+      model_errors.push_back(static_cast<double>(e.predicted().total()) / measured - 1);
+      plan_errors.push_back(static_cast<double>(planned) / measured - 1);
+      rows.push_back({e.job_id(), absl::StrCat("#", e.generation()), AttemptStateName(e.state()),
+                      FormatBytes(e.predicted().total()), FormatBytes(planned),
+                      FormatBytes(e.measured().total()), PercentText(model_errors.back()),
+                      PercentText(plan_errors.back())});
+    }
+    out = RenderTable(rows);
+    auto summary = [](std::vector<double> errors) {
+      std::vector<double> sizes;
+      double worst = 0;
+      for (double e : errors) {
+        sizes.push_back(std::abs(e));
+        if (std::abs(e) > std::abs(worst)) worst = e;
+      }
+      std::sort(sizes.begin(), sizes.end());
+      const size_t n = sizes.size();
+      const double median = n % 2 ? sizes[n / 2] : (sizes[n / 2 - 1] + sizes[n / 2]) / 2;
+      return absl::StrFormat("median |error| %.1f%%, worst %s", 100 * median, PercentText(worst));
+    };
+    absl::StrAppend(
+        &out, "\n", model_errors.size(), model_errors.size() == 1 ? " attempt" : " attempts",
+        "; memory model: ", summary(model_errors), "; as planned: ", summary(plan_errors),
+        " (error: predicted / measured - 1; below 0 is an underestimate)\n");
+  }
+  if (!history.corrections().empty()) {
+    std::vector<Row> rows = {{"FACTOR", "ATTEMPTS", "KEY"}};
+    for (const v1::MemoryCorrection& c : history.corrections()) {
+      rows.push_back(
+          {absl::StrFormat("%.3f", c.factor()), absl::StrCat(c.attempts()), c.calibration_key()});
+    }
+    absl::StrAppend(&out, "\ncorrections later plans apply:\n", RenderTable(rows));
+  }
   return out;
 }
 

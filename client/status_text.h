@@ -77,6 +77,10 @@ std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time
 // first `max_candidates` configurations considered with their verdicts.
 std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candidates);
 
+// `lathe plan --history`: each attempt's predicted, planned (corrected) and measured peak
+// per rank with the errors, their median and worst, and the corrections. Ends with a newline.
+std::string PlanHistoryText(const v1::GetPlanHistoryResponse& history);
+
 }  // namespace lathe
 
 #endif  // LATHE_CLIENT_STATUS_TEXT_H_

@@ -45,8 +45,12 @@ struct Plan {
   int64_t gradient_accumulation = 1;  // micro-batches per rank per optimizer step
   int64_t total_steps = 0;            // train.steps; 0: counted from train.epochs by the trainer
   Precision precision = Precision::kFp32;
-  MemoryBytes predicted_memory;  // zero until the planner predicts
-  std::string explanation;       // why this plan, in a sentence or two
+  MemoryBytes predicted_memory;  // the memory model's; zero until the planner predicts
+  // What the planner multiplied predicted_memory.total by, learned from the measured peaks
+  // of earlier attempts under calibration_key (coordinator/planner/calibration.h).
+  double memory_correction = 1.0;
+  std::string calibration_key;
+  std::string explanation;  // why this plan, in a sentence or two
 };
 
 // The plan for a valid spec (ValidateJobSpec), as the file comment says.

@@ -236,6 +236,8 @@ v1::Plan PlanToProto(const Plan& plan) {
   out.set_total_steps(plan.total_steps);
   out.set_precision(ToProtoEnum(kPrecisions, plan.precision));
   *out.mutable_predicted_memory() = MemoryBytesToProto(plan.predicted_memory);
+  out.set_memory_correction(plan.memory_correction);
+  out.set_calibration_key(plan.calibration_key);
   out.set_explanation(plan.explanation);
   return out;
 }
@@ -270,6 +272,9 @@ absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source)
         ComponentBytes(in.predicted_memory(), c);
   }
   plan.predicted_memory.total = in.predicted_memory().total();
+  // 0: a plan stored before corrections existed.
+  plan.memory_correction = in.memory_correction() > 0 ? in.memory_correction() : 1.0;
+  plan.calibration_key = in.calibration_key();
   plan.explanation = in.explanation();
   return plan;
 }

@@ -28,6 +28,12 @@ grpc::Status JobServiceImpl::PlanJob(grpc::ServerContext*, const v1::PlanJobRequ
   return Respond(jobs_->Plan(*request), response);
 }
 
+grpc::Status JobServiceImpl::GetPlanHistory(grpc::ServerContext*,
+                                            const v1::GetPlanHistoryRequest* request,
+                                            v1::GetPlanHistoryResponse* response) {
+  return Respond(jobs_->PlanHistory(*request), response);
+}
+
 grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
                                     v1::JobStatus* response) {
   return Respond(scheduler_->GetJob(request->job_id()), response);

@@ -21,6 +21,9 @@ class JobServiceImpl final : public v1::JobService::Service {
                          v1::SubmitJobResponse* response) override;
   grpc::Status PlanJob(grpc::ServerContext* context, const v1::PlanJobRequest* request,
                        v1::PlanJobResponse* response) override;
+  grpc::Status GetPlanHistory(grpc::ServerContext* context,
+                              const v1::GetPlanHistoryRequest* request,
+                              v1::GetPlanHistoryResponse* response) override;
   grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                       v1::JobStatus* response) override;
   grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,

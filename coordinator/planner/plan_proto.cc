@@ -24,24 +24,27 @@ v1::PlanJobResponse PlanResultToProto(const PlanResult& result, uint64_t memory_
     p->set_step_seconds(c.step_seconds);
     p->set_fits(c.fits);
     p->set_verdict(c.verdict);
+    p->set_memory_correction(c.correction.factor);
   }
   out.set_tokens_per_second(result.tokens_per_second);
   out.set_memory_per_rank(memory_per_rank);
   return out;
 }
 
-absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default_memory,
-                                           absl::string_view gpu_kind) {
+absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_view pool,
+                                           DeviceRates rates) {
   const bool cuda = spec.resources.device == DeviceKind::kCuda;
-  absl::StatusOr<DeviceRates> rates = DefaultRates(cuda ? gpu_kind : "cpu");
-  if (!rates.ok()) return rates.status();
   PlanOptions options;
-  options.rates = *rates;
+  options.rates = rates;
+  options.pool = std::string(pool);
   if (spec.resources.memory_per_rank > 0) {
     options.rates.memory_bytes = spec.resources.memory_per_rank;
-  } else if (default_memory > 0) {
-    options.rates.memory_bytes = default_memory;
-  } else if (!cuda) {
+  } else if (rates.memory_bytes == 0) {
+    if (cuda) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("resources.memory_per_rank: not given, and the ", pool,
+                       " pool's memory is unknown (no worker of it registered)"));
+    }
     // This machine's memory, shared by the job's ranks: a stand-in for the workers'.
     absl::StatusOr<uint64_t> host = HostMemoryBytes();
     if (!host.ok()) {

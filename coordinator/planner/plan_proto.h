@@ -15,13 +15,12 @@ namespace lathe {
 
 v1::PlanJobResponse PlanResultToProto(const PlanResult& result, uint64_t memory_per_rank);
 
-// The options for `spec`: the default rates of its device (`gpu_kind` for cuda: "h100" or
-// "h200"), and the memory per rank: the spec's resources.memory_per_rank when it gives one,
-// else `default_memory` (the caller's view of the workers; 0: none), else for the CPU this
-// host's memory over the job's ranks (FAILED_PRECONDITION when it cannot be read), for
-// CUDA the GPU's.
-absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, uint64_t default_memory,
-                                           absl::string_view gpu_kind = "h100");
+// The options for `spec` on a device of `pool` with `rates`: the memory per rank is the
+// spec's resources.memory_per_rank when it gives one, else rates.memory_bytes, else for the
+// CPU this host's memory over the job's ranks (FAILED_PRECONDITION when it cannot be read,
+// or for a GPU pool without a memory).
+absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_view pool,
+                                           DeviceRates rates);
 
 // Reads `spec.model.path`/config.json and plans. NOT_FOUND / INVALID_ARGUMENT naming
 // model.path's file for a missing or bad config; otherwise PlanJob's errors.

@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "common/flops.h"
 #include "common/model_config.h"
+#include "coordinator/planner/calibration.h"
 #include "coordinator/planner/model_states.h"
 
 namespace lathe {
@@ -37,13 +38,30 @@ std::string StrategyText(const StrategyPoint& p) {
   return absl::StrJoin(parts, ", ");
 }
 
-std::string BreakdownText(const MemoryBytes& memory) {
+MemoryCorrection CorrectionFor(const JobShape& job, const StrategyPoint& point,
+                               const PlanOptions& options) {
+  if (options.calibration == nullptr) return {};
+  return options.calibration->Lookup(CalibrationKey(job, point, options.pool));
+}
+
+uint64_t Corrected(const MemoryEstimate& memory, const MemoryCorrection& correction) {
+  return static_cast<uint64_t>(static_cast<double>(memory.device.total) * correction.factor);
+}
+
+std::string CorrectionText(const MemoryCorrection& correction) {
+  if (correction.samples == 0) return "";
+  return absl::StrFormat(" (the memory model's estimate x %.3f, learned from %d measured %s)",
+                         correction.factor, correction.samples,
+                         correction.samples == 1 ? "attempt" : "attempts");
+}
+
+std::string BreakdownText(const Candidate& c) {
   std::vector<std::string> parts;
-  for (MemoryComponent c : kMemoryComponents) {
-    const uint64_t bytes = memory.components[static_cast<int>(c)];
-    if (bytes > 0) parts.push_back(absl::StrCat(MemoryComponentName(c), " ", FormatBytes(bytes)));
+  for (MemoryComponent m : kMemoryComponents) {
+    const uint64_t bytes = c.memory.device.components[static_cast<int>(m)];
+    if (bytes > 0) parts.push_back(absl::StrCat(MemoryComponentName(m), " ", FormatBytes(bytes)));
   }
-  return absl::StrJoin(parts, ", ");
+  return absl::StrCat(absl::StrJoin(parts, ", "), CorrectionText(c.correction));
 }
 
 // The choices of one field: the spec's value when it fixes the field, else `all`.
@@ -110,30 +128,6 @@ std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
 
 }  // namespace
 
-absl::StatusOr<DeviceRates> DefaultRates(absl::string_view kind) {
-  DeviceRates r;
-  if (kind == "cpu") {
-    // A 2-core AVX-512 machine's float32 products through OpenBLAS (bench/RESULTS.md), gloo
-    // over loopback, and memcpy for "offload" within the same memory.
-    r.flops = 60e9;
-    r.half_saturation_tokens = 64;
-    r.link_bytes_per_s = 1e9;
-    r.host_link_bytes_per_s = 10e9;
-    return r;
-  }
-  if (kind == "h100" || kind == "h200") {
-    // 40% of the bf16 dense peak; NVLink 4's ring bus bandwidth; PCIe 5 x16 to the host.
-    r.flops = 0.4 * 989.4e12;
-    r.half_saturation_tokens = 1024;
-    r.link_bytes_per_s = 360e9;
-    r.host_link_bytes_per_s = 50e9;
-    r.memory_bytes = kind == "h100" ? uint64_t{80} << 30 : uint64_t{141} * 1000000000;
-    return r;
-  }
-  return absl::InvalidArgumentError(
-      absl::StrCat("device rates: unknown kind \"", kind, "\" (known: cpu, h100, h200)"));
-}
-
 absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                                    const PlanOptions& options) {
   const JobShape job = JobShapeOf(spec, shape);
@@ -187,7 +181,9 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
               absl::StatusOr<MemoryEstimate> memory = EstimateMemory(job, c.point);
               if (!memory.ok()) return memory.status();
               c.memory = *memory;
-              c.fits = c.memory.device.total <= budget;
+              c.correction = CorrectionFor(job, c.point, options);
+              c.peak = Corrected(c.memory, c.correction);
+              c.fits = c.peak <= budget;
               Time(spec, job, totals, options, ckpt ? flops_recompute : flops, c);
               candidates.push_back(std::move(c));
             }
@@ -202,12 +198,12 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                      if (a.fits) {
                        if (a.step_seconds != b.step_seconds) return a.step_seconds < b.step_seconds;
                      }
-                     return a.memory.device.total < b.memory.device.total;
+                     return a.peak < b.peak;
                    });
   if (candidates.empty() || !candidates.front().fits) {
     const Candidate* smallest = nullptr;
     for (const Candidate& c : candidates) {
-      if (smallest == nullptr || c.memory.device.total < smallest->memory.device.total) {
+      if (smallest == nullptr || c.peak < smallest->peak) {
         smallest = &c;
       }
     }
@@ -221,7 +217,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
       for (int64_t r = std::max<int64_t>(2, ranks * 2); r <= 4096; r *= 2) {
         more.ranks = r;
         absl::StatusOr<MemoryEstimate> m = EstimateMemory(more, p);
-        if (m.ok() && m->device.total <= budget) {
+        if (m.ok() && Corrected(*m, CorrectionFor(more, p, options)) <= budget) {
           fixes.push_back(absl::StrCat(r, " ranks (", StrategyText(p), ")"));
           break;
         }
@@ -230,7 +226,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
       for (int64_t t = job.seq_len / 2; t >= 16; t /= 2) {
         shorter.seq_len = t;
         absl::StatusOr<MemoryEstimate> m = EstimateMemory(shorter, smallest->point);
-        if (m.ok() && m->device.total <= budget) {
+        if (m.ok() && Corrected(*m, smallest->correction) <= budget) {
           fixes.push_back(absl::StrCat("data.seq_len ", t));
           break;
         }
@@ -246,9 +242,9 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
     return absl::ResourceExhaustedError(
         absl::StrCat("nothing fits: the smallest configuration (",
                      smallest ? StrategyText(smallest->point) : "none", ") needs ",
-                     smallest ? FormatBytes(smallest->memory.device.total) : "?", " per rank (",
-                     smallest ? BreakdownText(smallest->memory.device) : "", "), more than ",
-                     FormatBytes(budget), " (", FormatBytes(options.rates.memory_bytes), " less ",
+                     smallest ? FormatBytes(smallest->peak) : "?", " per rank (",
+                     smallest ? BreakdownText(*smallest) : "", "), more than ", FormatBytes(budget),
+                     " (", FormatBytes(options.rates.memory_bytes), " less ",
                      absl::StrFormat("%.0f%%", options.headroom * 100), " headroom)", suggestions));
   }
 
@@ -259,8 +255,8 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
     if (&c == &best) {
       c.verdict = "chosen";
     } else if (!c.fits) {
-      c.verdict = absl::StrCat("does not fit: needs ", FormatBytes(c.memory.device.total), " of ",
-                               FormatBytes(budget));
+      c.verdict =
+          absl::StrCat("does not fit: needs ", FormatBytes(c.peak), " of ", FormatBytes(budget));
     } else {
       const double slower = c.step_seconds / best.step_seconds - 1;
       std::string why = "compute";
@@ -286,12 +282,14 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   plan.micro_batch = best.point.micro_batch;
   plan.gradient_accumulation = per_rank / best.point.micro_batch;
   plan.predicted_memory = best.memory.device;
+  plan.memory_correction = best.correction.factor;
+  plan.calibration_key = CalibrationKey(job, best.point, options.pool);
   result.tokens_per_second =
       static_cast<double>(spec.train.global_batch * spec.data.seq_len) / best.step_seconds;
   plan.explanation = absl::StrCat(
       "planner: ", StrategyText(best.point), ", the fastest of ", fitting, " of ",
       candidates.size(), " configurations that fit ", FormatBytes(budget), " per rank; peak ",
-      FormatBytes(best.memory.device.total), " in ", best.memory.peak_phase,
+      FormatBytes(best.peak), " in ", best.memory.peak_phase, CorrectionText(best.correction),
       absl::StrFormat("; predicted step %s, %.0f tokens/s", SecondsText(best.step_seconds),
                       result.tokens_per_second));
   result.candidates = std::move(candidates);

@@ -4,7 +4,9 @@
 // sized by the memory model (memory_model.h), dropped when its per-rank peak (with a
 // headroom) exceeds the memory a rank has, and timed by a cost model: compute from the
 // step's FLOPs and the device's rate, communication from the bytes each collective moves
-// and the link's bandwidth, offload from the host link's. The fastest that fits wins.
+// and the link's bandwidth, offload from the host link's. The fastest that fits wins. A
+// peak is the memory model's times the correction learned from the measured peaks of
+// earlier attempts like it (calibration.h), when the caller passes those.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_COORDINATOR_PLANNER_PLANNER_H_
@@ -17,26 +19,18 @@
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "common/plan.h"
+#include "coordinator/planner/calibration.h"
+#include "coordinator/planner/device_pools.h"
 #include "coordinator/planner/memory_model.h"
 #include "coordinator/planner/model_shape.h"
 
 namespace lathe {
 
-// What one rank's device can do, for the cost model and the fit.
-struct DeviceRates {
-  double flops = 0;                   // sustained FLOP/s of the matrix products
-  double half_saturation_tokens = 0;  // tokens per micro-batch at which it runs at half rate
-  double link_bytes_per_s = 0;        // between ranks, per rank (bus bandwidth of a ring)
-  double host_link_bytes_per_s = 0;   // device <-> host memory (offload)
-  uint64_t memory_bytes = 0;          // per rank
-};
-
-// Defaults for "cpu" (this kind of 2-core machine; memory 0: the caller sets it), "h100"
-// and "h200". INVALID_ARGUMENT naming the kind otherwise.
-absl::StatusOr<DeviceRates> DefaultRates(absl::string_view kind);
-
 struct PlanOptions {
   DeviceRates rates;
+  std::string pool = "cpu";  // the device pool the rates describe, for calibration keys
+  // Corrections learned from measured peaks (calibration.h); none when null.
+  const MemoryCalibration* calibration = nullptr;
   double headroom = 0.10;  // a plan fits when its peak is at most (1 - headroom) x memory
   // The engine's limits (common/capabilities.h): the stages and offload it runs.
   int64_t max_zero_stage = 3;
@@ -45,7 +39,9 @@ struct PlanOptions {
 
 struct Candidate {
   StrategyPoint point;
-  MemoryEstimate memory;
+  MemoryEstimate memory;  // the memory model's
+  MemoryCorrection correction;
+  uint64_t peak = 0;  // memory.device.total x correction.factor: what must fit
   double step_seconds = 0;
   double compute_seconds = 0, comm_seconds = 0, offload_seconds = 0;
   bool fits = false;

@@ -85,32 +85,51 @@ absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto)
     }
   }
   LATHE_RETURN_IF_ERROR(Annotate(CheckNoFinishedRun(spec.output), "spec"));
-  LATHE_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFor(spec, DefaultMemoryPerRank(spec)));
+  const auto [pool, rates] = PoolFor(spec);
+  LATHE_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFor(spec, pool, rates));
+  const MemoryCalibration calibration = scheduler_->Calibration();
+  options.calibration = &calibration;
   absl::StatusOr<PlanResult> plan = PlanSpec(spec, options);
   if (!plan.ok()) return Annotate(plan.status(), "spec");
   return Admitted{std::move(spec), *std::move(plan), options.rates.memory_bytes};
 }
 
-uint64_t JobManager::DefaultMemoryPerRank(const JobSpec& spec) const {
-  // The largest memory one rank could have on a registered worker of the job's device; 0
-  // without one (PlanOptionsFor falls back).
+std::pair<std::string, DeviceRates> JobManager::PoolFor(const JobSpec& spec) const {
+  // The registered worker of the job's device where one rank would have the most memory (a
+  // GPU's; a CPU host's over the job's ranks, which share it), and its pool.
   const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  std::string pool = cuda ? "h100" : "cpu";
   uint64_t best = 0;
   for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) {
     if ((w.device() == v1::DEVICE_CUDA) != cuda) continue;
     if (cuda) {
-      for (const v1::DeviceInfo& d : w.devices()) best = std::max<uint64_t>(best, d.memory_bytes());
+      for (const v1::DeviceInfo& d : w.devices()) {
+        if (d.memory_bytes() <= best) continue;
+        best = d.memory_bytes();
+        pool = PoolOf(options_.pools, true, d.name());
+      }
     } else {
-      best = std::max<uint64_t>(best, w.host_memory_bytes());
+      best = std::max<uint64_t>(
+          best, w.host_memory_bytes() / static_cast<uint64_t>(spec.resources.ranks));
     }
   }
-  // CPU ranks of one job share a host's memory.
-  return cuda ? best : best / static_cast<uint64_t>(spec.resources.ranks);
+  auto it = options_.pools.find(pool);
+  DeviceRates rates = it != options_.pools.end() ? it->second : DeviceRates{};
+  if (best > 0) rates.memory_bytes = best;
+  return {pool, rates};
 }
 
 absl::StatusOr<v1::PlanJobResponse> JobManager::Plan(const v1::PlanJobRequest& request) const {
   LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
   return PlanResultToProto(admitted.plan, admitted.memory_per_rank);
+}
+
+absl::StatusOr<v1::GetPlanHistoryResponse> JobManager::PlanHistory(
+    const v1::GetPlanHistoryRequest& request) const {
+  if (request.limit() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("limit: must be >= 0, got ", request.limit()));
+  }
+  return scheduler_->PlanHistory(request.limit() == 0 ? 20 : std::min(request.limit(), 1000));
 }
 
 absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {

@@ -3,10 +3,12 @@
 // memory per rank it predicts), makes its id, and hands it to the Scheduler. Also answers
 // PlanJob with the same checks and plan, storing nothing, and pages job lists.
 //
-// The memory a rank may use: the spec's resources.memory_per_rank; else the largest a
-// registered worker of the job's device offers (a GPU's memory; a CPU host's divided by the
-// job's ranks); else, with no such worker yet, the coordinator host's memory over the ranks
-// (CPU) or an H100's 80 GiB (CUDA).
+// A job is planned for the pool (coordinator/planner/device_pools.h) of the registered
+// worker of its device where a rank would have the most memory, and with that memory: a
+// GPU's, or a CPU host's divided by the job's ranks; the spec's resources.memory_per_rank
+// overrides it. With no such worker yet: the cpu pool and the coordinator host's memory
+// over the ranks, or the h100 pool and its 80 GiB. Plans apply the memory corrections the
+// scheduler learned from earlier attempts (Scheduler::Calibration).
 //
 // Thread-safety: thread-safe (stateless apart from the scheduler it calls).
 #ifndef LATHE_COORDINATOR_SCHEDULER_JOB_MANAGER_H_
@@ -26,6 +28,8 @@ struct JobManagerOptions {
   // When not empty, every path of a spec must lie inside one of these directories (after
   // resolving "." and ".."; symbolic links are not followed).
   std::vector<std::string> allowed_roots;
+  // The rates the planner uses for each device pool (--device-rates).
+  DevicePools pools = DefaultPools();
 };
 
 class JobManager {
@@ -44,6 +48,11 @@ class JobManager {
   // The plan Submit would make, with every configuration considered; the same errors.
   absl::StatusOr<v1::PlanJobResponse> Plan(const v1::PlanJobRequest& request) const;
 
+  // The predicted and measured peaks of the latest `limit` measured attempts (0: 20, at most
+  // 1000) and the corrections; INVALID_ARGUMENT for a negative limit.
+  absl::StatusOr<v1::GetPlanHistoryResponse> PlanHistory(
+      const v1::GetPlanHistoryRequest& request) const;
+
   // Newest first, page_size jobs (default 100, at most 1000) after page_token (the id of
   // the last job of the previous page). INVALID_ARGUMENT for an unknown token or size < 0.
   absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request) const;
@@ -55,7 +64,8 @@ class JobManager {
     uint64_t memory_per_rank;
   };
   absl::StatusOr<Admitted> Admit(const v1::JobSpec& spec) const;
-  uint64_t DefaultMemoryPerRank(const JobSpec& spec) const;
+  // The device pool a job would be planned for, with its rates and a rank's memory there.
+  std::pair<std::string, DeviceRates> PoolFor(const JobSpec& spec) const;
   absl::Status CheckPaths(const v1::JobSpec& spec) const;
 
   Scheduler* const scheduler_;

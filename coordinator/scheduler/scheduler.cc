@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
 #include "common/proto/job_state.h"
+#include "common/proto/memory_breakdown.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -26,6 +27,26 @@ v1::Device DeviceOf(const v1::JobStatus& job) {
 }
 
 int64_t RanksOf(const v1::JobStatus& job) { return std::max<int64_t>(1, job.plan().ranks()); }
+
+// The per-rank peak a job is placed by: the memory model's, corrected by what earlier
+// attempts measured; 0 while the planner does not predict it.
+uint64_t PlannedPeak(const v1::Plan& plan) {
+  return CorrectedTotal(plan.predicted_memory(), plan.memory_correction());
+}
+
+// An ended attempt whose measured peak can be held against its prediction: it ran a whole
+// step and both are known.
+bool Measured(const v1::Attempt& attempt) {
+  return !IsActive(attempt) && attempt.progress().step() >= 1 &&
+         attempt.predicted_memory().total() > 0 && attempt.peak_memory().total() > 0;
+}
+
+// Teaches `calibration` an ended attempt's measured peak.
+void Learn(const v1::Plan& plan, const v1::Attempt& attempt, MemoryCalibration& calibration) {
+  if (!Measured(attempt)) return;
+  calibration.Record(plan.calibration_key(), attempt.predicted_memory().total(),
+                     attempt.peak_memory().total());
+}
 
 }  // namespace
 
@@ -63,6 +84,17 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const
       worker->second.status.set_busy_slots(static_cast<int64_t>(worker->second.busy.size()));
     }
   }
+  // The corrections, learned again in the order the attempts ended.
+  std::vector<std::pair<const v1::Plan*, const v1::Attempt*>> ended;
+  for (const auto& [id, job] : scheduler->jobs_) {
+    for (const v1::Attempt& attempt : job.status.attempts()) {
+      ended.emplace_back(&job.status.plan(), &attempt);
+    }
+  }
+  std::stable_sort(ended.begin(), ended.end(), [](const auto& a, const auto& b) {
+    return a.second->ended_unix_ms() < b.second->ended_unix_ms();
+  });
+  for (const auto& [plan, attempt] : ended) Learn(*plan, *attempt, scheduler->calibration_);
   return scheduler;
 }
 
@@ -199,7 +231,7 @@ std::optional<uint64_t> Scheduler::FreeMemory(const WorkerState& worker, int64_t
   uint64_t used = taken * need;
   for (const auto& [busy_slot, ref] : worker.busy) {
     auto job = jobs_.find(ref.job_id);
-    if (job != jobs_.end()) used += job->second.status.plan().predicted_memory().total();
+    if (job != jobs_.end()) used += PlannedPeak(job->second.status.plan());
   }
   return used >= host ? 0 : host - used;
 }
@@ -218,8 +250,7 @@ void Scheduler::Schedule() {
   for (JobState* job : queued) {
     const int64_t ranks = RanksOf(job->status);
     const v1::Device device = DeviceOf(job->status);
-    // The plan's per-rank peak; 0 while the planner does not predict it.
-    const uint64_t need = job->status.plan().predicted_memory().total();
+    const uint64_t need = PlannedPeak(job->status.plan());
     // Live workers of the job's device, most free slots first, so ranks stay together.
     struct Candidate {
       WorkerState* worker;
@@ -272,6 +303,7 @@ void Scheduler::Schedule() {
     attempt->set_generation(job->status.attempts_size());
     attempt->set_state(v1::ATTEMPT_STATE_STARTING);
     attempt->set_started_unix_ms(NowMs());
+    *attempt->mutable_predicted_memory() = job->status.plan().predicted_memory();
     int64_t rank = 0;
     for (Candidate& c : candidates) {
       for (int64_t slot : c.free_slots) {
@@ -315,6 +347,7 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
   attempt->set_state(state);
   attempt->set_ended_unix_ms(NowMs());
   if (state == v1::ATTEMPT_STATE_FAILED) attempt->set_error(reason);
+  Learn(job.status.plan(), *attempt, calibration_);
   for (const v1::RankPlacement& p : attempt->placements()) {
     auto worker = workers_.find(p.worker_id());
     if (worker == workers_.end()) continue;
@@ -473,6 +506,9 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
   }
   const std::string where =
       absl::StrCat("rank ", request.rank(), " on worker ", request.worker_id());
+  if (request.progress().memory().total() > attempt->peak_memory().total()) {
+    *attempt->mutable_peak_memory() = request.progress().memory();
+  }
   switch (request.event()) {
     case v1::RANK_EVENT_STARTED:
       attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
@@ -496,6 +532,7 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
       if (static_cast<int64_t>(job.succeeded_ranks.size()) == attempt->placements_size()) {
         attempt->set_state(v1::ATTEMPT_STATE_SUCCEEDED);
         attempt->set_ended_unix_ms(NowMs());
+        Learn(job.status.plan(), *attempt, calibration_);
         job.status.set_state(v1::JOB_STATE_SUCCEEDED);
         job.status.set_reason("");
         spdlog::info("job={} succeeded", job.status.job_id());
@@ -558,6 +595,44 @@ std::vector<v1::WorkerStatus> Scheduler::ListWorkers() const {
   std::vector<v1::WorkerStatus> result;
   for (const auto& [id, worker] : workers_) result.push_back(worker.status);
   return result;
+}
+
+MemoryCalibration Scheduler::Calibration() const {
+  absl::MutexLock lock(&mu_);
+  return calibration_;
+}
+
+v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit) const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<const v1::JobStatus*, const v1::Attempt*>> measured;
+  for (const auto& [id, job] : jobs_) {
+    for (const v1::Attempt& attempt : job.status.attempts()) {
+      if (Measured(attempt)) measured.emplace_back(&job.status, &attempt);
+    }
+  }
+  std::sort(measured.begin(), measured.end(), [](const auto& a, const auto& b) {
+    return a.second->ended_unix_ms() > b.second->ended_unix_ms();
+  });
+  v1::GetPlanHistoryResponse response;
+  for (size_t i = 0; i < measured.size() && i < limit; ++i) {
+    const auto& [job, attempt] = measured[i];
+    v1::PlanHistoryEntry* e = response.add_attempts();
+    e->set_job_id(job->job_id());
+    e->set_generation(attempt->generation());
+    e->set_state(attempt->state());
+    e->set_ended_unix_ms(attempt->ended_unix_ms());
+    e->set_calibration_key(job->plan().calibration_key());
+    *e->mutable_predicted() = attempt->predicted_memory();
+    e->set_memory_correction(job->plan().memory_correction());
+    *e->mutable_measured() = attempt->peak_memory();
+  }
+  for (const auto& [key, correction] : calibration_.All()) {
+    v1::MemoryCorrection* c = response.add_corrections();
+    c->set_calibration_key(key);
+    c->set_factor(correction.factor);
+    c->set_attempts(correction.samples);
+  }
+  return response;
 }
 
 bool Scheduler::IsActiveAttempt(absl::string_view job_id, int64_t generation) const {

@@ -36,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "coordinator/planner/calibration.h"
 #include "coordinator/store/store.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
@@ -89,6 +90,15 @@ class Scheduler {
   // attempts. Call periodically (the server does, every timeout / 4).
   void CheckHeartbeats();
   std::vector<v1::WorkerStatus> ListWorkers() const;
+
+  // --- the planner's feedback ---------------------------------------------------------
+
+  // The memory corrections learned from every ended attempt that ran at least one step: its
+  // rank's largest measured peak against the plan's prediction, under the plan's
+  // calibration key (coordinator/planner/calibration.h). Rebuilt from the store on start.
+  MemoryCalibration Calibration() const;
+  // Those attempts, newest `limit` first (by end time), and the corrections.
+  v1::GetPlanHistoryResponse PlanHistory(size_t limit) const;
 
   // True when `generation` is the current attempt of the job and that attempt is active:
   // the rendezvous store's fencing check.
@@ -150,6 +160,7 @@ class Scheduler {
   std::map<std::string, WorkerState, std::less<>> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 0;
+  MemoryCalibration calibration_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace lathe

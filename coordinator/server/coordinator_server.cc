@@ -18,7 +18,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   LATHE_ASSIGN_OR_RETURN(server->scheduler_,
                          Scheduler::Create(server->store_.get(), &server->clock_, options));
   Scheduler* scheduler = server->scheduler_.get();
-  server->jobs_ = std::make_unique<JobManager>(scheduler, JobManagerOptions{config.allowed_roots});
+  server->jobs_ = std::make_unique<JobManager>(
+      scheduler, JobManagerOptions{config.allowed_roots, config.pools});
   server->rendezvous_ =
       std::make_unique<RendezvousStore>([scheduler](absl::string_view job, int64_t generation) {
         return scheduler->IsActiveAttempt(job, generation);

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/api/services.h"
+#include "coordinator/planner/device_pools.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
@@ -31,6 +32,7 @@ struct CoordinatorConfig {
   absl::Duration heartbeat_interval = absl::Seconds(2);
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   std::vector<std::string> allowed_roots;
+  DevicePools pools = DefaultPools();  // the planner's rates per device pool
 };
 
 class CoordinatorServer {

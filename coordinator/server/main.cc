@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
+#include "common/file_util.h"
 #include "coordinator/server/coordinator_server.h"
 
 namespace lathe {
@@ -18,6 +19,8 @@ const std::vector<FlagSpec> kFlags = {
     {"heartbeat-timeout", true, "seconds without a heartbeat before a worker is lost (default 15)"},
     {"heartbeat-interval", true, "seconds between worker heartbeats (default 2)"},
     {"allowed-roots", true, "comma-separated directories that spec paths must lie inside"},
+    {"device-rates", true,
+     "JSON file of the planner's rates per device pool (docs/planner.md, \"Device pools\")"},
     {"help", false, "this message"},
 };
 
@@ -49,6 +52,17 @@ int Main(int argc, char** argv) {
   config.heartbeat_interval = absl::Seconds(*interval);
   if (flags->Has("allowed-roots")) {
     config.allowed_roots = absl::StrSplit(flags->Get("allowed-roots"), ',', absl::SkipEmpty());
+  }
+  if (flags->Has("device-rates")) {
+    const std::string path = flags->Get("device-rates");
+    absl::StatusOr<std::string> text = ReadFile(path);
+    absl::StatusOr<DevicePools> pools =
+        text.ok() ? ParseDevicePools(*text, path) : absl::StatusOr<DevicePools>(text.status());
+    if (!pools.ok()) {
+      std::cerr << "lathe-coordinator: --device-rates: " << pools.status().message() << "\n";
+      return 2;
+    }
+    config.pools = *std::move(pools);
   }
 
   // Block the stop signals before any thread starts; one thread waits for them.

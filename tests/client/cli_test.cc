@@ -117,9 +117,43 @@ class FakeJobService final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status PlanJob(grpc::ServerContext*, const v1::PlanJobRequest* request,
+                       v1::PlanJobResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    plan_requests_.push_back(*request);
+    if (!plan_error_.ok()) return plan_error_;
+    *response = plan_;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetPlanHistory(grpc::ServerContext*, const v1::GetPlanHistoryRequest* request,
+                              v1::GetPlanHistoryResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    history_limits_.push_back(request->limit());
+    *response = history_;
+    return grpc::Status::OK;
+  }
+
   void SetJob(const v1::JobStatus& job) {
     absl::MutexLock lock(&mu_);
     jobs_[job.job_id()] = job;
+  }
+  void SetPlan(v1::PlanJobResponse plan, grpc::Status error = grpc::Status::OK) {
+    absl::MutexLock lock(&mu_);
+    plan_ = std::move(plan);
+    plan_error_ = std::move(error);
+  }
+  void SetHistory(v1::GetPlanHistoryResponse history) {
+    absl::MutexLock lock(&mu_);
+    history_ = std::move(history);
+  }
+  std::vector<v1::PlanJobRequest> plan_requests() {
+    absl::MutexLock lock(&mu_);
+    return plan_requests_;
+  }
+  std::vector<int32_t> history_limits() {
+    absl::MutexLock lock(&mu_);
+    return history_limits_;
   }
   void SetPages(std::vector<v1::ListJobsResponse> pages) {
     absl::MutexLock lock(&mu_);
@@ -171,6 +205,11 @@ class FakeJobService final : public v1::JobService::Service {
   std::vector<v1::ListJobsRequest> list_requests_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::CancelJobRequest> cancels_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::JobStatus>> watch_updates_ ABSL_GUARDED_BY(mu_);
+  v1::PlanJobResponse plan_ ABSL_GUARDED_BY(mu_);
+  grpc::Status plan_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::PlanJobRequest> plan_requests_ ABSL_GUARDED_BY(mu_);
+  v1::GetPlanHistoryResponse history_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> history_limits_ ABSL_GUARDED_BY(mu_);
 };
 
 class FakeWorkerService final : public v1::WorkerService::Service {
@@ -498,6 +537,7 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   placement->set_slot(1);
   second.mutable_progress()->mutable_memory()->set_weights(1100ull << 20);
   second.mutable_progress()->mutable_memory()->set_activations(64ull << 20);
+  plan->set_memory_correction(1.1);
   job.clear_attempts();
   *job.add_attempts() = first;
   *job.add_attempts() = second;
@@ -520,7 +560,14 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   EXPECT_THAT(out, MatchesRegex("(.|\n)*weights +1.00 GiB +1.07 GiB\n(.|\n)*"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*activations +- +64.0 MiB\n(.|\n)*"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*total +1.50 GiB +-\n(.|\n)*"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*planned \\(x1.100\\) +1.65 GiB\n(.|\n)*"));
   EXPECT_THAT(out, Not(HasSubstr("gradients")));  // zero in both
+  // Once the attempt holds its ranks' largest peak, that is the measured column.
+  *job.mutable_attempts(1)->mutable_peak_memory() = job.attempts(1).progress().memory();
+  job.mutable_attempts(1)->mutable_peak_memory()->set_total(1600ull << 20);
+  jobs_.SetJob(job);
+  result = Run({"status", "job-7"});
+  EXPECT_THAT(result.out, MatchesRegex("(.|\n)*total +1.50 GiB +1.56 GiB\n(.|\n)*"));
   EXPECT_THAT(out, HasSubstr("restarts     1"));
 }
 
@@ -735,16 +782,34 @@ constexpr char kJsonSchema[] = R"({
       "activation_checkpointing": "boolean", "chunked_loss": "boolean",
       "fused_kernels": "boolean", "micro_batch": "integer", "gradient_accumulation": "integer",
       "total_steps": "integer", "precision": "string", "predicted_memory": "$memory",
-      "explanation": "string"
+      "memory_correction": "number", "calibration_key": "string", "explanation": "string"
     },
     "attempts": [{
       "generation": "integer", "state": "string",
       "placements": [{"rank": "integer", "worker_id": "string", "slot": "integer"}],
       "started_unix_ms": "integer", "ended_unix_ms": "integer", "error": "string",
-      "progress": "$progress"
+      "progress": "$progress", "predicted_memory": "$memory", "peak_memory": "$memory"
     }],
     "progress": "$progress|null", "eta_seconds": "number|null", "final_loss": "number|null",
     "adapter_path": "string", "model_path": "string"
+  },
+  "plan_report": {
+    "plan": "object", "tokens_per_second": "number", "memory_per_rank": "integer",
+    "candidates": [{
+      "zero_stage": "integer", "offload_optimizer": "boolean", "offload_params": "boolean",
+      "activation_checkpointing": "boolean", "chunked_loss": "boolean",
+      "micro_batch": "integer", "memory": "$memory", "host_memory": "integer",
+      "step_seconds": "number", "fits": "boolean", "verdict": "string",
+      "memory_correction": "number"
+    }]
+  },
+  "plan_history": {
+    "attempts": [{
+      "job_id": "string", "generation": "integer", "state": "string",
+      "ended_unix_ms": "integer", "calibration_key": "string", "predicted": "$memory",
+      "memory_correction": "number", "measured": "$memory"
+    }],
+    "corrections": [{"calibration_key": "string", "factor": "number", "attempts": "integer"}]
   },
   "worker": {
     "worker_id": "string", "state": "string", "address": "string", "device": "string",
@@ -846,6 +911,8 @@ v1::JobStatus FullJob(const std::string& id) {
   plan->set_gradient_accumulation(2);
   plan->set_precision(v1::PRECISION_BF16);
   plan->set_explanation("ZeRO-3: the weights do not fit one rank");
+  plan->set_memory_correction(1.05);
+  plan->set_calibration_key("llama h64 | lora | fp32 | ZeRO-3 | 2 x h100");
   v1::MemoryBreakdown* predicted = plan->mutable_predicted_memory();
   for (auto setter : {&v1::MemoryBreakdown::set_weights, &v1::MemoryBreakdown::set_trainable,
                       &v1::MemoryBreakdown::set_gradients, &v1::MemoryBreakdown::set_optimizer,
@@ -879,6 +946,8 @@ v1::JobStatus FullJob(const std::string& id) {
   p->mutable_phases()->set_comm(0.01);
   p->mutable_phases()->set_optimizer(0.02);
   *p->mutable_memory() = *predicted;
+  *attempt->mutable_predicted_memory() = *predicted;
+  *attempt->mutable_peak_memory() = *predicted;
   v1::Attempt second = *attempt;
   second.set_generation(2);
   second.set_state(v1::ATTEMPT_STATE_RUNNING);
@@ -886,6 +955,109 @@ v1::JobStatus FullJob(const std::string& id) {
   second.clear_error();
   *job.add_attempts() = second;
   return job;
+}
+
+v1::PlanJobResponse APlan() {
+  v1::PlanJobResponse response;
+  v1::Plan* plan = response.mutable_plan();
+  plan->set_ranks(1);
+  plan->set_micro_batch(4);
+  plan->set_gradient_accumulation(1);
+  plan->set_total_steps(10);
+  plan->set_explanation("planner: ZeRO-0, micro-batch 4, the fastest of 2");
+  plan->mutable_predicted_memory()->set_weights(3ull << 30);
+  plan->mutable_predicted_memory()->set_total(4ull << 30);
+  plan->set_memory_correction(1.25);
+  response.set_tokens_per_second(1500);
+  response.set_memory_per_rank(16ull << 30);
+  v1::PlanCandidate* chosen = response.add_candidates();
+  chosen->set_micro_batch(4);
+  *chosen->mutable_memory() = plan->predicted_memory();
+  chosen->set_memory_correction(1.25);
+  chosen->set_step_seconds(0.5);
+  chosen->set_fits(true);
+  chosen->set_verdict("chosen");
+  v1::PlanCandidate* other = response.add_candidates();
+  other->set_micro_batch(1);
+  other->set_activation_checkpointing(true);
+  other->mutable_memory()->set_total(2ull << 30);
+  other->set_memory_correction(1);
+  other->set_step_seconds(0.75);
+  other->set_fits(true);
+  other->set_verdict("50% slower (compute)");
+  return response;
+}
+
+TEST_F(CliTest, PlanAsksTheCoordinatorAndPrintsTheChoiceAndTheAlternatives) {
+  jobs_.SetPlan(APlan());
+  const std::string spec_path = WriteSpec(kRelativeSpec);
+  CliResult result = Run({"plan", spec_path});
+  ASSERT_EQ(result.code, 0) << result.err;
+  ASSERT_EQ(jobs_.plan_requests().size(), 1u);
+  EXPECT_EQ(jobs_.plan_requests()[0].spec().model().path(),
+            std::filesystem::current_path().string() + "/models/tiny");
+  EXPECT_THAT(result.out, AllOf(HasSubstr("1500 tokens/s; memory per rank 16.0 GiB"),
+                                HasSubstr("planned (x1.250)  5.00 GiB"),
+                                HasSubstr("50% slower (compute)"), HasSubstr("chosen")));
+  // The chosen row's peak is the corrected one.
+  EXPECT_THAT(result.out,
+              HasSubstr("0     -        off   logits  4      5.00 GiB   0.5 s   chosen"));
+
+  result = Run({"plan", spec_path, "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  SchemaCheck check = CheckAgainst(nlohmann::json::parse(result.out), "plan_report");
+  EXPECT_THAT(check.errors, IsEmpty());
+
+  jobs_.SetPlan({}, grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                                 "spec: nothing fits: the smallest configuration needs 9 GiB"));
+  result = Run({"plan", spec_path});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err, "lathe: spec: nothing fits: the smallest configuration needs 9 GiB\n");
+}
+
+TEST_F(CliTest, PlanHistoryShowsTheErrorsAndTheCorrections) {
+  v1::GetPlanHistoryResponse history;
+  for (int i = 0; i < 2; ++i) {
+    v1::PlanHistoryEntry* e = history.add_attempts();
+    e->set_job_id(absl::StrCat("job-", i));
+    e->set_generation(1);
+    e->set_state(v1::ATTEMPT_STATE_SUCCEEDED);
+    e->set_calibration_key("k");
+    e->mutable_predicted()->set_total(100ull << 20);
+    e->set_memory_correction(i == 0 ? 1.1 : 1.0);
+    e->mutable_measured()->set_total((i == 0 ? 110ull : 104ull) << 20);
+  }
+  v1::MemoryCorrection* c = history.add_corrections();
+  c->set_calibration_key("llama h64 | lora | fp32 | ZeRO-0 fused | 1 x cpu");
+  c->set_factor(1.07);
+  c->set_attempts(2);
+  jobs_.SetHistory(history);
+
+  CliResult result = Run({"plan", "--history", "--limit", "5"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(jobs_.history_limits(), std::vector<int32_t>{5});
+  EXPECT_THAT(
+      result.out,
+      AllOf(HasSubstr("job-0  #1       SUCCEEDED  100 MiB    110 MiB  110 MiB   -9.1%      "
+                      "+0.0%"),
+            HasSubstr("2 attempts; memory model: median |error| 6.5%, worst -9.1%; as "
+                      "planned: median |error| 1.9%, worst -3.8%"),
+            HasSubstr("1.070   2         llama h64 | lora | fp32 | ZeRO-0 fused | 1 x cpu")));
+
+  result = Run({"plan", "--history", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  SchemaCheck check = CheckAgainst(nlohmann::json::parse(result.out), "plan_history");
+  EXPECT_THAT(check.errors, IsEmpty());
+
+  result = Run({"plan", "--history", "job.yaml"});
+  EXPECT_EQ(result.code, 2);
+  EXPECT_THAT(result.err, HasSubstr("unexpected argument \"job.yaml\""));
+  result = Run({"plan", "--history", "--limit", "0"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err, "lathe: --limit: must be 1 to 1000, got 0\n");
+  jobs_.SetHistory({});
+  result = Run({"plan", "--history"});
+  EXPECT_THAT(result.out, HasSubstr("no measured attempts yet"));
 }
 
 TEST_F(CliTest, JsonSchemaOfStatus) {

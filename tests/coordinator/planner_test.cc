@@ -198,5 +198,112 @@ TEST(PlannerTest, SeventyBillionOnEightGpus) {
   EXPECT_EQ(result.candidates.size(), (1 + 2 + 2 + 4) * 2 * 4u);
 }
 
+// --- closing the loop (calibration.h) -----------------------------------------------
+
+TEST(CalibrationTest, TheCorrectionIsTheMeanOfTheLatestRatios) {
+  MemoryCalibration calibration;
+  EXPECT_EQ(calibration.Lookup("k").samples, 0);
+  EXPECT_EQ(calibration.Lookup("k").factor, 1.0);
+  calibration.Record("k", 100, 110);
+  calibration.Record("k", 100, 130);
+  EXPECT_DOUBLE_EQ(calibration.Lookup("k").factor, 1.2);
+  EXPECT_EQ(calibration.Lookup("k").samples, 2);
+  // Nothing that cannot be a measurement of the prediction.
+  calibration.Record("k", 100, 0);
+  calibration.Record("k", 0, 100);
+  calibration.Record("k", 100, 500);
+  calibration.Record("", 100, 100);
+  EXPECT_EQ(calibration.Lookup("k").samples, 2);
+  EXPECT_EQ(calibration.All().size(), 1u);
+  // Only the latest kWindow count.
+  for (size_t i = 0; i < MemoryCalibration::kWindow; ++i) calibration.Record("k", 100, 90);
+  EXPECT_DOUBLE_EQ(calibration.Lookup("k").factor, 0.9);
+  EXPECT_EQ(calibration.Lookup("k").samples, static_cast<int64_t>(MemoryCalibration::kWindow));
+}
+
+TEST(CalibrationTest, KeysSeparateStrategiesAndPoolsButNotMicroBatches) {
+  const JobShape job = Job(Shape("llama-3.1-8b"), Spec("resources: {ranks: 4, device: cuda}\n"));
+  const StrategyPoint a{2, false, false, true, true, true, 1};
+  StrategyPoint b = a;
+  b.micro_batch = 4;
+  EXPECT_EQ(CalibrationKey(job, a, "h100"), CalibrationKey(job, b, "h100"));
+  EXPECT_EQ(CalibrationKey(job, a, "h100"),
+            "llama h4096 L32 i14336 a32/8 d128 v128256 | lora r16 q,k,v,o,gate,up,down | fp32 | "
+            "ZeRO-2 ckpt fused | 4 x h100");
+  b = a;
+  b.zero_stage = 3;
+  EXPECT_NE(CalibrationKey(job, a, "h100"), CalibrationKey(job, b, "h100"));
+  EXPECT_NE(CalibrationKey(job, a, "h100"), CalibrationKey(job, a, "h200"));
+}
+
+TEST(CalibrationTest, PlansApplyWhatEarlierAttemptsMeasured) {
+  const JobSpec spec = Spec("train: {steps: 10, global_batch: 8}\n");
+  const ModelShape shape = Shape("llama-3.2-1b");
+  PlanOptions options = Options("cpu", 256 * kGiB);
+  const PlanResult before = MustPlan(spec, shape, options);
+  EXPECT_EQ(before.plan.memory_correction, 1.0);
+  ASSERT_FALSE(before.plan.calibration_key.empty());
+
+  // The chosen configuration measured 1.5x its prediction.
+  MemoryCalibration calibration;
+  calibration.Record(before.plan.calibration_key, before.plan.predicted_memory.total,
+                     before.plan.predicted_memory.total * 3 / 2);
+  options.calibration = &calibration;
+  const PlanResult after = MustPlan(spec, shape, options);
+  EXPECT_NEAR(after.plan.memory_correction, 1.5, 1e-9);
+  EXPECT_NEAR(static_cast<double>(after.candidates[0].peak),
+              1.5 * static_cast<double>(before.plan.predicted_memory.total), 2);
+  EXPECT_THAT(after.plan.explanation,
+              HasSubstr("the memory model's estimate x 1.500, learned from 1 measured attempt"));
+
+  // With a budget between the model's peak and the corrected one, that configuration no
+  // longer fits: the planner turns to one that does.
+  options.rates.memory_bytes =
+      static_cast<uint64_t>(static_cast<double>(before.plan.predicted_memory.total) * 1.3 / 0.9);
+  const PlanResult tight = MustPlan(spec, shape, options);
+  EXPECT_FALSE(tight.plan.calibration_key == before.plan.calibration_key &&
+               tight.plan.micro_batch == before.plan.micro_batch);
+  EXPECT_LE(tight.candidates[0].peak, options.rates.memory_bytes * 9 / 10);
+  options.calibration = nullptr;
+  EXPECT_EQ(MustPlan(spec, shape, options).plan.micro_batch, before.plan.micro_batch);
+}
+
+// --- device pools (device_pools.h) ----------------------------------------------------
+
+TEST(DevicePoolsTest, AFileOverridesTheDefaultsAndAddsPools) {
+  absl::StatusOr<DevicePools> pools = ParseDevicePools(
+      R"({"cpu": {"flops": 1.2e11},
+          "a100": {"flops": 1.2e14, "half_saturation_tokens": 1024,
+                   "link_bytes_per_s": 2.4e11, "host_link_bytes_per_s": 2.5e10}})",
+      "rates.json");
+  ASSERT_TRUE(pools.ok()) << pools.status();
+  EXPECT_EQ(pools->at("cpu").flops, 1.2e11);
+  EXPECT_EQ(pools->at("cpu").link_bytes_per_s, DefaultRates("cpu")->link_bytes_per_s);
+  EXPECT_EQ(pools->at("a100").flops, 1.2e14);
+  EXPECT_EQ(pools->at("h100").flops, DefaultRates("h100")->flops);
+  EXPECT_EQ(PoolOf(*pools, true, "NVIDIA A100-SXM4-80GB"), "a100");
+  EXPECT_EQ(PoolOf(*pools, true, "NVIDIA H200"), "h200");
+  EXPECT_EQ(PoolOf(*pools, true, "NVIDIA L4"), "h100");
+  EXPECT_EQ(PoolOf(*pools, false, "cpu"), "cpu");
+}
+
+TEST(DevicePoolsTest, BadFilesNameTheFieldOnOneLine) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"[1]", "rates.json: expected a JSON object of device pools"},
+      {"{", "rates.json: expected a JSON object of device pools"},
+      {R"({"cpu": 3})", "rates.json: cpu: expected an object of rates"},
+      {R"({"cpu": {"flops": -1}})", "rates.json: cpu.flops: must be > 0, got -1"},
+      {R"({"cpu": {"tflops": 1}})", "rates.json: cpu.tflops: unknown field"},
+      {R"({"a100": {"flops": 1e14}})",
+       "rates.json: a100.half_saturation_tokens: required for a pool without defaults"},
+      {R"({"A100": {}})", "rates.json: \"A100\": a pool name must be lower case"},
+  };
+  for (const auto& [text, message] : cases) {
+    absl::StatusOr<DevicePools> pools = ParseDevicePools(text, "rates.json");
+    EXPECT_EQ(pools.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(pools.status().message(), HasSubstr(message)) << text;
+  }
+}
+
 }  // namespace
 }  // namespace lathe

@@ -70,6 +70,18 @@ class SchedulerTest : public ::testing::Test {
     return id;
   }
 
+  // A job whose plan predicts `peak` per rank, corrected by `correction`.
+  static v1::JobStatus PlannedJob(const std::string& id, int64_t ranks, uint64_t peak,
+                                  double correction, const std::string& key) {
+    v1::JobStatus job;
+    job.set_job_id(id);
+    job.mutable_plan()->set_ranks(ranks);
+    job.mutable_plan()->mutable_predicted_memory()->set_total(peak);
+    job.mutable_plan()->set_memory_correction(correction);
+    job.mutable_plan()->set_calibration_key(key);
+    return job;
+  }
+
   v1::JobStatus Job(const std::string& id) { return *scheduler_->GetJob(id); }
 
   absl::Status Report(const std::string& worker, const std::string& job, int64_t generation,
@@ -325,6 +337,60 @@ TEST_F(SchedulerTest, ARestartedSchedulerKeepsEveryJob) {
             absl::StatusCode::kFailedPrecondition);
 }
 
+TEST_F(SchedulerTest, MeasuredPeaksTeachTheCalibrationAndSurviveARestart) {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  Register("w1", 2, 64 * kGiB);
+  v1::JobStatus job = PlannedJob("job", 2, 10 * kGiB, 1.0, "k");
+  bool existing = false;
+  ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  EXPECT_EQ(Job("job").attempts(0).predicted_memory().total(), 10 * kGiB);
+  // Every rank's peak counts; the largest is the attempt's.
+  for (int64_t rank : {0, 1}) {
+    v1::ReportProgressRequest progress;
+    progress.set_worker_id("w1");
+    progress.set_job_id("job");
+    progress.set_generation(1);
+    progress.set_rank(rank);
+    progress.set_event(v1::RANK_EVENT_PROGRESS);
+    progress.mutable_progress()->set_step(1);
+    progress.mutable_progress()->mutable_memory()->set_total((rank == 0 ? 11 : 12) * kGiB);
+    ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+  }
+  EXPECT_EQ(Job("job").attempts(0).peak_memory().total(), 12 * kGiB);
+  EXPECT_EQ(scheduler_->Calibration().Lookup("k").samples, 0) << "learned before the end";
+  ASSERT_TRUE(Report("w1", "job", 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
+  ASSERT_TRUE(Report("w1", "job", 1, 1, v1::RANK_EVENT_SUCCEEDED).ok());
+  EXPECT_DOUBLE_EQ(scheduler_->Calibration().Lookup("k").factor, 1.2);
+
+  // An attempt that never finished a step teaches nothing.
+  job.set_job_id("early");
+  ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  ASSERT_TRUE(Report("w1", "early", 1, 0, v1::RANK_EVENT_FAILED, "boom").ok());
+  EXPECT_EQ(scheduler_->Calibration().Lookup("k").samples, 1);
+
+  const v1::GetPlanHistoryResponse history = scheduler_->PlanHistory(10);
+  ASSERT_EQ(history.attempts_size(), 1);
+  EXPECT_EQ(history.attempts(0).job_id(), "job");
+  EXPECT_EQ(history.attempts(0).measured().total(), 12 * kGiB);
+  EXPECT_EQ(history.attempts(0).predicted().total(), 10 * kGiB);
+  ASSERT_EQ(history.corrections_size(), 1);
+  EXPECT_DOUBLE_EQ(history.corrections(0).factor(), 1.2);
+
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  EXPECT_DOUBLE_EQ(scheduler_->Calibration().Lookup("k").factor, 1.2);
+  EXPECT_EQ(scheduler_->PlanHistory(10).attempts_size(), 1);
+}
+
+TEST_F(SchedulerTest, PlacementUsesTheCorrectedPeak) {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  Register("w1", 1, 16 * kGiB);
+  bool existing = false;
+  ASSERT_TRUE(scheduler_->AddJob(PlannedJob("job", 1, 10 * kGiB, 2.0, "k"), "", &existing).ok());
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_QUEUED);
+  EXPECT_THAT(Job("job").reason(), HasSubstr("needs 20.0 GiB per rank"));
+}
+
 TEST(RendezvousStoreTest, ScopesAreFencedByGeneration) {
   int64_t active = 1;
   RendezvousStore store([&](absl::string_view job, int64_t generation) {
@@ -459,6 +525,65 @@ TEST_F(JobManagerTest, ThePlanIsMadeOnceHere) {
   EXPECT_EQ(plan.total_steps(), 2);
   // The stored spec has every default filled in.
   EXPECT_TRUE(response->status().spec().train().has_lr());
+}
+
+TEST_F(JobManagerTest, WhatFitsNowhereIsRefusedWithNothingStored) {
+  v1::JobSpec spec = JobSpecToProto(spec_);
+  spec.mutable_resources()->set_memory_per_rank_bytes(16 << 10);
+  ExpectRefused(spec, "spec: nothing fits: the smallest configuration", {},
+                absl::StatusCode::kResourceExhausted);
+  ExpectRefused(spec, "more than 14.4 KiB (16.0 KiB less 10% headroom)", {},
+                absl::StatusCode::kResourceExhausted);
+}
+
+TEST_F(JobManagerTest, PlansLearnFromTheMeasuredPeaksOfEarlierAttempts) {
+  Register("w1", 1, uint64_t{64} << 30);
+  absl::StatusOr<v1::SubmitJobResponse> first = Submit(JobSpecToProto(spec_));
+  ASSERT_TRUE(first.ok()) << first.status();
+  const v1::Plan& plan = first->status().plan();
+  EXPECT_EQ(plan.memory_correction(), 1.0);
+  EXPECT_THAT(plan.calibration_key(), HasSubstr("| 1 x cpu"));
+  // It ran a step and measured 10% more than predicted.
+  v1::ReportProgressRequest done;
+  done.set_worker_id("w1");
+  done.set_job_id(first->job_id());
+  done.set_generation(1);
+  done.set_event(v1::RANK_EVENT_SUCCEEDED);
+  done.mutable_progress()->set_step(2);
+  done.mutable_progress()->mutable_memory()->set_total(plan.predicted_memory().total() * 11 / 10);
+  ASSERT_TRUE(scheduler_->ReportProgress(done).ok());
+
+  spec_.output = dir_.Path("out2");
+  absl::StatusOr<v1::SubmitJobResponse> second = Submit(JobSpecToProto(spec_));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NEAR(second->status().plan().memory_correction(), 1.1, 1e-6);
+  EXPECT_THAT(second->status().plan().explanation(), HasSubstr("learned from 1 measured attempt"));
+  JobManager manager(scheduler_.get(), {});
+  v1::GetPlanHistoryRequest request;
+  absl::StatusOr<v1::GetPlanHistoryResponse> history = manager.PlanHistory(request);
+  ASSERT_TRUE(history.ok());
+  EXPECT_EQ(history->attempts_size(), 1);
+  request.set_limit(-1);
+  EXPECT_EQ(manager.PlanHistory(request).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(JobManagerTest, AGpuJobIsPlannedForTheRegisteredPool) {
+  v1::RegisterWorkerRequest worker;
+  worker.set_worker_id("gpu");
+  worker.set_device(v1::DEVICE_CUDA);
+  worker.set_slots(1);
+  v1::DeviceInfo* device = worker.add_devices();
+  device->set_name("NVIDIA H200");
+  device->set_memory_bytes(141000000000);
+  ASSERT_TRUE(scheduler_->RegisterWorker(worker).ok());
+  spec_.resources.device = DeviceKind::kCuda;
+  JobManager manager(scheduler_.get(), {});
+  v1::PlanJobRequest request;
+  *request.mutable_spec() = JobSpecToProto(spec_);
+  absl::StatusOr<v1::PlanJobResponse> plan = manager.Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->memory_per_rank(), 141000000000u);
+  EXPECT_THAT(plan->plan().calibration_key(), HasSubstr("| 1 x h200"));
 }
 
 TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {

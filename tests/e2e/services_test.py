@@ -286,6 +286,28 @@ output: {os.path.join(self.root, "runs", name)}
         self.assertEqual(self.trainer_pids(job_id), [])
         self.assertLess(time.time() - start, COLLECTIVE_TIMEOUT + 15)
 
+    def test_1d_plans_learn_from_the_measured_peaks(self):
+        # test_1 ran "single" (one rank, the defaults): its attempt's peak was measured.
+        history = self.cluster.lathe("--output", "json", "plan", "--history")
+        self.assertEqual(history.returncode, 0, history.stderr)
+        history = json.loads(history.stdout)
+        single = [a for a in history["attempts"] if a["job_id"].startswith("single-")]
+        self.assertEqual(len(single), 1, history)
+        self.assertGreater(single[0]["measured"]["total"], 0)
+        self.assertGreater(single[0]["predicted"]["total"], 0)
+        corrections = {c["calibration_key"]: c for c in history["corrections"]}
+        self.assertIn(single[0]["calibration_key"], corrections)
+        # The coordinator's plan of the same job applies what it learned.
+        plan = self.cluster.lathe("--output", "json", "plan", self.spec("single-again"))
+        self.assertEqual(plan.returncode, 0, plan.stderr)
+        plan = json.loads(plan.stdout)["plan"]
+        self.assertEqual(plan["calibration_key"], single[0]["calibration_key"])
+        correction = corrections[plan["calibration_key"]]
+        self.assertAlmostEqual(plan["memory_correction"], correction["factor"], places=6)
+        text = self.cluster.lathe("plan", "--history")
+        self.assertEqual(text.returncode, 0, text.stderr)
+        self.assertIn("corrections later plans apply", text.stdout)
+
     def test_2a_a_killed_rank_ends_its_whole_attempt(self):
         job_id = self.submit("zero3-killed", steps=100000, ranks=2,
                              extra="strategy: {zero_stage: 3}\n")
@@ -362,13 +384,54 @@ output: {os.path.join(self.root, "runs", name)}
         self.assertIn("cannot reach the coordinator", unreachable.stderr)
         self.assertEqual(run("lathe", "frobnicate").returncode, 2)
 
+    def test_4a_device_rates_change_the_plans(self):
+        rates = os.path.join(self.root, "rates.json")
+        with open(rates, "w") as f:
+            f.write('{"cpu": {"flops": -1}}')
+        bad = run("lathe-coordinator", "--db", ":memory:", "--listen", "127.0.0.1:0",
+                  "--device-rates", rates)
+        self.assertEqual(bad.returncode, 2)
+        self.assertEqual(bad.stderr, f"lathe-coordinator: --device-rates: {rates}: cpu.flops: "
+                                     "must be > 0, got -1\n")
+        default = self.cluster.lathe("--output", "json", "plan", self.spec("rated"))
+        self.assertEqual(default.returncode, 0, default.stderr)
+        # Twice the default CPU rate (60 GFLOP/s): one rank's compute-bound step halves.
+        with open(rates, "w") as f:
+            f.write('{"cpu": {"flops": 1.2e11}}')
+        other = Cluster(os.path.join(self.root, "rated"))
+        os.makedirs(other.root)
+        with open(os.path.join(other.root, "coordinator.log"), "w") as log:
+            process = subprocess.Popen(
+                [os.path.join(BIN, "lathe-coordinator"), "--listen", other.address, "--db",
+                 ":memory:", "--device-rates", rates], stdout=subprocess.PIPE, stderr=log,
+                text=True)
+        try:
+            self.assertIn("listening on", process.stdout.readline())
+            faster = other.lathe("--output", "json", "plan", self.spec("rated"))
+            self.assertEqual(faster.returncode, 0, faster.stderr)
+        finally:
+            process.terminate()
+            process.wait(timeout=10)
+            process.stdout.close()
+        ratio = (json.loads(faster.stdout)["tokens_per_second"] /
+                 json.loads(default.stdout)["tokens_per_second"])
+        self.assertAlmostEqual(ratio, 2.0, places=3)
+
     def test_5_a_restarted_coordinator_keeps_every_job(self):
+        def history():
+            result = self.cluster.lathe("--output", "json", "plan", "--history")
+            self.assertEqual(result.returncode, 0, result.stderr)
+            return json.loads(result.stdout)
+        corrections = history()["corrections"]
+        self.assertGreater(len(corrections), 0)
         before = self.list_jobs()
         self.assertGreaterEqual(len(before), 3)
         self.cluster.stop_coordinator()
         self.cluster.start_coordinator()
         after = self.list_jobs()
         self.assertEqual(set(after), set(before))
+        # The planner's corrections are rebuilt from the stored attempts.
+        self.assertEqual(history()["corrections"], corrections)
         for job_id, job in before.items():
             self.assertEqual(after[job_id]["state"], job["state"], job_id)
             self.assertEqual(after[job_id].get("final_loss"), job.get("final_loss"), job_id)
