@@ -91,7 +91,11 @@ Json AttemptJson(const v1::Attempt& attempt) {
               {"error", attempt.error()},
               {"progress", ProgressJson(attempt.progress())},
               {"predicted_memory", MemoryJson(attempt.predicted_memory())},
-              {"peak_memory", MemoryJson(attempt.peak_memory())}};
+              {"peak_memory", MemoryJson(attempt.peak_memory())},
+              {"failure", attempt.failure() == v1::FAILURE_KIND_UNSPECIFIED
+                              ? ""
+                              : EnumWord(v1::FailureKind_Name(attempt.failure()), "FAILURE_KIND_")},
+              {"resumed_from_step", attempt.resumed_from_step()}};
 }
 
 // The spec in its own schema, or null when the proto does not convert to a valid spec.
@@ -142,6 +146,7 @@ Json JobJson(const v1::JobStatus& status) {
               {"submitted_unix_ms", status.submitted_unix_ms()},
               {"updated_unix_ms", status.updated_unix_ms()},
               {"restarts", status.restarts()},
+              {"restart_after_unix_ms", status.restart_after_unix_ms()},
               {"spec", SpecJson(status.spec())},
               {"plan", PlanJson(status.plan())},
               {"attempts", std::move(attempts)},

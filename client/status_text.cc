@@ -284,12 +284,20 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
       if (a.ended_unix_ms() > 0) {
         absl::StrAppend(&attempts, "  ended ", FormatTimestamp(a.ended_unix_ms()));
       }
+      if (a.resumed_from_step() > 0) {
+        absl::StrAppend(&attempts, "  resumed from step ", a.resumed_from_step());
+      }
       absl::StrAppend(&attempts, "\n");
       if (!a.error().empty()) {
+        const std::string label = a.failure() == v1::FAILURE_KIND_USER ? "  user error: "
+                                  : a.failure() == v1::FAILURE_KIND_INFRASTRUCTURE
+                                      ? "  infrastructure: "
+                                      : "  error: ";
         std::vector<absl::string_view> lines =
             absl::StrSplit(absl::StripTrailingAsciiWhitespace(a.error()), '\n');
         for (size_t i = 0; i < lines.size(); ++i) {
-          absl::StrAppend(&attempts, i == 0 ? "  error: " : "         ", lines[i], "\n");
+          absl::StrAppend(&attempts, i == 0 ? label : std::string(label.size(), ' '), lines[i],
+                          "\n");
         }
       }
     }
@@ -309,7 +317,10 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
   if (status.has_final_loss()) AppendField(&out, "final loss", LossText(status.final_loss()));
   if (!status.adapter_path().empty()) AppendField(&out, "adapter", status.adapter_path());
   if (!status.model_path().empty()) AppendField(&out, "model", status.model_path());
-  if (status.restarts() > 0) AppendField(&out, "restarts", absl::StrCat(status.restarts()));
+  if (status.restarts() > 0) {
+    AppendField(&out, "restarts",
+                absl::StrCat(status.restarts(), " of ", status.spec().max_restarts()));
+  }
   return out;
 }
 

@@ -189,6 +189,7 @@ absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
     LATHE_RETURN_IF_ERROR(Commit(job));
   } else {
     EndAttempt(job, v1::ATTEMPT_STATE_CANCELLED, v1::JOB_STATE_CANCELLED, why);
+    LATHE_RETURN_IF_ERROR(Commit(job));
   }
   spdlog::info("job={} {}", job.status.job_id(), why);
   Schedule();
@@ -247,7 +248,10 @@ void Scheduler::Schedule() {
     }
     return a->sequence < b->sequence;
   });
+  const int64_t now_ms = NowMs();
   for (JobState* job : queued) {
+    // A restart waiting out its backoff keeps its reason (CheckHeartbeats schedules again).
+    if (job->status.restart_after_unix_ms() > now_ms) continue;
     const int64_t ranks = RanksOf(job->status);
     const v1::Device device = DeviceOf(job->status);
     const uint64_t need = PlannedPeak(job->status.plan());
@@ -326,6 +330,7 @@ void Scheduler::Schedule() {
       }
     }
     job->succeeded_ranks.clear();
+    job->status.clear_restart_after_unix_ms();
     job->status.set_state(v1::JOB_STATE_RUNNING);
     job->status.set_reason("");
     spdlog::info("job={} attempt={} placed: {} ranks", job->status.job_id(), attempt->generation(),
@@ -378,6 +383,34 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
   }
   job.status.set_state(job_state);
   job.status.set_reason(reason);
+}
+
+void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind) {
+  v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
+  attempt->set_failure(kind);
+  const int64_t max_restarts = job.status.spec().max_restarts();
+  if (kind != v1::FAILURE_KIND_INFRASTRUCTURE || job.status.restarts() >= max_restarts) {
+    EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
+    if (kind == v1::FAILURE_KIND_INFRASTRUCTURE && max_restarts > 0) {
+      job.status.set_reason(
+          absl::StrCat(reason, " (no restarts left: max_restarts ", max_restarts, ")"));
+    }
+    (void)Commit(job);
+    return;
+  }
+  // Again from the newest checkpoint (the trainer finds it in the output directory), after
+  // a backoff that doubles with each restart.
+  const int64_t restart = job.status.restarts() + 1;
+  const absl::Duration backoff =
+      std::min(options_.restart_backoff * (int64_t{1} << std::min<int64_t>(restart - 1, 20)),
+               options_.max_restart_backoff);
+  EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
+  job.status.set_restarts(restart);
+  job.status.set_restart_after_unix_ms(absl::ToUnixMillis(clock_->Now() + backoff));
+  job.status.set_reason(absl::StrCat("restart ", restart, " of ", max_restarts, " in ",
+                                     absl::FormatDuration(backoff), " after attempt ",
+                                     attempt->generation(), " failed: ", reason));
+  spdlog::warn("job={} {}", job.status.job_id(), job.status.reason());
   (void)Commit(job);
 }
 
@@ -518,8 +551,11 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
       if (request.rank() == 0) {
         *attempt->mutable_progress() = request.progress();
         attempt->mutable_progress()->set_updated_unix_ms(NowMs());
+        if (request.resumed_from_step() > 0) {
+          attempt->set_resumed_from_step(request.resumed_from_step());
+        }
       }
-      return Commit(job, /*force_persist=*/false);
+      return Commit(job, /*force_persist=*/request.resumed_from_step() > 0);
     case v1::RANK_EVENT_SUCCEEDED: {
       FreeSlot(placement->worker_id(), placement->slot());
       job.succeeded_ranks.insert(request.rank());
@@ -548,7 +584,9 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
                                ? absl::StrCat(where, " failed: ", request.error())
                                : absl::StrCat(where, " was stopped by its worker");
       spdlog::warn("job={} attempt={} {}", job.status.job_id(), request.generation(), reason);
-      EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
+      FailAttempt(job, reason,
+                  request.event() == v1::RANK_EVENT_CANCELLED ? v1::FAILURE_KIND_INFRASTRUCTURE
+                                                              : request.failure());
       Schedule();
       return absl::OkStatus();
     }
@@ -581,11 +619,16 @@ void Scheduler::CheckHeartbeats() {
     PersistWorker(worker);
     for (const auto& [slot, ref] : busy) {
       if (IsActiveAttemptLocked(ref.job_id, ref.generation)) {
-        EndAttempt(jobs_.find(ref.job_id)->second, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED,
-                   reason);
+        FailAttempt(jobs_.find(ref.job_id)->second, reason, v1::FAILURE_KIND_INFRASTRUCTURE);
       }
     }
     changed = true;
+  }
+  // Restarts whose backoff has passed.
+  for (const auto& [id, job] : jobs_) {
+    changed = changed || (job.status.state() == v1::JOB_STATE_QUEUED &&
+                          job.status.restart_after_unix_ms() > 0 &&
+                          job.status.restart_after_unix_ms() <= absl::ToUnixMillis(now));
   }
   if (changed) Schedule();
 }

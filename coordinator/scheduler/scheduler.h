@@ -12,6 +12,12 @@
 // refused (fencing). A worker silent for longer than the heartbeat timeout is lost, and the
 // attempts with a rank on it fail.
 //
+// When an attempt fails for the infrastructure (a lost worker, a rank killed by a signal or
+// stopped by its worker, a collective timeout: the agent classifies its trainer's end) and
+// the spec's max_restarts allows, the job is queued again after a backoff that doubles with
+// each restart, and its next attempt resumes from the newest checkpoint in its output
+// directory. A user error (the spec, the data, a divergence) fails the job at once.
+//
 // Every change to a job is written through to the Store before the call returns, so a
 // restarted coordinator (which loads the store in Create) still knows every job it
 // acknowledged. Progress reports are written at most once per second per job.
@@ -46,6 +52,9 @@ namespace lathe {
 struct SchedulerOptions {
   absl::Duration heartbeat_interval = absl::Seconds(2);
   absl::Duration heartbeat_timeout = absl::Seconds(15);
+  // A restart waits restart_backoff, twice that for the second, ..., at most the maximum.
+  absl::Duration restart_backoff = absl::Seconds(1);
+  absl::Duration max_restart_backoff = absl::Seconds(60);
 };
 
 class Scheduler {
@@ -140,9 +149,13 @@ class Scheduler {
   // Places every queued job that fits.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt of `job` with `state` and `error`, sends cancellations to
-  // the other ranks, frees their slots and sets the job's final state.
+  // the other ranks, frees their slots and sets the job's state and reason (not committed).
   void EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
                   const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Ends the current attempt as failed for `reason`; an infrastructure failure with
+  // restarts left queues the job again after a backoff, anything else fails it. Commits.
+  void FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // IsActiveAttempt with the lock held.
   bool IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const

@@ -517,6 +517,7 @@ TEST_F(CliTest, ListWithAnUnknownStateFails) {
 TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   v1::JobStatus job = RunningJob("job-7", 40, MillisAgo(absl::Seconds(3)));
   job.set_restarts(1);
+  job.mutable_spec()->set_max_restarts(3);
   v1::Plan* plan = job.mutable_plan();
   plan->set_zero_stage(3);
   plan->set_micro_batch(2);
@@ -529,8 +530,10 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   v1::Attempt first = job.attempts(0);
   first.set_state(v1::ATTEMPT_STATE_FAILED);
   first.set_error("exit status 1\nRuntimeError: boom");
+  first.set_failure(v1::FAILURE_KIND_INFRASTRUCTURE);
   v1::Attempt second = job.attempts(0);
   second.set_generation(2);
+  second.set_resumed_from_step(30);
   v1::RankPlacement* placement = second.add_placements();
   placement->set_rank(0);
   placement->set_worker_id("w-a");
@@ -553,9 +556,10 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   EXPECT_THAT(out, HasSubstr("offload optimizer"));
   EXPECT_THAT(out, HasSubstr("ZeRO-3 because the weights do not fit one rank"));
   EXPECT_THAT(out, HasSubstr("#1 FAILED"));
-  EXPECT_THAT(out, HasSubstr("error: exit status 1"));
+  EXPECT_THAT(out, HasSubstr("infrastructure: exit status 1"));
   EXPECT_THAT(out, HasSubstr("RuntimeError: boom"));
   EXPECT_THAT(out, HasSubstr("#2 RUNNING  rank 0 on w-a slot 1"));
+  EXPECT_THAT(out, HasSubstr("resumed from step 30"));
   EXPECT_THAT(out, HasSubstr("step 40/100  loss 3.2110  tokens/s 1234"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*weights +1.00 GiB +1.07 GiB\n(.|\n)*"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*activations +- +64.0 MiB\n(.|\n)*"));
@@ -568,7 +572,7 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   jobs_.SetJob(job);
   result = Run({"status", "job-7"});
   EXPECT_THAT(result.out, MatchesRegex("(.|\n)*total +1.50 GiB +1.56 GiB\n(.|\n)*"));
-  EXPECT_THAT(out, HasSubstr("restarts     1"));
+  EXPECT_THAT(out, HasSubstr("restarts     1 of 3"));
 }
 
 TEST_F(CliTest, StatusOfAFinishedJobShowsTheResult) {
@@ -775,6 +779,7 @@ constexpr char kJsonSchema[] = R"({
   "job": {
     "job_id": "string", "name": "string", "state": "string", "reason": "string",
     "submitted_unix_ms": "integer", "updated_unix_ms": "integer", "restarts": "integer",
+    "restart_after_unix_ms": "integer",
     "spec": "object|null",
     "plan": {
       "ranks": "integer", "device": "string", "zero_stage": "integer",
@@ -788,7 +793,8 @@ constexpr char kJsonSchema[] = R"({
       "generation": "integer", "state": "string",
       "placements": [{"rank": "integer", "worker_id": "string", "slot": "integer"}],
       "started_unix_ms": "integer", "ended_unix_ms": "integer", "error": "string",
-      "progress": "$progress", "predicted_memory": "$memory", "peak_memory": "$memory"
+      "progress": "$progress", "predicted_memory": "$memory", "peak_memory": "$memory",
+      "failure": "string", "resumed_from_step": "integer"
     }],
     "progress": "$progress|null", "eta_seconds": "number|null", "final_loss": "number|null",
     "adapter_path": "string", "model_path": "string"
@@ -926,6 +932,8 @@ v1::JobStatus FullJob(const std::string& id) {
   attempt->set_ended_unix_ms(1'700'000'002'000);
   attempt->set_state(v1::ATTEMPT_STATE_FAILED);
   attempt->set_error("worker w-b lost");
+  attempt->set_failure(v1::FAILURE_KIND_INFRASTRUCTURE);
+  attempt->set_resumed_from_step(20);
   for (int64_t rank : {0, 1}) {
     v1::RankPlacement* placement = attempt->add_placements();
     placement->set_rank(rank);

@@ -228,6 +228,117 @@ TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
   EXPECT_EQ(scheduler_->Heartbeat(stale).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// --- restarts ----------------------------------------------------------------------------
+
+class RestartTest : public SchedulerTest {
+ protected:
+  // A one-rank job allowed `max_restarts`, placed on w1.
+  void SetUp() override {
+    SchedulerTest::SetUp();
+    Register("w1");
+  }
+  void AddJob(int64_t max_restarts) {
+    v1::JobStatus job;
+    job.set_job_id("job");
+    job.mutable_spec()->set_max_restarts(max_restarts);
+    job.mutable_plan()->set_ranks(1);
+    bool existing = false;
+    ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  }
+  absl::Status Fail(int64_t generation, v1::FailureKind kind) {
+    v1::ReportProgressRequest request;
+    request.set_worker_id("w1");
+    request.set_job_id("job");
+    request.set_generation(generation);
+    request.set_event(v1::RANK_EVENT_FAILED);
+    request.set_error("the trainer was killed by signal 9");
+    request.set_failure(kind);
+    return scheduler_->ReportProgress(request);
+  }
+};
+
+TEST_F(RestartTest, InfrastructureFailuresRestartWithABackoffUntilMaxRestarts) {
+  AddJob(2);
+  ASSERT_EQ(Job("job").attempts_size(), 1);
+  ASSERT_TRUE(Fail(1, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.attempts(0).failure(), v1::FAILURE_KIND_INFRASTRUCTURE);
+  EXPECT_EQ(job.reason(),
+            "restart 1 of 2 in 1s after attempt 1 failed: rank 0 on worker w1 failed: the "
+            "trainer was killed by signal 9");
+  // Not placed before the backoff ends, although the slot is free.
+  scheduler_->CheckHeartbeats();
+  EXPECT_EQ(Job("job").attempts_size(), 1);
+  clock_.Advance(absl::Seconds(1));
+  Beat("w1");
+  scheduler_->CheckHeartbeats();
+  job = Job("job");
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.restart_after_unix_ms(), 0);
+
+  // The second restart waits twice as long, also across a coordinator restart.
+  ASSERT_TRUE(Fail(2, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  EXPECT_THAT(Job("job").reason(), HasSubstr("restart 2 of 2 in 2s"));
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  Register("w1");
+  clock_.Advance(absl::Seconds(1));
+  scheduler_->CheckHeartbeats();
+  EXPECT_EQ(Job("job").attempts_size(), 2);
+  clock_.Advance(absl::Seconds(1));
+  scheduler_->CheckHeartbeats();
+  ASSERT_EQ(Job("job").attempts_size(), 3);
+  EXPECT_EQ(Job("job").restarts(), 2);
+
+  // No restarts left.
+  ASSERT_TRUE(Fail(3, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 2);
+  EXPECT_THAT(job.reason(), HasSubstr("killed by signal 9 (no restarts left: max_restarts 2)"));
+  clock_.Advance(absl::Minutes(5));
+  scheduler_->CheckHeartbeats();
+  EXPECT_EQ(Job("job").attempts_size(), 3);
+}
+
+TEST_F(RestartTest, AUserErrorIsNotRetried) {
+  AddJob(3);
+  ASSERT_TRUE(Fail(1, v1::FAILURE_KIND_USER).ok());
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.attempts(0).failure(), v1::FAILURE_KIND_USER);
+  EXPECT_EQ(job.reason(), "rank 0 on worker w1 failed: the trainer was killed by signal 9");
+}
+
+TEST_F(RestartTest, ALostWorkerRestartsTheJobAndTheNextAttemptSaysWhereItResumed) {
+  AddJob(1);
+  Register("w2");
+  clock_.Advance(absl::Seconds(20));  // w1 silent; w2 registers again in time
+  Register("w2");
+  scheduler_->CheckHeartbeats();
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(job.attempts(0).failure(), v1::FAILURE_KIND_INFRASTRUCTURE);
+  clock_.Advance(absl::Seconds(1));
+  scheduler_->CheckHeartbeats();
+  job = Job("job");
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_EQ(job.attempts(1).placements(0).worker_id(), "w2");
+  v1::ReportProgressRequest start;
+  start.set_worker_id("w2");
+  start.set_job_id("job");
+  start.set_generation(2);
+  start.set_event(v1::RANK_EVENT_PROGRESS);
+  start.mutable_progress()->set_step(40);
+  start.set_resumed_from_step(40);
+  ASSERT_TRUE(scheduler_->ReportProgress(start).ok());
+  EXPECT_EQ(Job("job").attempts(1).resumed_from_step(), 40);
+}
+
 TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   Register("w1");
   Add("job");

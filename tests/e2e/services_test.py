@@ -140,21 +140,21 @@ class ServicesTest(unittest.TestCase):
             time.sleep(0.2)
         raise AssertionError(f"fewer than {n} workers registered")
 
-    def spec(self, name, steps=4, ranks=1, extra=""):
+    def spec(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
         path = os.path.join(self.root, f"{name}.yaml")
         with open(path, "w") as f:
             f.write(f"""name: {name}
 model: {{path: {self.model}}}
 data: {{train: {self.data}, seq_len: 32}}
 lora: {{rank: 4, alpha: 8}}
-train: {{steps: {steps}, global_batch: 2, lr: 1.0e-3}}
+train: {{steps: {steps}, global_batch: 2, lr: {lr}{train}}}
 resources: {{ranks: {ranks}, device: cpu}}
 output: {os.path.join(self.root, "runs", name)}
 {extra}""")
         return path
 
-    def submit(self, name, steps=4, ranks=1, extra=""):
-        result = self.cluster.lathe("submit", self.spec(name, steps, ranks, extra))
+    def submit(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
+        result = self.cluster.lathe("submit", self.spec(name, steps, ranks, extra, train, lr))
         self.assertEqual(result.returncode, 0, result.stderr)
         job_id = result.stdout.strip()
         self.assertTrue(job_id.startswith(name), job_id)
@@ -310,28 +310,63 @@ output: {os.path.join(self.root, "runs", name)}
 
     def test_2a_a_killed_rank_ends_its_whole_attempt(self):
         job_id = self.submit("zero3-killed", steps=100000, ranks=2,
-                             extra="strategy: {zero_stage: 3}\n")
+                             extra="strategy: {zero_stage: 3}\nmax_restarts: 0\n")
         self.expect_every_rank_exits(job_id, lambda pid: os.kill(pid, signal.SIGKILL))
 
     def test_2b_a_hung_rank_ends_its_whole_attempt(self):
         job_id = self.submit("zero3-stopped", steps=100000, ranks=2,
-                             extra="strategy: {zero_stage: 3}\n")
+                             extra="strategy: {zero_stage: 3}\nmax_restarts: 0\n")
         self.expect_every_rank_exits(job_id, lambda pid: os.kill(pid, signal.SIGSTOP))
         self.assertIn("timed out", self.status(job_id)["reason"].lower())
 
-    def test_2_killed_trainer_fails_the_attempt_and_the_agent_keeps_serving(self):
-        job_id = self.submit("doomed", steps=100000)
-        self.wait_running(job_id)
+    def test_2_a_killed_trainer_restarts_from_its_checkpoint(self):
+        # The same job twice, one of them SIGKILLed mid-run: restarted from its newest
+        # checkpoint, it ends with the uninterrupted run's adapter, bit for bit (fp32, CPU).
+        train = ", checkpoint_every: 20"
+        reference = self.submit("uninterrupted", steps=300, train=train)
+        job_id = self.submit("killed", steps=300, train=train)
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            progress = self.status(job_id)["progress"]
+            if progress is not None and progress["step"] >= 25:
+                break
+            time.sleep(0.05)
         pids = self.trainer_pids(job_id)
         self.assertEqual(len(pids), 1, pids)
         os.kill(pids[0], signal.SIGKILL)
+        for one in (reference, job_id):
+            watch = self.cluster.lathe("watch", one)
+            self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "succeeded", job)
+        self.assertEqual(job["restarts"], 1)
+        first, second = job["attempts"]
+        self.assertEqual(first["failure"], "infrastructure")
+        self.assertIn("signal 9", first["error"])
+        self.assertGreaterEqual(second["resumed_from_step"], 20)
+        self.assertEqual(second["resumed_from_step"] % 20, 0)
+        shown = self.cluster.lathe("status", job_id)
+        self.assertIn(f"resumed from step {second['resumed_from_step']}", shown.stdout)
+        self.assertIn("restarts     1 of 3", shown.stdout)
+        adapters = []
+        for one in (reference, job_id):
+            with open(os.path.join(self.status(one)["adapter_path"],
+                                   "adapter_model.safetensors"), "rb") as f:
+                adapters.append(f.read())
+        self.assertEqual(adapters[0], adapters[1])
+
+    def test_2c_a_user_error_is_not_retried(self):
+        job_id = self.submit("diverges", steps=50, lr="1.0e+308",
+                             extra="max_restarts: 2\n")
         watch = self.cluster.lathe("watch", job_id)
         self.assertEqual(watch.returncode, 1, watch.stdout)
         job = self.status(job_id)
         self.assertEqual(job["state"], "failed")
-        self.assertIn("signal 9", job["reason"])
+        self.assertEqual(job["restarts"], 0)
+        self.assertEqual(len(job["attempts"]), 1)
+        self.assertEqual(job["attempts"][0]["failure"], "user")
         # Both agents still serve: two more jobs run at once.
-        again = [self.submit("after-kill-a"), self.submit("after-kill-b")]
+        again = [self.submit("after-failure-a"), self.submit("after-failure-b")]
         for other in again:
             self.assertEqual(self.cluster.lathe("watch", other).returncode, 0)
 

@@ -27,9 +27,10 @@ inline std::string WriteScript(const TempDir& dir, const std::string& name,
 }
 
 // TrainerEvent lines as `lathe-worker train --output json` prints them.
-inline std::string StartLine(int steps) {
+inline std::string StartLine(int steps, int resumed_from_step = 0) {
   v1::TrainerEvent event;
   event.mutable_start()->set_total_steps(steps);
+  event.mutable_start()->set_resumed_from_step(resumed_from_step);
   event.mutable_start()->mutable_plan()->set_micro_batch(1);
   return TrainerEventLine(event);
 }

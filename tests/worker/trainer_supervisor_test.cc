@@ -276,6 +276,18 @@ class TrainerSupervisorFakeTest : public ::testing::Test {
     return *supervisor_;
   }
 
+  // Starts a trainer that prints `lines` and ends with `exit`; returns its last report.
+  RankReport RunToEnd(const std::vector<std::string>& lines, ExitStatus exit) {
+    TrainerSupervisor& supervisor = Make(absl::Seconds(5));
+    EXPECT_TRUE(supervisor.Start().ok());
+    std::shared_ptr<FakeProcess> child = launcher_.process(0);
+    for (const std::string& line : lines) child->EmitStdout(line);
+    child->Exit(exit);
+    RankReport end = events_.WaitForEnd();
+    EXPECT_EQ(end.kind, v1::RANK_EVENT_FAILED);
+    return end;
+  }
+
   testing::TempDir dir_;
   FakeProcessLauncher launcher_;
   FakeClock clock_;
@@ -338,6 +350,26 @@ TEST_F(TrainerSupervisorFakeTest, TheTrainersOwnErrorLeadsTheFailure) {
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, ::testing::StartsWith("data.train: /d/x.jsonl: line 3: not JSON (the "
                                                "trainer exited with code 1)"));
+  EXPECT_EQ(end.failure, v1::FAILURE_KIND_USER);  // the same data fails on any machine
+}
+
+// What the trainer did not blame on the job is infrastructure: a restart may help.
+TEST_F(TrainerSupervisorFakeTest, ACollectiveTimeoutIsInfrastructure) {
+  RankReport end = RunToEnd({StartLine(5, 40), ErrorLine("DEADLINE_EXCEEDED", "peer 1 timed out")},
+                            ExitStatus::Exited(1));
+  EXPECT_EQ(end.failure, v1::FAILURE_KIND_INFRASTRUCTURE);
+  // The first report of a resumed trainer names its checkpoint's step.
+  EXPECT_EQ(events_.events()[1].resumed_from_step, 40);
+}
+
+TEST_F(TrainerSupervisorFakeTest, ASignalIsInfrastructure) {
+  EXPECT_EQ(RunToEnd({StartLine(5)}, ExitStatus::Signaled(SIGKILL, false)).failure,
+            v1::FAILURE_KIND_INFRASTRUCTURE);
+}
+
+TEST_F(TrainerSupervisorFakeTest, ACrashWithoutAnErrorIsInfrastructure) {
+  EXPECT_EQ(RunToEnd({StartLine(5)}, ExitStatus::Exited(134)).failure,
+            v1::FAILURE_KIND_INFRASTRUCTURE);
 }
 
 TEST_F(TrainerSupervisorFakeTest, ReportsAreStampedWithTheClock) {

@@ -37,6 +37,17 @@ std::string Ended(const ExitStatus& status) {
   return status.signaled ? absl::StrCat("was ", status.ToString()) : status.ToString();
 }
 
+// A trainer's error code (absl's name) as a failure kind: what the job's spec, data, model
+// or numerics caused fails again on any machine; everything else may not.
+v1::FailureKind FailureOf(absl::string_view code) {
+  for (absl::string_view user :
+       {"INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED",
+        "FAILED_PRECONDITION", "OUT_OF_RANGE", "UNIMPLEMENTED", "DATA_LOSS"}) {
+    if (code == user) return v1::FAILURE_KIND_USER;
+  }
+  return v1::FAILURE_KIND_INFRASTRUCTURE;
+}
+
 bool IsTerminal(v1::RankEvent kind) {
   return kind == v1::RANK_EVENT_SUCCEEDED || kind == v1::RANK_EVENT_FAILED ||
          kind == v1::RANK_EVENT_CANCELLED;
@@ -226,6 +237,7 @@ void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
       case v1::TrainerEvent::kStart:
         p.set_step(event->start().resumed_from_step());
         p.set_total_steps(event->start().total_steps());
+        progress.resumed_from_step = event->start().resumed_from_step();
         break;
       case v1::TrainerEvent::kStep:
         p = event->step().progress();
@@ -252,6 +264,7 @@ void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
       }
       case v1::TrainerEvent::kError:
         trainer_error_ = event->error().message();
+        trainer_error_code_ = event->error().code();
         return;
       default:
         return;  // a checkpoint: kept in events.jsonl, nothing for the coordinator
@@ -285,6 +298,8 @@ void TrainerSupervisor::OnExit(const ExitStatus& status) {
       event = *done_;
     } else {
       event.kind = v1::RANK_EVENT_FAILED;
+      event.failure =
+          trainer_error_.empty() ? v1::FAILURE_KIND_INFRASTRUCTURE : FailureOf(trainer_error_code_);
       if (!trainer_error_.empty()) {
         event.error = absl::StrCat(trainer_error_, " (the trainer ", Ended(status), ")");
       } else if (status.success()) {

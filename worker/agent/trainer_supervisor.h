@@ -84,6 +84,11 @@ struct RankReport {
   std::string model_path;
   // FAILED and CANCELLED: why, with the exit status and the log tail.
   std::string error;
+  // FAILED: a user error when the trainer said so (its error event's code: a bad spec, data
+  // or model, a divergence); infrastructure otherwise (a signal, a crash, a timeout).
+  v1::FailureKind failure = v1::FAILURE_KIND_UNSPECIFIED;
+  // PROGRESS for "start": the checkpoint step the trainer resumed from; 0: fresh.
+  int64_t resumed_from_step = 0;
 };
 
 class TrainerSupervisor {
@@ -153,6 +158,7 @@ class TrainerSupervisor {
   bool finished_ ABSL_GUARDED_BY(mu_) = false;           // terminal event reported, or Start failed
   std::optional<RankReport> done_ ABSL_GUARDED_BY(mu_);  // from the "done" event
   std::string trainer_error_ ABSL_GUARDED_BY(mu_);       // from the "error" event
+  std::string trainer_error_code_ ABSL_GUARDED_BY(mu_);  // its absl status code's name
   v1::Progress last_progress_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tail_ ABSL_GUARDED_BY(mu_);
   std::thread killer_ ABSL_GUARDED_BY(mu_);  // from SignalCancel; joined by the destructor

@@ -344,6 +344,8 @@ void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const RankRep
   request.set_adapter_path(event.adapter_path);
   request.set_model_path(event.model_path);
   request.set_error(event.error);
+  request.set_failure(event.failure);
+  request.set_resumed_from_step(event.resumed_from_step);
   if (IsTerminal(event.kind)) {
     reporter_.Report(std::move(request), [this, assignment] { ReleaseSlot(assignment); });
   } else {
@@ -361,6 +363,7 @@ void WorkerAgent::ReportNotStarted(const v1::Assignment& assignment, const std::
   request.set_rank(assignment.rank());
   request.set_event(v1::RANK_EVENT_FAILED);
   request.set_error(error);
+  request.set_failure(v1::FAILURE_KIND_INFRASTRUCTURE);  // this worker could not start it
   v1::Assignment rank = RankOf(assignment);
   reporter_.Report(std::move(request), [this, rank] { ReleaseSlot(rank); });
 }
