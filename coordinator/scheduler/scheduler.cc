@@ -426,6 +426,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
                                       absl::Uniform<uint64_t>(absl::BitGen()));
   worker.last_heartbeat = clock_->Now();
+  worker.reconcile = true;
   v1::WorkerStatus& s = worker.status;
   s.set_worker_id(request.worker_id());
   s.set_state(v1::WORKER_STATE_READY);
@@ -480,8 +481,30 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
       }
     }
   }
+  // After a registration: ranks placed here that the worker does not run and will not
+  // receive are lost.
+  std::set<std::string> lost_jobs;
+  if (worker.reconcile) {
+    worker.reconcile = false;
+    for (const auto& [slot, ref] : worker.busy) {
+      if (reported.count(slot) || !IsActiveAttemptLocked(ref.job_id, ref.generation)) continue;
+      const bool pending =
+          std::any_of(worker.pending_assignments.begin(), worker.pending_assignments.end(),
+                      [&](const v1::Assignment& a) {
+                        return a.job_id() == ref.job_id && a.generation() == ref.generation;
+                      });
+      if (!pending) lost_jobs.insert(ref.job_id);
+    }
+  }
+  for (const std::string& job_id : lost_jobs) {
+    FailAttempt(jobs_.find(job_id)->second,
+                absl::StrCat("worker ", worker.status.worker_id(),
+                             " registered again without its rank of this attempt (the "
+                             "coordinator or the agent restarted)"),
+                v1::FAILURE_KIND_INFRASTRUCTURE);
+  }
   // Slots of ended attempts that the worker no longer runs are free again.
-  bool freed = false;
+  bool freed = !lost_jobs.empty();
   for (auto busy = worker.busy.begin(); busy != worker.busy.end();) {
     if (!IsActiveAttemptLocked(busy->second.job_id, busy->second.generation) &&
         !reported.count(busy->first)) {

@@ -86,7 +86,10 @@ class Scheduler {
 
   // --- workers ------------------------------------------------------------------------
 
-  // Registers (or re-registers) a worker; returns its new session.
+  // Registers (or re-registers) a worker; returns its new session. Its first heartbeat then
+  // settles what it runs: a rank the scheduler placed there that the worker neither lists
+  // nor has yet to receive is lost (the coordinator or the agent restarted in between), and
+  // its attempt fails as an infrastructure failure; ranks it lists carry on.
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
       const v1::RegisterWorkerRequest& request);
   // Records a heartbeat and returns the assignments and cancellations for the worker.
@@ -126,6 +129,8 @@ class Scheduler {
     std::map<int64_t, SlotRef> busy;  // slot -> rank placed there
     std::vector<v1::Assignment> pending_assignments;
     std::vector<v1::Cancellation> pending_cancellations;
+    // Set by a registration: the next heartbeat says which ranks the worker really runs.
+    bool reconcile = false;
   };
   struct JobState {
     v1::JobStatus status;

@@ -339,6 +339,45 @@ TEST_F(RestartTest, ALostWorkerRestartsTheJobAndTheNextAttemptSaysWhereItResumed
   EXPECT_EQ(Job("job").attempts(1).resumed_from_step(), 40);
 }
 
+TEST_F(RestartTest, AfterACoordinatorRestartRanksTheWorkersStillRunCarryOn) {
+  AddJob(1);
+  v1::SlotStatus running;
+  running.set_slot(0);
+  running.set_job_id("job");
+  running.set_generation(1);
+  Beat("w1", {running});  // the assignment reached the worker
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  Register("w1");
+  Beat("w1", {running});
+  const v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.attempts_size(), 1);
+  EXPECT_TRUE(scheduler_->IsActiveAttempt("job", 1));
+}
+
+TEST_F(RestartTest, AnAssignmentLostInACoordinatorRestartIsRestartedNotStuck) {
+  // Placed, then the coordinator is killed before the worker heard of it.
+  AddJob(1);
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  EXPECT_EQ(Job("job").attempts(0).state(), v1::ATTEMPT_STATE_STARTING);
+  Register("w1");
+  Beat("w1");  // it runs nothing
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(job.attempts(0).state(), v1::ATTEMPT_STATE_FAILED);
+  EXPECT_EQ(job.attempts(0).failure(), v1::FAILURE_KIND_INFRASTRUCTURE);
+  EXPECT_THAT(job.attempts(0).error(), HasSubstr("registered again without its rank"));
+  // The slot is free again and the restart is placed there after its backoff.
+  clock_.Advance(absl::Seconds(1));
+  scheduler_->CheckHeartbeats();
+  job = Job("job");
+  ASSERT_EQ(job.attempts_size(), 2);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Beat("w1").assignments_size(), 1);
+}
+
 TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   Register("w1");
   Add("job");
