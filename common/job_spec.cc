@@ -554,6 +554,9 @@ bool IsValidJobName(absl::string_view name) {
   return true;
 }
 
+// The longest path a spec may name (Linux's PATH_MAX).
+constexpr size_t kMaxPathBytes = 4096;
+
 // The value checks of ValidateJobSpec, each naming its field.
 class ValueChecker {
  public:
@@ -562,6 +565,18 @@ class ValueChecker {
   absl::Status AtLeast(absl::string_view field, int64_t value, int64_t min) const {
     if (value >= min) return absl::OkStatus();
     return r_.Error(field, absl::StrCat("must be >= ", min, ", got ", value));
+  }
+  // min <= value <= max: sizes are bounded so that no product of them overflows and no
+  // allocation they size is absurd (a spec is untrusted input).
+  absl::Status Between(absl::string_view field, int64_t value, int64_t min, int64_t max) const {
+    if (value >= min && value <= max) return absl::OkStatus();
+    if (value < min) return AtLeast(field, value, min);
+    return r_.Error(field, absl::StrCat("must be <= ", max, ", got ", value));
+  }
+  absl::Status ShortPath(absl::string_view field, const std::string& path) const {
+    if (path.size() <= kMaxPathBytes) return absl::OkStatus();
+    return r_.Error(field,
+                    absl::StrCat("must be at most ", kMaxPathBytes, " bytes, got ", path.size()));
   }
   // value > min (or >= min when `inclusive`), and < max when given; finite.
   absl::Status InRange(absl::string_view field, double value, double min, bool inclusive,
@@ -611,20 +626,26 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   }
   LATHE_RETURN_IF_ERROR(check.Present("model.path", spec.model.path));
   LATHE_RETURN_IF_ERROR(check.Present("data.train", spec.data.train));
-  LATHE_RETURN_IF_ERROR(check.AtLeast("data.seq_len", spec.data.seq_len, 2));
+  LATHE_RETURN_IF_ERROR(check.Between("data.seq_len", spec.data.seq_len, 2, 1 << 20));
+  for (const auto& [field, path] :
+       {std::pair{"model.path", &spec.model.path}, std::pair{"data.train", &spec.data.train},
+        std::pair{"data.eval", &spec.data.eval}, std::pair{"lora.init_from", &spec.lora.init_from},
+        std::pair{"output", &spec.output}}) {
+    LATHE_RETURN_IF_ERROR(check.ShortPath(field, *path));
+  }
 
   const LoraSpec& lora = spec.lora;
-  LATHE_RETURN_IF_ERROR(check.AtLeast("lora.rank", lora.rank, 1));
+  LATHE_RETURN_IF_ERROR(check.Between("lora.rank", lora.rank, 1, 1 << 16));
   LATHE_RETURN_IF_ERROR(check.InRange("lora.alpha", lora.alpha, 0, false));
   LATHE_RETURN_IF_ERROR(check.InRange("lora.dropout", lora.dropout, 0, true, 1.0));
   LATHE_RETURN_IF_ERROR(ValidateLoraTargets(r, lora.targets));
 
   const TrainSpec& train = spec.train;
-  LATHE_RETURN_IF_ERROR(check.AtLeast("train.steps", train.steps, 0));
-  LATHE_RETURN_IF_ERROR(check.AtLeast("train.epochs", train.epochs, 0));
-  LATHE_RETURN_IF_ERROR(check.AtLeast("train.global_batch", train.global_batch, 1));
+  LATHE_RETURN_IF_ERROR(check.Between("train.steps", train.steps, 0, 1'000'000'000));
+  LATHE_RETURN_IF_ERROR(check.Between("train.epochs", train.epochs, 0, 1'000'000));
+  LATHE_RETURN_IF_ERROR(check.Between("train.global_batch", train.global_batch, 1, 1 << 20));
   // 0 is "auto".
-  LATHE_RETURN_IF_ERROR(check.AtLeast("train.micro_batch", train.micro_batch, 0));
+  LATHE_RETURN_IF_ERROR(check.Between("train.micro_batch", train.micro_batch, 0, 1 << 20));
   LATHE_RETURN_IF_ERROR(check.InRange("train.lr", train.lr, 0, false));
   LATHE_RETURN_IF_ERROR(
       check.AtLeast("train.schedule.warmup_steps", train.schedule.warmup_steps, 0));
@@ -634,10 +655,10 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.InRange("train.weight_decay", train.weight_decay, 0, true));
   LATHE_RETURN_IF_ERROR(check.InRange("train.max_grad_norm", train.max_grad_norm, 0, true));
   LATHE_RETURN_IF_ERROR(check.AtLeast("train.checkpoint_every", train.checkpoint_every, 0));
-  LATHE_RETURN_IF_ERROR(check.AtLeast("train.keep_checkpoints", train.keep_checkpoints, 1));
+  LATHE_RETURN_IF_ERROR(check.Between("train.keep_checkpoints", train.keep_checkpoints, 1, 1000));
   LATHE_RETURN_IF_ERROR(check.AtLeast("train.eval_every", train.eval_every, 0));
   LATHE_RETURN_IF_ERROR(check.AtLeast("train.max_nonfinite_steps", train.max_nonfinite_steps, 1));
-  LATHE_RETURN_IF_ERROR(check.AtLeast("resources.ranks", spec.resources.ranks, 1));
+  LATHE_RETURN_IF_ERROR(check.Between("resources.ranks", spec.resources.ranks, 1, 4096));
 
   const StrategySpec& strategy = spec.strategy;
   for (const std::string& field : strategy.auto_fields) {
@@ -656,7 +677,7 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
     return r.Error("strategy.offload_params",
                    absl::StrCat("requires zero_stage 3, got zero_stage ", strategy.zero_stage));
   }
-  LATHE_RETURN_IF_ERROR(check.AtLeast("max_restarts", spec.max_restarts, 0));
+  LATHE_RETURN_IF_ERROR(check.Between("max_restarts", spec.max_restarts, 0, 100));
   LATHE_RETURN_IF_ERROR(check.Present("output", spec.output));
 
   // Checks that involve more than one field.

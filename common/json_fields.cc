@@ -110,6 +110,23 @@ absl::StatusOr<bool> ConfigFields::BoolOr(absl::string_view key, bool fallback) 
 
 absl::StatusOr<int64_t> ConfigFields::CheckPositive(absl::string_view key, int64_t value) const {
   if (value <= 0) return Error(key, absl::StrCat("must be > 0, got ", value));
+  // Far above any published model, far below what would overflow or exhaust memory before
+  // the planner could say so (a config is untrusted input).
+  static constexpr std::pair<absl::string_view, int64_t> kMax[] = {
+      {"vocab_size", int64_t{1} << 24},
+      {"hidden_size", int64_t{1} << 20},
+      {"intermediate_size", int64_t{1} << 22},
+      {"num_hidden_layers", 4096},
+      {"num_attention_heads", 1 << 16},
+      {"num_key_value_heads", 1 << 16},
+      {"head_dim", 1 << 16},
+      {"max_position_embeddings", int64_t{1} << 28},
+  };
+  for (const auto& [name, max] : kMax) {
+    if (key == name && value > max) {
+      return Error(key, absl::StrCat("must be <= ", max, ", got ", value));
+    }
+  }
   return value;
 }
 

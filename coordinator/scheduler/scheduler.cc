@@ -1,6 +1,7 @@
 #include "coordinator/scheduler/scheduler.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <utility>
 
 #include "absl/random/random.h"
@@ -10,10 +11,18 @@
 #include "common/proto/job_state.h"
 #include "common/proto/memory_breakdown.h"
 #include "common/status_macros.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "spdlog/spdlog.h"
 
 namespace lathe {
 namespace {
+
+// `path` without "." and ".." and a trailing slash, for comparing directories.
+std::string NormalPath(const std::string& path) {
+  std::string normal = std::filesystem::path(path).lexically_normal().string();
+  while (normal.size() > 1 && normal.back() == '/') normal.pop_back();
+  return normal;
+}
 
 bool IsActive(const v1::Attempt& attempt) {
   return attempt.state() == v1::ATTEMPT_STATE_STARTING ||
@@ -123,17 +132,37 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
   absl::MutexLock lock(&mu_);
   *existing = false;
   if (!request_id.empty()) {
-    if (auto it = request_ids_.find(request_id); it != request_ids_.end()) {
+    // A retry gets the job it created; another spec under the same id is a mistake.
+    auto same = [&](const v1::JobStatus& earlier) -> absl::StatusOr<v1::JobStatus> {
+      if (!google::protobuf::util::MessageDifferencer::Equals(earlier.spec(), job.spec())) {
+        return absl::AlreadyExistsError(absl::StrCat("request_id ", request_id,
+                                                     " already created job ", earlier.job_id(),
+                                                     " with another spec; use a new request id"));
+      }
       *existing = true;
-      return jobs_.at(it->second).status;
+      return earlier;
+    };
+    if (auto it = request_ids_.find(request_id); it != request_ids_.end()) {
+      return same(jobs_.at(it->second).status);
     }
     LATHE_ASSIGN_OR_RETURN(std::optional<v1::JobStatus> stored,
                            store_->FindJobByRequestId(request_id));
     if (stored) {
       request_ids_[std::string(request_id)] = stored->job_id();
-      *existing = true;
       auto it = jobs_.find(stored->job_id());
-      return it != jobs_.end() ? it->second.status : *stored;
+      return same(it != jobs_.end() ? it->second.status : *stored);
+    }
+  }
+  // An output directory belongs to one job at a time: two would write one adapter and mix
+  // their checkpoints.
+  const std::string output = NormalPath(job.spec().output());
+  for (const auto& [id, other] : jobs_) {
+    if (!output.empty() && !IsFinalState(other.status.state()) &&
+        NormalPath(other.status.spec().output()) == output) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("spec: output: ", job.spec().output(), " belongs to job ", id, " (",
+                       other.status.state() == v1::JOB_STATE_QUEUED ? "queued" : "running",
+                       "); wait for it to end or choose another directory"));
     }
   }
   job.set_state(v1::JOB_STATE_QUEUED);

@@ -69,7 +69,8 @@ class Scheduler {
 
   // Stores `job` (state QUEUED, with its id, spec and plan filled in) and tries to place it.
   // With a non-empty request_id already used, returns the job it created instead (and
-  // `*existing` = true). Errors are the store's.
+  // `*existing` = true), or ALREADY_EXISTS naming that job when its spec differs. Other
+  // errors are the store's.
   absl::StatusOr<v1::JobStatus> AddJob(v1::JobStatus job, absl::string_view request_id,
                                        bool* existing);
   // NOT_FOUND for an unknown id.

@@ -2,6 +2,7 @@
 
 #include <filesystem>
 
+#include "absl/strings/str_cat.h"
 #include "common/proto/job_spec_proto.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
@@ -609,7 +610,32 @@ TEST_F(JobManagerTest, ARepeatedRequestIdReturnsTheSameJob) {
   EXPECT_TRUE(again->existing());
   EXPECT_EQ(again->job_id(), first->job_id());
   EXPECT_EQ(scheduler_->ListJobs({}).size(), 1u);
+  // The same id with another spec is a mistake, not a retry.
+  spec_.output = dir_.Path("out2");
+  absl::StatusOr<v1::SubmitJobResponse> other = Submit(JobSpecToProto(spec_), "req-1");
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(other.status().message(), HasSubstr("request_id req-1 already created job " +
+                                                  first->job_id() + " with another spec"));
   EXPECT_NE(Submit(JobSpecToProto(spec_), "req-2")->job_id(), first->job_id());
+  EXPECT_EQ(scheduler_->ListJobs({}).size(), 2u);
+}
+
+TEST_F(JobManagerTest, AnOutputDirectoryBelongsToOneJobAtATime) {
+  absl::StatusOr<v1::SubmitJobResponse> first = Submit(JobSpecToProto(spec_));
+  ASSERT_TRUE(first.ok()) << first.status();
+  v1::JobSpec same_output = JobSpecToProto(spec_);
+  same_output.set_name("other");
+  same_output.set_output(spec_.output + "/./");
+  absl::StatusOr<v1::SubmitJobResponse> second = Submit(same_output);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(),
+              HasSubstr("spec: output: " + spec_.output + "/./ belongs to job " + first->job_id() +
+                        " (queued); wait for it to end"));
+  EXPECT_EQ(scheduler_->ListJobs({}).size(), 1u);
+  // Once that job has ended (here: cancelled), the directory may be used again, and a new
+  // job resumes from what the old one left there.
+  ASSERT_TRUE(scheduler_->CancelJob(first->job_id(), "").ok());
+  EXPECT_TRUE(Submit(same_output).ok());
 }
 
 TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
@@ -741,7 +767,10 @@ TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {
 }
 
 TEST_F(JobManagerTest, ListPagesNewestFirst) {
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(Submit(JobSpecToProto(spec_)).ok());
+  for (int i = 0; i < 5; ++i) {
+    spec_.output = dir_.Path(absl::StrCat("out", i));
+    ASSERT_TRUE(Submit(JobSpecToProto(spec_)).ok());
+  }
   JobManager manager(scheduler_.get(), {});
   v1::ListJobsRequest request;
   request.set_page_size(2);
