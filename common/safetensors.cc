@@ -293,6 +293,27 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
   // Items come sorted by name, so ties (empty tensors) stay in name order.
   std::stable_sort(tensors.begin(), tensors.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
+  // The data is indexed end to end (the format's rule): overlapping tensors would alias one
+  // another's bytes, and a gap or a tail is bytes nothing names.
+  uint64_t next = 0;
+  const TensorView* previous = nullptr;
+  for (const auto& [begin, view] : tensors) {
+    if (begin != next) {
+      return error(absl::InvalidArgumentError(absl::StrCat(
+          "tensor \"", view.name, "\": data_offsets begin at ", begin,
+          begin < next ? " inside " : " after a gap following ",
+          previous ? absl::StrCat("tensor \"", previous->name, "\", which ends at ", next)
+                   : absl::StrCat("the start of the data (", next, ")"),
+          " (tensors must cover the data end to end)")));
+    }
+    next = begin + view.nbytes;
+    previous = &view;
+  }
+  if (next != data_size) {
+    return error(absl::InvalidArgumentError(
+        absl::StrCat("the tensors cover ", next, " of the ", data_size,
+                     " data bytes (tensors must cover the data end to end)")));
+  }
   file->tensors_.reserve(tensors.size());
   for (auto& [begin, view] : tensors) {
     file->index_.emplace(view.name, file->tensors_.size());

@@ -355,6 +355,31 @@ TEST_F(SafetensorsTest, OffsetsPastEndAreDataLoss) {
                               "end of the data (64 bytes)"));
 }
 
+TEST_F(SafetensorsTest, OverlappingGappedOrUncoveredDataIsInvalid) {
+  const struct {
+    std::string header;
+    size_t data_size;
+    std::string fragment;
+  } cases[] = {
+      // Every tensor on the same bytes: aliased weights.
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+       8, "tensor \"b\": data_offsets begin at 0 inside tensor \"a\", which ends at 8"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})",
+       16, "tensor \"b\": data_offsets begin at 12 after a gap following tensor \"a\""},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8,
+       "tensor \"a\": data_offsets begin at 4 after a gap following the start of the data"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", 8,
+       "the tensors cover 4 of the 8 data bytes"},
+  };
+  for (const auto& c : cases) {
+    std::string path = WriteRaw("m.safetensors", c.header, c.data_size);
+    EXPECT_THAT(SafetensorsFile::Open(path),
+                StatusIs(absl::StatusCode::kInvalidArgument, path + ": " + c.fragment));
+  }
+}
+
 TEST_F(SafetensorsTest, ByteCountMismatchIsInvalid) {
   std::string path =
       WriteRaw("m.safetensors", R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,12]}})", 16);
