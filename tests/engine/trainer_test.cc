@@ -569,6 +569,19 @@ TEST_F(TrainerTest, FailsAfterTooManyNonFiniteStepsInARow) {
   EXPECT_FALSE(std::filesystem::exists(dir_.Path("out/adapter")));
 }
 
+TEST_F(TrainerTest, ADivergedRunExportsNothing) {
+  // lr 1e308: the first update makes the adapter infinite; fewer steps than
+  // max_nonfinite_steps remain, so the run would otherwise end "successfully".
+  spec_.train.lr = 1e308;
+  spec_.train.steps = 3;
+  absl::Status status;
+  Reports(spec_, &status);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(status.message(), HasSubstr("the trained weights hold non-finite values"));
+  EXPECT_THAT(status.message(), HasSubstr("so nothing was exported"));
+  EXPECT_FALSE(std::filesystem::exists(dir_.Path("out/adapter")));
+}
+
 TEST_F(TrainerTest, TrainsOnChatRecordsWithTheModelsTokenizer) {
   // A model whose vocabulary is a synthetic Qwen2-style tokenizer's (ChatML chat format).
   absl::StatusOr<SyntheticTokenizer> tokenizer =

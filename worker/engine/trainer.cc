@@ -167,6 +167,18 @@ ModelOptions ModelOptionsFor(const Plan& plan) {
 // %g, but NaN without its sign bit ("nan", never "-nan").
 std::string NumberText(double x) { return std::isnan(x) ? "nan" : absl::StrFormat("%g", x); }
 
+// A result with a non-finite value is never exported as a success: FAILED_PRECONDITION (a
+// user error: the run diverged, retrying cannot help) naming the tensor.
+absl::Status CheckFinite(const std::string& name, const at::Tensor& tensor) {
+  if (!tensor.is_floating_point() || at::isfinite(tensor).all().item<bool>()) {
+    return absl::OkStatus();
+  }
+  const int64_t bad = (~at::isfinite(tensor)).sum().item<int64_t>();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the trained weights hold non-finite values (", bad, " of ", tensor.numel(), " in ", name,
+      "), so nothing was exported; the run diverged: lower train.lr or check the data"));
+}
+
 PeftAdapterConfig AdapterConfigOf(const JobSpec& spec) {
   PeftAdapterConfig adapter;
   adapter.base_model_name_or_path = spec.model.path;
@@ -451,6 +463,11 @@ absl::StatusOr<TrainResult> Trainer::Run(
                            Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
     result.eval_loss = eval.loss;
   }
+  if (!sharded_) {
+    for (const NamedParameter& p : model_->TrainableParameters()) {
+      LATHE_RETURN_IF_ERROR(CheckFinite(p.name, p.tensor));
+    }
+  }
   if (sharded_) {
     LATHE_RETURN_IF_ERROR(ExportSharded(result));
   } else if (options_.rank != 0) {
@@ -487,8 +504,9 @@ absl::Status Trainer::ExportSharded(TrainResult& result) {
     TensorsToWrite tensors;
     LATHE_RETURN_IF_ERROR(sharded_->ForEachTrainableUnit(
         [&](int64_t, const std::vector<std::pair<std::string, at::Tensor>>& named) {
-          if (writer) {
-            for (const auto& [name, tensor] : named) tensors.Add(name, tensor);
+          for (const auto& [name, tensor] : named) {
+            if (absl::Status finite = CheckFinite(name, tensor); !finite.ok()) return finite;
+            if (writer) tensors.Add(name, tensor);
           }
           return absl::OkStatus();
         }));
@@ -507,6 +525,9 @@ absl::Status Trainer::ExportSharded(TrainResult& result) {
   int64_t total_bytes = 0;
   LATHE_RETURN_IF_ERROR(sharded_->ForEachTrainableUnit(
       [&](int64_t unit, const std::vector<std::pair<std::string, at::Tensor>>& named) {
+        for (const auto& [name, tensor] : named) {
+          if (absl::Status finite = CheckFinite(name, tensor); !finite.ok()) return finite;
+        }
         if (!writer) return absl::OkStatus();
         const std::string file = absl::StrFormat("model-%05d-of-%05d.safetensors", unit + 1, files);
         TensorsToWrite tensors;
