@@ -54,10 +54,15 @@ absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
       return SpecError(field, absl::StrCat("must be an absolute path, got \"", *path, "\""));
     }
     if (options_.allowed_roots.empty()) continue;
-    fs::path normal = p.lexically_normal();
+    // Symbolic links are resolved (as far as the path exists), so a link inside a root that
+    // points outside it is outside.
+    std::error_code error;
+    const fs::path real = fs::weakly_canonical(p, error);
+    if (error) return SpecError(field, absl::StrCat(*path, ": ", error.message()));
     bool inside = false;
     for (const std::string& root : options_.allowed_roots) {
-      inside = inside || IsInside(normal, fs::path(root).lexically_normal());
+      const fs::path real_root = fs::weakly_canonical(root, error);
+      inside = inside || (!error && IsInside(real, real_root));
     }
     if (!inside) {
       return SpecError(field, absl::StrCat(*path, " is outside the allowed roots (",

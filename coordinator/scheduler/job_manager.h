@@ -25,8 +25,8 @@
 namespace lathe {
 
 struct JobManagerOptions {
-  // When not empty, every path of a spec must lie inside one of these directories (after
-  // resolving "." and ".."; symbolic links are not followed).
+  // When not empty, every path of a spec must lie inside one of these directories, after
+  // resolving ".", ".." and symbolic links (of the part of the path that exists).
   std::vector<std::string> allowed_roots;
   // The rates the planner uses for each device pool (--device-rates).
   DevicePools pools = DefaultPools();

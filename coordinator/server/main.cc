@@ -1,10 +1,12 @@
 // lathe-coordinator: takes jobs, schedules them onto workers, and keeps its state in SQLite.
 #include <csignal>
+#include <filesystem>
 #include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "common/file_util.h"
@@ -18,7 +20,9 @@ const std::vector<FlagSpec> kFlags = {
     {"db", true, "SQLite database, created if missing (default lathe.db; :memory: keeps nothing)"},
     {"heartbeat-timeout", true, "seconds without a heartbeat before a worker is lost (default 15)"},
     {"heartbeat-interval", true, "seconds between worker heartbeats (default 2)"},
-    {"allowed-roots", true, "comma-separated directories that spec paths must lie inside"},
+    {"allowed-roots", true,
+     "comma-separated directories that spec paths must lie inside (default: the current "
+     "directory; / allows every path)"},
     {"device-rates", true,
      "JSON file of the planner's rates per device pool (docs/planner.md, \"Device pools\")"},
     {"help", false, "this message"},
@@ -50,8 +54,13 @@ int Main(int argc, char** argv) {
   }
   config.heartbeat_timeout = absl::Seconds(*timeout);
   config.heartbeat_interval = absl::Seconds(*interval);
-  if (flags->Has("allowed-roots")) {
-    config.allowed_roots = absl::StrSplit(flags->Get("allowed-roots"), ',', absl::SkipEmpty());
+  // Spec paths name files the trainers read and write: confined by default.
+  std::error_code cwd_error;
+  const std::string cwd = std::filesystem::current_path(cwd_error).string();
+  config.allowed_roots = absl::StrSplit(flags->Get("allowed-roots", cwd), ',', absl::SkipEmpty());
+  if (config.allowed_roots.empty()) {
+    std::cerr << "lathe-coordinator: --allowed-roots: no directory given\n";
+    return 2;
   }
   if (flags->Has("device-rates")) {
     const std::string path = flags->Get("device-rates");
@@ -79,7 +88,8 @@ int Main(int argc, char** argv) {
   }
   std::string host = config.listen.substr(0, config.listen.rfind(':'));
   std::cout << "lathe-coordinator listening on " << host << ":" << (*server)->port() << " (db "
-            << config.db_path << ")" << std::endl;
+            << config.db_path << "; spec paths inside " << absl::StrJoin(config.allowed_roots, ", ")
+            << ")" << std::endl;
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);

@@ -766,6 +766,21 @@ TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {
   EXPECT_TRUE(Submit(JobSpecToProto(spec_), "", {{dir_.path() + "/"}}).ok());
 }
 
+TEST_F(JobManagerTest, ASymlinkOutOfAnAllowedRootIsOutside) {
+  // The root holds the model and the data; "escape" inside it points elsewhere.
+  TempDir outside;
+  std::filesystem::create_symlink(outside.path(), dir_.Path("escape"));
+  v1::JobSpec spec = JobSpecToProto(spec_);
+  spec.set_output(dir_.Path("escape/run"));
+  ExpectRefused(spec, "spec: output: " + dir_.Path("escape/run") + " is outside the allowed roots",
+                {{dir_.path()}});
+  // A root reached through a link is fine: both sides are resolved.
+  std::filesystem::create_symlink(dir_.path(), outside.Path("root-link"));
+  spec = JobSpecToProto(spec_);
+  spec.set_output(dir_.Path("run"));
+  EXPECT_TRUE(Submit(spec, "", {{outside.Path("root-link")}}).ok());
+}
+
 TEST_F(JobManagerTest, ListPagesNewestFirst) {
   for (int i = 0; i < 5; ++i) {
     spec_.output = dir_.Path(absl::StrCat("out", i));

@@ -57,7 +57,8 @@ class Cluster:
         with open(os.path.join(self.root, "coordinator.log"), "a") as log:
             self.coordinator = subprocess.Popen(
                 [os.path.join(BIN, "lathe-coordinator"), "--listen", self.address, "--db",
-                 self.db, "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"],
+                 self.db, "--allowed-roots", self.root, "--heartbeat-interval", "0.5",
+                 "--heartbeat-timeout", "5"],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, f"coordinator did not start: {line!r}"
@@ -438,7 +439,8 @@ output: {os.path.join(self.root, "runs", name)}
         with open(os.path.join(other.root, "coordinator.log"), "w") as log:
             process = subprocess.Popen(
                 [os.path.join(BIN, "lathe-coordinator"), "--listen", other.address, "--db",
-                 ":memory:", "--device-rates", rates], stdout=subprocess.PIPE, stderr=log,
+                 ":memory:", "--allowed-roots", self.root, "--device-rates", rates],
+                stdout=subprocess.PIPE, stderr=log,
                 text=True)
         try:
             self.assertIn("listening on", process.stdout.readline())
