@@ -23,6 +23,7 @@
 #include "common/command_line.h"
 #include "common/job_spec.h"
 #include "common/proto/job_spec_proto.h"
+#include "common/rpc/auth.h"
 #include "common/status_macros.h"
 #include "coordinator/planner/plan_proto.h"
 #include "nlohmann/json.hpp"
@@ -36,12 +37,15 @@ constexpr int kExitUsage = 2;
 
 constexpr char kDefaultCoordinator[] = "127.0.0.1:7070";
 constexpr char kCoordinatorEnv[] = "LATHE_COORDINATOR";
+constexpr char kTokenEnv[] = "LATHE_TOKEN";
 
 const std::vector<FlagSpec>& GlobalFlags() {
   static const auto* flags = new std::vector<FlagSpec>{
       {"coordinator", true,
        "coordinator host:port (default: $LATHE_COORDINATOR, else 127.0.0.1:7070)"},
       {"output", true, "table (default) or json (one schema for scripts: docs/cli-json.md)"},
+      {"token", true, "bearer token of a client or admin (default: --token-file, $LATHE_TOKEN)"},
+      {"token-file", true, "file holding the bearer token"},
       {"help", false, "show this help"},
   };
   return *flags;
@@ -349,8 +353,15 @@ int UsageError(std::ostream& err, absl::string_view message, absl::string_view u
   return kExitUsage;
 }
 
-bool IsGlobalValueFlag(absl::string_view arg) {
-  return arg == "--coordinator" || arg == "--output";
+// The global flag `arg` names ("--output" or "--output=json"), or null.
+const FlagSpec* GlobalFlagOf(absl::string_view arg) {
+  if (!absl::StartsWith(arg, "--")) return nullptr;
+  absl::string_view name = arg.substr(2);
+  name = name.substr(0, name.find('='));
+  for (const FlagSpec& flag : GlobalFlags()) {
+    if (flag.name == name) return &flag;
+  }
+  return nullptr;
 }
 
 }  // namespace
@@ -385,13 +396,13 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
       return kExitOk;
     }
     if (!absl::StartsWith(arg, "-")) break;
+    const FlagSpec* flag = GlobalFlagOf(arg);
+    if (flag == nullptr) return UsageError(err, absl::StrCat("unknown flag ", arg), CliUsage());
     flag_args.push_back(arg);
-    if (IsGlobalValueFlag(arg)) {
+    if (flag->takes_value && !absl::StrContains(arg, '=')) {
       if (i + 1 == args.size())
         return UsageError(err, absl::StrCat(arg, " needs a value"), CliUsage());
       flag_args.push_back(args[++i]);
-    } else if (!absl::StartsWith(arg, "--coordinator=") && !absl::StartsWith(arg, "--output=")) {
-      return UsageError(err, absl::StrCat("unknown flag ", arg), CliUsage());
     }
   }
   if (i == args.size()) return UsageError(err, "missing command", CliUsage());
@@ -454,7 +465,12 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
     const char* env = std::getenv(kCoordinatorEnv);
     address = env != nullptr && *env != '\0' ? env : kDefaultCoordinator;
   }
-  const JobClient client(address);
+  absl::StatusOr<std::string> token =
+      ResolveToken(flags->Get("token"), flags->Get("token-file"), "--token-file", kTokenEnv);
+  if (!token.ok()) return UsageError(err, token.status().message(), usage);
+  JobClientOptions client_options;
+  client_options.token = *std::move(token);
+  const JobClient client(address, client_options);
   inv.positional = flags->positional();
   inv.flags = *std::move(flags);
   inv.client = &client;

@@ -11,6 +11,7 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "common/rpc/auth.h"
 #include "common/rpc/grpc_status.h"
 
 namespace lathe {
@@ -65,6 +66,7 @@ absl::Status JobClient::Call(const std::function<grpc::Status(grpc::ClientContex
   return Describe(RetryCall(retry, deadline, [&] {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(deadline));
+    AttachToken(&context, options_.token);
     return FromGrpcStatus(rpc(&context));
   }));
 }
@@ -161,6 +163,7 @@ absl::Status JobClient::WatchJob(absl::string_view job_id,
   v1::WatchJobRequest request;
   request.set_job_id(std::string(job_id));
   grpc::ClientContext context;
+  AttachToken(&context, options_.token);
   std::unique_ptr<grpc::ClientReader<v1::JobStatus>> reader = jobs_->WatchJob(&context, request);
   v1::JobStatus update;
   while (reader->Read(&update)) {

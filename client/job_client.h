@@ -39,6 +39,8 @@ struct JobClientOptions {
   // Deadline of each unary RPC, its retries included. WatchJob has none: a job may run for
   // days.
   absl::Duration call_timeout = absl::Seconds(10);
+  // Sent with every call as a bearer token (common/rpc/auth.h); none when empty.
+  std::string token;
   // A person waits on the CLI: a few quick tries, then the error.
   RetryOptions retry = QuickRetries();
 

@@ -260,6 +260,8 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
       GrpcKvStoreOptions store_options;
       store_options.job_id = job.job_id;
       store_options.generation = job.generation;
+      // The agent hands its worker token down (common/rpc/auth.h).
+      if (const char* token = std::getenv("LATHE_TOKEN")) store_options.token = token;
       store = std::make_unique<GrpcKvStore>(
           grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
           store_options);

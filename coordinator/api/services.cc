@@ -18,40 +18,65 @@ grpc::Status Respond(absl::StatusOr<T> result, T* response) {
 
 }  // namespace
 
-grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request,
+grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
+                                       const v1::SubmitJobRequest* request,
                                        v1::SubmitJobResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "SubmitJob"); !denied.ok()) {
+    return denied;
+  }
   return Respond(jobs_->Submit(*request), response);
 }
 
-grpc::Status JobServiceImpl::PlanJob(grpc::ServerContext*, const v1::PlanJobRequest* request,
+grpc::Status JobServiceImpl::PlanJob(grpc::ServerContext* context,
+                                     const v1::PlanJobRequest* request,
                                      v1::PlanJobResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "PlanJob"); !denied.ok()) {
+    return denied;
+  }
   return Respond(jobs_->Plan(*request), response);
 }
 
-grpc::Status JobServiceImpl::GetPlanHistory(grpc::ServerContext*,
+grpc::Status JobServiceImpl::GetPlanHistory(grpc::ServerContext* context,
                                             const v1::GetPlanHistoryRequest* request,
                                             v1::GetPlanHistoryResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "GetPlanHistory"); !denied.ok()) {
+    return denied;
+  }
   return Respond(jobs_->PlanHistory(*request), response);
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext*, const v1::GetJobRequest* request,
+grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
                                     v1::JobStatus* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "GetJob"); !denied.ok()) {
+    return denied;
+  }
   return Respond(scheduler_->GetJob(request->job_id()), response);
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
+                                      const v1::ListJobsRequest* request,
                                       v1::ListJobsResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "ListJobs"); !denied.ok()) {
+    return denied;
+  }
   return Respond(jobs_->List(*request), response);
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext*, const v1::CancelJobRequest* request,
+grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
+                                       const v1::CancelJobRequest* request,
                                        v1::JobStatus* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "CancelJob"); !denied.ok()) {
+    return denied;
+  }
   return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
 }
 
 grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
                                       const v1::WatchJobRequest* request,
                                       grpc::ServerWriter<v1::JobStatus>* writer) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "WatchJob"); !denied.ok()) {
+    return denied;
+  }
   uint64_t version = 0;  // jobs start at version 1: the first wait returns at once
   while (!context->IsCancelled()) {
     const uint64_t seen = version;
@@ -65,15 +90,21 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext*,
+grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext* context,
                                                const v1::RegisterWorkerRequest* request,
                                                v1::RegisterWorkerResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "RegisterWorker"); !denied.ok()) {
+    return denied;
+  }
   return Respond(scheduler_->RegisterWorker(*request), response);
 }
 
 grpc::Status WorkerServiceImpl::Heartbeat(
-    grpc::ServerContext*,
+    grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::HeartbeatResponse, v1::HeartbeatRequest>* stream) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Heartbeat"); !denied.ok()) {
+    return denied;
+  }
   v1::HeartbeatRequest request;
   while (stream->Read(&request)) {
     absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request);
@@ -83,14 +114,21 @@ grpc::Status WorkerServiceImpl::Heartbeat(
   return grpc::Status::OK;
 }
 
-grpc::Status WorkerServiceImpl::ReportProgress(grpc::ServerContext*,
+grpc::Status WorkerServiceImpl::ReportProgress(grpc::ServerContext* context,
                                                const v1::ReportProgressRequest* request,
                                                v1::ReportProgressResponse*) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "ReportProgress"); !denied.ok()) {
+    return denied;
+  }
   return ToGrpcStatus(scheduler_->ReportProgress(*request));
 }
 
-grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext*, const v1::ListWorkersRequest*,
+grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext* context,
+                                            const v1::ListWorkersRequest*,
                                             v1::ListWorkersResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kClientCall, "ListWorkers"); !denied.ok()) {
+    return denied;
+  }
   for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
     *response->add_workers() = std::move(worker);
   }

@@ -1,11 +1,14 @@
 // The coordinator's gRPC services: thin adapters from the generated service classes to the
-// domain (JobManager, Scheduler). Each handler converts its request, calls
-// one domain method and converts the absl::Status to a grpc::Status; no logic lives here.
+// domain (JobManager, Scheduler). Each handler checks the caller's role (common/rpc/auth.h:
+// JobService and ListWorkers are clients' calls, the rest of WorkerService workers'),
+// converts its request, calls one domain method and converts the absl::Status to a
+// grpc::Status; no other logic lives here.
 //
 // Thread-safety: thread-safe (the domain classes are).
 #ifndef LATHE_COORDINATOR_API_SERVICES_H_
 #define LATHE_COORDINATOR_API_SERVICES_H_
 
+#include "common/rpc/auth.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "grpcpp/grpcpp.h"
@@ -15,7 +18,9 @@ namespace lathe {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(JobManager* jobs, Scheduler* scheduler) : jobs_(jobs), scheduler_(scheduler) {}
+  // REQUIRES: the arguments outlive the service.
+  JobServiceImpl(JobManager* jobs, Scheduler* scheduler, const Authenticator* auth)
+      : jobs_(jobs), scheduler_(scheduler), auth_(auth) {}
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* response) override;
@@ -36,11 +41,13 @@ class JobServiceImpl final : public v1::JobService::Service {
  private:
   JobManager* const jobs_;
   Scheduler* const scheduler_;
+  const Authenticator* const auth_;
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::Service {
  public:
-  explicit WorkerServiceImpl(Scheduler* scheduler) : scheduler_(scheduler) {}
+  WorkerServiceImpl(Scheduler* scheduler, const Authenticator* auth)
+      : scheduler_(scheduler), auth_(auth) {}
 
   grpc::Status RegisterWorker(grpc::ServerContext* context,
                               const v1::RegisterWorkerRequest* request,
@@ -56,6 +63,7 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
 
  private:
   Scheduler* const scheduler_;
+  const Authenticator* const auth_;
 };
 
 }  // namespace lathe

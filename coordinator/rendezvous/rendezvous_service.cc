@@ -8,16 +8,22 @@
 
 namespace lathe {
 
-grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext*,
+grpc::Status RendezvousServiceImpl::Set(grpc::ServerContext* context,
                                         const v1::RendezvousSetRequest* request,
                                         v1::RendezvousSetResponse*) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Set"); !denied.ok()) {
+    return denied;
+  }
   return ToGrpcStatus(store_->Set(request->scope().job_id(), request->scope().generation(),
                                   request->key(), request->value()));
 }
 
-grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext*,
+grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext* context,
                                         const v1::RendezvousGetRequest* request,
                                         v1::RendezvousGetResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Get"); !denied.ok()) {
+    return denied;
+  }
   absl::StatusOr<std::string> value =
       store_->Get(request->scope().job_id(), request->scope().generation(), request->key());
   if (value.ok()) response->set_value(*std::move(value));
@@ -27,6 +33,9 @@ grpc::Status RendezvousServiceImpl::Get(grpc::ServerContext*,
 grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
                                          const v1::RendezvousWaitRequest* request,
                                          v1::RendezvousWaitResponse*) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Wait"); !denied.ok()) {
+    return denied;
+  }
   absl::Time deadline = absl::Now() + absl::Milliseconds(request->timeout_ms());
   const absl::Time client_deadline = absl::FromChrono(context->deadline());
   if (client_deadline < deadline) deadline = client_deadline;
@@ -35,9 +44,12 @@ grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
       store_->Wait(request->scope().job_id(), request->scope().generation(), keys, deadline));
 }
 
-grpc::Status RendezvousServiceImpl::Add(grpc::ServerContext*,
+grpc::Status RendezvousServiceImpl::Add(grpc::ServerContext* context,
                                         const v1::RendezvousAddRequest* request,
                                         v1::RendezvousAddResponse* response) {
+  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Add"); !denied.ok()) {
+    return denied;
+  }
   absl::StatusOr<int64_t> value = store_->Add(
       request->scope().job_id(), request->scope().generation(), request->key(), request->delta());
   if (value.ok()) response->set_value(*value);

@@ -6,6 +6,7 @@
 #ifndef LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_SERVICE_H_
 #define LATHE_COORDINATOR_RENDEZVOUS_RENDEZVOUS_SERVICE_H_
 
+#include "common/rpc/auth.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "grpcpp/grpcpp.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
@@ -14,8 +15,10 @@ namespace lathe {
 
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  public:
-  // REQUIRES: `store` outlives the service.
-  explicit RendezvousServiceImpl(RendezvousStore* store) : store_(store) {}
+  // REQUIRES: `store` and `auth` outlive the service. Every call is a worker's (the trainers
+  // carry their agent's token).
+  RendezvousServiceImpl(RendezvousStore* store, const Authenticator* auth)
+      : store_(store), auth_(auth) {}
 
   grpc::Status Set(grpc::ServerContext* context, const v1::RendezvousSetRequest* request,
                    v1::RendezvousSetResponse* response) override;
@@ -29,6 +32,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
 
  private:
   RendezvousStore* const store_;
+  const Authenticator* const auth_;
 };
 
 }  // namespace lathe

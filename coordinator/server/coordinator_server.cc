@@ -9,6 +9,21 @@ namespace lathe {
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorConfig& config) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  if (config.insecure_no_auth) {
+    server->auth_ = std::make_unique<Authenticator>(Authenticator::AllowAll());
+    spdlog::warn(
+        "AUTHENTICATION IS OFF (--insecure-no-auth): anyone who reaches {} may submit, cancel, "
+        "register workers and report progress",
+        config.listen);
+  } else if (config.auth_tokens_path.empty()) {
+    return absl::InvalidArgumentError(
+        "--auth-tokens FILE is required (docs/services.md, \"Authentication\"), or "
+        "--insecure-no-auth to let anyone who reaches the port do anything");
+  } else {
+    absl::StatusOr<Authenticator> auth = Authenticator::FromFile(config.auth_tokens_path);
+    if (!auth.ok()) return Annotate(auth.status(), "--auth-tokens");
+    server->auth_ = std::make_unique<Authenticator>(*std::move(auth));
+  }
   if (config.db_path == ":memory:") {
     server->store_ = NewMemoryStore();
   } else {
@@ -24,9 +39,11 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       std::make_unique<RendezvousStore>([scheduler](absl::string_view job, int64_t generation) {
         return scheduler->IsActiveAttempt(job, generation);
       });
-  server->job_service_ = std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler);
-  server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler);
-  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get());
+  const Authenticator* auth = server->auth_.get();
+  server->job_service_ = std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth);
+  server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth);
+  server->rendezvous_service_ =
+      std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get(), auth);
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);

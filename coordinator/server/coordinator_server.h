@@ -33,12 +33,16 @@ struct CoordinatorConfig {
   absl::Duration heartbeat_timeout = absl::Seconds(15);
   std::vector<std::string> allowed_roots;
   DevicePools pools = DefaultPools();  // the planner's rates per device pool
+  // Bearer tokens with roles (common/rpc/auth.h); required unless insecure_no_auth.
+  std::string auth_tokens_path;
+  bool insecure_no_auth = false;  // every caller may do anything: logged loudly
 };
 
 class CoordinatorServer {
  public:
-  // Opens the store, loads its state and starts serving. UNAVAILABLE when the address
-  // cannot be bound; the store's errors otherwise.
+  // Reads the token file, opens the store, loads its state and starts serving.
+  // INVALID_ARGUMENT without a token file or insecure_no_auth, or for a bad token file;
+  // UNAVAILABLE when the address cannot be bound; the store's errors otherwise.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config);
   ~CoordinatorServer();
 
@@ -53,6 +57,7 @@ class CoordinatorServer {
   CoordinatorServer() = default;
 
   RealClock clock_;
+  std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<Store> store_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<JobManager> jobs_;

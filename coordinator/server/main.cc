@@ -25,6 +25,11 @@ const std::vector<FlagSpec> kFlags = {
      "directory; / allows every path)"},
     {"device-rates", true,
      "JSON file of the planner's rates per device pool (docs/planner.md, \"Device pools\")"},
+    {"auth-tokens", true,
+     "file of bearer tokens, one \"<role> <name> <token>\" per line (roles: client, worker, "
+     "admin); required unless --insecure-no-auth"},
+    {"insecure-no-auth", false,
+     "accept every call without a token: anyone who reaches the port may do anything"},
     {"help", false, "this message"},
 };
 
@@ -38,6 +43,18 @@ int Main(int argc, char** argv) {
   CoordinatorConfig config;
   config.listen = flags->Get("listen", config.listen);
   config.db_path = flags->Get("db", config.db_path);
+  config.auth_tokens_path = flags->Get("auth-tokens");
+  config.insecure_no_auth = flags->Has("insecure-no-auth");
+  if (config.insecure_no_auth && !config.auth_tokens_path.empty()) {
+    std::cerr << "lathe-coordinator: --auth-tokens and --insecure-no-auth exclude each other\n";
+    return 2;
+  }
+  if (!config.insecure_no_auth && config.auth_tokens_path.empty()) {
+    std::cerr << "lathe-coordinator: --auth-tokens FILE is required (docs/services.md, "
+                 "\"Authentication\"), or --insecure-no-auth to let anyone who reaches the "
+                 "port do anything\n";
+    return 2;
+  }
   absl::StatusOr<double> timeout = flags->GetDouble("heartbeat-timeout", 15);
   absl::StatusOr<double> interval = flags->GetDouble("heartbeat-interval", 2);
   for (const absl::StatusOr<double>* value : {&timeout, &interval}) {

@@ -76,10 +76,14 @@ class FakeJobService final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request,
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,
                         v1::ListJobsResponse* response) override {
     absl::MutexLock lock(&mu_);
     list_requests_.push_back(*request);
+    auto auth = context->client_metadata().find("authorization");
+    authorizations_.push_back(auth == context->client_metadata().end()
+                                  ? ""
+                                  : std::string(auth->second.data(), auth->second.size()));
     size_t page = 0;
     if (!request->page_token().empty()) page = std::stoul(request->page_token());
     if (page >= pages_.size()) return grpc::Status::OK;
@@ -184,6 +188,11 @@ class FakeJobService final : public v1::JobService::Service {
     absl::MutexLock lock(&mu_);
     return list_requests_;
   }
+  // The authorization header of each ListJobs call ("" when none).
+  std::vector<std::string> authorizations() {
+    absl::MutexLock lock(&mu_);
+    return authorizations_;
+  }
   std::vector<v1::CancelJobRequest> cancels() {
     absl::MutexLock lock(&mu_);
     return cancels_;
@@ -203,6 +212,7 @@ class FakeJobService final : public v1::JobService::Service {
   std::map<std::string, v1::JobStatus> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ListJobsResponse> pages_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::ListJobsRequest> list_requests_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> authorizations_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::CancelJobRequest> cancels_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::vector<v1::JobStatus>> watch_updates_ ABSL_GUARDED_BY(mu_);
   v1::PlanJobResponse plan_ ABSL_GUARDED_BY(mu_);
@@ -481,6 +491,24 @@ TEST_F(CliTest, ListFollowsPagesAndPrintsATable) {
   EXPECT_EQ(requests[1].page_token(), "1");
   EXPECT_THAT(requests[0].states(),
               ElementsAre(v1::JOB_STATE_RUNNING, v1::JOB_STATE_QUEUED, v1::JOB_STATE_FAILED));
+}
+
+TEST_F(CliTest, TheTokenComesFromTheFlagTheFileOrTheEnvironment) {
+  unsetenv("LATHE_TOKEN");
+  ASSERT_EQ(Run({"list"}).code, 0);
+  ASSERT_EQ(Run({"--token", "flag-token-0123456789", "list"}).code, 0);
+  const std::string file = dir_.Write("token", "  file-token-0123456789\n");
+  ASSERT_EQ(Run({"list", "--token-file", file}).code, 0);
+  setenv("LATHE_TOKEN", "env-token-0123456789", 1);
+  ASSERT_EQ(Run({"list"}).code, 0);
+  ASSERT_EQ(Run({"list", "--token", "flag-token-0123456789"}).code, 0);  // the flag wins
+  unsetenv("LATHE_TOKEN");
+  EXPECT_THAT(jobs_.authorizations(),
+              ElementsAre("", "Bearer flag-token-0123456789", "Bearer file-token-0123456789",
+                          "Bearer env-token-0123456789", "Bearer flag-token-0123456789"));
+  CliResult missing = Run({"list", "--token-file", dir_.Path("nope")});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("--token-file: " + dir_.Path("nope") + ": no such file"));
 }
 
 TEST_F(CliTest, ListJsonIsAnArrayOfJobObjects) {

@@ -89,7 +89,8 @@ class RendezvousServer {
   RendezvousStore store_{[this](absl::string_view, int64_t generation) {
     return generation >= min_generation_.load();
   }};
-  RendezvousServiceImpl service_{&store_};
+  const Authenticator auth_ = Authenticator::AllowAll();
+  RendezvousServiceImpl service_{&store_, &auth_};
   int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
 };

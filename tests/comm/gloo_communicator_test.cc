@@ -66,7 +66,7 @@ TEST(GlooCommunicatorTest, UnknownInterfaceIsInvalidArgument) {
 TEST(GlooCommunicatorTest, RendezvousOverTheCoordinatorsService) {
   RendezvousServer server;
   ASSERT_TRUE(server.started());
-  GrpcKvStoreOptions scope{"job-7", 3, absl::Seconds(10), {}};
+  GrpcKvStoreOptions scope{"job-7", 3, absl::Seconds(10), {}, ""};
   std::vector<std::unique_ptr<Communicator>> comms(2);
   RunRanks(2, [&](int rank) {
     GrpcKvStore store(server.NewChannel(), scope);
@@ -94,7 +94,7 @@ TEST(GlooCommunicatorTest, StaleGenerationFailsConnectWithTheStoresError) {
   RendezvousServer server;
   ASSERT_TRUE(server.started());
   server.set_min_generation(4);
-  GrpcKvStore store(server.NewChannel(), {"job-7", 3, absl::Seconds(10), {}});
+  GrpcKvStore store(server.NewChannel(), {"job-7", 3, absl::Seconds(10), {}, ""});
   absl::Status s = ConnectGloo(&store, 0, 2, WithTimeout(kWaitLimit)).status();
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "gloo connect, rank 0 of 2"));
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "not an active attempt"));

@@ -72,7 +72,7 @@ class GrpcUnderTest final : public StoreUnderTest {
 
  private:
   RendezvousServer server_;
-  GrpcKvStore store_{server_.NewChannel(), {"job-1", 1, absl::Seconds(10), {}}};
+  GrpcKvStore store_{server_.NewChannel(), {"job-1", 1, absl::Seconds(10), {}, ""}};
 };
 
 struct StoreParam {
@@ -192,9 +192,9 @@ TEST(PrefixKvStoreTest, KeepsUsersOfOneStoreApart) {
 TEST(GrpcKvStoreTest, KeysAreScopedByJobAndGeneration) {
   RendezvousServer server;
   ASSERT_TRUE(server.started());
-  GrpcKvStore attempt1(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}});
-  GrpcKvStore attempt2(server.NewChannel(), {"job-1", 2, absl::Seconds(10), {}});
-  GrpcKvStore other_job(server.NewChannel(), {"job-2", 1, absl::Seconds(10), {}});
+  GrpcKvStore attempt1(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}, ""});
+  GrpcKvStore attempt2(server.NewChannel(), {"job-1", 2, absl::Seconds(10), {}, ""});
+  GrpcKvStore other_job(server.NewChannel(), {"job-2", 1, absl::Seconds(10), {}, ""});
   ASSERT_TRUE(attempt1.Set("k", "v1").ok());
   EXPECT_EQ(attempt2.Get("k", absl::ZeroDuration()).status().code(),
             absl::StatusCode::kDeadlineExceeded);
@@ -207,7 +207,7 @@ TEST(GrpcKvStoreTest, StaleGenerationIsFailedPreconditionNamingTheScope) {
   RendezvousServer server;
   ASSERT_TRUE(server.started());
   server.set_min_generation(2);
-  GrpcKvStore stale(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}});
+  GrpcKvStore stale(server.NewChannel(), {"job-1", 1, absl::Seconds(10), {}, ""});
   for (absl::Status s : {stale.Set("k", "v"), stale.Get("k", absl::Seconds(1)).status(),
                          stale.Wait({"k"}, absl::Seconds(1)), stale.Add("k", 1).status()}) {
     EXPECT_THAT(s, StatusIs(absl::StatusCode::kFailedPrecondition, "job job-1 generation 1"));
@@ -221,7 +221,7 @@ TEST(GrpcKvStoreTest, UnreachableCoordinatorMeetsTheCallDeadline) {
     address = server.address();
   }
   GrpcKvStore store(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()),
-                    {"job-1", 1, absl::Milliseconds(200), {}});
+                    {"job-1", 1, absl::Milliseconds(200), {}, ""});
   absl::Status s = store.Set("k", "v");
   EXPECT_THAT(s, StatusIs(absl::StatusCode::kDeadlineExceeded, "rendezvous Set k"));
 }

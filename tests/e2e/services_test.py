@@ -44,9 +44,24 @@ def run(*args, timeout=TIMEOUT):
                           text=True, timeout=timeout)
 
 
+def write_tokens(directory):
+    """A token file for the coordinator and one file per role's token; returns their paths."""
+    tokens = {role: f"{role}-e2e-" + os.urandom(12).hex() for role in ("client", "worker", "admin")}
+    paths = {"file": os.path.join(directory, "tokens")}
+    with open(paths["file"], "w") as f:
+        for role, token in tokens.items():
+            f.write(f"{role} e2e-{role} {token}\n")
+    for role, token in tokens.items():
+        paths[role] = os.path.join(directory, f"{role}.token")
+        with open(paths[role], "w") as f:
+            f.write(token + "\n")
+    return paths
+
+
 class Cluster:
-    def __init__(self, root):
+    def __init__(self, root, tokens):
         self.root = root
+        self.tokens = tokens  # write_tokens' paths
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.db = os.path.join(root, "lathe.db")
@@ -57,8 +72,8 @@ class Cluster:
         with open(os.path.join(self.root, "coordinator.log"), "a") as log:
             self.coordinator = subprocess.Popen(
                 [os.path.join(BIN, "lathe-coordinator"), "--listen", self.address, "--db",
-                 self.db, "--allowed-roots", self.root, "--heartbeat-interval", "0.5",
-                 "--heartbeat-timeout", "5"],
+                 self.db, "--allowed-roots", self.root, "--auth-tokens", self.tokens["file"],
+                 "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, f"coordinator did not start: {line!r}"
@@ -78,7 +93,8 @@ class Cluster:
         with open(os.path.join(self.root, f"{worker_id}.log"), "a") as log:
             self.workers[worker_id] = subprocess.Popen(
                 [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.address,
-                 "--worker-id", worker_id, "--slots", "1", "--trainer-threads", "1",
+                 "--worker-id", worker_id, "--token-file", self.tokens["worker"],
+                 "--slots", "1", "--trainer-threads", "1",
                  "--peak-flops", str(PEAK_FLOPS),
                  "--collective-timeout", str(COLLECTIVE_TIMEOUT),
                  "--work-dir", os.path.join(self.root, worker_id)],
@@ -96,8 +112,9 @@ class Cluster:
                 process.wait()
         self.stop_coordinator()
 
-    def lathe(self, *args, timeout=TIMEOUT):
-        return run("lathe", "--coordinator", self.address, *args, timeout=timeout)
+    def lathe(self, *args, timeout=TIMEOUT, role="client"):
+        return run("lathe", "--coordinator", self.address, "--token-file", self.tokens[role],
+                   *args, timeout=timeout)
 
 
 class ServicesTest(unittest.TestCase):
@@ -110,7 +127,7 @@ class ServicesTest(unittest.TestCase):
                     ("lathe-synth", "data", "--out", cls.data, "--records", "64")):
             result = run(*cmd)
             assert result.returncode == 0, result.stderr
-        cls.cluster = Cluster(cls.root)
+        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
         try:
             cls.cluster.start_coordinator()
             cls.cluster.start_worker("w1")
@@ -420,12 +437,40 @@ output: {os.path.join(self.root, "runs", name)}
         self.assertIn("cannot reach the coordinator", unreachable.stderr)
         self.assertEqual(run("lathe", "frobnicate").returncode, 2)
 
+    def test_4b_every_call_needs_the_right_token(self):
+        # No token, an unknown one, a worker's: refused with one line, exit 1.
+        plain = run("lathe", "--coordinator", self.cluster.address, "list")
+        self.assertEqual(plain.returncode, 1)
+        self.assertIn("no bearer token", plain.stderr)
+        wrong = run("lathe", "--coordinator", self.cluster.address, "--token",
+                    "not-a-token-0123456789", "list")
+        self.assertEqual(wrong.returncode, 1)
+        self.assertEqual(wrong.stderr, "lathe: unknown token\n")
+        as_worker = self.cluster.lathe("list", role="worker")
+        self.assertEqual(as_worker.returncode, 1)
+        self.assertIn("e2e-worker (worker) may not call ListJobs", as_worker.stderr)
+        self.assertEqual(self.cluster.lathe("list", role="admin").returncode, 0)
+        # A worker agent with a client's token is refused at registration and says so.
+        agent = subprocess.run(
+            [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.cluster.address,
+             "--worker-id", "impostor", "--token-file", self.cluster.tokens["client"],
+             "--work-dir", os.path.join(self.root, "impostor")],
+            capture_output=True, text=True, timeout=30)
+        self.assertNotEqual(agent.returncode, 0)
+        self.assertIn("e2e-client (client) may not call RegisterWorker", agent.stderr)
+        # The coordinator will not start without tokens unless told to run open.
+        unsafe = run("lathe-coordinator", "--db", ":memory:", "--listen", "127.0.0.1:0")
+        self.assertEqual(unsafe.returncode, 2)
+        self.assertIn("--auth-tokens FILE is required", unsafe.stderr)
+        with open(os.path.join(self.root, "coordinator.log")) as f:
+            self.assertNotIn(open(self.cluster.tokens["client"]).read().strip(), f.read())
+
     def test_4a_device_rates_change_the_plans(self):
         rates = os.path.join(self.root, "rates.json")
         with open(rates, "w") as f:
             f.write('{"cpu": {"flops": -1}}')
         bad = run("lathe-coordinator", "--db", ":memory:", "--listen", "127.0.0.1:0",
-                  "--device-rates", rates)
+                  "--insecure-no-auth", "--device-rates", rates)
         self.assertEqual(bad.returncode, 2)
         self.assertEqual(bad.stderr, f"lathe-coordinator: --device-rates: {rates}: cpu.flops: "
                                      "must be > 0, got -1\n")
@@ -434,12 +479,13 @@ output: {os.path.join(self.root, "runs", name)}
         # Twice the default CPU rate (60 GFLOP/s): one rank's compute-bound step halves.
         with open(rates, "w") as f:
             f.write('{"cpu": {"flops": 1.2e11}}')
-        other = Cluster(os.path.join(self.root, "rated"))
+        other = Cluster(os.path.join(self.root, "rated"), self.cluster.tokens)
         os.makedirs(other.root)
         with open(os.path.join(other.root, "coordinator.log"), "w") as log:
             process = subprocess.Popen(
                 [os.path.join(BIN, "lathe-coordinator"), "--listen", other.address, "--db",
-                 ":memory:", "--allowed-roots", self.root, "--device-rates", rates],
+                 ":memory:", "--allowed-roots", self.root, "--auth-tokens",
+                 self.cluster.tokens["file"], "--device-rates", rates],
                 stdout=subprocess.PIPE, stderr=log,
                 text=True)
         try:

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
+#include "common/rpc/auth.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -36,6 +37,10 @@ const std::vector<FlagSpec> kAgentFlags = {
     {"collective-timeout", true,
      "seconds a trainer's collective waits for the other ranks before it fails (default 60)"},
     {"trainer-binary", true, "lathe-worker binary that runs `train` (default this one)"},
+    {"token", true,
+     "the worker's bearer token (default: --token-file, then $LATHE_TOKEN); its trainers get it "
+     "as $LATHE_TOKEN"},
+    {"token-file", true, "file holding the worker's bearer token"},
     {"peak-flops", true,
      "peak FLOP/s of one slot's device, for MFU (default: looked up (CUDA) or measured (CPU) by "
      "each trainer)"},
@@ -90,6 +95,9 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
         absl::StrCat("--collective-timeout: must be > 0 seconds, got ", collective_timeout));
   }
   trainer.collective_timeout = absl::Seconds(collective_timeout);
+  LATHE_ASSIGN_OR_RETURN(options.token, ResolveToken(flags.Get("token"), flags.Get("token-file"),
+                                                     "--token-file", "LATHE_TOKEN"));
+  if (!options.token.empty()) trainer.environment.push_back({"LATHE_TOKEN", options.token});
   trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {
     return absl::InvalidArgumentError(

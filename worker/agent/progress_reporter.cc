@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/rpc/auth.h"
 #include "common/rpc/grpc_status.h"
 #include "grpcpp/client_context.h"
 #include "spdlog/spdlog.h"
@@ -87,6 +88,7 @@ void ProgressReporter::Deliver(const v1::ReportProgressRequest& request) {
   while (true) {
     grpc::ClientContext context;
     context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+    AttachToken(&context, options_.token);
     v1::ReportProgressResponse response;
     const absl::Status status = FromGrpcStatus(stub_->ReportProgress(&context, request, &response));
     if (status.ok()) return;

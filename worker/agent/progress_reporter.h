@@ -29,6 +29,7 @@ namespace lathe {
 struct ProgressReporterOptions {
   absl::Duration rpc_timeout = absl::Seconds(10);
   RetryOptions retry;  // max_attempts is not used: an end is retried until Stop
+  std::string token;   // bearer token sent with every report; none when empty
 };
 
 class ProgressReporter {

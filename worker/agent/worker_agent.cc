@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/rpc/auth.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/retry_policy.h"
 #include "common/status_macros.h"
@@ -35,6 +36,12 @@ v1::Assignment RankOf(const v1::Assignment& assignment) {
   return rank;
 }
 
+ProgressReporterOptions ReporterOptions(const WorkerAgentOptions& options) {
+  ProgressReporterOptions reporter = options.reporter;
+  reporter.token = options.token;
+  return reporter;
+}
+
 }  // namespace
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInterface* stub,
@@ -43,7 +50,7 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInte
       stub_(stub),
       launcher_(launcher),
       clock_(clock),
-      reporter_(stub, options_.reporter) {
+      reporter_(stub, ReporterOptions(options_)) {
   absl::MutexLock lock(&mu_);
   worker_id_ = options_.worker_id;
   slots_.resize(static_cast<size_t>(std::max<int64_t>(0, options_.slots)));
@@ -144,6 +151,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> WorkerAgent::Register() {
   request.set_version(options_.version);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  AttachToken(&context, options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return absl::CancelledError("shutting down");
@@ -170,6 +178,7 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
                                            ? absl::Milliseconds(registration.heartbeat_timeout_ms())
                                            : absl::InfiniteDuration();
   grpc::ClientContext context;
+  AttachToken(&context, options_.token);
   {
     absl::MutexLock lock(&mu_);
     if (shutdown_) return grpc::Status(grpc::StatusCode::CANCELLED, "shutting down");

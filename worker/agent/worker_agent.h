@@ -76,6 +76,10 @@ struct WorkerAgentOptions {
   RetryOptions reconnect;
   // Deadline of RegisterWorker.
   absl::Duration rpc_timeout = absl::Seconds(10);
+  // The worker's bearer token (common/rpc/auth.h), sent with every call (the progress
+  // reporter's too); none when empty. Trainers get it as $LATHE_TOKEN through
+  // trainer.environment.
+  std::string token;
   ProgressReporterOptions reporter;
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/rpc/auth.h"
 #include "common/rpc/grpc_status.h"
 #include "common/rpc/retry_policy.h"
 #include "grpcpp/client_context.h"
@@ -20,18 +21,19 @@ absl::Duration Clamp(absl::Duration timeout) {
   return std::clamp(timeout, absl::ZeroDuration(), kLongestWait);
 }
 
-void PrepareContext(grpc::ClientContext* context, absl::Time deadline) {
+void PrepareContext(grpc::ClientContext* context, absl::Time deadline, const std::string& token) {
   context->set_deadline(absl::ToChronoTime(deadline));
   context->set_wait_for_ready(true);
+  AttachToken(context, token);
 }
 
 // Runs `rpc` (one call on a fresh context) under the retry policy, every try ending by
 // `deadline`.
-absl::Status Call(const RetryOptions& retry, absl::Time deadline,
+absl::Status Call(const GrpcKvStoreOptions& options, absl::Time deadline,
                   const std::function<grpc::Status(grpc::ClientContext*)>& rpc) {
-  return RetryCall(retry, deadline, [&] {
+  return RetryCall(options.retry, deadline, [&] {
     grpc::ClientContext context;
-    PrepareContext(&context, deadline);
+    PrepareContext(&context, deadline, options.token);
     return FromGrpcStatus(rpc(&context));
   });
 }
@@ -61,7 +63,7 @@ absl::Status GrpcKvStore::Set(absl::string_view key, absl::string_view value) {
   request.set_key(std::string(key));
   request.set_value(std::string(value));
   v1::RendezvousSetResponse response;
-  return Annotate(Call(options_.retry, absl::Now() + options_.rpc_timeout,
+  return Annotate(Call(options_, absl::Now() + options_.rpc_timeout,
                        [&](grpc::ClientContext* c) { return stub_->Set(c, request, &response); }),
                   "Set", key);
 }
@@ -72,7 +74,7 @@ absl::StatusOr<std::string> GrpcKvStore::GetOnce(absl::string_view key) {
   request.set_key(std::string(key));
   v1::RendezvousGetResponse response;
   absl::Status status =
-      Call(options_.retry, absl::Now() + options_.rpc_timeout,
+      Call(options_, absl::Now() + options_.rpc_timeout,
            [&](grpc::ClientContext* c) { return stub_->Get(c, request, &response); });
   if (!status.ok()) return Annotate(status, "Get", key);
   return std::move(*response.mutable_value());
@@ -105,7 +107,7 @@ absl::Status GrpcKvStore::Wait(absl::Span<const std::string> keys, absl::Duratio
   v1::RendezvousWaitResponse response;
   // Not retried: the server's DEADLINE_EXCEEDED is the answer ("not set in time").
   grpc::ClientContext context;
-  PrepareContext(&context, absl::Now() + timeout + options_.rpc_timeout);
+  PrepareContext(&context, absl::Now() + timeout + options_.rpc_timeout, options_.token);
   return Annotate(FromGrpcStatus(stub_->Wait(&context, request, &response)), "Wait",
                   absl::StrJoin(keys, ", "));
 }
@@ -117,7 +119,7 @@ absl::StatusOr<int64_t> GrpcKvStore::Add(absl::string_view key, int64_t delta) {
   request.set_delta(delta);
   v1::RendezvousAddResponse response;
   absl::Status status =
-      Call(options_.retry, absl::Now() + options_.rpc_timeout,
+      Call(options_, absl::Now() + options_.rpc_timeout,
            [&](grpc::ClientContext* c) { return stub_->Add(c, request, &response); });
   if (!status.ok()) return Annotate(status, "Add", key);
   return response.value();

@@ -33,6 +33,7 @@ struct GrpcKvStoreOptions {
   // Deadline of one Set, Get or Add call, and the slack added to a Wait's own timeout.
   absl::Duration rpc_timeout = absl::Seconds(10);
   RetryOptions retry;
+  std::string token;  // a worker's bearer token (common/rpc/auth.h); none when empty
 };
 
 class GrpcKvStore final : public KvStore {

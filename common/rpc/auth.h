@@ -1,0 +1,83 @@
+// Who may call the coordinator (issue #12, docs/services.md "Authentication"): bearer tokens
+// with roles. A `client` token may submit, plan, list, watch and cancel jobs and list
+// workers; a `worker` token may register, heartbeat, report progress and use the rendezvous
+// store; an `admin` token may do whatever a client may (and, later, drain and remove
+// workers). Neither client nor admin may make a worker's calls, nor a worker a client's.
+//
+// The server side (Authenticator) reads a token file; the client side (AttachToken,
+// ResolveToken) sends `authorization: Bearer <token>` with every call. Tokens are compared
+// in constant time (their SHA-256 digests, every entry checked) and never logged or echoed
+// in errors.
+//
+// Thread-safety: an Authenticator is immutable after construction; the functions are pure
+// except ResolveToken, which reads a file and the environment.
+#ifndef LATHE_COMMON_RPC_AUTH_H_
+#define LATHE_COMMON_RPC_AUTH_H_
+
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/status.h"
+
+namespace lathe {
+
+enum class Role { kClient, kWorker, kAdmin };
+
+absl::string_view RoleName(Role role);
+
+// The roles of each kind of call.
+inline constexpr std::initializer_list<Role> kClientCall = {Role::kClient, Role::kAdmin};
+inline constexpr std::initializer_list<Role> kWorkerCall = {Role::kWorker};
+
+class Authenticator {
+ public:
+  // Lets every call through: `--insecure-no-auth`.
+  static Authenticator AllowAll();
+
+  // A token file's text: one `<role> <name> <token>` per line (role client, worker or
+  // admin; name 1-63 characters of A-Z a-z 0-9 . _ -, for logs; token at least 16
+  // printable characters without spaces), blank lines and `#` comments ignored.
+  // INVALID_ARGUMENT "<source>:<line>: <problem>" (never quoting a token) for a bad line, a
+  // repeated token or a file without tokens.
+  static absl::StatusOr<Authenticator> FromText(absl::string_view text, absl::string_view source);
+  // FromText of the file at `path`; NOT_FOUND / INTERNAL naming the path.
+  static absl::StatusOr<Authenticator> FromFile(const std::string& path);
+
+  bool enabled() const { return enabled_; }
+
+  // OK when the call carries the token of a role in `allowed`. UNAUTHENTICATED without a
+  // bearer token or with an unknown one; PERMISSION_DENIED naming the token's name and role
+  // and `method` for a token of another role.
+  grpc::Status Check(const grpc::ServerContext& context, std::initializer_list<Role> allowed,
+                     absl::string_view method) const;
+
+ private:
+  struct Entry {
+    std::string digest;  // SHA-256 of the token, hex
+    Role role;
+    std::string name;
+  };
+  Authenticator() = default;
+
+  bool enabled_ = true;
+  std::vector<Entry> entries_;
+};
+
+// Adds `authorization: Bearer <token>` to the call; nothing when `token` is empty.
+void AttachToken(grpc::ClientContext* context, const std::string& token);
+
+// A client's token: `flag_token` when given, else the contents of `flag_file` (trimmed)
+// when given, else the environment variable `env` (may be unset: ""). INVALID_ARGUMENT /
+// NOT_FOUND naming `file_flag_name` and the file for an unreadable or empty file.
+absl::StatusOr<std::string> ResolveToken(const std::string& flag_token,
+                                         const std::string& flag_file,
+                                         absl::string_view file_flag_name, const char* env);
+
+}  // namespace lathe
+
+#endif  // LATHE_COMMON_RPC_AUTH_H_

@@ -1,0 +1,259 @@
+// Every RPC of the coordinator against every kind of caller (issue #12, the auth matrix):
+// the three services over gRPC on 127.0.0.1 with an Authenticator, called with no token, an
+// unknown one and each role's. And the token file's parser.
+#include "common/rpc/auth.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "common/clock.h"
+#include "coordinator/api/services.h"
+#include "coordinator/rendezvous/rendezvous_service.h"
+#include "coordinator/rendezvous/rendezvous_store.h"
+#include "coordinator/scheduler/job_manager.h"
+#include "coordinator/scheduler/scheduler.h"
+#include "coordinator/store/store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "lathe/v1/coordinator.grpc.pb.h"
+
+namespace lathe {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr char kTokens[] = R"(# role name token
+client alice alice-secret-0123456789
+worker w1    w1-secret-0123456789
+
+admin  root  root-secret-0123456789
+)";
+
+class AuthMatrixTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<Authenticator> auth = Authenticator::FromText(kTokens, "tokens");
+    ASSERT_TRUE(auth.ok()) << auth.status();
+    auth_ = std::make_unique<Authenticator>(*std::move(auth));
+    store_ = NewMemoryStore();
+    scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+    jobs_ = std::make_unique<JobManager>(scheduler_.get(), JobManagerOptions{});
+    job_service_ = std::make_unique<JobServiceImpl>(jobs_.get(), scheduler_.get(), auth_.get());
+    worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler_.get(), auth_.get());
+    rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(&rendezvous_, auth_.get());
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(job_service_.get());
+    builder.RegisterService(worker_service_.get());
+    builder.RegisterService(rendezvous_service_.get());
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    auto channel =
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials());
+    jobs_stub_ = v1::JobService::NewStub(channel);
+    workers_stub_ = v1::WorkerService::NewStub(channel);
+    rendezvous_stub_ = v1::RendezvousService::NewStub(channel);
+  }
+  void TearDown() override {
+    if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  }
+
+  struct Rpc {
+    std::string name;
+    bool worker_call;
+    std::function<grpc::Status(grpc::ClientContext*)> call;
+  };
+
+  // One call of every method, with requests the domain refuses or answers quickly.
+  std::vector<Rpc> EveryRpc() {
+    v1::JobService::Stub* jobs = jobs_stub_.get();
+    v1::WorkerService::Stub* workers = workers_stub_.get();
+    v1::RendezvousService::Stub* rendezvous = rendezvous_stub_.get();
+    return {
+        {"SubmitJob", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::SubmitJobResponse r;
+           return jobs->SubmitJob(c, v1::SubmitJobRequest(), &r);
+         }},
+        {"PlanJob", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::PlanJobResponse r;
+           return jobs->PlanJob(c, v1::PlanJobRequest(), &r);
+         }},
+        {"GetPlanHistory", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::GetPlanHistoryResponse r;
+           return jobs->GetPlanHistory(c, v1::GetPlanHistoryRequest(), &r);
+         }},
+        {"GetJob", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::JobStatus r;
+           return jobs->GetJob(c, v1::GetJobRequest(), &r);
+         }},
+        {"ListJobs", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::ListJobsResponse r;
+           return jobs->ListJobs(c, v1::ListJobsRequest(), &r);
+         }},
+        {"CancelJob", false,
+         [jobs](grpc::ClientContext* c) {
+           v1::JobStatus r;
+           return jobs->CancelJob(c, v1::CancelJobRequest(), &r);
+         }},
+        {"WatchJob", false,
+         [jobs](grpc::ClientContext* c) {
+           auto reader = jobs->WatchJob(c, v1::WatchJobRequest());
+           v1::JobStatus r;
+           while (reader->Read(&r)) {
+           }
+           return reader->Finish();
+         }},
+        {"ListWorkers", false,
+         [workers](grpc::ClientContext* c) {
+           v1::ListWorkersResponse r;
+           return workers->ListWorkers(c, v1::ListWorkersRequest(), &r);
+         }},
+        {"RegisterWorker", true,
+         [workers](grpc::ClientContext* c) {
+           v1::RegisterWorkerResponse r;
+           return workers->RegisterWorker(c, v1::RegisterWorkerRequest(), &r);
+         }},
+        {"Heartbeat", true,
+         [workers](grpc::ClientContext* c) {
+           auto stream = workers->Heartbeat(c);
+           stream->Write(v1::HeartbeatRequest());
+           stream->WritesDone();
+           v1::HeartbeatResponse r;
+           while (stream->Read(&r)) {
+           }
+           return stream->Finish();
+         }},
+        {"ReportProgress", true,
+         [workers](grpc::ClientContext* c) {
+           v1::ReportProgressResponse r;
+           return workers->ReportProgress(c, v1::ReportProgressRequest(), &r);
+         }},
+        {"Set", true,
+         [rendezvous](grpc::ClientContext* c) {
+           v1::RendezvousSetResponse r;
+           return rendezvous->Set(c, v1::RendezvousSetRequest(), &r);
+         }},
+        {"Get", true,
+         [rendezvous](grpc::ClientContext* c) {
+           v1::RendezvousGetResponse r;
+           return rendezvous->Get(c, v1::RendezvousGetRequest(), &r);
+         }},
+        {"Wait", true,
+         [rendezvous](grpc::ClientContext* c) {
+           v1::RendezvousWaitRequest request;
+           request.add_keys("k");
+           request.set_timeout_ms(1);
+           v1::RendezvousWaitResponse r;
+           return rendezvous->Wait(c, request, &r);
+         }},
+        {"Add", true,
+         [rendezvous](grpc::ClientContext* c) {
+           v1::RendezvousAddResponse r;
+           return rendezvous->Add(c, v1::RendezvousAddRequest(), &r);
+         }},
+    };
+  }
+
+  grpc::Status CallAs(const Rpc& rpc, const std::string& token) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    AttachToken(&context, token);
+    return rpc.call(&context);
+  }
+
+  FakeClock clock_;
+  std::unique_ptr<Authenticator> auth_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<JobManager> jobs_;
+  RendezvousStore rendezvous_{[](absl::string_view, int64_t) { return false; }};
+  std::unique_ptr<JobServiceImpl> job_service_;
+  std::unique_ptr<WorkerServiceImpl> worker_service_;
+  std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<v1::JobService::Stub> jobs_stub_;
+  std::unique_ptr<v1::WorkerService::Stub> workers_stub_;
+  std::unique_ptr<v1::RendezvousService::Stub> rendezvous_stub_;
+};
+
+bool IsAuthError(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAUTHENTICATED ||
+         status.error_code() == grpc::StatusCode::PERMISSION_DENIED;
+}
+
+TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
+  const std::vector<Rpc> rpcs = EveryRpc();
+  ASSERT_EQ(rpcs.size(), 15u);  // every method of the three services
+  for (const Rpc& rpc : rpcs) {
+    SCOPED_TRACE(rpc.name);
+    grpc::Status none = CallAs(rpc, "");
+    EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_THAT(none.error_message(), HasSubstr("no bearer token"));
+    grpc::Status wrong = CallAs(rpc, "not-a-token-0123456789");
+    EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(wrong.error_message(), "unknown token");
+    const grpc::Status client = CallAs(rpc, "alice-secret-0123456789");
+    const grpc::Status admin = CallAs(rpc, "root-secret-0123456789");
+    const grpc::Status worker = CallAs(rpc, "w1-secret-0123456789");
+    if (rpc.worker_call) {
+      EXPECT_FALSE(IsAuthError(worker)) << worker.error_message();
+      for (const grpc::Status& other : {client, admin}) {
+        EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+        EXPECT_THAT(other.error_message(), HasSubstr("may not call " + rpc.name));
+      }
+    } else {
+      EXPECT_FALSE(IsAuthError(client)) << client.error_message();
+      EXPECT_FALSE(IsAuthError(admin)) << admin.error_message();
+      EXPECT_EQ(worker.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+      EXPECT_EQ(worker.error_message(),
+                absl::StrCat("w1 (worker) may not call ", rpc.name, " (client or admin only)"));
+    }
+    // No answer repeats a token.
+    for (const grpc::Status& s : {none, wrong, client, admin, worker}) {
+      EXPECT_THAT(s.error_message(), Not(HasSubstr("secret")));
+    }
+  }
+}
+
+TEST(AuthenticatorTest, AllowAllLetsEveryCallThrough) {
+  const Authenticator auth = Authenticator::AllowAll();
+  EXPECT_FALSE(auth.enabled());
+  grpc::ServerContext context;
+  EXPECT_TRUE(auth.Check(context, kWorkerCall, "Heartbeat").ok());
+}
+
+TEST(AuthenticatorTest, BadTokenFilesNameTheLineNeverTheToken) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"client alice", "tokens:1: expected \"<role> <name> <token>\", got 2 fields"},
+      {"# only a comment\n\n", "tokens: holds no tokens"},
+      {"root alice secret-0123456789abc", "tokens:1: unknown role \"root\""},
+      {"client al/ice secret-0123456789abc", "tokens:1: the name must be 1 to 63 characters"},
+      {"client alice short", "tokens:1: the token of alice must be at least 16"},
+      {"client alice secret-0123456789abc\nworker w1 secret-0123456789abc",
+       "tokens:2: the token of w1 is also alice's"},
+  };
+  for (const auto& [text, message] : cases) {
+    absl::StatusOr<Authenticator> auth = Authenticator::FromText(text, "tokens");
+    EXPECT_EQ(auth.status().code(), absl::StatusCode::kInvalidArgument) << text;
+    EXPECT_THAT(auth.status().message(), HasSubstr(message)) << text;
+    EXPECT_THAT(auth.status().message(), Not(HasSubstr("secret"))) << text;
+  }
+}
+
+}  // namespace
+}  // namespace lathe
