@@ -26,7 +26,7 @@ MIB = 1 << 20
 FULL = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, seq=128)
 QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=704, seq=64)
 
-# (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels)
+# (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels[, accumulation])
 CONFIGS = [
     ("lora", "lora", 1, 0, False, 1, True),
     ("lora-mb4", "lora", 1, 0, False, 4, True),
@@ -42,6 +42,13 @@ CONFIGS = [
     ("lora-z3-r4-ckpt", "lora", 4, 3, True, 1, True),
     ("full-z2-r2", "full", 2, 2, False, 1, True),
     ("full-z3-r4-mb4", "full", 4, 3, False, 4, True),
+    # Found by bench/plan_quality.py: the flat all-reduce copy of stage 0 on several ranks,
+    # and the gradients earlier micro-batches leave alive during the last one.
+    ("full-z0-r2", "full", 2, 0, False, 1, True),
+    ("full-z0-r2-acc2", "full", 2, 0, False, 2, True, 2),
+    ("full-z1-r2-acc2", "full", 2, 1, False, 2, True, 2),
+    ("full-z2-r2-acc4", "full", 2, 2, False, 1, True, 4),
+    ("lora-z3-r2-acc2", "lora", 2, 3, True, 2, True, 2),
 ]
 
 
@@ -55,30 +62,24 @@ def main():
     m = QUICK if args.quick else FULL
     work = args.keep or tempfile.mkdtemp(prefix="lathe-planner-accuracy-")
     os.makedirs(work, exist_ok=True)
-    synth = os.path.join(args.bin_dir, "lathe-synth")
-    subprocess.run([synth, "model", "--out", f"{work}/model", "--vocab", str(m["vocab"]),
-                    "--hidden", str(m["hidden"]), "--layers", str(m["layers"]), "--heads",
-                    str(m["heads"]), "--kv-heads", str(m["kv_heads"]), "--intermediate",
-                    str(m["intermediate"])], check=True, stdout=subprocess.DEVNULL)
-    # Every record longer than seq_len: every sequence is seq_len tokens, all of them targets,
-    # the case the planner sizes.
-    subprocess.run([synth, "data", "--out", f"{work}/train.jsonl", "--records", "64",
-                    "--vocab", str(m["vocab"]), "--min-len", str(m["seq"] + 8), "--max-len",
-                    str(m["seq"] + 40)], check=True, stdout=subprocess.DEVNULL)
+    launcher.synth_model(args.bin_dir, f"{work}/model", m)
+    launcher.synth_data(args.bin_dir, f"{work}/train.jsonl", m["vocab"], m["seq"])
 
     print(f"# Planner accuracy, {datetime.date.today()}, {launcher.machine()}\n")
     print(f"Model {m}; 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
           "allocator's peak of the last step, the largest over ranks\n")
-    print("| config | method | ranks | ZeRO | ckpt | micro-batch | fused | peak at | "
-          "predicted MiB | measured MiB | error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | method | ranks | ZeRO | ckpt | micro-batch | accumulation | fused | "
+          "peak at | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
-    for name, method, ranks, stage, ckpt, micro, fused in CONFIGS:
+    for name, method, ranks, stage, ckpt, micro, fused, *rest in CONFIGS:
+        accumulation = rest[0] if rest else 1
         fields = {
             "name": name, "model": f"{{path: {work}/model}}",
             "data": f"{{train: {work}/train.jsonl, seq_len: {m['seq']}}}",
             "method": method,
-            "train": f"{{steps: 2, global_batch: {micro * ranks}, micro_batch: {micro}, "
+            "train": f"{{steps: 2, global_batch: {micro * ranks * accumulation}, "
+                     f"micro_batch: {micro}, "
                      "lr: 1.0e-4}",
             "resources": f"{{ranks: {ranks}, device: cpu}}",
             "strategy": f"{{zero_stage: {stage}, activation_checkpointing: "
@@ -98,7 +99,7 @@ def main():
         error = predicted / measured - 1
         errors.append(abs(error))
         print(f"| {name} | {method} | {ranks} | {stage} | {'on' if ckpt else 'off'} | {micro} | "
-              f"{'yes' if fused else 'no'} | {phase} | {predicted / MIB:.2f} | "
+              f"{accumulation} | {'yes' if fused else 'no'} | {phase} | {predicted / MIB:.2f} | "
               f"{measured / MIB:.2f} | {100 * error:+.1f}% |", flush=True)
     worst, median = max(errors), statistics.median(errors)
     ok = worst <= 0.05 and median <= 0.02

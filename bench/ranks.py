@@ -18,6 +18,24 @@ def machine():
     return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
+def synth_model(bin_dir, out, m):
+    """`lathe-synth model` with the sizes of `m` (vocab, hidden, layers, heads, kv_heads,
+    intermediate)."""
+    subprocess.run([os.path.join(bin_dir, "lathe-synth"), "model", "--out", out, "--vocab",
+                    str(m["vocab"]), "--hidden", str(m["hidden"]), "--layers", str(m["layers"]),
+                    "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]),
+                    "--intermediate", str(m["intermediate"])], check=True,
+                   stdout=subprocess.DEVNULL)
+
+
+def synth_data(bin_dir, out, vocab, seq_len):
+    """64 records, every one longer than `seq_len`: every sequence is seq_len tokens, all of
+    them targets, the case the planner sizes."""
+    subprocess.run([os.path.join(bin_dir, "lathe-synth"), "data", "--out", out, "--records",
+                    "64", "--vocab", str(vocab), "--min-len", str(seq_len + 8), "--max-len",
+                    str(seq_len + 40)], check=True, stdout=subprocess.DEVNULL)
+
+
 def write_spec(path, fields):
     """A YAML job spec from a dict of top-level field -> inline YAML text."""
     with open(path, "w") as f:

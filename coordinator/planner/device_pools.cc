@@ -12,12 +12,13 @@ namespace lathe {
 
 DevicePools DefaultPools() {
   DevicePools pools;
-  // A 2-core AVX-512 machine's float32 products through OpenBLAS (bench/RESULTS.md), gloo
-  // over loopback, and memcpy for "offload" within the same memory.
+  // One thread per rank of a 2-core AVX-512 machine, float32 products through OpenBLAS,
+  // gloo over loopback: fitted to 39 measured configurations (bench/plan_quality.py,
+  // bench/RESULTS.md); memcpy for "offload" within the same memory.
   DeviceRates& cpu = pools["cpu"];
-  cpu.flops = 60e9;
-  cpu.half_saturation_tokens = 64;
-  cpu.link_bytes_per_s = 1e9;
+  cpu.flops = 80e9;
+  cpu.half_saturation_tokens = 16;
+  cpu.link_bytes_per_s = 0.8e9;
   cpu.host_link_bytes_per_s = 10e9;
   for (const char* gpu : {"h100", "h200"}) {
     // 40% of the bf16 dense peak; NVLink 4's ring bus bandwidth; PCIe 5 x16 to the host.

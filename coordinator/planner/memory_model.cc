@@ -116,6 +116,7 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   job.lora_rank = spec.lora.rank;
   job.lora_targets = spec.lora.targets;
   job.seq_len = spec.data.seq_len;
+  job.global_batch = spec.train.global_batch;
   job.ranks = spec.resources.ranks;
   job.device = spec.resources.device;
   job.precision = spec.train.precision;
@@ -166,6 +167,22 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // slices as their reductions finish; all are dropped after the step.
   const int64_t sharded_grads = p.zero_stage == 0 ? 0 : states.gradients;
   const bool stage3 = p.zero_stage == 3;
+  int64_t whole_grads = 0, all_slices = 0;
+  for (const UnitElements& e : *units) {
+    whole_grads += 4 * e.trainable;
+    all_slices += 4 * ShardNumel(e.trainable, n);
+  }
+  // With gradient accumulation, the step's last micro-batch runs with the gradients of the
+  // earlier ones alive from its start: whole ones (stages 0 and 1, accumulated in place) or
+  // the reduced slices (stages 2 and 3). It is the larger of the micro-batches, so it is the
+  // one sized.
+  const int64_t accumulation =
+      job.global_batch > 0 ? std::max<int64_t>(1, job.global_batch / n / p.micro_batch) : 1;
+  const bool accumulating = accumulation > 1;
+  const int64_t carried = !accumulating       ? 0
+                          : p.zero_stage == 0 ? whole_grads
+                          : p.zero_stage == 1 ? sharded_grads
+                                              : all_slices;
 
   struct Moment {
     const char* phase;
@@ -187,14 +204,29 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // The end of the forward pass: the last block done (ZeRO-3: still gathered, the head
   // prefetched), then inside the loss (the unfused loss peaks at the start of backward, with
   // everything still kept).
+  // Accumulating at stages 2 and 3, the previous micro-batch's last two reductions are still
+  // in flight when this one starts (the engine waits for them only when more are pushed, or
+  // at the step): the buckets of the units its backward handed over last, oldest first.
+  std::vector<int64_t> carried_flight;
+  int64_t carried_bytes = 0;
+  if (accumulating && p.zero_stage >= 2) {
+    for (int64_t u = (*units)[0].trainable > 0 ? 0 : 1; u < num_units && carried_flight.size() < 2;
+         ++u) {
+      carried_flight.insert(carried_flight.begin(), bucket[u]);
+      carried_bytes += bucket[u];
+    }
+  }
   Moment blocks_done = base("the forward pass", false);
   at(blocks_done, MemoryComponent::kActivations) = kept;
-  if (stage3) at(blocks_done, MemoryComponent::kCommBuffers) = whole[head] + whole[head - 1];
+  at(blocks_done, MemoryComponent::kGradients) = carried;
+  at(blocks_done, MemoryComponent::kCommBuffers) =
+      carried_bytes + (stage3 ? whole[head] + whole[head - 1] : 0);
   moments.push_back(blocks_done);
   Moment in_loss = base("the forward pass", false);
   at(in_loss, MemoryComponent::kActivations) = kept;
+  at(in_loss, MemoryComponent::kGradients) = carried;
   at(in_loss, MemoryComponent::kLogits) = loss;
-  if (stage3) at(in_loss, MemoryComponent::kCommBuffers) = whole[head];
+  at(in_loss, MemoryComponent::kCommBuffers) = carried_bytes + (stage3 ? whole[head] : 0);
   moments.push_back(in_loss);
 
   // Backward, unit by unit from the head: while block j runs backward (its insides kept or
@@ -205,29 +237,32 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // (two waiting, one starting).
   const int64_t input = bt * h * w.compute;
   const int64_t mask = t * t * w.compute;
-  int64_t made = 0;  // stage 0: the gradients made so far
-  std::vector<int64_t> flight;
+  // Stage 0: the gradients made so far (all of them when accumulating into earlier ones).
+  int64_t made = accumulating ? whole_grads : 0;
+  std::vector<int64_t> flight = carried_flight;
   auto in_flight = [&flight](size_t count) {
     int64_t sum = 0;
     for (size_t k = 0; k < count && k < flight.size(); ++k) sum += flight[flight.size() - 1 - k];
     return sum;
   };
-  // Stages 2 and 3: the gradient slices of the units reduced so far.
-  int64_t slices = 0;
+  // Stages 2 and 3: the gradient slices of the units reduced so far (accumulating: all).
+  int64_t slices = accumulating ? all_slices : 0;
   auto hand_over = [&](int64_t unit, int64_t activations, int64_t extra_gradients) {
     const int64_t grads = 4 * (*units)[unit].trainable;
-    made += grads;
+    if (!accumulating) made += grads;
     flight.push_back(bucket[unit]);
     Moment after = base("the backward pass", p.zero_stage == 1);
     at(after, MemoryComponent::kActivations) = activations;
+    // Stage 1 copies the unit's gradients into a new whole buffer, added into the step's
+    // whole gradient when accumulating.
     at(after, MemoryComponent::kGradients) +=
         extra_gradients + (p.zero_stage == 0   ? made
-                           : p.zero_stage == 1 ? 0
+                           : p.zero_stage == 1 ? (accumulating ? grads : 0)
                                                : slices + grads);
     at(after, MemoryComponent::kCommBuffers) =
         (p.zero_stage >= 2 ? in_flight(3) : 0) + (stage3 ? whole[unit] : 0);
     moments.push_back(after);
-    slices += 4 * ShardNumel((*units)[unit].trainable, n);
+    if (!accumulating) slices += 4 * ShardNumel((*units)[unit].trainable, n);
   };
   hand_over(head, kept, dy);
   for (int64_t j = layers - 1; j >= 0; --j) {
@@ -258,6 +293,14 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
     at(drained, MemoryComponent::kGradients) = slices;
     at(drained, MemoryComponent::kCommBuffers) = in_flight(3);
     moments.push_back(drained);
+  }
+
+  // Stage 0 on several ranks sums the gradients in one flat copy of them all.
+  if (p.zero_stage == 0 && n > 1) {
+    Moment all_reduce = base("the gradient all-reduce", false);
+    at(all_reduce, MemoryComponent::kGradients) = whole_grads;
+    at(all_reduce, MemoryComponent::kCommBuffers) = whole_grads;
+    moments.push_back(all_reduce);
   }
 
   // The optimizer step: every gradient, and two temporaries of the largest tensor (of the

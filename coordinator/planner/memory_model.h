@@ -28,6 +28,7 @@ struct JobShape {
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
   int64_t seq_len = 0;
+  int64_t global_batch = 0;  // sequences per step over all ranks; 0: one micro-batch per step
   int64_t ranks = 1;
   DeviceKind device = DeviceKind::kCpu;
   Precision precision = Precision::kFp32;
