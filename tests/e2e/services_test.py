@@ -476,9 +476,10 @@ output: {os.path.join(self.root, "runs", name)}
                                      "must be > 0, got -1\n")
         default = self.cluster.lathe("--output", "json", "plan", self.spec("rated"))
         self.assertEqual(default.returncode, 0, default.stderr)
-        # Twice the default CPU rate (60 GFLOP/s): one rank's compute-bound step halves.
+        # Twice the default CPU rate (80 GFLOP/s, coordinator/planner/device_pools.cc): one
+        # rank's compute-bound step halves.
         with open(rates, "w") as f:
-            f.write('{"cpu": {"flops": 1.2e11}}')
+            f.write('{"cpu": {"flops": 1.6e11}}')
         other = Cluster(os.path.join(self.root, "rated"), self.cluster.tokens)
         os.makedirs(other.root)
         with open(os.path.join(other.root, "coordinator.log"), "w") as log:
