@@ -3,6 +3,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
 #include "common/proto/job_state.h"
 #include "common/rpc/grpc_status.h"
 
@@ -77,6 +79,26 @@ grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
   if (grpc::Status denied = auth_->Check(*context, kClientCall, "WatchJob"); !denied.ok()) {
     return denied;
   }
+  // "ipv4:127.0.0.1:50000" -> "ipv4:127.0.0.1": one host's connections count together.
+  const std::string peer = context->peer();
+  const std::string host = peer.substr(0, peer.rfind(':'));
+  {
+    absl::MutexLock lock(&watches_mu_);
+    if (watches_ >= options_.max_watches ||
+        watches_by_host_[host] >= options_.max_watches_per_host) {
+      return grpc::Status(
+          grpc::StatusCode::RESOURCE_EXHAUSTED,
+          absl::StrCat("too many WatchJob streams (at most ", options_.max_watches, " in all and ",
+                       options_.max_watches_per_host, " from one host); end one or poll GetJob"));
+    }
+    ++watches_;
+    ++watches_by_host_[host];
+  }
+  absl::Cleanup release = [this, &host] {
+    absl::MutexLock lock(&watches_mu_);
+    --watches_;
+    if (--watches_by_host_[host] == 0) watches_by_host_.erase(host);
+  };
   uint64_t version = 0;  // jobs start at version 1: the first wait returns at once
   while (!context->IsCancelled()) {
     const uint64_t seen = version;

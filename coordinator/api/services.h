@@ -8,6 +8,10 @@
 #ifndef LATHE_COORDINATOR_API_SERVICES_H_
 #define LATHE_COORDINATOR_API_SERVICES_H_
 
+#include <map>
+#include <string>
+
+#include "absl/synchronization/mutex.h"
 #include "common/rpc/auth.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
@@ -16,11 +20,19 @@
 
 namespace lathe {
 
+// Each WatchJob stream holds a server thread for as long as the job runs: bounded in all and
+// per caller (the peer's host), RESOURCE_EXHAUSTED beyond.
+struct JobServiceOptions {
+  int max_watches = 256;
+  int max_watches_per_host = 32;
+};
+
 class JobServiceImpl final : public v1::JobService::Service {
  public:
   // REQUIRES: the arguments outlive the service.
-  JobServiceImpl(JobManager* jobs, Scheduler* scheduler, const Authenticator* auth)
-      : jobs_(jobs), scheduler_(scheduler), auth_(auth) {}
+  JobServiceImpl(JobManager* jobs, Scheduler* scheduler, const Authenticator* auth,
+                 JobServiceOptions options = {})
+      : jobs_(jobs), scheduler_(scheduler), auth_(auth), options_(options) {}
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
                          v1::SubmitJobResponse* response) override;
@@ -42,6 +54,10 @@ class JobServiceImpl final : public v1::JobService::Service {
   JobManager* const jobs_;
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
+  const JobServiceOptions options_;
+  absl::Mutex watches_mu_;
+  int watches_ ABSL_GUARDED_BY(watches_mu_) = 0;
+  std::map<std::string, int> watches_by_host_ ABSL_GUARDED_BY(watches_mu_);
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::Service {

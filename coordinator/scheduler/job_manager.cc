@@ -27,6 +27,9 @@ absl::Status SpecError(absl::string_view field, absl::string_view problem) {
   return absl::InvalidArgumentError(absl::StrCat("spec: ", field, ": ", problem));
 }
 
+constexpr size_t kMaxRequestIdBytes = 128;
+constexpr size_t kMaxListBytes = 2 << 20;  // gRPC's default message limit is 4 MiB
+
 bool IsInside(const fs::path& path, const fs::path& root) {
   auto p = path.begin(), r = root.begin();
   for (; r != root.end(); ++r, ++p) {
@@ -138,6 +141,11 @@ absl::StatusOr<v1::GetPlanHistoryResponse> JobManager::PlanHistory(
 }
 
 absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
+  if (request.request_id().size() > kMaxRequestIdBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("request_id: must be at most ",
+                                                   kMaxRequestIdBytes, " bytes, got ",
+                                                   request.request_id().size()));
+  }
   LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
   const JobSpec& spec = admitted.spec;
   v1::JobStatus job;
@@ -175,13 +183,16 @@ absl::StatusOr<v1::ListJobsResponse> JobManager::List(const v1::ListJobsRequest&
     }
     begin = static_cast<size_t>(it - jobs.begin()) + 1;
   }
+  // A page ends at page_size jobs or before it would pass kMaxListBytes (at least one job),
+  // so that no page exceeds gRPC's message limit whatever the jobs hold.
   v1::ListJobsResponse response;
-  for (size_t i = begin; i < jobs.size() && i < begin + page_size; ++i) {
-    *response.add_jobs() = jobs[i];
+  size_t bytes = 0, end = begin;
+  for (; end < jobs.size() && end < begin + page_size; ++end) {
+    bytes += jobs[end].ByteSizeLong();
+    if (end > begin && bytes > kMaxListBytes) break;
+    *response.add_jobs() = jobs[end];
   }
-  if (begin + page_size < jobs.size()) {
-    response.set_next_page_token(jobs[begin + page_size - 1].job_id());
-  }
+  if (end < jobs.size()) response.set_next_page_token(jobs[end - 1].job_id());
   return response;
 }
 

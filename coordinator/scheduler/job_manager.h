@@ -43,6 +43,7 @@ class JobManager {
   // "spec: <field>: ..." for what the engine cannot run (common/capabilities.h). Nothing is
   // stored then. A repeated request_id returns the job it created first (existing = true).
   // RESOURCE_EXHAUSTED "spec: nothing fits: ..." when no strategy fits the memory per rank.
+  // INVALID_ARGUMENT for a request_id longer than 128 bytes.
   absl::StatusOr<v1::SubmitJobResponse> Submit(const v1::SubmitJobRequest& request);
 
   // The plan Submit would make, with every configuration considered; the same errors.
@@ -53,8 +54,9 @@ class JobManager {
   absl::StatusOr<v1::GetPlanHistoryResponse> PlanHistory(
       const v1::GetPlanHistoryRequest& request) const;
 
-  // Newest first, page_size jobs (default 100, at most 1000) after page_token (the id of
-  // the last job of the previous page). INVALID_ARGUMENT for an unknown token or size < 0.
+  // Newest first, page_size jobs (default 100, at most 1000; fewer when they would pass
+  // 2 MiB) after page_token (the id of the last job of the previous page).
+  // INVALID_ARGUMENT for an unknown token or size < 0.
   absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request) const;
 
  private:

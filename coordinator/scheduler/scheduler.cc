@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <tuple>
 #include <utility>
 
 #include "absl/random/random.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
@@ -16,6 +18,41 @@
 
 namespace lathe {
 namespace {
+
+// Bounds on what workers send: a registration or a report is untrusted input, and whatever
+// the coordinator keeps of it must stay small.
+constexpr size_t kMaxWorkerIdBytes = 128;
+constexpr int64_t kMaxSlots = 1024;
+constexpr size_t kMaxShortFieldBytes = 256;  // address, version, device names
+constexpr size_t kMaxErrorBytes = 16 << 10;
+
+absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request) {
+  const std::string& id = request.worker_id();
+  if (id.empty() || id.size() > kMaxWorkerIdBytes || !std::all_of(id.begin(), id.end(), [](char c) {
+        return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
+      })) {
+    return absl::InvalidArgumentError(absl::StrCat("worker_id: must be 1 to ", kMaxWorkerIdBytes,
+                                                   " characters from A-Z a-z 0-9 . _ -"));
+  }
+  if (request.slots() < 1 || request.slots() > kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots: must be 1 to ", kMaxSlots, ", got ", request.slots()));
+  }
+  if (request.devices_size() > kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("devices: at most ", kMaxSlots, ", got ", request.devices_size()));
+  }
+  bool short_fields = request.address().size() <= kMaxShortFieldBytes &&
+                      request.version().size() <= kMaxShortFieldBytes;
+  for (const v1::DeviceInfo& d : request.devices()) {
+    short_fields = short_fields && d.name().size() <= kMaxShortFieldBytes;
+  }
+  if (!short_fields) {
+    return absl::InvalidArgumentError(absl::StrCat("address, version and device names: at most ",
+                                                   kMaxShortFieldBytes, " bytes each"));
+  }
+  return absl::OkStatus();
+}
 
 // `path` without "." and ".." and a trailing slash, for comparing directories.
 std::string NormalPath(const std::string& path) {
@@ -445,11 +482,7 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
 
 absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
     const v1::RegisterWorkerRequest& request) {
-  if (request.worker_id().empty())
-    return absl::InvalidArgumentError("worker_id: must not be empty");
-  if (request.slots() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("slots: must be >= 1, got ", request.slots()));
-  }
+  LATHE_RETURN_IF_ERROR(CheckRegistration(request));
   absl::MutexLock lock(&mu_);
   WorkerState& worker = workers_[request.worker_id()];
   worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
@@ -577,6 +610,16 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
                                                       request.rank(), " is not placed on worker ",
                                                       request.worker_id()));
   }
+  // A result lies where the trainer writes it, in the job's output directory.
+  const std::string output = NormalPath(job.status.spec().output());
+  for (const auto& [field, path, name] :
+       {std::tuple{"adapter_path", &request.adapter_path(), "adapter"},
+        std::tuple{"model_path", &request.model_path(), "model"}}) {
+    if (!path->empty() && NormalPath(*path) != absl::StrCat(output, "/", name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": ", path->substr(0, 256), " is not ", output, "/", name));
+    }
+  }
   const bool terminal_event = request.event() == v1::RANK_EVENT_SUCCEEDED ||
                               request.event() == v1::RANK_EVENT_FAILED ||
                               request.event() == v1::RANK_EVENT_CANCELLED;
@@ -632,8 +675,16 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
     case v1::RANK_EVENT_FAILED:
     case v1::RANK_EVENT_CANCELLED: {
       FreeSlot(placement->worker_id(), placement->slot());
+      // The error's head names the cause and its tail the last log lines: a long one keeps
+      // both ends.
+      std::string error = request.error();
+      if (error.size() > kMaxErrorBytes) {
+        error = absl::StrCat(error.substr(0, kMaxErrorBytes / 2), "\n[... ",
+                             error.size() - kMaxErrorBytes, " bytes left out ...]\n",
+                             error.substr(error.size() - kMaxErrorBytes / 2));
+      }
       std::string reason = request.event() == v1::RANK_EVENT_FAILED
-                               ? absl::StrCat(where, " failed: ", request.error())
+                               ? absl::StrCat(where, " failed: ", error)
                                : absl::StrCat(where, " was stopped by its worker");
       spdlog::warn("job={} attempt={} {}", job.status.job_id(), request.generation(), reason);
       FailAttempt(job, reason,

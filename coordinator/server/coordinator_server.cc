@@ -47,6 +47,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  // Bounds on what one caller can make the server hold: a message, the streams of one
+  // connection (WatchJob's are bounded per host by the service).
+  builder.SetMaxReceiveMessageSize(4 << 20);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 64);
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->worker_service_.get());
   builder.RegisterService(server->rendezvous_service_.get());

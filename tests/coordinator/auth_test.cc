@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -228,6 +229,74 @@ TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
       EXPECT_THAT(s.error_message(), Not(HasSubstr("secret")));
     }
   }
+}
+
+TEST(WatchLimitTest, WatchStreamsAreBoundedPerHost) {
+  FakeClock clock;
+  std::unique_ptr<Store> store = NewMemoryStore();
+  std::unique_ptr<Scheduler> scheduler = *Scheduler::Create(store.get(), &clock, {});
+  JobManager jobs(scheduler.get(), {});
+  const Authenticator auth = Authenticator::AllowAll();
+  JobServiceImpl service(&jobs, scheduler.get(), &auth,
+                         {/*max_watches=*/3,
+                          /*max_watches_per_host=*/2});
+  v1::JobStatus job;
+  job.set_job_id("job");
+  bool existing = false;
+  ASSERT_TRUE(scheduler->AddJob(job, "", &existing).ok());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto stub = v1::JobService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  v1::WatchJobRequest request;
+  request.set_job_id("job");
+  struct Watch {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::JobStatus>> reader;
+  };
+  std::vector<std::unique_ptr<Watch>> open;
+  for (int i = 0; i < 2; ++i) {
+    auto watch = std::make_unique<Watch>();
+    watch->reader = stub->WatchJob(&watch->context, request);
+    v1::JobStatus status;
+    ASSERT_TRUE(watch->reader->Read(&status));  // the stream is up
+    open.push_back(std::move(watch));
+  }
+  {
+    grpc::ClientContext context;
+    auto reader = stub->WatchJob(&context, request);
+    v1::JobStatus status;
+    EXPECT_FALSE(reader->Read(&status));
+    grpc::Status refused = reader->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_THAT(refused.error_message(), HasSubstr("2 from one host"));
+  }
+  // One ends: another may start.
+  open.back()->context.TryCancel();
+  (void)open.back()->reader->Finish();
+  open.pop_back();
+  grpc::Status ended;
+  for (int tries = 0; tries < 50; ++tries) {  // the server notices the cancel within ~1 s
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    auto reader = stub->WatchJob(&context, request);
+    v1::JobStatus status;
+    if (reader->Read(&status)) {
+      ended = grpc::Status::OK;
+      context.TryCancel();
+      (void)reader->Finish();
+      break;
+    }
+    ended = reader->Finish();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(ended.ok()) << ended.error_message();
+  for (auto& watch : open) watch->context.TryCancel();
+  for (auto& watch : open) (void)watch->reader->Finish();
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
 TEST(AuthenticatorTest, AllowAllLetsEveryCallThrough) {

@@ -62,6 +62,7 @@ class SchedulerTest : public ::testing::Test {
     job.set_job_id(id);
     job.mutable_spec()->set_name(id);
     job.mutable_spec()->set_priority(priority);
+    job.mutable_spec()->set_output("/runs/" + id);
     job.mutable_plan()->set_ranks(ranks);
     job.mutable_plan()->set_device(device);
     job.mutable_plan()->mutable_predicted_memory()->set_total(per_rank_peak);
@@ -466,12 +467,53 @@ TEST_F(SchedulerTest, ProgressIsVisibleAndSuccessRecordsTheResult) {
   EXPECT_NE(version, seen);
   EXPECT_EQ(changed->attempts(0).progress().step(), 3);
   progress.set_event(v1::RANK_EVENT_SUCCEEDED);
+  // A result is where the trainer writes it: in the job's output directory.
+  progress.set_adapter_path("/etc/shadow");
+  absl::Status elsewhere = scheduler_->ReportProgress(progress);
+  EXPECT_EQ(elsewhere.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(elsewhere.message(), HasSubstr("adapter_path: /etc/shadow is not /runs/job/adapter"));
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
   progress.set_adapter_path("/runs/job/adapter");
   ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
   v1::JobStatus job = Job("job");
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_DOUBLE_EQ(job.final_loss(), 2.5);
   EXPECT_EQ(job.adapter_path(), "/runs/job/adapter");
+}
+
+TEST_F(SchedulerTest, WhatWorkersSendIsBounded) {
+  v1::RegisterWorkerRequest request;
+  request.set_slots(1);
+  for (const std::string& id : {std::string(), std::string(200, 'w'), std::string("a/b")}) {
+    request.set_worker_id(id);
+    EXPECT_THAT(scheduler_->RegisterWorker(request).status().message(),
+                HasSubstr("worker_id: must be 1 to 128 characters"));
+  }
+  request.set_worker_id("w1");
+  request.set_slots(64000);
+  EXPECT_THAT(scheduler_->RegisterWorker(request).status().message(),
+              HasSubstr("slots: must be 1 to 1024, got 64000"));
+  request.set_slots(1);
+  request.set_address(std::string(1000, 'x'));
+  EXPECT_EQ(scheduler_->RegisterWorker(request).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(scheduler_->ListWorkers().empty());
+
+  // A failed rank's error is kept, but not all of a huge one: its head and its tail.
+  Register("w1");
+  Add("job");
+  v1::ReportProgressRequest failed;
+  failed.set_worker_id("w1");
+  failed.set_job_id("job");
+  failed.set_generation(1);
+  failed.set_event(v1::RANK_EVENT_FAILED);
+  failed.set_error("cause " + std::string(1 << 20, '.') + " last line");
+  ASSERT_TRUE(scheduler_->ReportProgress(failed).ok());
+  const std::string error = Job("job").attempts(0).error();
+  EXPECT_LT(error.size(), 20000u);
+  EXPECT_THAT(error, HasSubstr("failed: cause"));
+  EXPECT_THAT(error, HasSubstr("bytes left out"));
+  EXPECT_THAT(error, ::testing::EndsWith(" last line"));
 }
 
 TEST_F(SchedulerTest, ARestartedSchedulerKeepsEveryJob) {
@@ -779,6 +821,31 @@ TEST_F(JobManagerTest, ASymlinkOutOfAnAllowedRootIsOutside) {
   spec = JobSpecToProto(spec_);
   spec.set_output(dir_.Path("run"));
   EXPECT_TRUE(Submit(spec, "", {{outside.Path("root-link")}}).ok());
+}
+
+TEST_F(JobManagerTest, AListPageStaysUnderTheMessageLimit) {
+  // Three jobs of 1.5 MiB each (a coordinator's store may hold what no check bounded then).
+  for (const char* id : {"a", "b", "c"}) {
+    v1::JobStatus job;
+    job.set_job_id(id);
+    job.mutable_spec()->set_name(std::string(3 << 19, 'x'));
+    job.mutable_spec()->set_output(std::string("/runs/") + id);
+    bool existing = false;
+    ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  }
+  JobManager manager(scheduler_.get(), {});
+  v1::ListJobsRequest request;
+  std::vector<std::string> seen;
+  for (;;) {
+    absl::StatusOr<v1::ListJobsResponse> page = manager.List(request);
+    ASSERT_TRUE(page.ok());
+    EXPECT_EQ(page->jobs_size(), 1);
+    EXPECT_LT(page->ByteSizeLong(), size_t{4} << 20);
+    for (const v1::JobStatus& j : page->jobs()) seen.push_back(j.job_id());
+    if (page->next_page_token().empty()) break;
+    request.set_page_token(page->next_page_token());
+  }
+  EXPECT_EQ(seen, (std::vector<std::string>{"c", "b", "a"}));
 }
 
 TEST_F(JobManagerTest, ListPagesNewestFirst) {
