@@ -272,6 +272,28 @@ int RunCancel(const Invocation& inv) {
 }
 
 int RunWorkers(const Invocation& inv) {
+  if (!inv.positional.empty()) {  // drain ID | remove ID (admin)
+    const std::string& action = inv.positional[0];
+    const std::string& id = inv.positional[1];
+    if (action == "drain") {
+      absl::StatusOr<v1::WorkerStatus> worker = inv.client->DrainWorker(id);
+      if (!worker.ok()) return Fail(inv, worker.status());
+      *inv.out << (inv.json ? JsonLine(WorkerJson(*worker)) + "\n"
+                            : absl::StrCat("worker ", id,
+                                           " is draining: no new ranks, its running ranks "
+                                           "checkpoint and move elsewhere\n"));
+      return kExitOk;
+    }
+    if (action == "remove") {
+      if (absl::Status status = inv.client->RemoveWorker(id); !status.ok()) {
+        return Fail(inv, status);
+      }
+      if (!inv.json) *inv.out << "worker " << id << " removed\n";
+      return kExitOk;
+    }
+    return Fail(inv, absl::InvalidArgumentError(absl::StrCat(
+                         "workers: expected drain ID or remove ID, got \"", action, "\"")));
+  }
   absl::StatusOr<std::vector<v1::WorkerStatus>> workers = inv.client->ListWorkers();
   if (!workers.ok()) return Fail(inv, workers.status());
   if (inv.json) {
@@ -336,7 +358,13 @@ const std::vector<Command>& Commands() {
        {{"reason", true, "recorded as the job's reason"}},
        1,
        RunCancel},
-      {"workers", "", "List the registered workers.", {}, 0, RunWorkers},
+      {"workers",
+       "[drain ID | remove ID]",
+       "List the registered workers; with an admin token, drain one (no new ranks; its "
+       "running ranks checkpoint and move elsewhere) or remove a lost or drained one.",
+       {},
+       0,
+       RunWorkers},
   };
   return *commands;
 }
@@ -449,9 +477,9 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
     return UsageError(err, absl::StrCat("--output: expected table or json, got \"", output, "\""),
                       usage);
   }
-  // `plan --history` takes no FILE.
-  const size_t positional =
-      command->name == "plan" && flags->Has("history") ? 0 : command->positional;
+  // `plan --history` takes no FILE; `workers` takes nothing or an action and an id.
+  size_t positional = command->name == "plan" && flags->Has("history") ? 0 : command->positional;
+  if (command->name == "workers" && !flags->positional().empty()) positional = 2;
   if (flags->positional().size() != positional) {
     std::string message =
         flags->positional().size() < positional

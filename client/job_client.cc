@@ -188,4 +188,22 @@ absl::StatusOr<std::vector<v1::WorkerStatus>> JobClient::ListWorkers() const {
   return std::vector<v1::WorkerStatus>(response.workers().begin(), response.workers().end());
 }
 
+absl::StatusOr<v1::WorkerStatus> JobClient::DrainWorker(absl::string_view worker_id) const {
+  v1::DrainWorkerRequest request;
+  request.set_worker_id(std::string(worker_id));
+  v1::WorkerStatus response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return workers_->DrainWorker(c, request, &response); });
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::Status JobClient::RemoveWorker(absl::string_view worker_id) const {
+  v1::RemoveWorkerRequest request;
+  request.set_worker_id(std::string(worker_id));
+  v1::RemoveWorkerResponse response;
+  return Call(
+      [&](grpc::ClientContext* c) { return workers_->RemoveWorker(c, request, &response); });
+}
+
 }  // namespace lathe

@@ -107,6 +107,10 @@ class JobClient {
   // WorkerService.ListWorkers.
   absl::StatusOr<std::vector<v1::WorkerStatus>> ListWorkers() const;
 
+  // WorkerService.DrainWorker and RemoveWorker (admin tokens). NOT_FOUND for an unknown id.
+  absl::StatusOr<v1::WorkerStatus> DrainWorker(absl::string_view worker_id) const;
+  absl::Status RemoveWorker(absl::string_view worker_id) const;
+
  private:
   // Runs `rpc` (one call on a fresh context) under the retry policy (once only when the
   // call is not `idempotent`) and the call deadline, and describes a failure for a person

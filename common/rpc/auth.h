@@ -1,8 +1,8 @@
 // Who may call the coordinator (issue #12, docs/services.md "Authentication"): bearer tokens
 // with roles. A `client` token may submit, plan, list, watch and cancel jobs and list
 // workers; a `worker` token may register, heartbeat, report progress and use the rendezvous
-// store; an `admin` token may do whatever a client may (and, later, drain and remove
-// workers). Neither client nor admin may make a worker's calls, nor a worker a client's.
+// store; an `admin` token may do whatever a client may, and drain and remove workers. Neither
+// client nor admin may make a worker's calls, nor a worker a client's.
 //
 // The server side (Authenticator) reads a token file; the client side (AttachToken,
 // ResolveToken) sends `authorization: Bearer <token>` with every call. Tokens are compared
@@ -33,6 +33,7 @@ absl::string_view RoleName(Role role);
 // The roles of each kind of call.
 inline constexpr std::initializer_list<Role> kClientCall = {Role::kClient, Role::kAdmin};
 inline constexpr std::initializer_list<Role> kWorkerCall = {Role::kWorker};
+inline constexpr std::initializer_list<Role> kAdminCall = {Role::kAdmin};
 
 class Authenticator {
  public:

@@ -157,4 +157,22 @@ grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
+grpc::Status WorkerServiceImpl::DrainWorker(grpc::ServerContext* context,
+                                            const v1::DrainWorkerRequest* request,
+                                            v1::WorkerStatus* response) {
+  if (grpc::Status denied = auth_->Check(*context, kAdminCall, "DrainWorker"); !denied.ok()) {
+    return denied;
+  }
+  return Respond(scheduler_->DrainWorker(request->worker_id()), response);
+}
+
+grpc::Status WorkerServiceImpl::RemoveWorker(grpc::ServerContext* context,
+                                             const v1::RemoveWorkerRequest* request,
+                                             v1::RemoveWorkerResponse*) {
+  if (grpc::Status denied = auth_->Check(*context, kAdminCall, "RemoveWorker"); !denied.ok()) {
+    return denied;
+  }
+  return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id()));
+}
+
 }  // namespace lathe

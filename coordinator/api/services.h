@@ -1,6 +1,7 @@
 // The coordinator's gRPC services: thin adapters from the generated service classes to the
 // domain (JobManager, Scheduler). Each handler checks the caller's role (common/rpc/auth.h:
-// JobService and ListWorkers are clients' calls, the rest of WorkerService workers'),
+// JobService and ListWorkers are clients' calls, DrainWorker and RemoveWorker admins', the
+// rest of WorkerService workers'),
 // converts its request, calls one domain method and converts the absl::Status to a
 // grpc::Status; no other logic lives here.
 //
@@ -76,6 +77,10 @@ class WorkerServiceImpl final : public v1::WorkerService::Service {
                               v1::ReportProgressResponse* response) override;
   grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest* request,
                            v1::ListWorkersResponse* response) override;
+  grpc::Status DrainWorker(grpc::ServerContext* context, const v1::DrainWorkerRequest* request,
+                           v1::WorkerStatus* response) override;
+  grpc::Status RemoveWorker(grpc::ServerContext* context, const v1::RemoveWorkerRequest* request,
+                            v1::RemoveWorkerResponse* response) override;
 
  private:
   Scheduler* const scheduler_;

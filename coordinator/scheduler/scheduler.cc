@@ -427,7 +427,7 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
         busy->second.generation != attempt->generation()) {
       continue;  // that rank already ended
     }
-    if (worker->second.status.state() != v1::WORKER_STATE_READY) {
+    if (worker->second.status.state() == v1::WORKER_STATE_LOST) {
       FreeSlot(p.worker_id(), p.slot());
       continue;
     }
@@ -451,9 +451,17 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
   job.status.set_reason(reason);
 }
 
-void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind) {
+void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind,
+                            bool charged) {
   v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
   attempt->set_failure(kind);
+  if (!charged) {  // moved by an operator: at once, and not one of the job's restarts
+    EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
+    job.status.set_reason(
+        absl::StrCat("moving after attempt ", attempt->generation(), " was stopped: ", reason));
+    (void)Commit(job);
+    return;
+  }
   const int64_t max_restarts = job.status.spec().max_restarts();
   if (kind != v1::FAILURE_KIND_INFRASTRUCTURE || job.status.restarts() >= max_restarts) {
     EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_FAILED, reason);
@@ -491,7 +499,8 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   worker.reconcile = true;
   v1::WorkerStatus& s = worker.status;
   s.set_worker_id(request.worker_id());
-  s.set_state(v1::WORKER_STATE_READY);
+  // A drained worker stays drained when its agent registers again.
+  if (s.state() != v1::WORKER_STATE_DRAINING) s.set_state(v1::WORKER_STATE_READY);
   s.set_address(request.address());
   s.set_device(request.device() == v1::DEVICE_UNSPECIFIED ? v1::DEVICE_CPU : request.device());
   s.set_slots(request.slots());
@@ -703,7 +712,7 @@ void Scheduler::CheckHeartbeats() {
   const absl::Time now = clock_->Now();
   bool changed = false;
   for (auto& [id, worker] : workers_) {
-    if (worker.status.state() != v1::WORKER_STATE_READY ||
+    if (worker.status.state() == v1::WORKER_STATE_LOST ||
         now - worker.last_heartbeat <= options_.heartbeat_timeout) {
       continue;
     }
@@ -779,6 +788,51 @@ v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit) const {
     c->set_attempts(correction.samples);
   }
   return response;
+}
+
+absl::StatusOr<v1::WorkerStatus> Scheduler::DrainWorker(absl::string_view worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+  }
+  WorkerState& worker = it->second;
+  if (worker.status.state() == v1::WORKER_STATE_READY) {
+    worker.status.set_state(v1::WORKER_STATE_DRAINING);
+    PersistWorker(worker);
+    spdlog::info("worker={} draining", std::string(worker_id));
+  }
+  // Its ranks' attempts end (the trainers checkpoint on SIGTERM) and their jobs queue again.
+  std::set<std::string> moving;
+  for (const auto& [slot, ref] : worker.busy) {
+    if (IsActiveAttemptLocked(ref.job_id, ref.generation)) moving.insert(ref.job_id);
+  }
+  for (const std::string& job_id : moving) {
+    FailAttempt(jobs_.find(job_id)->second, absl::StrCat("worker ", worker_id, " is being drained"),
+                v1::FAILURE_KIND_INFRASTRUCTURE, /*charged=*/false);
+  }
+  Schedule();
+  return worker.status;
+}
+
+absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) {
+    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+  }
+  const v1::WorkerStatus& status = it->second.status;
+  const bool idle_drained = status.state() == v1::WORKER_STATE_DRAINING && it->second.busy.empty();
+  if (status.state() != v1::WORKER_STATE_LOST && !idle_drained) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "worker ", worker_id, " is ",
+        status.state() == v1::WORKER_STATE_DRAINING ? "still stopping its ranks" : "ready",
+        "; drain it (lathe workers drain) and stop its agent first"));
+  }
+  LATHE_RETURN_IF_ERROR(store_->DeleteWorker(worker_id));
+  workers_.erase(it);
+  spdlog::info("worker={} removed", std::string(worker_id));
+  return absl::OkStatus();
 }
 
 bool Scheduler::IsActiveAttempt(absl::string_view job_id, int64_t generation) const {

@@ -103,6 +103,13 @@ class Scheduler {
   // attempts. Call periodically (the server does, every timeout / 4).
   void CheckHeartbeats();
   std::vector<v1::WorkerStatus> ListWorkers() const;
+  // Marks the worker DRAINING (no new placements, kept across its re-registrations) and
+  // ends the attempts with a rank on it; their jobs queue again at once, not charged to
+  // their max_restarts. NOT_FOUND for an unknown worker.
+  absl::StatusOr<v1::WorkerStatus> DrainWorker(absl::string_view worker_id);
+  // Forgets a LOST worker, or a DRAINING one with nothing running. FAILED_PRECONDITION
+  // otherwise; NOT_FOUND for an unknown worker.
+  absl::Status RemoveWorker(absl::string_view worker_id);
 
   // --- the planner's feedback ---------------------------------------------------------
 
@@ -160,8 +167,9 @@ class Scheduler {
                   const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed for `reason`; an infrastructure failure with
   // restarts left queues the job again after a backoff, anything else fails it. Commits.
-  void FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `charged` false (a drain): queued again at once, not counted as a restart.
+  void FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind,
+                   bool charged = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // IsActiveAttempt with the lock held.
   bool IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const

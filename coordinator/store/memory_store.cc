@@ -69,6 +69,12 @@ class MemoryStore : public Store {
     return absl::OkStatus();
   }
 
+  absl::Status DeleteWorker(absl::string_view worker_id) override {
+    absl::MutexLock lock(&mu_);
+    workers_.erase(std::string(worker_id));
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
     absl::MutexLock lock(&mu_);
     std::vector<v1::WorkerStatus> out;

@@ -199,6 +199,15 @@ class SqliteStore : public Store {
     return StepDone(statement.get(), what);
   }
 
+  absl::Status DeleteWorker(absl::string_view worker_id) override {
+    absl::MutexLock lock(&mu_);
+    const std::string what = absl::StrCat("removing worker ", worker_id);
+    LATHE_ASSIGN_OR_RETURN(Statement statement,
+                           Prepare("DELETE FROM workers WHERE worker_id = ?", what));
+    LATHE_RETURN_IF_ERROR(BindText(statement.get(), 1, worker_id, what));
+    return StepDone(statement.get(), what);
+  }
+
   absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
     absl::MutexLock lock(&mu_);
     constexpr absl::string_view kWhat = "loading workers";

@@ -44,6 +44,9 @@ class Store {
   // Inserts or replaces the worker keyed by worker_id.
   virtual absl::Status PutWorker(const v1::WorkerStatus& worker) = 0;
 
+  // Forgets the worker keyed by worker_id; OK when absent.
+  virtual absl::Status DeleteWorker(absl::string_view worker_id) = 0;
+
   // Every worker, ordered by worker_id.
   virtual absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() = 0;
 };

@@ -160,7 +160,7 @@ TEST(JobJsonTest, EnumValuesFromANewerCoordinatorAreUnknown) {
   EXPECT_EQ(json["plan"]["precision"], "unknown");
 
   v1::WorkerStatus worker;
-  worker.set_state(static_cast<v1::WorkerState>(3));
+  worker.set_state(static_cast<v1::WorkerState>(9));
   worker.set_device(static_cast<v1::Device>(3));
   EXPECT_EQ(WorkerJson(worker)["state"], "unknown");
   EXPECT_EQ(WorkerJson(worker)["device"], "unknown");

@@ -69,9 +69,10 @@ class AuthMatrixTest : public ::testing::Test {
     if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
   }
 
+  enum Kind { kClient, kWorker, kAdmin };  // whose call it is
   struct Rpc {
     std::string name;
-    bool worker_call;
+    Kind kind;
     std::function<grpc::Status(grpc::ClientContext*)> call;
   };
 
@@ -81,37 +82,37 @@ class AuthMatrixTest : public ::testing::Test {
     v1::WorkerService::Stub* workers = workers_stub_.get();
     v1::RendezvousService::Stub* rendezvous = rendezvous_stub_.get();
     return {
-        {"SubmitJob", false,
+        {"SubmitJob", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::SubmitJobResponse r;
            return jobs->SubmitJob(c, v1::SubmitJobRequest(), &r);
          }},
-        {"PlanJob", false,
+        {"PlanJob", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::PlanJobResponse r;
            return jobs->PlanJob(c, v1::PlanJobRequest(), &r);
          }},
-        {"GetPlanHistory", false,
+        {"GetPlanHistory", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::GetPlanHistoryResponse r;
            return jobs->GetPlanHistory(c, v1::GetPlanHistoryRequest(), &r);
          }},
-        {"GetJob", false,
+        {"GetJob", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::JobStatus r;
            return jobs->GetJob(c, v1::GetJobRequest(), &r);
          }},
-        {"ListJobs", false,
+        {"ListJobs", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::ListJobsResponse r;
            return jobs->ListJobs(c, v1::ListJobsRequest(), &r);
          }},
-        {"CancelJob", false,
+        {"CancelJob", kClient,
          [jobs](grpc::ClientContext* c) {
            v1::JobStatus r;
            return jobs->CancelJob(c, v1::CancelJobRequest(), &r);
          }},
-        {"WatchJob", false,
+        {"WatchJob", kClient,
          [jobs](grpc::ClientContext* c) {
            auto reader = jobs->WatchJob(c, v1::WatchJobRequest());
            v1::JobStatus r;
@@ -119,17 +120,17 @@ class AuthMatrixTest : public ::testing::Test {
            }
            return reader->Finish();
          }},
-        {"ListWorkers", false,
+        {"ListWorkers", kClient,
          [workers](grpc::ClientContext* c) {
            v1::ListWorkersResponse r;
            return workers->ListWorkers(c, v1::ListWorkersRequest(), &r);
          }},
-        {"RegisterWorker", true,
+        {"RegisterWorker", kWorker,
          [workers](grpc::ClientContext* c) {
            v1::RegisterWorkerResponse r;
            return workers->RegisterWorker(c, v1::RegisterWorkerRequest(), &r);
          }},
-        {"Heartbeat", true,
+        {"Heartbeat", kWorker,
          [workers](grpc::ClientContext* c) {
            auto stream = workers->Heartbeat(c);
            stream->Write(v1::HeartbeatRequest());
@@ -139,22 +140,22 @@ class AuthMatrixTest : public ::testing::Test {
            }
            return stream->Finish();
          }},
-        {"ReportProgress", true,
+        {"ReportProgress", kWorker,
          [workers](grpc::ClientContext* c) {
            v1::ReportProgressResponse r;
            return workers->ReportProgress(c, v1::ReportProgressRequest(), &r);
          }},
-        {"Set", true,
+        {"Set", kWorker,
          [rendezvous](grpc::ClientContext* c) {
            v1::RendezvousSetResponse r;
            return rendezvous->Set(c, v1::RendezvousSetRequest(), &r);
          }},
-        {"Get", true,
+        {"Get", kWorker,
          [rendezvous](grpc::ClientContext* c) {
            v1::RendezvousGetResponse r;
            return rendezvous->Get(c, v1::RendezvousGetRequest(), &r);
          }},
-        {"Wait", true,
+        {"Wait", kWorker,
          [rendezvous](grpc::ClientContext* c) {
            v1::RendezvousWaitRequest request;
            request.add_keys("k");
@@ -162,7 +163,21 @@ class AuthMatrixTest : public ::testing::Test {
            v1::RendezvousWaitResponse r;
            return rendezvous->Wait(c, request, &r);
          }},
-        {"Add", true,
+        {"DrainWorker", kAdmin,
+         [workers](grpc::ClientContext* c) {
+           v1::DrainWorkerRequest request;
+           request.set_worker_id("nobody");
+           v1::WorkerStatus r;
+           return workers->DrainWorker(c, request, &r);
+         }},
+        {"RemoveWorker", kAdmin,
+         [workers](grpc::ClientContext* c) {
+           v1::RemoveWorkerRequest request;
+           request.set_worker_id("nobody");
+           v1::RemoveWorkerResponse r;
+           return workers->RemoveWorker(c, request, &r);
+         }},
+        {"Add", kWorker,
          [rendezvous](grpc::ClientContext* c) {
            v1::RendezvousAddResponse r;
            return rendezvous->Add(c, v1::RendezvousAddRequest(), &r);
@@ -199,7 +214,7 @@ bool IsAuthError(const grpc::Status& status) {
 
 TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
   const std::vector<Rpc> rpcs = EveryRpc();
-  ASSERT_EQ(rpcs.size(), 15u);  // every method of the three services
+  ASSERT_EQ(rpcs.size(), 17u);  // every method of the three services
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     grpc::Status none = CallAs(rpc, "");
@@ -211,11 +226,17 @@ TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
     const grpc::Status client = CallAs(rpc, "alice-secret-0123456789");
     const grpc::Status admin = CallAs(rpc, "root-secret-0123456789");
     const grpc::Status worker = CallAs(rpc, "w1-secret-0123456789");
-    if (rpc.worker_call) {
+    if (rpc.kind == kWorker) {
       EXPECT_FALSE(IsAuthError(worker)) << worker.error_message();
       for (const grpc::Status& other : {client, admin}) {
         EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED);
         EXPECT_THAT(other.error_message(), HasSubstr("may not call " + rpc.name));
+      }
+    } else if (rpc.kind == kAdmin) {
+      EXPECT_FALSE(IsAuthError(admin)) << admin.error_message();
+      for (const grpc::Status& other : {client, worker}) {
+        EXPECT_EQ(other.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+        EXPECT_THAT(other.error_message(), HasSubstr("(admin only)"));
       }
     } else {
       EXPECT_FALSE(IsAuthError(client)) << client.error_message();

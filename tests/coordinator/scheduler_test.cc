@@ -380,6 +380,35 @@ TEST_F(RestartTest, AnAssignmentLostInACoordinatorRestartIsRestartedNotStuck) {
   EXPECT_EQ(Beat("w1").assignments_size(), 1);
 }
 
+TEST_F(RestartTest, ADrainedWorkersRanksMoveWithoutUsingUpRestarts) {
+  AddJob(0);  // no restarts allowed: a drain is not the job's failure
+  Register("w2");
+  Beat("w1");  // the assignment reaches w1
+  ASSERT_EQ(Job("job").attempts(0).placements(0).worker_id(), "w1");
+  absl::StatusOr<v1::WorkerStatus> drained = scheduler_->DrainWorker("w1");
+  ASSERT_TRUE(drained.ok());
+  EXPECT_EQ(drained->state(), v1::WORKER_STATE_DRAINING);
+  v1::JobStatus job = Job("job");
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.attempts_size(), 2);  // placed again at once, on w2
+  EXPECT_EQ(job.attempts(0).state(), v1::ATTEMPT_STATE_FAILED);
+  EXPECT_THAT(job.attempts(0).error(), HasSubstr("worker w1 is being drained"));
+  EXPECT_EQ(job.attempts(1).placements(0).worker_id(), "w2");
+  // w1's trainer is told to stop; it stays drained when its agent registers again.
+  EXPECT_EQ(Beat("w1").cancellations_size(), 1);
+  Register("w1");
+  EXPECT_EQ(scheduler_->ListWorkers()[0].state(), v1::WORKER_STATE_DRAINING);
+  // Removal: refused while it is alive and running something, or ready; fine once idle.
+  EXPECT_EQ(scheduler_->RemoveWorker("w2").code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(scheduler_->RemoveWorker("nobody").code(), absl::StatusCode::kNotFound);
+  Beat("w1");  // it runs nothing now
+  EXPECT_TRUE(scheduler_->RemoveWorker("w1").ok());
+  EXPECT_EQ(scheduler_->ListWorkers().size(), 1u);
+  scheduler_.reset();
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  EXPECT_EQ(scheduler_->ListWorkers().size(), 1u);  // gone from the store too
+}
+
 TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   Register("w1");
   Add("job");

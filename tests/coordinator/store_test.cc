@@ -220,6 +220,16 @@ TYPED_TEST(StoreContractTest, PutWorkerUpsertsAndLoadsByWorkerId) {
                                     EqualsProto(MakeWorker("worker-c", 1))));
 }
 
+TYPED_TEST(StoreContractTest, DeleteWorkerForgetsIt) {
+  ASSERT_TRUE(this->store_->PutWorker(MakeWorker("worker-a", 1)).ok());
+  ASSERT_TRUE(this->store_->PutWorker(MakeWorker("worker-b", 1)).ok());
+  ASSERT_TRUE(this->store_->DeleteWorker("worker-a").ok());
+  ASSERT_TRUE(this->store_->DeleteWorker("never-there").ok());
+  absl::StatusOr<std::vector<v1::WorkerStatus>> workers = this->store_->LoadWorkers();
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  EXPECT_THAT(*workers, ElementsAre(EqualsProto(MakeWorker("worker-b", 1))));
+}
+
 TYPED_TEST(StoreContractTest, ConcurrentCreatesAreAllStored) {
   constexpr int kThreads = 4;
   constexpr int kJobsPerThread = 5;
