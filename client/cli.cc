@@ -361,7 +361,7 @@ const std::vector<Command>& Commands() {
       {"workers",
        "[drain ID | remove ID]",
        "List the registered workers; with an admin token, drain one (no new ranks; its "
-       "running ranks checkpoint and move elsewhere) or remove a lost or drained one.",
+       "running ranks checkpoint and move elsewhere) or remove a lost one.",
        {},
        0,
        RunWorkers},

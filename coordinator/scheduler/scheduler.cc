@@ -821,13 +821,11 @@ absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
   if (it == workers_.end()) {
     return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
   }
-  const v1::WorkerStatus& status = it->second.status;
-  const bool idle_drained = status.state() == v1::WORKER_STATE_DRAINING && it->second.busy.empty();
-  if (status.state() != v1::WORKER_STATE_LOST && !idle_drained) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "worker ", worker_id, " is ",
-        status.state() == v1::WORKER_STATE_DRAINING ? "still stopping its ranks" : "ready",
-        "; drain it (lathe workers drain) and stop its agent first"));
+  // A live worker would only register again: it must be lost (its agent stopped) first.
+  if (it->second.status.state() != v1::WORKER_STATE_LOST) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("worker ", worker_id, " is not lost; drain it (lathe workers drain), stop ",
+                     "its agent, and remove it once the coordinator has lost it"));
   }
   LATHE_RETURN_IF_ERROR(store_->DeleteWorker(worker_id));
   workers_.erase(it);

@@ -107,8 +107,8 @@ class Scheduler {
   // ends the attempts with a rank on it; their jobs queue again at once, not charged to
   // their max_restarts. NOT_FOUND for an unknown worker.
   absl::StatusOr<v1::WorkerStatus> DrainWorker(absl::string_view worker_id);
-  // Forgets a LOST worker, or a DRAINING one with nothing running. FAILED_PRECONDITION
-  // otherwise; NOT_FOUND for an unknown worker.
+  // Forgets a LOST worker (in the store too). FAILED_PRECONDITION for a live one (it would
+  // only register again); NOT_FOUND for an unknown worker.
   absl::Status RemoveWorker(absl::string_view worker_id);
 
   // --- the planner's feedback ---------------------------------------------------------

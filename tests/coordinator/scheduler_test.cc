@@ -398,10 +398,12 @@ TEST_F(RestartTest, ADrainedWorkersRanksMoveWithoutUsingUpRestarts) {
   EXPECT_EQ(Beat("w1").cancellations_size(), 1);
   Register("w1");
   EXPECT_EQ(scheduler_->ListWorkers()[0].state(), v1::WORKER_STATE_DRAINING);
-  // Removal: refused while it is alive and running something, or ready; fine once idle.
-  EXPECT_EQ(scheduler_->RemoveWorker("w2").code(), absl::StatusCode::kFailedPrecondition);
+  // Removal: refused while it is alive (it would only register again); fine once lost.
+  EXPECT_THAT(scheduler_->RemoveWorker("w1").message(), HasSubstr("w1 is not lost"));
   EXPECT_EQ(scheduler_->RemoveWorker("nobody").code(), absl::StatusCode::kNotFound);
-  Beat("w1");  // it runs nothing now
+  clock_.Advance(absl::Seconds(20));
+  Register("w2");
+  scheduler_->CheckHeartbeats();  // w1's agent stopped
   EXPECT_TRUE(scheduler_->RemoveWorker("w1").ok());
   EXPECT_EQ(scheduler_->ListWorkers().size(), 1u);
   scheduler_.reset();

@@ -525,6 +525,32 @@ output: {os.path.join(self.root, "runs", name)}
         self.assertEqual(self.cluster.lathe("watch", job_id).returncode, 0)
         self.expect_adapter(job_id)
 
+    def test_6_draining_a_worker_moves_its_job_without_a_restart(self):
+        job_id = self.submit("drained", steps=300, train=", checkpoint_every: 1000")
+        job = self.wait_running(job_id)
+        worker = job["attempts"][-1]["placements"][0]["worker_id"]
+        refused = self.cluster.lathe("workers", "drain", worker)  # a client token
+        self.assertEqual(refused.returncode, 1)
+        self.assertIn("(admin only)", refused.stderr)
+        drained = self.cluster.lathe("workers", "drain", worker, role="admin")
+        self.assertEqual(drained.returncode, 0, drained.stderr)
+        self.assertIn(f"worker {worker} is draining", drained.stdout)
+        watch = self.cluster.lathe("watch", job_id)
+        self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "succeeded", job)
+        self.assertEqual(job["restarts"], 0)  # a drain is not the job's failure
+        first, second = job["attempts"]
+        self.assertIn(f"worker {worker} is being drained", first["error"])
+        self.assertNotEqual(second["placements"][0]["worker_id"], worker)
+        # The stopped trainer checkpointed on SIGTERM: the next attempt resumed from there.
+        self.assertGreater(second["resumed_from_step"], 0)
+        workers = json.loads(self.cluster.lathe("--output", "json", "workers").stdout)
+        self.assertEqual({w["worker_id"]: w["state"] for w in workers}[worker], "draining")
+        alive = self.cluster.lathe("workers", "remove", worker, role="admin")
+        self.assertEqual(alive.returncode, 1)
+        self.assertIn("is not lost", alive.stderr)
+
 
 if __name__ == "__main__":
     unittest.main()
