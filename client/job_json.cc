@@ -55,9 +55,6 @@ Json PhasesJson(const v1::StepPhases& phases) {
               {"optimizer", Number(phases.optimizer())}};
 }
 
-// A memory correction; 0 (stored before corrections existed) reads as 1.
-double Correction(double factor) { return factor > 0 ? factor : 1.0; }
-
 Json PlanJson(const v1::Plan& plan) {
   return Json{{"ranks", plan.ranks()},
               {"device", DeviceWord(plan.device())},
@@ -72,7 +69,7 @@ Json PlanJson(const v1::Plan& plan) {
               {"total_steps", plan.total_steps()},
               {"precision", PrecisionWord(plan.precision())},
               {"predicted_memory", MemoryJson(plan.predicted_memory())},
-              {"memory_correction", Correction(plan.memory_correction())},
+              {"memory_correction", EffectiveCorrection(plan.memory_correction())},
               {"calibration_key", plan.calibration_key()},
               {"explanation", plan.explanation()}};
 }
@@ -200,7 +197,7 @@ nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response) {
                               {"step_seconds", Number(c.step_seconds())},
                               {"fits", c.fits()},
                               {"verdict", c.verdict()},
-                              {"memory_correction", Correction(c.memory_correction())}});
+                              {"memory_correction", EffectiveCorrection(c.memory_correction())}});
   }
   return Json{{"plan", PlanJson(response.plan())},
               {"tokens_per_second", Number(response.tokens_per_second())},
@@ -217,7 +214,7 @@ nlohmann::ordered_json PlanHistoryJson(const v1::GetPlanHistoryResponse& history
                             {"ended_unix_ms", e.ended_unix_ms()},
                             {"calibration_key", e.calibration_key()},
                             {"predicted", MemoryJson(e.predicted())},
-                            {"memory_correction", Correction(e.memory_correction())},
+                            {"memory_correction", EffectiveCorrection(e.memory_correction())},
                             {"measured", MemoryJson(e.measured())}});
   }
   Json corrections = Json::array();

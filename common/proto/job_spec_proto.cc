@@ -272,8 +272,7 @@ absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source)
         ComponentBytes(in.predicted_memory(), c);
   }
   plan.predicted_memory.total = in.predicted_memory().total();
-  // 0: a plan stored before corrections existed.
-  plan.memory_correction = in.memory_correction() > 0 ? in.memory_correction() : 1.0;
+  plan.memory_correction = EffectiveCorrection(in.memory_correction());
   plan.calibration_key = in.calibration_key();
   plan.explanation = in.explanation();
   return plan;

@@ -45,9 +45,11 @@ void SetComponentBytes(v1::MemoryBreakdown* m, MemoryComponent component, uint64
   }
 }
 
+double EffectiveCorrection(double stored) { return stored > 0 ? stored : 1.0; }
+
 uint64_t CorrectedTotal(const v1::MemoryBreakdown& predicted, double correction) {
   return static_cast<uint64_t>(static_cast<double>(predicted.total()) *
-                               (correction > 0 ? correction : 1.0));
+                               EffectiveCorrection(correction));
 }
 
 }  // namespace lathe

@@ -16,8 +16,11 @@ namespace lathe {
 uint64_t ComponentBytes(const v1::MemoryBreakdown& memory, MemoryComponent component);
 void SetComponentBytes(v1::MemoryBreakdown* memory, MemoryComponent component, uint64_t bytes);
 
-// A prediction's total times a plan's memory_correction (0, from a plan stored before
-// corrections existed, counts as 1): the per-rank peak a job is placed by.
+// A plan's memory_correction as a factor: 0, from a plan stored before corrections existed,
+// counts as 1.
+double EffectiveCorrection(double stored);
+
+// A prediction's total times a plan's memory_correction: the per-rank peak a job is placed by.
 uint64_t CorrectedTotal(const v1::MemoryBreakdown& predicted, double correction);
 
 }  // namespace lathe

@@ -1,6 +1,7 @@
 #include "coordinator/planner/memory_model.h"
 
 #include <algorithm>
+#include <numeric>
 
 #include "common/flat_layout.h"
 #include "coordinator/planner/model_states.h"
@@ -208,14 +209,14 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // in flight when this one starts (the engine waits for them only when more are pushed, or
   // at the step): the buckets of the units its backward handed over last, oldest first.
   std::vector<int64_t> carried_flight;
-  int64_t carried_bytes = 0;
   if (accumulating && p.zero_stage >= 2) {
     for (int64_t u = (*units)[0].trainable > 0 ? 0 : 1; u < num_units && carried_flight.size() < 2;
          ++u) {
       carried_flight.insert(carried_flight.begin(), bucket[u]);
-      carried_bytes += bucket[u];
     }
   }
+  const int64_t carried_bytes =
+      std::accumulate(carried_flight.begin(), carried_flight.end(), int64_t{0});
   Moment blocks_done = base("the forward pass", false);
   at(blocks_done, MemoryComponent::kActivations) = kept;
   at(blocks_done, MemoryComponent::kGradients) = carried;
