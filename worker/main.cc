@@ -87,9 +87,7 @@ const std::vector<FlagSpec> kTrainFlags = {
 struct TrainJob {
   JobSpec spec;
   Plan plan;
-  TrainerOptions options;
-  std::string job_id;
-  int64_t generation = 0;
+  TrainerOptions options;  // with the attempt's job id and generation from a task
   std::string rendezvous_address;
   std::string rendezvous_dir;                             // --spec with several ranks
   absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
@@ -129,8 +127,8 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
     job.options.rank = task.rank();
     job.options.world_size = task.world_size();
     job.options.peak_flops = task.peak_flops();
-    job.job_id = task.job_id();
-    job.generation = task.generation();
+    job.options.job_id = task.job_id();
+    job.options.generation = task.generation();
     job.rendezvous_address = task.rendezvous_address();
     if (task.collective_timeout_seconds() > 0) {
       job.collective_timeout = absl::Seconds(task.collective_timeout_seconds());
@@ -256,10 +254,10 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
     if (!job.rendezvous_dir.empty()) {
       LATHE_ASSIGN_OR_RETURN(store, FileKvStore::Open(job.rendezvous_dir));
 #ifdef LATHE_WITH_AGENT
-    } else if (!job.rendezvous_address.empty() && !job.job_id.empty()) {
+    } else if (!job.rendezvous_address.empty() && !job.options.job_id.empty()) {
       GrpcKvStoreOptions store_options;
-      store_options.job_id = job.job_id;
-      store_options.generation = job.generation;
+      store_options.job_id = job.options.job_id;
+      store_options.generation = job.options.generation;
       // The agent hands its worker token down (common/rpc/auth.h).
       if (const char* token = std::getenv("LATHE_TOKEN")) store_options.token = token;
       store = std::make_unique<GrpcKvStore>(
@@ -308,7 +306,13 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
         plan.gradient_accumulation, plan.ranks,
         plan.activation_checkpointing ? ", activation checkpointing" : "");
   }
+  // Whoever reads the output (the agent) is gone when a write fails: stop after the next
+  // step with a checkpoint rather than train on unheard (docs/reliability.md).
+  signal(SIGPIPE, SIG_IGN);
   auto on_step = [json](const StepReport& r) {
+    absl::Cleanup stop_when_unheard = [] {
+      if (!std::cout) g_trainer.load()->RequestStop();
+    };
     if (json) {
 #ifdef LATHE_WITH_AGENT
       PrintEvent(StepEvent(r));

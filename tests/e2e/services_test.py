@@ -4,6 +4,7 @@ through the `lathe` CLI. Every process the test starts is stopped in tearDown, w
 happens."""
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -388,6 +389,105 @@ output: {os.path.join(self.root, "runs", name)}
         for other in again:
             self.assertEqual(self.cluster.lathe("watch", other).returncode, 0)
 
+    def test_2d_a_paused_worker_cannot_touch_the_next_attempts_checkpoints(self):
+        # A zombie: attempt 1's worker, agent and trainer, is paused (SIGSTOP) until the job
+        # has moved on as attempt 2 elsewhere, then resumed (SIGCONT). Its agent learns that
+        # the attempt is over and stops the trainer, which checkpoints on the way out: the
+        # fence refuses that write (worker/engine/checkpoint.h).
+        job_id = self.submit("zombie", steps=100000, train=", checkpoint_every: 20")
+        checkpoints = os.path.join(self.root, "runs", "zombie", "checkpoints")
+        deadline = time.time() + TIMEOUT
+        while not os.path.isdir(os.path.join(checkpoints, "step-00000020")):
+            self.assertLess(time.time(), deadline, "no checkpoint of step 20")
+            time.sleep(0.05)
+        [zombie] = self.trainer_pids(job_id)
+        worker = self.status(job_id)["attempts"][-1]["placements"][0]["worker_id"]
+        paused = [zombie, self.cluster.workers[worker].pid]
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            while True:
+                job = self.status(job_id)
+                attempts, progress = job["attempts"], job["progress"]
+                if len(attempts) == 2 and attempts[1]["state"] == "running" and progress and \
+                        progress["step"] > attempts[1]["resumed_from_step"]:
+                    break
+                self.assertLess(time.time(), deadline, attempts)
+                time.sleep(0.1)
+        finally:
+            for pid in reversed(paused):
+                os.kill(pid, signal.SIGCONT)
+        resumed = attempts[1]["resumed_from_step"]
+        self.assertGreaterEqual(resumed, 20)
+        self.assertNotEqual(attempts[1]["placements"][0]["worker_id"], worker)
+        while zombie in self.trainer_pids(job_id):
+            self.assertLess(time.time(), deadline, "the resumed zombie kept running")
+            time.sleep(0.1)
+        # Refused by the fence, or its half-written save removed by attempt 2's pruning.
+        with open(os.path.join(self.root, worker, f"{job_id}-g1-r0", "trainer.log")) as f:
+            self.assertRegex(f.read(), "checkpoint at step [0-9]+: .*(attempt 2 has taken over"
+                             "|No such file)")
+        self.assertEqual(self.cluster.lathe("cancel", job_id).returncode, 0)
+        self.cluster.lathe("watch", job_id)
+        # Attempt 1 wrote what attempt 2 resumed from; everything after is attempt 2's.
+        writers = {}
+        for name in os.listdir(checkpoints):
+            if name.startswith("step-"):
+                with open(os.path.join(checkpoints, name, "state.json")) as f:
+                    state = json.load(f)
+                writers[state["step"]] = state["attempt"]["generation"]
+        self.assertEqual(writers[max(writers)], 2, writers)
+        for step, generation in writers.items():
+            self.assertEqual(generation, 1 if step <= resumed else 2, writers)
+
+    def test_2e_ten_kills_in_one_job_change_nothing(self):
+        # Ten SIGKILLs at random steps in one job, of its trainer or of its worker agent: it
+        # ends at exactly its step count with the uninterrupted run's adapter, bit for bit,
+        # and no failure recomputes more than checkpoint_every steps.
+        steps, every = 240, 10
+        train = f", checkpoint_every: {every}"
+        reference = self.submit("chaos-reference", steps=steps, train=train)
+        job_id = self.submit("chaos", steps=steps, train=train, extra="max_restarts: 10\n")
+        rng = random.Random(10)
+        deadline = time.time() + 4 * TIMEOUT
+        for kill in range(10):
+            target = 20 * (kill + 1) + rng.randrange(20)
+            while True:  # the attempt after the last kill has trained to the target step
+                attempts = self.status(job_id)["attempts"]
+                progress = attempts[-1]["progress"] if attempts else None
+                if len(attempts) == kill + 1 and attempts[-1]["state"] == "running" and \
+                        progress and progress["step"] >= target:
+                    break
+                self.assertLess(time.time(), deadline, attempts)
+                time.sleep(0.02)
+            if kill % 2 == 0:
+                pgrep = subprocess.run(["pgrep", "-f", "--", f"/{job_id}-g{kill + 1}-r0/"],
+                                       capture_output=True, text=True)
+                for pid in pgrep.stdout.split():
+                    os.kill(int(pid), signal.SIGKILL)
+            else:
+                worker = attempts[-1]["placements"][0]["worker_id"]
+                self.cluster.workers[worker].kill()
+                self.cluster.workers[worker].wait()
+                self.cluster.start_worker(worker)
+        for one in (reference, job_id):
+            watch = self.cluster.lathe("watch", one, timeout=4 * TIMEOUT)
+            self.assertEqual(watch.returncode, 0, watch.stdout + watch.stderr)
+        job = self.status(job_id)
+        self.assertEqual(job["restarts"], 10)
+        self.assertEqual(job["progress"]["step"], steps)
+        attempts = job["attempts"]
+        for failed, after in zip(attempts, attempts[1:]):
+            self.assertEqual(failed["failure"], "infrastructure", failed)
+            recomputed = failed["progress"]["step"] - after["resumed_from_step"]
+            self.assertLessEqual(recomputed, every, (failed, after))
+        adapters = []
+        for one in (reference, job_id):
+            with open(os.path.join(self.status(one)["adapter_path"],
+                                   "adapter_model.safetensors"), "rb") as f:
+                adapters.append(f.read())
+        self.assertEqual(adapters[0], adapters[1])
+
     def test_3_cancel_stops_the_trainer(self):
         job_id = self.submit("cancelled", steps=100000)
         self.wait_running(job_id)
@@ -462,8 +562,9 @@ output: {os.path.join(self.root, "runs", name)}
         unsafe = run("lathe-coordinator", "--db", ":memory:", "--listen", "127.0.0.1:0")
         self.assertEqual(unsafe.returncode, 2)
         self.assertIn("--auth-tokens FILE is required", unsafe.stderr)
-        with open(os.path.join(self.root, "coordinator.log")) as f:
-            self.assertNotIn(open(self.cluster.tokens["client"]).read().strip(), f.read())
+        with open(self.cluster.tokens["client"]) as token, \
+                open(os.path.join(self.root, "coordinator.log")) as log:
+            self.assertNotIn(token.read().strip(), log.read())
 
     def test_4a_device_rates_change_the_plans(self):
         rates = os.path.join(self.root, "rates.json")

@@ -1,5 +1,6 @@
 #include "worker/engine/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -160,6 +161,78 @@ TEST_F(CheckpointStoreTest, ShardFilesOfSeveralRanksAreCommittedAndVerifiedToget
   EXPECT_FALSE(loaded->has_value());
   ASSERT_EQ(rejected.size(), 1u);
   EXPECT_THAT(rejected[0], HasSubstr("shard-00001.safetensors: missing"));
+}
+
+// A zombie: attempt 1 paused past its end while attempt 2 took over. Everything attempt 1
+// writes afterwards is refused and changes nothing.
+TEST_F(CheckpointStoreTest, AStaleAttemptCannotCommitPruneOrExport) {
+  const std::string dir = dir_.Path("ckpt");
+  CheckpointStore first(dir, 2, {"job-1", 1});
+  ASSERT_TRUE(first.Claim().ok());
+  ASSERT_TRUE(Save(first, 10).ok());
+
+  CheckpointStore second(dir, 2, {"job-1", 2});
+  ASSERT_TRUE(second.Claim().ok());
+  ASSERT_TRUE(Save(second, 20).ok());
+
+  for (int64_t step : {30, 40, 50}) {  // enough saves to prune attempt 2's checkpoints
+    absl::Status stale = Save(first, step);
+    EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition) << stale;
+    EXPECT_THAT(std::string(stale.message()),
+                HasSubstr("job job-1 attempt 2 has taken over; job job-1 attempt 1"));
+  }
+  bool ran = false;
+  EXPECT_EQ(first
+                .Fenced([&] {
+                  ran = true;
+                  return absl::OkStatus();
+                })
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(ran);
+  // Nor can it claim the directory back.
+  EXPECT_EQ(first.Claim().code(), absl::StatusCode::kFailedPrecondition);
+
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_THAT(names, ElementsAre(".fence", ".lock", "step-00000010", "step-00000020"));
+  absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = second.LoadNewest(nullptr);
+  ASSERT_TRUE(loaded.ok() && loaded->has_value());
+  EXPECT_EQ((*loaded)->state.step, 20);
+
+  // The current attempt goes on, and a new job may take the directory over.
+  ASSERT_TRUE(Save(second, 30).ok());
+  CheckpointStore other_job(dir, 2, {"job-2", 1});
+  ASSERT_TRUE(other_job.Claim().ok());
+  EXPECT_EQ(Save(second, 40).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointManifestTest, RefusesWhatIsNotAManifestWithoutThrowing) {
+  const char* bad[] = {
+      "",
+      "[]",
+      R"({"files": 3})",
+      R"({"files": {"state.json": {"size": "12", "sha256": "ab"}}})",
+      R"({"files": {"state.json": {"size": -1, "sha256": "ab"}}})",
+      R"({"files": {"state.json": {"size": 1, "sha256": 5}}})",
+      R"({"files": {"../x": {"size": 1, "sha256": "ab"}}})",
+      R"({"files": {"a.safetensors": {"size": 1, "sha256": "ab"}}})",
+  };
+  for (const char* text : bad) {
+    EXPECT_EQ(ParseCheckpointManifest(text).status().code(), absl::StatusCode::kDataLoss) << text;
+  }
+  absl::StatusOr<std::map<std::string, ManifestEntry>> ok =
+      ParseCheckpointManifest(R"({"files": {"state.json": {"size": 7, "sha256": "ab"}}})");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->at("state.json").size, 7u);
+  for (const char* text : {R"({"format": "1"})", R"({"format": 1, "step": "x"})",
+                           R"({"format": 1, "loss_scale": 3})"}) {
+    EXPECT_EQ(ParseTrainingState(text, "s.json").status().code(), absl::StatusCode::kDataLoss)
+        << text;
+  }
 }
 
 }  // namespace

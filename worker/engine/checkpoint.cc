@@ -1,9 +1,15 @@
 #include "worker/engine/checkpoint.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -25,8 +31,61 @@ constexpr char kOptimizer[] = "optimizer.safetensors";
 constexpr char kState[] = "state.json";
 constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
+constexpr char kFence[] = ".fence";
+constexpr char kLock[] = ".lock";
 
-std::string StateJson(const TrainingState& state) {
+// An exclusive flock on <dir>/.lock, held until destruction.
+class DirectoryLock {
+ public:
+  static absl::StatusOr<std::unique_ptr<DirectoryLock>> Acquire(const std::string& dir) {
+    const std::string path = dir + "/" + kLock;
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
+    auto lock = std::unique_ptr<DirectoryLock>(new DirectoryLock(fd));
+    // Held only for a rename and a few deletions; a holder stopped for 30 s is a zombie.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      if (errno != EWOULDBLOCK && errno != EINTR) {
+        return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return absl::UnavailableError(absl::StrCat(path, ": held by another writer for 30 s"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return lock;
+  }
+  ~DirectoryLock() { ::close(fd_); }  // closing releases the flock
+
+ private:
+  explicit DirectoryLock(int fd) : fd_(fd) {}
+  int fd_;
+};
+
+// The attempt that has claimed `dir`, or nullopt when none has (or .fence is unreadable).
+std::optional<CheckpointFence> ReadFence(const std::string& dir) {
+  absl::StatusOr<std::string> text = ReadFile(dir + "/" + kFence);
+  if (!text.ok()) return std::nullopt;
+  nlohmann::json json = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  if (!json.is_object() || !json.contains("job_id") || !json["job_id"].is_string() ||
+      !json.contains("generation") || !json["generation"].is_number_integer()) {
+    return std::nullopt;
+  }
+  return CheckpointFence{json["job_id"].get<std::string>(), json["generation"].get<int64_t>()};
+}
+
+absl::Status WriteFence(const std::string& dir, const CheckpointFence& fence) {
+  nlohmann::ordered_json json;
+  json["job_id"] = fence.job_id;
+  json["generation"] = fence.generation;
+  return WriteFileAtomically(dir + "/" + kFence, json.dump() + "\n");
+}
+
+std::string Describe(const CheckpointFence& fence) {
+  return absl::StrCat("job ", fence.job_id, " attempt ", fence.generation);
+}
+
+std::string StateJson(const TrainingState& state, const CheckpointFence& writer) {
   nlohmann::ordered_json json;
   json["format"] = 1;
   json["step"] = state.step;
@@ -42,15 +101,22 @@ std::string StateJson(const TrainingState& state) {
                              {"consecutive", state.consecutive_nonfinite}};
   json["spec_fingerprint"] = state.spec_fingerprint;
   if (state.shard_world > 0) json["shards"] = {{"world_size", state.shard_world}};
+  if (writer.generation > 0) {  // for people: which attempt wrote it
+    json["attempt"] = {{"job_id", writer.job_id}, {"generation", writer.generation}};
+  }
   return json.dump(2) + "\n";
 }
 
-absl::StatusOr<TrainingState> ParseState(const std::string& text, const std::string& path) {
+}  // namespace
+
+absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::string_view path) {
   nlohmann::json json = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   auto bad = [&path](absl::string_view what) {
     return absl::DataLossError(absl::StrCat(path, ": ", what));
   };
-  if (!json.is_object() || json.value("format", 0) != 1) return bad("not a format-1 state");
+  if (!json.is_object() || !json.contains("format") || json["format"] != 1) {
+    return bad("not a format-1 state");
+  }
   TrainingState state;
   try {
     state.step = json.at("step").get<int64_t>();
@@ -83,6 +149,30 @@ absl::StatusOr<TrainingState> ParseState(const std::string& text, const std::str
   return state;
 }
 
+absl::StatusOr<std::map<std::string, ManifestEntry>> ParseCheckpointManifest(
+    absl::string_view text) {
+  nlohmann::json manifest = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object()) {
+    return absl::DataLossError("manifest.json is malformed");
+  }
+  std::map<std::string, ManifestEntry> entries;
+  for (const auto& [file, entry] : manifest["files"].items()) {
+    if (file.empty() || file.find('/') != std::string::npos || file == "." || file == "..") {
+      return absl::DataLossError(
+          absl::StrCat("manifest.json names \"", absl::CHexEscape(file), "\""));
+    }
+    if (!entry.is_object() || !entry.contains("size") || !entry["size"].is_number_unsigned() ||
+        !entry.contains("sha256") || !entry["sha256"].is_string()) {
+      return absl::DataLossError(absl::StrCat(file, ": malformed manifest entry"));
+    }
+    entries[file] = {entry["size"].get<uint64_t>(), entry["sha256"].get<std::string>()};
+  }
+  if (!entries.count(kState)) return absl::DataLossError("state.json: not in the manifest");
+  return entries;
+}
+
+namespace {
+
 // Step number of a "step-00000010" directory name, or -1.
 int64_t StepOf(const std::string& name) {
   int64_t step = -1;
@@ -95,8 +185,42 @@ int64_t StepOf(const std::string& name) {
 
 }  // namespace
 
-CheckpointStore::CheckpointStore(std::string dir, int64_t keep)
-    : dir_(std::move(dir)), keep_(keep) {}
+CheckpointStore::CheckpointStore(std::string dir, int64_t keep, CheckpointFence fence)
+    : dir_(std::move(dir)), keep_(keep), fence_(std::move(fence)) {}
+
+absl::Status CheckpointStore::Claim() {
+  if (fence_.generation == 0) return absl::OkStatus();
+  std::error_code error;
+  fs::create_directories(dir_, error);
+  if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, DirectoryLock::Acquire(dir_));
+  const std::optional<CheckpointFence> holder = ReadFence(dir_);
+  if (holder && holder->job_id == fence_.job_id && holder->generation > fence_.generation) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoints ", dir_, ": ", Describe(*holder),
+                                                      " has taken over from ", Describe(fence_),
+                                                      " (a stale attempt)"));
+  }
+  if (holder && holder->job_id == fence_.job_id && holder->generation == fence_.generation) {
+    return absl::OkStatus();
+  }
+  return WriteFence(dir_, fence_);
+}
+
+absl::Status CheckpointStore::Fenced(const std::function<absl::Status()>& write) {
+  if (fence_.generation == 0) return write();
+  std::error_code error;
+  fs::create_directories(dir_, error);  // (gone only when someone removed it)
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, DirectoryLock::Acquire(dir_));
+  const std::optional<CheckpointFence> holder = ReadFence(dir_);
+  if (!holder) {
+    LATHE_RETURN_IF_ERROR(WriteFence(dir_, fence_));  // the directory was emptied: claim again
+  } else if (holder->job_id != fence_.job_id || holder->generation != fence_.generation) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoints ", dir_, ": ", Describe(*holder),
+                                                      " has taken over; ", Describe(fence_),
+                                                      " may no longer write"));
+  }
+  return write();
+}
 
 std::string CheckpointStore::StepDir(int64_t step) const {
   return (fs::path(dir_) / absl::StrFormat("%s%08d", kStepPrefix, step)).string();
@@ -105,11 +229,16 @@ std::string CheckpointStore::StepDir(int64_t step) const {
 std::string ShardFileName(int64_t rank) { return absl::StrFormat("shard-%05d.safetensors", rank); }
 
 std::string CheckpointStore::TempDir(int64_t step) const {
-  return (fs::path(dir_) / absl::StrCat(".tmp-", fs::path(StepDir(step)).filename().string()))
+  const std::string attempt =
+      fence_.generation > 0 ? absl::StrCat("g", fence_.generation, "-") : std::string();
+  return (fs::path(dir_) /
+          absl::StrCat(".tmp-", attempt, fs::path(StepDir(step)).filename().string()))
       .string();
 }
 
 absl::Status CheckpointStore::Prepare(int64_t step) {
+  // A stale attempt learns it before writing anything (Commit checks again).
+  LATHE_RETURN_IF_ERROR(Fenced([] { return absl::OkStatus(); }));
   std::error_code error;
   fs::create_directories(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
@@ -138,9 +267,8 @@ absl::Status CheckpointStore::Save(const TrainingState& state,
 absl::Status CheckpointStore::Commit(const TrainingState& state) {
   const std::string final_dir = StepDir(state.step);
   const std::string temp_dir = TempDir(state.step);
-  std::error_code error;
   auto write_all = [&]() -> absl::Status {
-    LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kState, StateJson(state)));
+    LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kState, StateJson(state, fence_)));
     nlohmann::ordered_json manifest;
     manifest["format"] = 1;
     manifest["step"] = state.step;
@@ -155,9 +283,7 @@ absl::Status CheckpointStore::Commit(const TrainingState& state) {
       manifest["files"][file] = {{"size", fs::file_size(path)}, {"sha256", sha}};
     }
     LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kManifest, manifest.dump(2) + "\n"));
-    fs::remove_all(final_dir);  // a checkpoint of the same step from before a resume
-    fs::rename(temp_dir, final_dir);
-    return SyncDirectory(dir_);
+    return Fenced([&] { return CommitLocked(state); });
   };
   absl::Status status;
   try {
@@ -166,10 +292,20 @@ absl::Status CheckpointStore::Commit(const TrainingState& state) {
     status = absl::InternalError(absl::StrCat("writing checkpoint ", final_dir, ": ", e.what()));
   }
   if (!status.ok()) {
+    std::error_code error;
     fs::remove_all(temp_dir, error);
-    return status;
   }
-  // Keep the newest `keep_` complete checkpoints; drop leftovers of interrupted saves.
+  return status;
+}
+
+absl::Status CheckpointStore::CommitLocked(const TrainingState& state) {
+  const std::string final_dir = StepDir(state.step);
+  fs::remove_all(final_dir);  // a checkpoint of the same step from before a resume
+  fs::rename(TempDir(state.step), final_dir);
+  LATHE_RETURN_IF_ERROR(SyncDirectory(dir_));
+  // Keep the newest `keep_` complete checkpoints; drop leftovers of interrupted saves (and
+  // of older attempts).
+  std::error_code error;
   std::vector<std::pair<int64_t, fs::path>> steps;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
     const std::string entry_name = entry.path().filename().string();
@@ -190,37 +326,24 @@ absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const std::string& step_d
   const std::string manifest_path = step_dir + "/" + kManifest;
   absl::StatusOr<std::string> manifest_text = ReadFile(manifest_path);
   if (!manifest_text.ok()) return absl::DataLossError("no manifest (an interrupted save)");
-  nlohmann::json manifest = nlohmann::json::parse(*manifest_text, nullptr, false);
-  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object()) {
-    return absl::DataLossError("manifest.json is malformed");
-  }
-  if (!manifest["files"].contains(kState))
-    return absl::DataLossError("state.json: not in the manifest");
-  for (const auto& [file, entry] : manifest["files"].items()) {
-    if (file.find('/') != std::string::npos || file == "." || file == "..") {
-      return absl::DataLossError(absl::StrCat("manifest.json names \"", file, "\""));
-    }
+  LATHE_ASSIGN_OR_RETURN(auto manifest, ParseCheckpointManifest(*manifest_text));
+  for (const auto& [file, entry] : manifest) {
     const std::string path = step_dir + "/" + file;
-    if (!entry.is_object() || !entry.contains("size") || !entry.contains("sha256")) {
-      return absl::DataLossError(absl::StrCat(file, ": malformed manifest entry"));
-    }
     std::error_code error;
     const uintmax_t size = fs::file_size(path, error);
     if (error) return absl::DataLossError(absl::StrCat(file, ": missing"));
-    if (size != entry["size"].get<uintmax_t>()) {
-      return absl::DataLossError(absl::StrCat(file, ": ", size, " bytes, the manifest says ",
-                                              entry["size"].get<uintmax_t>()));
+    if (size != entry.size) {
+      return absl::DataLossError(
+          absl::StrCat(file, ": ", size, " bytes, the manifest says ", entry.size));
     }
     LATHE_ASSIGN_OR_RETURN(std::string sha, Sha256File(path));
-    if (sha != entry["sha256"].get<std::string>()) {
-      return absl::DataLossError(absl::StrCat(file, ": SHA-256 mismatch"));
-    }
+    if (sha != entry.sha256) return absl::DataLossError(absl::StrCat(file, ": SHA-256 mismatch"));
   }
   LoadedCheckpoint loaded;
   loaded.dir = step_dir;
   LATHE_ASSIGN_OR_RETURN(std::string state_text, ReadFile(step_dir + "/" + kState));
-  LATHE_ASSIGN_OR_RETURN(loaded.state, ParseState(state_text, step_dir + "/" + kState));
-  for (const auto& [file, entry] : manifest["files"].items()) {
+  LATHE_ASSIGN_OR_RETURN(loaded.state, ParseTrainingState(state_text, step_dir + "/" + kState));
+  for (const auto& [file, entry] : manifest) {
     if (!absl::EndsWith(file, ".safetensors")) continue;
     LATHE_ASSIGN_OR_RETURN(loaded.files[file], SafetensorsFile::Open(step_dir + "/" + file));
   }

@@ -7,13 +7,23 @@
 //   shard-<5 digits>.safetensors   each rank's slices of every unit's flat buffers
 // and
 //   state.json              step, AdamW step count, data cursor, RNG state, spec fingerprint
-//                           (and the sharded run's world size)
+//                           (and the sharded run's world size, the attempt that wrote it)
 //   manifest.json           size and SHA-256 of each file above; written last
 // It is assembled in a temporary directory (every file fsynced, the manifest last), renamed
 // into place and the parent directory fsynced, so a crash leaves either the complete
 // checkpoint or none. Loading takes the newest checkpoint whose manifest verifies and falls
 // back to older ones: a truncated file, a flipped byte or a missing manifest skips that one.
 // After each save only the newest `keep` checkpoints remain.
+//
+// Fencing. A store made for an attempt (a job id and a generation > 0) claims the directory
+// for it (Claim, <dir>/.fence), and every commit, the pruning after it and every Fenced
+// write first check, holding an exclusive lock (<dir>/.lock), that the claim is still its
+// own. Once a later attempt of the job, or another job, has claimed the directory, the old
+// attempt's writes are refused with FAILED_PRECONDITION and change nothing: a trainer
+// paused through its attempt's end (a zombie, SIGSTOP then SIGCONT) cannot touch what the
+// next attempt resumes from or exports. Each attempt assembles its saves in temporary
+// directories of its own (".tmp-g<generation>-step-..."). Generation 0 is unfenced (the
+// standalone `lathe-worker train --spec`).
 //
 // No libtorch here: tensors come in as raw bytes and go out as mapped safetensors files.
 //
@@ -22,6 +32,7 @@
 #define LATHE_WORKER_ENGINE_CHECKPOINT_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -54,6 +65,22 @@ struct TrainingState {
 // "shard-00003.safetensors": the slices rank 3 of a sharded run wrote.
 std::string ShardFileName(int64_t rank);
 
+// One file of a checkpoint's manifest.json.
+struct ManifestEntry {
+  uint64_t size = 0;
+  std::string sha256;  // lowercase hex
+};
+
+// The files manifest.json lists, by name. DATA_LOSS naming what is wrong: not JSON, an
+// entry without an unsigned size or a string sha256, a name with '/' or "..", no
+// state.json. Untrusted input: never throws.
+absl::StatusOr<std::map<std::string, ManifestEntry>> ParseCheckpointManifest(
+    absl::string_view text);
+
+// state.json's contents. DATA_LOSS naming `path` and the field when it is not a format-1
+// state. Untrusted input: never throws.
+absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::string_view path);
+
 struct LoadedCheckpoint {
   std::string dir;
   TrainingState state;
@@ -64,10 +91,25 @@ struct LoadedCheckpoint {
   std::map<std::string, std::shared_ptr<const SafetensorsFile>> files;
 };
 
+// The attempt a store writes for; generation 0: unfenced.
+struct CheckpointFence {
+  std::string job_id;
+  int64_t generation = 0;
+};
+
 class CheckpointStore {
  public:
-  // `dir` is created on the first save. REQUIRES: keep >= 1.
-  CheckpointStore(std::string dir, int64_t keep);
+  // `dir` is created on the first save or claim. REQUIRES: keep >= 1.
+  CheckpointStore(std::string dir, int64_t keep, CheckpointFence fence = {});
+
+  // Claims the directory for this store's attempt unless a later generation of the same
+  // job holds it (FAILED_PRECONDITION naming both). No-op when unfenced. UNAVAILABLE when
+  // the lock stays held for 30 s; INTERNAL on I/O errors.
+  absl::Status Claim();
+
+  // Runs `write` holding the lock, when the claim is still this store's; else
+  // FAILED_PRECONDITION without running it. For outputs outside the store (the adapter).
+  absl::Status Fenced(const std::function<absl::Status()>& write);
 
   // Writes a checkpoint for `state.step` as described above, then deletes the oldest beyond
   // `keep`. INTERNAL (naming the file) on I/O errors; nothing partial is left then.
@@ -95,9 +137,12 @@ class CheckpointStore {
 
  private:
   absl::StatusOr<LoadedCheckpoint> Load(const std::string& step_dir) const;
+  // Commit's rename and pruning, under the fence.
+  absl::Status CommitLocked(const TrainingState& state);
 
   std::string dir_;
   int64_t keep_;
+  CheckpointFence fence_;
 };
 
 }  // namespace lathe

@@ -285,7 +285,9 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
   // Resume from the newest valid checkpoint of this run, if any.
   trainer->spec_fingerprint_ = SpecFingerprint(spec);
   trainer->checkpoints_ = std::make_unique<CheckpointStore>(
-      (fs::path(spec.output) / "checkpoints").string(), train.keep_checkpoints);
+      (fs::path(spec.output) / "checkpoints").string(), train.keep_checkpoints,
+      CheckpointFence{options.job_id, options.generation});
+  if (options.rank == 0) LATHE_RETURN_IF_ERROR(Annotate(trainer->checkpoints_->Claim(), "output"));
   LATHE_ASSIGN_OR_RETURN(trainer->resume_,
                          trainer->checkpoints_->LoadNewest(&trainer->skipped_checkpoints_));
   if (trainer->resume_) {
@@ -468,18 +470,19 @@ absl::StatusOr<TrainResult> Trainer::Run(
       LATHE_RETURN_IF_ERROR(CheckFinite(p.name, p.tensor));
     }
   }
-  if (sharded_) {
-    LATHE_RETURN_IF_ERROR(ExportSharded(result));
-  } else if (options_.rank != 0) {
-    // rank 0 writes the output
-  } else if (spec_.method == Method::kLora) {
-    result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-    LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(spec_)));
-  } else {
-    result.model_dir = (fs::path(spec_.output) / "model").string();
-    LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
-  }
-  if (options_.rank == 0 && !result.model_dir.empty()) {
+  auto export_output = [&]() -> absl::Status {
+    if (sharded_) {
+      LATHE_RETURN_IF_ERROR(ExportSharded(result));
+    } else if (options_.rank != 0) {
+      // rank 0 writes the output
+    } else if (spec_.method == Method::kLora) {
+      result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
+      LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(spec_)));
+    } else {
+      result.model_dir = (fs::path(spec_.output) / "model").string();
+      LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
+    }
+    if (options_.rank != 0 || result.model_dir.empty()) return absl::OkStatus();
     // The tokenizer travels with the model, so that the output is a usable model directory.
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
       const fs::path from = fs::path(spec_.model.path) / name;
@@ -488,7 +491,10 @@ absl::StatusOr<TrainResult> Trainer::Run(
       LATHE_RETURN_IF_ERROR(
           WriteFileAtomically((fs::path(result.model_dir) / name).string(), bytes));
     }
-  }
+    return absl::OkStatus();
+  };
+  // Rank 0 writes under the fence: a stale attempt exports nothing.
+  LATHE_RETURN_IF_ERROR(options_.rank == 0 ? checkpoints_->Fenced(export_output) : export_output());
   if (options_.rank != 0) {
     result.adapter_dir.clear();
     result.model_dir.clear();

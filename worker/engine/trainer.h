@@ -55,6 +55,12 @@ struct TrainerOptions {
   double peak_flops = 0.0;
   // ZeRO-3: gather the next unit while the current one computes (worker/shard).
   bool prefetch = true;
+  // The attempt this process belongs to (a task from the agent). With a generation > 0,
+  // rank 0 claims <output>/checkpoints for it and every checkpoint and the exported output
+  // are fenced (checkpoint.h): once a later attempt has claimed the directory, this one's
+  // writes fail with FAILED_PRECONDITION. 0: unfenced (`lathe-worker train --spec`).
+  std::string job_id{};  // (initialised, so that `{threads}` aggregates stay warning-free)
+  int64_t generation = 0;
 };
 
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
