@@ -472,18 +472,27 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
     (void)Commit(job);
     return;
   }
-  // Again from the newest checkpoint (the trainer finds it in the output directory), after
-  // a backoff that doubles with each restart.
+  // Again from the newest checkpoint (the trainer finds it in the output directory): at
+  // once when the failed attempt trained, else after a backoff that doubles with each
+  // attempt in a row that did not (a crash loop).
+  int64_t stalled = 0;
+  for (auto a = job.status.attempts().rbegin(); a != job.status.attempts().rend(); ++a) {
+    if (a->progress().step() > a->resumed_from_step()) break;
+    ++stalled;
+  }
   const int64_t restart = job.status.restarts() + 1;
   const absl::Duration backoff =
-      std::min(options_.restart_backoff * (int64_t{1} << std::min<int64_t>(restart - 1, 20)),
-               options_.max_restart_backoff);
+      stalled == 0
+          ? absl::ZeroDuration()
+          : std::min(options_.restart_backoff * (int64_t{1} << std::min<int64_t>(stalled - 1, 20)),
+                     options_.max_restart_backoff);
   EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
   job.status.set_restarts(restart);
   job.status.set_restart_after_unix_ms(absl::ToUnixMillis(clock_->Now() + backoff));
-  job.status.set_reason(absl::StrCat("restart ", restart, " of ", max_restarts, " in ",
-                                     absl::FormatDuration(backoff), " after attempt ",
-                                     attempt->generation(), " failed: ", reason));
+  job.status.set_reason(
+      absl::StrCat("restart ", restart, " of ", max_restarts, stalled == 0 ? " at once" : " in ",
+                   stalled == 0 ? "" : absl::FormatDuration(backoff), " after attempt ",
+                   attempt->generation(), " failed: ", reason));
   spdlog::warn("job={} {}", job.status.job_id(), job.status.reason());
   (void)Commit(job);
 }

@@ -14,8 +14,9 @@
 //
 // When an attempt fails for the infrastructure (a lost worker, a rank killed by a signal or
 // stopped by its worker, a collective timeout: the agent classifies its trainer's end) and
-// the spec's max_restarts allows, the job is queued again after a backoff that doubles with
-// each restart, and its next attempt resumes from the newest checkpoint in its output
+// the spec's max_restarts allows, the job is queued again (at once when the attempt trained,
+// else after a backoff that doubles with each attempt in a row that did not), and its next
+// attempt resumes from the newest checkpoint in its output
 // directory. A user error (the spec, the data, a divergence) fails the job at once.
 //
 // Every change to a job is written through to the Store before the call returns, so a
@@ -52,7 +53,9 @@ namespace lathe {
 struct SchedulerOptions {
   absl::Duration heartbeat_interval = absl::Seconds(2);
   absl::Duration heartbeat_timeout = absl::Seconds(15);
-  // A restart waits restart_backoff, twice that for the second, ..., at most the maximum.
+  // A restart after an attempt that trained at least one step is placed at once; after one
+  // that did not, it waits restart_backoff, twice that when the attempt before did not train
+  // either, ..., at most the maximum.
   absl::Duration restart_backoff = absl::Seconds(1);
   absl::Duration max_restart_backoff = absl::Seconds(60);
 };

@@ -306,6 +306,40 @@ TEST_F(RestartTest, InfrastructureFailuresRestartWithABackoffUntilMaxRestarts) {
   EXPECT_EQ(Job("job").attempts_size(), 3);
 }
 
+TEST_F(RestartTest, AnAttemptThatTrainedRestartsAtOnceAndOnlyACrashLoopBacksOff) {
+  AddJob(5);
+  auto train = [&](int64_t generation, int64_t resumed, int64_t step) {
+    v1::ReportProgressRequest progress;
+    progress.set_worker_id("w1");
+    progress.set_job_id("job");
+    progress.set_generation(generation);
+    progress.set_event(v1::RANK_EVENT_PROGRESS);
+    progress.set_resumed_from_step(resumed);
+    progress.mutable_progress()->set_step(step);
+    ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+  };
+  train(1, 0, 30);
+  ASSERT_TRUE(Fail(1, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  ASSERT_EQ(Job("job").attempts_size(), 2);  // placed at once, the clock unmoved
+  EXPECT_EQ(Job("job").restarts(), 1);
+  // Attempts 2 and 3 die before their first step: 1 s, then 2 s.
+  ASSERT_TRUE(Fail(2, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  EXPECT_THAT(Job("job").reason(), HasSubstr("restart 2 of 5 in 1s"));
+  clock_.Advance(absl::Seconds(1));
+  Beat("w1");
+  scheduler_->CheckHeartbeats();
+  ASSERT_TRUE(Fail(3, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  EXPECT_THAT(Job("job").reason(), HasSubstr("restart 3 of 5 in 2s"));
+  clock_.Advance(absl::Seconds(2));
+  Beat("w1");
+  scheduler_->CheckHeartbeats();
+  // Attempt 4 trains past its checkpoint: at once again.
+  train(4, 20, 21);
+  ASSERT_TRUE(Fail(4, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
+  ASSERT_EQ(Job("job").attempts_size(), 5);
+  EXPECT_EQ(Job("job").restarts(), 4);
+}
+
 TEST_F(RestartTest, AUserErrorIsNotRetried) {
   AddJob(3);
   ASSERT_TRUE(Fail(1, v1::FAILURE_KIND_USER).ok());
