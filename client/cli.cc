@@ -24,8 +24,10 @@
 #include "common/job_spec.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/rpc/auth.h"
+#include "common/rpc/tls.h"
 #include "common/status_macros.h"
 #include "coordinator/planner/plan_proto.h"
+#include "grpcpp/create_channel.h"
 #include "nlohmann/json.hpp"
 
 namespace lathe {
@@ -46,6 +48,10 @@ const std::vector<FlagSpec>& GlobalFlags() {
       {"output", true, "table (default) or json (one schema for scripts: docs/cli-json.md)"},
       {"token", true, "bearer token of a client or admin (default: --token-file, $LATHE_TOKEN)"},
       {"token-file", true, "file holding the bearer token"},
+      {"tls-ca", true,
+       "PEM roots of the coordinator's certificate: connect with TLS ($LATHE_TLS_CA)"},
+      {"tls-cert", true, "PEM client certificate, for mutual TLS ($LATHE_TLS_CERT)"},
+      {"tls-key", true, "PEM private key of --tls-cert ($LATHE_TLS_KEY)"},
       {"help", false, "show this help"},
   };
   return *flags;
@@ -498,7 +504,15 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   if (!token.ok()) return UsageError(err, token.status().message(), usage);
   JobClientOptions client_options;
   client_options.token = *std::move(token);
-  const JobClient client(address, client_options);
+  ClientTlsFiles tls = ClientTlsFilesFromEnv();
+  for (auto [flag, file] : {std::pair{"tls-ca", &tls.ca}, std::pair{"tls-cert", &tls.cert},
+                            std::pair{"tls-key", &tls.key}}) {
+    if (flags->Has(flag)) *file = flags->Get(flag);
+  }
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(tls);
+  if (!credentials.ok()) return UsageError(err, credentials.status().message(), usage);
+  const JobClient client(grpc::CreateChannel(address, *credentials), address, client_options);
   inv.positional = flags->positional();
   inv.flags = *std::move(flags);
   inv.client = &client;

@@ -28,6 +28,7 @@
 #include "common/proto/job_spec_proto.h"
 #include "common/proto/memory_breakdown.h"
 #include "common/proto/trainer_io.h"
+#include "common/rpc/tls.h"
 #include "grpcpp/grpcpp.h"
 #include "worker/agent/agent_main.h"
 #include "worker/comm/grpc_kv_store.h"
@@ -260,9 +261,11 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
       store_options.generation = job.options.generation;
       // The agent hands its worker token down (common/rpc/auth.h).
       if (const char* token = std::getenv("LATHE_TOKEN")) store_options.token = token;
+      // And its TLS files (common/rpc/tls.h).
+      LATHE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                             MakeChannelCredentials(ClientTlsFilesFromEnv()));
       store = std::make_unique<GrpcKvStore>(
-          grpc::CreateChannel(job.rendezvous_address, grpc::InsecureChannelCredentials()),
-          store_options);
+          grpc::CreateChannel(job.rendezvous_address, credentials), store_options);
 #endif
     } else {
       return absl::InvalidArgumentError(

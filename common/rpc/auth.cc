@@ -1,5 +1,6 @@
 #include "common/rpc/auth.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "absl/strings/ascii.h"
@@ -118,6 +119,16 @@ absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
 grpc::Status Authenticator::Check(const grpc::ServerContext& context,
                                   std::initializer_list<Role> allowed,
                                   absl::string_view method) const {
+  if (worker_certificates_ &&
+      std::find(allowed.begin(), allowed.end(), Role::kWorker) != allowed.end()) {
+    const auto peer = context.auth_context();
+    if (peer == nullptr || !peer->IsPeerAuthenticated()) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(method,
+                                       " needs a client certificate signed by the "
+                                       "coordinator's --tls-client-ca (mutual TLS)"));
+    }
+  }
   if (!enabled_) return grpc::Status::OK;
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");

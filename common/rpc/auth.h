@@ -51,9 +51,14 @@ class Authenticator {
 
   bool enabled() const { return enabled_; }
 
+  // Mutual TLS for workers (common/rpc/tls.h): from now on a worker's call must also come
+  // over a connection whose client certificate the server verified. Call before serving.
+  void RequireWorkerCertificates() { worker_certificates_ = true; }
+
   // OK when the call carries the token of a role in `allowed`. UNAUTHENTICATED without a
-  // bearer token or with an unknown one; PERMISSION_DENIED naming the token's name and role
-  // and `method` for a token of another role.
+  // bearer token or with an unknown one, or for a worker call without a verified client
+  // certificate when RequireWorkerCertificates was called (also with auth off); PERMISSION_DENIED
+  // naming the token's name and role and `method` for a token of another role.
   grpc::Status Check(const grpc::ServerContext& context, std::initializer_list<Role> allowed,
                      absl::string_view method) const;
 
@@ -66,6 +71,7 @@ class Authenticator {
   Authenticator() = default;
 
   bool enabled_ = true;
+  bool worker_certificates_ = false;
   std::vector<Entry> entries_;
 };
 

@@ -24,6 +24,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     if (!auth.ok()) return Annotate(auth.status(), "--auth-tokens");
     server->auth_ = std::make_unique<Authenticator>(*std::move(auth));
   }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
+      MakeServerCredentials(config.tls);
+  if (!credentials.ok()) return credentials.status();
+  if (!config.tls.client_ca.empty()) server->auth_->RequireWorkerCertificates();
   if (config.db_path == ":memory:") {
     server->store_ = NewMemoryStore();
   } else {
@@ -46,7 +50,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get(), auth);
 
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(config.listen, *credentials, &server->port_);
   // Bounds on what one caller can make the server hold: a message, the streams of one
   // connection (WatchJob's are bounded per host by the service).
   builder.SetMaxReceiveMessageSize(4 << 20);

@@ -15,6 +15,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/rpc/tls.h"
 #include "coordinator/api/services.h"
 #include "coordinator/planner/device_pools.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
@@ -36,12 +37,15 @@ struct CoordinatorConfig {
   // Bearer tokens with roles (common/rpc/auth.h); required unless insecure_no_auth.
   std::string auth_tokens_path;
   bool insecure_no_auth = false;  // every caller may do anything: logged loudly
+  // TLS (common/rpc/tls.h); with a client CA, worker calls need a verified certificate.
+  ServerTlsFiles tls;
 };
 
 class CoordinatorServer {
  public:
-  // Reads the token file, opens the store, loads its state and starts serving.
-  // INVALID_ARGUMENT without a token file or insecure_no_auth, or for a bad token file;
+  // Reads the token file and the TLS files, opens the store, loads its state and starts
+  // serving. INVALID_ARGUMENT without a token file or insecure_no_auth, or for a bad token
+  // or TLS file;
   // UNAVAILABLE when the address cannot be bound; the store's errors otherwise.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config);
   ~CoordinatorServer();

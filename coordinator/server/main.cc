@@ -30,6 +30,10 @@ const std::vector<FlagSpec> kFlags = {
      "admin); required unless --insecure-no-auth"},
     {"insecure-no-auth", false,
      "accept every call without a token: anyone who reaches the port may do anything"},
+    {"tls-cert", true, "PEM certificate chain to serve TLS with (with --tls-key)"},
+    {"tls-key", true, "PEM private key of --tls-cert"},
+    {"tls-client-ca", true,
+     "PEM roots for client certificates: mutual TLS, required of workers (with --tls-cert)"},
     {"help", false, "this message"},
 };
 
@@ -45,6 +49,7 @@ int Main(int argc, char** argv) {
   config.db_path = flags->Get("db", config.db_path);
   config.auth_tokens_path = flags->Get("auth-tokens");
   config.insecure_no_auth = flags->Has("insecure-no-auth");
+  config.tls = {flags->Get("tls-cert"), flags->Get("tls-key"), flags->Get("tls-client-ca")};
   if (config.insecure_no_auth && !config.auth_tokens_path.empty()) {
     std::cerr << "lathe-coordinator: --auth-tokens and --insecure-no-auth exclude each other\n";
     return 2;
@@ -106,6 +111,10 @@ int Main(int argc, char** argv) {
   std::string host = config.listen.substr(0, config.listen.rfind(':'));
   std::cout << "lathe-coordinator listening on " << host << ":" << (*server)->port() << " (db "
             << config.db_path << "; spec paths inside " << absl::StrJoin(config.allowed_roots, ", ")
+            << "; "
+            << (config.tls.cert.empty() ? "no TLS: tokens and jobs cross the network in clear"
+                : config.tls.client_ca.empty() ? "TLS"
+                                               : "TLS, mutual TLS for workers")
             << ")" << std::endl;
   std::thread waiter([&] {
     int signal = 0;

@@ -68,13 +68,16 @@ class Cluster:
         self.db = os.path.join(root, "lathe.db")
         self.coordinator = None
         self.workers = {}
+        # More flags for each kind of process (tls_test.py adds TLS's).
+        self.coordinator_args, self.worker_args, self.cli_args = [], [], []
 
     def start_coordinator(self):
         with open(os.path.join(self.root, "coordinator.log"), "a") as log:
             self.coordinator = subprocess.Popen(
                 [os.path.join(BIN, "lathe-coordinator"), "--listen", self.address, "--db",
                  self.db, "--allowed-roots", self.root, "--auth-tokens", self.tokens["file"],
-                 "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5"],
+                 "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
+                 *self.coordinator_args],
                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, f"coordinator did not start: {line!r}"
@@ -98,7 +101,7 @@ class Cluster:
                  "--slots", "1", "--trainer-threads", "1",
                  "--peak-flops", str(PEAK_FLOPS),
                  "--collective-timeout", str(COLLECTIVE_TIMEOUT),
-                 "--work-dir", os.path.join(self.root, worker_id)],
+                 "--work-dir", os.path.join(self.root, worker_id), *self.worker_args],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self):
@@ -115,7 +118,7 @@ class Cluster:
 
     def lathe(self, *args, timeout=TIMEOUT, role="client"):
         return run("lathe", "--coordinator", self.address, "--token-file", self.tokens[role],
-                   *args, timeout=timeout)
+                   *self.cli_args, *args, timeout=timeout)
 
 
 class ServicesTest(unittest.TestCase):

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <thread>
 #include <utility>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
 #include "common/rpc/auth.h"
+#include "common/rpc/tls.h"
 #include "common/status_macros.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -41,6 +43,11 @@ const std::vector<FlagSpec> kAgentFlags = {
      "the worker's bearer token (default: --token-file, then $LATHE_TOKEN); its trainers get it "
      "as $LATHE_TOKEN"},
     {"token-file", true, "file holding the worker's bearer token"},
+    {"tls-ca", true,
+     "PEM roots of the coordinator's certificate: connect with TLS (default $LATHE_TLS_CA); "
+     "its trainers get the TLS files as $LATHE_TLS_CA, $LATHE_TLS_CERT, $LATHE_TLS_KEY"},
+    {"tls-cert", true, "PEM certificate of this worker, for mutual TLS (default $LATHE_TLS_CERT)"},
+    {"tls-key", true, "PEM private key of --tls-cert (default $LATHE_TLS_KEY)"},
     {"peak-flops", true,
      "peak FLOP/s of one slot's device, for MFU (default: looked up (CUDA) or measured (CPU) by "
      "each trainer)"},
@@ -50,6 +57,17 @@ std::string HostName() {
   char name[256] = {};
   if (gethostname(name, sizeof(name) - 1) != 0 || name[0] == '\0') return "localhost";
   return name;
+}
+
+// The agent's TLS files (flags, else the environment), absolute: its trainers get them too.
+ClientTlsFiles TlsFilesFromFlags(const ParsedFlags& flags) {
+  ClientTlsFiles tls = ClientTlsFilesFromEnv();
+  for (auto [flag, file] : {std::pair{"tls-ca", &tls.ca}, std::pair{"tls-cert", &tls.cert},
+                            std::pair{"tls-key", &tls.key}}) {
+    if (flags.Has(flag)) *file = flags.Get(flag);
+    if (!file->empty()) *file = std::filesystem::absolute(*file).string();
+  }
+  return tls;
 }
 
 absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
@@ -98,6 +116,11 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
   LATHE_ASSIGN_OR_RETURN(options.token, ResolveToken(flags.Get("token"), flags.Get("token-file"),
                                                      "--token-file", "LATHE_TOKEN"));
   if (!options.token.empty()) trainer.environment.push_back({"LATHE_TOKEN", options.token});
+  const ClientTlsFiles tls = TlsFilesFromFlags(flags);
+  for (auto [name, file] : {std::pair{kTlsEnvCa, &tls.ca}, std::pair{kTlsEnvCert, &tls.cert},
+                            std::pair{kTlsEnvKey, &tls.key}}) {
+    if (!file->empty()) trainer.environment.push_back({name, *file});
+  }
   trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {
     return absl::InvalidArgumentError(
@@ -137,12 +160,13 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
 
 }  // namespace
 
-std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> CoordinatorChannel(
+    const std::string& address, std::shared_ptr<grpc::ChannelCredentials> credentials) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 200);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 5000);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(address, std::move(credentials), args);
 }
 
 std::string AgentFlagsHelp() { return FlagsHelp(kAgentFlags); }
@@ -186,8 +210,14 @@ int RunAgentCommand(int argc, char** argv) {
                coordinator, options->slots, options->device == v1::DEVICE_CUDA ? "cuda" : "cpu",
                options->trainer.work_dir);
 
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      MakeChannelCredentials(TlsFilesFromFlags(*flags));
+  if (!credentials.ok()) {
+    std::cerr << "lathe-worker agent: " << credentials.status().message() << "\n";
+    return 2;
+  }
   std::unique_ptr<v1::WorkerService::Stub> stub =
-      v1::WorkerService::NewStub(CoordinatorChannel(coordinator));
+      v1::WorkerService::NewStub(CoordinatorChannel(coordinator, *credentials));
   RealClock clock;
   WorkerAgent agent(*std::move(options), stub.get(), &launcher, &clock);
 

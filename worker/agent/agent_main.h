@@ -9,6 +9,7 @@
 #include <string>
 
 #include "grpcpp/channel.h"
+#include "grpcpp/security/credentials.h"
 
 namespace lathe {
 
@@ -16,10 +17,13 @@ namespace lathe {
 // clean shutdown, 1 when the agent fails, 2 for a usage error.
 int RunAgentCommand(int argc, char** argv);
 
-// An insecure channel to the coordinator at `address`, set up for a long-lived agent: it
-// tries to reconnect at least every 5 s (gRPC's default backs off to 2 minutes), so a
-// restarted coordinator is found again quickly.
-std::shared_ptr<grpc::Channel> CoordinatorChannel(const std::string& address);
+// A channel to the coordinator at `address` (insecure by default; TLS with credentials from
+// common/rpc/tls.h), set up for a long-lived agent: it tries to reconnect at least every
+// 5 s (gRPC's default backs off to 2 minutes), so a restarted coordinator is found again
+// quickly.
+std::shared_ptr<grpc::Channel> CoordinatorChannel(
+    const std::string& address,
+    std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials());
 
 // The "  --flag VALUE   help" lines of the agent's flags, for lathe-worker's usage text.
 std::string AgentFlagsHelp();
