@@ -198,7 +198,7 @@ TEST_F(CheckpointStoreTest, AStaleAttemptCannotCommitPruneOrExport) {
     names.push_back(entry.path().filename().string());
   }
   std::sort(names.begin(), names.end());
-  EXPECT_THAT(names, ElementsAre(".fence", ".lock", "step-00000010", "step-00000020"));
+  EXPECT_THAT(names, ElementsAre(".fence", "step-00000010", "step-00000020"));
   absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = second.LoadNewest(nullptr);
   ASSERT_TRUE(loaded.ok() && loaded->has_value());
   EXPECT_EQ((*loaded)->state.step, 20);
@@ -208,6 +208,33 @@ TEST_F(CheckpointStoreTest, AStaleAttemptCannotCommitPruneOrExport) {
   CheckpointStore other_job(dir, 2, {"job-2", 1});
   ASSERT_TRUE(other_job.Claim().ok());
   EXPECT_EQ(Save(second, 40).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// A save that passed its fence check just before the takeover and landed after it (its
+// writer was paused in between): loaders skip it and the next pruning removes it.
+TEST_F(CheckpointStoreTest, ALateCommitOfAStaleAttemptIsSkippedAndPruned) {
+  const std::string dir = dir_.Path("ckpt");
+  CheckpointStore first(dir, 3, {"job-1", 1});
+  ASSERT_TRUE(first.Claim().ok());
+  ASSERT_TRUE(Save(first, 10).ok());
+  CheckpointStore second(dir, 3, {"job-1", 2});
+  ASSERT_TRUE(second.Claim().ok());  // claims with step 10 the newest
+  // Attempt 1's step 30, written before the takeover, renamed into place after it.
+  CheckpointStore elsewhere(dir_.Path("elsewhere"), 3, {"job-1", 1});
+  ASSERT_TRUE(elsewhere.Claim().ok());
+  ASSERT_TRUE(Save(elsewhere, 30).ok());
+  fs::rename(dir_.Path("elsewhere/step-00000030"), StepDir(30));
+
+  std::vector<std::string> rejected;
+  absl::StatusOr<std::optional<LoadedCheckpoint>> loaded = second.LoadNewest(&rejected);
+  ASSERT_TRUE(loaded.ok() && loaded->has_value());
+  EXPECT_EQ((*loaded)->state.step, 10);
+  EXPECT_EQ((*loaded)->state.writer.generation, 1);
+  EXPECT_THAT(rejected, ElementsAre("step-00000030: committed by job job-1 attempt 1 after a "
+                                    "later attempt took over"));
+  ASSERT_TRUE(Save(second, 20).ok());
+  EXPECT_FALSE(fs::exists(StepDir(30)));
+  EXPECT_TRUE(fs::exists(StepDir(10)));
 }
 
 TEST(CheckpointManifestTest, RefusesWhatIsNotAManifestWithoutThrowing) {

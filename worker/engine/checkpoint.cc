@@ -1,15 +1,9 @@
 #include "worker/engine/checkpoint.h"
 
-#include <fcntl.h>
-#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <chrono>
-#include <cstring>
 #include <filesystem>
-#include <thread>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -32,53 +26,66 @@ constexpr char kState[] = "state.json";
 constexpr char kManifest[] = "manifest.json";
 constexpr char kStepPrefix[] = "step-";
 constexpr char kFence[] = ".fence";
-constexpr char kLock[] = ".lock";
 
-// An exclusive flock on <dir>/.lock, held until destruction.
-class DirectoryLock {
- public:
-  static absl::StatusOr<std::unique_ptr<DirectoryLock>> Acquire(const std::string& dir) {
-    const std::string path = dir + "/" + kLock;
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
-    auto lock = std::unique_ptr<DirectoryLock>(new DirectoryLock(fd));
-    // Held only for a rename and a few deletions; a holder stopped for 30 s is a zombie.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-    while (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      if (errno != EWOULDBLOCK && errno != EINTR) {
-        return absl::InternalError(absl::StrCat(path, ": ", std::strerror(errno)));
-      }
-      if (std::chrono::steady_clock::now() > deadline) {
-        return absl::UnavailableError(absl::StrCat(path, ": held by another writer for 30 s"));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    return lock;
-  }
-  ~DirectoryLock() { ::close(fd_); }  // closing releases the flock
-
- private:
-  explicit DirectoryLock(int fd) : fd_(fd) {}
-  int fd_;
+// What <dir>/.fence holds: the attempt that claimed the directory, and the newest step
+// directory there when it did (checkpoints of older attempts up to that step are legitimate;
+// beyond it they were committed late by a stale attempt).
+struct FenceRecord {
+  CheckpointFence holder;
+  int64_t claimed_step = -1;
 };
 
-// The attempt that has claimed `dir`, or nullopt when none has (or .fence is unreadable).
-std::optional<CheckpointFence> ReadFence(const std::string& dir) {
+// The record of `dir`, or nullopt when no attempt has claimed it (or .fence is unreadable).
+std::optional<FenceRecord> ReadFence(const std::string& dir) {
   absl::StatusOr<std::string> text = ReadFile(dir + "/" + kFence);
   if (!text.ok()) return std::nullopt;
   nlohmann::json json = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
   if (!json.is_object() || !json.contains("job_id") || !json["job_id"].is_string() ||
-      !json.contains("generation") || !json["generation"].is_number_integer()) {
+      !json.contains("generation") || !json["generation"].is_number_integer() ||
+      !json.contains("claimed_step") || !json["claimed_step"].is_number_integer()) {
     return std::nullopt;
   }
-  return CheckpointFence{json["job_id"].get<std::string>(), json["generation"].get<int64_t>()};
+  return FenceRecord{{json["job_id"].get<std::string>(), json["generation"].get<int64_t>()},
+                     json["claimed_step"].get<int64_t>()};
+}
+
+// Step number of a "step-00000010" directory name, or -1.
+int64_t StepOf(const std::string& name) {
+  int64_t step = -1;
+  if (!absl::StartsWith(name, kStepPrefix) ||
+      !absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step)) {
+    return -1;
+  }
+  return step;
+}
+
+// The step directories of `dir` by step, newest first.
+std::vector<std::pair<int64_t, fs::path>> StepDirs(const std::string& dir) {
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    if (int64_t step = StepOf(entry.path().filename().string()); step >= 0) {
+      steps.emplace_back(step, entry.path());
+    }
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
 }
 
 absl::Status WriteFence(const std::string& dir, const CheckpointFence& fence) {
+  const std::vector<std::pair<int64_t, fs::path>> steps = StepDirs(dir);
   nlohmann::ordered_json json;
   json["job_id"] = fence.job_id;
   json["generation"] = fence.generation;
+  json["claimed_step"] = steps.empty() ? int64_t{0} : steps.front().first;
   return WriteFileAtomically(dir + "/" + kFence, json.dump() + "\n");
+}
+
+// True when `writer` committed a checkpoint of `step` after `record`'s attempt took over.
+bool CommittedLate(const CheckpointFence& writer, int64_t step,
+                   const std::optional<FenceRecord>& record) {
+  return record && writer.generation > 0 && writer.job_id == record->holder.job_id &&
+         writer.generation < record->holder.generation && step > record->claimed_step;
 }
 
 std::string Describe(const CheckpointFence& fence) {
@@ -101,7 +108,7 @@ std::string StateJson(const TrainingState& state, const CheckpointFence& writer)
                              {"consecutive", state.consecutive_nonfinite}};
   json["spec_fingerprint"] = state.spec_fingerprint;
   if (state.shard_world > 0) json["shards"] = {{"world_size", state.shard_world}};
-  if (writer.generation > 0) {  // for people: which attempt wrote it
+  if (writer.generation > 0) {  // which attempt wrote it (fencing; and for people)
     json["attempt"] = {{"job_id", writer.job_id}, {"generation", writer.generation}};
   }
   return json.dump(2) + "\n";
@@ -139,6 +146,10 @@ absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::s
       state.shard_world = json["shards"].at("world_size").get<int64_t>();
       if (state.shard_world < 1) return bad("shards.world_size is below 1");
     }
+    if (json.contains("attempt")) {
+      state.writer.job_id = json["attempt"].at("job_id").get<std::string>();
+      state.writer.generation = json["attempt"].at("generation").get<int64_t>();
+    }
     if (json.contains("nonfinite_steps")) {
       state.skipped_steps = json["nonfinite_steps"].at("skipped").get<int64_t>();
       state.consecutive_nonfinite = json["nonfinite_steps"].at("consecutive").get<int64_t>();
@@ -171,20 +182,6 @@ absl::StatusOr<std::map<std::string, ManifestEntry>> ParseCheckpointManifest(
   return entries;
 }
 
-namespace {
-
-// Step number of a "step-00000010" directory name, or -1.
-int64_t StepOf(const std::string& name) {
-  int64_t step = -1;
-  if (!absl::StartsWith(name, kStepPrefix) ||
-      !absl::SimpleAtoi(name.substr(sizeof(kStepPrefix) - 1), &step)) {
-    return -1;
-  }
-  return step;
-}
-
-}  // namespace
-
 CheckpointStore::CheckpointStore(std::string dir, int64_t keep, CheckpointFence fence)
     : dir_(std::move(dir)), keep_(keep), fence_(std::move(fence)) {}
 
@@ -193,32 +190,36 @@ absl::Status CheckpointStore::Claim() {
   std::error_code error;
   fs::create_directories(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
-  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, DirectoryLock::Acquire(dir_));
-  const std::optional<CheckpointFence> holder = ReadFence(dir_);
-  if (holder && holder->job_id == fence_.job_id && holder->generation > fence_.generation) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoints ", dir_, ": ", Describe(*holder),
-                                                      " has taken over from ", Describe(fence_),
-                                                      " (a stale attempt)"));
-  }
-  if (holder && holder->job_id == fence_.job_id && holder->generation == fence_.generation) {
-    return absl::OkStatus();
+  const std::optional<FenceRecord> record = ReadFence(dir_);
+  if (record && record->holder.job_id == fence_.job_id) {
+    if (record->holder.generation > fence_.generation) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("checkpoints ", dir_, ": ", Describe(record->holder),
+                       " has taken over from ", Describe(fence_), " (a stale attempt)"));
+    }
+    if (record->holder.generation == fence_.generation) return absl::OkStatus();
   }
   return WriteFence(dir_, fence_);
 }
 
-absl::Status CheckpointStore::Fenced(const std::function<absl::Status()>& write) {
-  if (fence_.generation == 0) return write();
-  std::error_code error;
-  fs::create_directories(dir_, error);  // (gone only when someone removed it)
-  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<DirectoryLock> lock, DirectoryLock::Acquire(dir_));
-  const std::optional<CheckpointFence> holder = ReadFence(dir_);
-  if (!holder) {
-    LATHE_RETURN_IF_ERROR(WriteFence(dir_, fence_));  // the directory was emptied: claim again
-  } else if (holder->job_id != fence_.job_id || holder->generation != fence_.generation) {
-    return absl::FailedPreconditionError(absl::StrCat("checkpoints ", dir_, ": ", Describe(*holder),
-                                                      " has taken over; ", Describe(fence_),
-                                                      " may no longer write"));
+absl::Status CheckpointStore::CheckFence() {
+  if (fence_.generation == 0) return absl::OkStatus();
+  const std::optional<FenceRecord> record = ReadFence(dir_);
+  if (!record) {
+    std::error_code error;
+    fs::create_directories(dir_, error);  // the directory was emptied: claim it again
+    return WriteFence(dir_, fence_);
   }
+  if (record->holder.job_id != fence_.job_id || record->holder.generation != fence_.generation) {
+    return absl::FailedPreconditionError(absl::StrCat("checkpoints ", dir_, ": ",
+                                                      Describe(record->holder), " has taken over; ",
+                                                      Describe(fence_), " may no longer write"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckpointStore::Fenced(const std::function<absl::Status()>& write) {
+  LATHE_RETURN_IF_ERROR(CheckFence());
   return write();
 }
 
@@ -238,7 +239,7 @@ std::string CheckpointStore::TempDir(int64_t step) const {
 
 absl::Status CheckpointStore::Prepare(int64_t step) {
   // A stale attempt learns it before writing anything (Commit checks again).
-  LATHE_RETURN_IF_ERROR(Fenced([] { return absl::OkStatus(); }));
+  LATHE_RETURN_IF_ERROR(CheckFence());
   std::error_code error;
   fs::create_directories(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
@@ -283,7 +284,8 @@ absl::Status CheckpointStore::Commit(const TrainingState& state) {
       manifest["files"][file] = {{"size", fs::file_size(path)}, {"sha256", sha}};
     }
     LATHE_RETURN_IF_ERROR(WriteFileAtomically(temp_dir + "/" + kManifest, manifest.dump(2) + "\n"));
-    return Fenced([&] { return CommitLocked(state); });
+    LATHE_RETURN_IF_ERROR(CheckFence());
+    return Publish(state);
   };
   absl::Status status;
   try {
@@ -298,26 +300,39 @@ absl::Status CheckpointStore::Commit(const TrainingState& state) {
   return status;
 }
 
-absl::Status CheckpointStore::CommitLocked(const TrainingState& state) {
+absl::Status CheckpointStore::Publish(const TrainingState& state) {
   const std::string final_dir = StepDir(state.step);
   fs::remove_all(final_dir);  // a checkpoint of the same step from before a resume
   fs::rename(TempDir(state.step), final_dir);
   LATHE_RETURN_IF_ERROR(SyncDirectory(dir_));
-  // Keep the newest `keep_` complete checkpoints; drop leftovers of interrupted saves (and
-  // of older attempts).
+  // Taken over since the check (this process was paused in between): what landed is
+  // ignored by loaders (CommittedLate), and nothing is pruned.
+  LATHE_RETURN_IF_ERROR(CheckFence());
+  // Keep the newest `keep_` complete checkpoints; drop late commits of stale attempts and
+  // leftovers of interrupted saves of this attempt and older ones.
+  const std::optional<FenceRecord> record =
+      fence_.generation > 0 ? ReadFence(dir_) : std::optional<FenceRecord>();
   std::error_code error;
-  std::vector<std::pair<int64_t, fs::path>> steps;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
-    const std::string entry_name = entry.path().filename().string();
-    if (absl::StartsWith(entry_name, ".tmp-")) {
+    const std::string name = entry.path().filename().string();
+    int64_t generation = 0;
+    if (absl::StartsWith(name, ".tmp-") &&
+        (!absl::StartsWith(name, ".tmp-g") ||
+         (absl::SimpleAtoi(name.substr(6, name.find('-', 6) - 6), &generation) &&
+          generation <= fence_.generation))) {
       fs::remove_all(entry.path(), error);
-    } else if (int64_t step = StepOf(entry_name); step >= 0) {
-      steps.emplace_back(step, entry.path());
     }
   }
-  std::sort(steps.rbegin(), steps.rend());
-  for (size_t i = static_cast<size_t>(keep_); i < steps.size(); ++i) {
-    fs::remove_all(steps[i].second, error);
+  int64_t kept = 0;
+  for (const auto& [step, path] : StepDirs(dir_)) {
+    absl::StatusOr<std::string> text = ReadFile((path / kState).string());
+    absl::StatusOr<TrainingState> written =
+        text.ok() ? ParseTrainingState(*text, path.string()) : text.status();
+    if (written.ok() && CommittedLate(written->writer, step, record)) {
+      fs::remove_all(path, error);
+    } else if (++kept > keep_) {
+      fs::remove_all(path, error);
+    }
   }
   return absl::OkStatus();
 }
@@ -343,6 +358,10 @@ absl::StatusOr<LoadedCheckpoint> CheckpointStore::Load(const std::string& step_d
   loaded.dir = step_dir;
   LATHE_ASSIGN_OR_RETURN(std::string state_text, ReadFile(step_dir + "/" + kState));
   LATHE_ASSIGN_OR_RETURN(loaded.state, ParseTrainingState(state_text, step_dir + "/" + kState));
+  if (CommittedLate(loaded.state.writer, loaded.state.step, ReadFence(dir_))) {
+    return absl::DataLossError(absl::StrCat("committed by ", Describe(loaded.state.writer),
+                                            " after a later attempt took over"));
+  }
   for (const auto& [file, entry] : manifest) {
     if (!absl::EndsWith(file, ".safetensors")) continue;
     LATHE_ASSIGN_OR_RETURN(loaded.files[file], SafetensorsFile::Open(step_dir + "/" + file));

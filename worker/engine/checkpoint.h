@@ -16,14 +16,18 @@
 // After each save only the newest `keep` checkpoints remain.
 //
 // Fencing. A store made for an attempt (a job id and a generation > 0) claims the directory
-// for it (Claim, <dir>/.fence), and every commit, the pruning after it and every Fenced
-// write first check, holding an exclusive lock (<dir>/.lock), that the claim is still its
-// own. Once a later attempt of the job, or another job, has claimed the directory, the old
-// attempt's writes are refused with FAILED_PRECONDITION and change nothing: a trainer
-// paused through its attempt's end (a zombie, SIGSTOP then SIGCONT) cannot touch what the
-// next attempt resumes from or exports. Each attempt assembles its saves in temporary
-// directories of its own (".tmp-g<generation>-step-..."). Generation 0 is unfenced (the
-// standalone `lathe-worker train --spec`).
+// for it (Claim: <dir>/.fence names the attempt and the newest step there), and every save,
+// the pruning after it and every Fenced write first check that the claim is still its own.
+// Once a later attempt of the job, or another job, has claimed the directory, the old
+// attempt's writes are refused with FAILED_PRECONDITION: a trainer paused through its
+// attempt's end (a zombie, SIGSTOP then SIGCONT) cannot change what the next attempt
+// resumes from or exports. There is no lock to wait on (a paused holder would block the next
+// attempt forever); instead a save that passed its check just before the takeover and lands
+// after it is recognised by its writer (state.json's "attempt"): loaders skip it, the next
+// pruning deletes it, and its writer prunes nothing. Each attempt assembles its saves in
+// temporary directories of its own (".tmp-g<generation>-step-...") and removes only its
+// own and older attempts' leftovers. Generation 0 is unfenced (the standalone
+// `lathe-worker train --spec`).
 //
 // No libtorch here: tensors come in as raw bytes and go out as mapped safetensors files.
 //
@@ -47,6 +51,12 @@
 
 namespace lathe {
 
+// The attempt a store writes for; generation 0: unfenced.
+struct CheckpointFence {
+  std::string job_id;
+  int64_t generation = 0;
+};
+
 struct TrainingState {
   int64_t step = 0;             // optimizer steps completed (the next step is step + 1)
   int64_t optimizer_steps = 0;  // AdamW's count: steps without targets do not count
@@ -60,6 +70,8 @@ struct TrainingState {
   // 0: named tensors (trainable/optimizer.safetensors); else the number of ranks whose
   // shard files hold the slices.
   int64_t shard_world = 0;
+  // The attempt that wrote it (read from state.json; a store writes its own fence there).
+  CheckpointFence writer;
 };
 
 // "shard-00003.safetensors": the slices rank 3 of a sharded run wrote.
@@ -91,24 +103,18 @@ struct LoadedCheckpoint {
   std::map<std::string, std::shared_ptr<const SafetensorsFile>> files;
 };
 
-// The attempt a store writes for; generation 0: unfenced.
-struct CheckpointFence {
-  std::string job_id;
-  int64_t generation = 0;
-};
-
 class CheckpointStore {
  public:
   // `dir` is created on the first save or claim. REQUIRES: keep >= 1.
   CheckpointStore(std::string dir, int64_t keep, CheckpointFence fence = {});
 
   // Claims the directory for this store's attempt unless a later generation of the same
-  // job holds it (FAILED_PRECONDITION naming both). No-op when unfenced. UNAVAILABLE when
-  // the lock stays held for 30 s; INTERNAL on I/O errors.
+  // job holds it (FAILED_PRECONDITION naming both). No-op when unfenced. INTERNAL on I/O
+  // errors.
   absl::Status Claim();
 
-  // Runs `write` holding the lock, when the claim is still this store's; else
-  // FAILED_PRECONDITION without running it. For outputs outside the store (the adapter).
+  // Runs `write` when the claim is still this store's; else FAILED_PRECONDITION without
+  // running it. For outputs outside the store (the adapter, the model).
   absl::Status Fenced(const std::function<absl::Status()>& write);
 
   // Writes a checkpoint for `state.step` as described above, then deletes the oldest beyond
@@ -137,8 +143,11 @@ class CheckpointStore {
 
  private:
   absl::StatusOr<LoadedCheckpoint> Load(const std::string& step_dir) const;
-  // Commit's rename and pruning, under the fence.
-  absl::Status CommitLocked(const TrainingState& state);
+  // FAILED_PRECONDITION when another attempt has claimed the directory (claims it when the
+  // claim is gone).
+  absl::Status CheckFence();
+  // Commit's rename and pruning, after the fence check.
+  absl::Status Publish(const TrainingState& state);
 
   std::string dir_;
   int64_t keep_;
