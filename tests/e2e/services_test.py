@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
 
@@ -81,6 +82,14 @@ class Cluster:
                 stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, f"coordinator did not start: {line!r}"
+        # The log goes on on stdout: drain it into the log file, or the coordinator would
+        # block once the pipe is full.
+        def drain(stdout, path):
+            with stdout, open(path, "a") as log:
+                for rest in stdout:
+                    log.write(rest)
+        threading.Thread(target=drain, args=(self.coordinator.stdout, os.path.join(
+            self.root, "coordinator.log")), daemon=True).start()
 
     def stop_coordinator(self):
         if self.coordinator and self.coordinator.poll() is None:
@@ -90,8 +99,6 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.coordinator.kill()
                 self.coordinator.wait()
-        if self.coordinator:
-            self.coordinator.stdout.close()
 
     def start_worker(self, worker_id):
         with open(os.path.join(self.root, f"{worker_id}.log"), "a") as log:
@@ -415,7 +422,7 @@ output: {os.path.join(self.root, "runs", name)}
                 if len(attempts) == 2 and attempts[1]["state"] == "running" and progress and \
                         progress["step"] > attempts[1]["resumed_from_step"]:
                     break
-                self.assertLess(time.time(), deadline, attempts)
+                self.assertLess(time.time(), deadline, (job["reason"], attempts))
                 time.sleep(0.1)
         finally:
             for pid in reversed(paused):

@@ -19,7 +19,7 @@ int RunAgentCommand(int argc, char** argv);
 
 // A channel to the coordinator at `address` (insecure by default; TLS with credentials from
 // common/rpc/tls.h), set up for a long-lived agent: it tries to reconnect at least every
-// 5 s (gRPC's default backs off to 2 minutes), so a restarted coordinator is found again
+// second (gRPC's default backs off to 2 minutes), so a restarted coordinator is found again
 // quickly.
 std::shared_ptr<grpc::Channel> CoordinatorChannel(
     const std::string& address,

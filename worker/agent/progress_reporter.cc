@@ -91,7 +91,17 @@ void ProgressReporter::Deliver(const v1::ReportProgressRequest& request) {
     AttachToken(&context, options_.token);
     v1::ReportProgressResponse response;
     const absl::Status status = FromGrpcStatus(stub_->ReportProgress(&context, request, &response));
-    if (status.ok()) return;
+    if (status.ok()) {
+      if (dropped_progress_ > 1) {
+        spdlog::info("job={} attempt={} rank={}: reporting again after {} dropped progress reports",
+                     request.job_id(), request.generation(), request.rank(), dropped_progress_);
+      }
+      dropped_progress_ = 0;
+      return;
+    }
+    // A step's progress is superseded by the next: while the coordinator is away, one line
+    // says so rather than one per step.
+    if (request.event() == v1::RANK_EVENT_PROGRESS && ++dropped_progress_ > 1) return;
     bool stopping;
     {
       absl::MutexLock lock(&mu_);

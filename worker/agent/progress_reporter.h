@@ -67,6 +67,9 @@ class ProgressReporter {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool stopped_ ABSL_GUARDED_BY(mu_) = false;  // the thread has been joined (or is being)
   std::thread thread_;
+  // Progress reports dropped in a row (only the first is logged; the count with the next
+  // delivered report). Touched by the reporting thread only.
+  int64_t dropped_progress_ = 0;
 };
 
 }  // namespace lathe

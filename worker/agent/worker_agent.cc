@@ -94,7 +94,8 @@ absl::Status WorkerAgent::Run() {
       if (shutdown_) break;
     }
     DestroyRetired();
-    absl::StatusOr<v1::RegisterWorkerResponse> registration = Register();
+    // The first registration fails fast, so that a misconfiguration shows at once.
+    absl::StatusOr<v1::RegisterWorkerResponse> registration = Register(registered_once);
     if (!registration.ok()) {
       {
         absl::MutexLock lock(&mu_);
@@ -140,7 +141,7 @@ void WorkerAgent::Shutdown() {
   if (call_context_ != nullptr) call_context_->TryCancel();
 }
 
-absl::StatusOr<v1::RegisterWorkerResponse> WorkerAgent::Register() {
+absl::StatusOr<v1::RegisterWorkerResponse> WorkerAgent::Register(bool wait_for_ready) {
   v1::RegisterWorkerRequest request;
   request.set_worker_id(options_.worker_id);
   request.set_address(options_.address);
@@ -151,6 +152,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> WorkerAgent::Register() {
   request.set_version(options_.version);
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + options_.rpc_timeout));
+  context.set_wait_for_ready(wait_for_ready);
   AttachToken(&context, options_.token);
   {
     absl::MutexLock lock(&mu_);

@@ -72,8 +72,10 @@ struct WorkerAgentOptions {
 
   // Heartbeat interval when the coordinator's registration answer gives none.
   absl::Duration default_heartbeat_interval = absl::Seconds(2);
-  // Between registration attempts (common/rpc/retry_policy.h; max_attempts is not used).
-  RetryOptions reconnect;
+  // Between registration attempts (common/rpc/retry_policy.h; max_attempts is not used). At
+  // most a second apart: a restarted coordinator fails the ranks of workers that have not
+  // registered again within its heartbeat timeout.
+  RetryOptions reconnect = {absl::Milliseconds(200), absl::Seconds(1)};
   // Deadline of RegisterWorker.
   absl::Duration rpc_timeout = absl::Seconds(10);
   // The worker's bearer token (common/rpc/auth.h), sent with every call (the progress
@@ -115,7 +117,10 @@ class WorkerAgent {
   };
 
   absl::Status ValidateOptions() const;
-  absl::StatusOr<v1::RegisterWorkerResponse> Register();
+  // `wait_for_ready`: wait (up to rpc_timeout) for the coordinator to come back instead of
+  // failing at once while the channel reconnects: a restarted coordinator gives its workers
+  // only its heartbeat timeout to register again.
+  absl::StatusOr<v1::RegisterWorkerResponse> Register(bool wait_for_ready);
   // One heartbeat stream, until it breaks or Shutdown. `*answered`: a response arrived.
   grpc::Status RunSession(const v1::RegisterWorkerResponse& registration, bool* answered);
   v1::HeartbeatRequest BuildHeartbeat() const;

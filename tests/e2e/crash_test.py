@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""The coordinator killed with SIGKILL at random moments, ten times, during a burst of 200
+submissions: every acknowledged job is there after the restarts (none lost), none twice
+(the CLI retries with the same request id), and the jobs that were running carry on in
+their first attempt (their agents register again and report what they run)."""
+import json
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import unittest
+
+from services_test import TIMEOUT, Cluster, run, write_tokens
+
+SUBMISSIONS = 200
+KILLS = 10
+
+
+class CrashTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="lathe-crash-")
+        cls.model = os.path.join(cls.root, "model")
+        cls.data = os.path.join(cls.root, "train.jsonl")
+        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "64"),
+                    ("lathe-synth", "data", "--out", cls.data, "--records", "16")):
+            result = run(*cmd)
+            assert result.returncode == 0, result.stderr
+        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
+        try:
+            cls.cluster.start_coordinator()
+            cls.cluster.start_worker("w1")
+            cls.cluster.start_worker("w2")
+        except Exception:
+            cls.cluster.stop()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+        if os.environ.get("LATHE_KEEP_E2E") is None:
+            shutil.rmtree(cls.root, ignore_errors=True)
+
+    def spec(self, name, steps):
+        path = os.path.join(self.root, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(f"""name: {name}
+model: {{path: {self.model}}}
+data: {{train: {self.data}, seq_len: 16}}
+lora: {{rank: 2, alpha: 4}}
+train: {{steps: {steps}, global_batch: 2}}
+resources: {{ranks: 1, device: cpu}}
+output: {os.path.join(self.root, "runs", name)}
+""")
+        return path
+
+    def jobs(self):
+        listed = self.cluster.lathe("--output", "json", "list")
+        self.assertEqual(listed.returncode, 0, listed.stderr)
+        return json.loads(listed.stdout)
+
+    def status(self, job_id):
+        shown = self.cluster.lathe("--output", "json", "status", job_id)
+        self.assertEqual(shown.returncode, 0, shown.stderr)
+        return json.loads(shown.stdout)
+
+    def test_kill_9_during_a_burst_of_submissions(self):
+        # Two long jobs, one on each worker, running before the first kill.
+        running = []
+        for name in ("long-a", "long-b"):
+            submitted = self.cluster.lathe("submit", self.spec(name, 10**6))
+            self.assertEqual(submitted.returncode, 0, submitted.stderr)
+            running.append(submitted.stdout.strip())
+        deadline = time.time() + TIMEOUT
+        while not all((self.status(j)["progress"] or {}).get("step", 0) >= 1 for j in running):
+            self.assertLess(time.time(), deadline, "the long jobs did not start")
+            time.sleep(0.2)
+
+        specs = [self.spec(f"burst-{i}", 5) for i in range(SUBMISSIONS)]
+        acknowledged = {}  # i -> job id
+        tries = [0]
+
+        def submit_all():
+            for i, spec in enumerate(specs):
+                while True:  # until acknowledged, always with the same request id
+                    tries[0] += 1
+                    result = self.cluster.lathe("submit", spec, "--request-id", f"burst-{i}",
+                                                timeout=60)
+                    if result.returncode == 0:
+                        acknowledged[i] = result.stdout.strip()
+                        break
+                    time.sleep(0.05)
+
+        submitter = threading.Thread(target=submit_all)
+        submitter.start()
+        rng = random.Random(9)
+        for _ in range(KILLS):
+            time.sleep(rng.uniform(0.2, 1.5))
+            self.cluster.coordinator.kill()  # SIGKILL
+            self.cluster.coordinator.wait()
+            self.cluster.start_coordinator()
+        submitter.join(timeout=10 * TIMEOUT)
+        self.assertFalse(submitter.is_alive())
+        self.assertEqual(len(acknowledged), SUBMISSIONS)
+        self.assertGreater(tries[0], SUBMISSIONS, "no submission was ever interrupted")
+
+        jobs = self.jobs()
+        by_name = {}
+        for job in jobs:
+            by_name.setdefault(job["name"], []).append(job["job_id"])
+        for i, job_id in acknowledged.items():
+            self.assertEqual(by_name.get(f"burst-{i}"), [job_id], f"burst-{i}")
+        self.assertEqual(len(jobs), SUBMISSIONS + len(running))
+
+        # The agents come back and the long jobs go on in their first attempt.
+        for job_id in running:
+            before = self.status(job_id)
+            deadline = time.time() + TIMEOUT
+            while True:
+                job = self.status(job_id)
+                self.assertEqual(job["state"], "running", job["reason"])
+                self.assertEqual(len(job["attempts"]), 1, job["attempts"])
+                if job["progress"]["step"] > before["progress"]["step"] + 5:
+                    break
+                self.assertLess(time.time(), deadline, "no progress after the restarts")
+                time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    unittest.main()
