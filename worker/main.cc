@@ -23,6 +23,7 @@
 #include "common/peft.h"
 #include "common/plan.h"
 #include "common/status_macros.h"
+#include "kernels/ops/torch_compat.h"
 #include "nlohmann/json.hpp"
 #ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC, no protobuf)
 #include "common/proto/job_spec_proto.h"
@@ -455,9 +456,23 @@ int Main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<bool> json = JsonOutput(*flags);
-  absl::Status status = !json.ok()           ? json.status()
-                        : command == "train" ? Train(*flags, *json)
-                                             : Score(*flags, *json);
+  absl::Status status;
+  // The engine's boundary: what escapes it (an allocation that failed, a tensor library
+  // error no caller turned into a status) ends the run with an error event and a one-line
+  // message, never with abort().
+  try {
+    status = !json.ok()           ? json.status()
+             : command == "train" ? Train(*flags, *json)
+                                  : Score(*flags, *json);
+  } catch (const std::bad_alloc&) {
+    status = absl::ResourceExhaustedError(
+        "out of memory: an allocation failed (a smaller micro-batch, activation checkpointing "
+        "or more host memory may help)");
+  } catch (const c10::Error& e) {
+    status = StatusFromTorchError(e, "the tensor library");
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
+  }
   if (!status.ok()) {
 #ifdef LATHE_WITH_AGENT
     // Whoever reads the events learns why the run ended from the last one.

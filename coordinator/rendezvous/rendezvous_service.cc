@@ -1,5 +1,6 @@
 #include "coordinator/rendezvous/rendezvous_service.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,10 @@ grpc::Status RendezvousServiceImpl::Wait(grpc::ServerContext* context,
   if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Wait"); !denied.ok()) {
     return denied;
   }
-  absl::Time deadline = absl::Now() + absl::Milliseconds(request->timeout_ms());
+  // The server's own bound: no caller holds a thread here for longer, whatever it asks.
+  constexpr int64_t kMaxWaitMs = 10 * 60 * 1000;
+  absl::Time deadline =
+      absl::Now() + absl::Milliseconds(std::clamp<int64_t>(request->timeout_ms(), 0, kMaxWaitMs));
   const absl::Time client_deadline = absl::FromChrono(context->deadline());
   if (client_deadline < deadline) deadline = client_deadline;
   std::vector<std::string> keys(request->keys().begin(), request->keys().end());

@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Hostile callers against a running coordinator: 1,000 random requests (every method, every
+field filled at random: huge, negative and NaN numbers, unknown enum values, '..' paths, long
+strings, many repeated entries) with no token, a wrong token or each role's, plus oversized
+messages and bytes that are no protobuf at all. The coordinator must answer each with the
+right status code, never crash, and keep its memory bounded. The requests are built from the
+protos' descriptors (modules generated here with protoc), so a new field is fuzzed too."""
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import grpc
+
+from services_test import Cluster, run, write_tokens
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../..")
+REQUESTS = 1000
+RSS_BOUND_MIB = 256  # the coordinator's resident memory after the barrage
+
+CLIENT, WORKER, ADMIN = "client", "worker", "admin"
+ROLES = {  # method -> roles allowed (common/rpc/auth.h)
+    **{m: {CLIENT, ADMIN} for m in ("SubmitJob", "GetJob", "ListJobs", "CancelJob", "WatchJob",
+                                    "PlanJob", "GetPlanHistory", "ListWorkers")},
+    **{m: {WORKER} for m in ("RegisterWorker", "Heartbeat", "ReportProgress",
+                             "Set", "Get", "Wait", "Add")},
+    **{m: {ADMIN} for m in ("DrainWorker", "RemoveWorker")},
+}
+# What a caller with the right token may be answered: the request's own fault, or that what
+# it names does not exist or is not in a state for it, or that it waited (Wait, WatchJob).
+ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
+           grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+
+def generate_protos(out):
+    os.makedirs(out)
+    subprocess.run(["protoc", "-I", os.path.join(REPO, "proto"), "--python_out", out,
+                    *[os.path.join(REPO, "proto/lathe/v1", p)
+                      for p in ("job.proto", "coordinator.proto", "trainer.proto")]],
+                   check=True)
+    sys.path.insert(0, out)
+    from lathe.v1 import coordinator_pb2
+    return coordinator_pb2
+
+
+class Filler:
+    """Random values for a protobuf message, field by field."""
+    def __init__(self, rng):
+        self.rng = rng
+
+    def string(self):
+        r = self.rng
+        return r.choice(["", "job-1", "w1", "../../etc/passwd", "/etc/shadow", "a" * 300,
+                         "x" * r.randint(1000, 300000), "\u00e9\u4e2d\U0001f600", "\x00\x01",
+                         "".join(chr(r.randint(1, 0xd7ff)) for _ in range(r.randint(1, 40)))])
+
+    def integer(self, field):
+        r, T = self.rng, field.type
+        bits = 32 if T in (field.TYPE_INT32, field.TYPE_SINT32, field.TYPE_SFIXED32,
+                           field.TYPE_UINT32, field.TYPE_FIXED32) else 64
+        unsigned = T in (field.TYPE_UINT32, field.TYPE_FIXED32, field.TYPE_UINT64,
+                         field.TYPE_FIXED64)
+        low, high = (0, 2**bits - 1) if unsigned else (-2**(bits - 1), 2**(bits - 1) - 1)
+        return max(low, min(high, r.choice([0, 1, -1, 2, 7, 4096, high, low,
+                                           r.randint(low, high)])))
+
+    def value(self, field, depth):
+        r, T = self.rng, field.type
+        if T == field.TYPE_MESSAGE:
+            return self.message(field.message_type._concrete_class, depth + 1) \
+                if depth < 4 else None
+        if T == field.TYPE_STRING:
+            return self.string()
+        if T == field.TYPE_BYTES:
+            return os.urandom(r.randint(0, 64))
+        if T == field.TYPE_BOOL:
+            return r.random() < 0.5
+        if T in (field.TYPE_DOUBLE, field.TYPE_FLOAT):
+            return r.choice([0.0, -1.0, 0.5, 1e308 if T == field.TYPE_DOUBLE else 3e38,
+                             math.nan, math.inf, -math.inf, r.uniform(-1e6, 1e6)])
+        if T == field.TYPE_ENUM:
+            values = [v.number for v in field.enum_type.values]
+            return r.choice(values + [99, -5])
+        return self.integer(field)
+
+    def message(self, cls, depth=0):
+        message = cls()
+        for field in message.DESCRIPTOR.fields:
+            if self.rng.random() < 0.35:
+                continue
+            target = getattr(message, field.name)
+            if field.message_type is not None and field.message_type.GetOptions().map_entry:
+                key_field, value_field = field.message_type.fields
+                for _ in range(self.rng.choice([1, 2, 40])):
+                    key, value = self.value(key_field, depth), self.value(value_field, depth)
+                    if value is None:
+                        continue
+                    if value_field.message_type is not None:
+                        target[key].CopyFrom(value)
+                    else:
+                        target[key] = value
+            elif field.label == field.LABEL_REPEATED:
+                for _ in range(self.rng.choice([1, 1, 3, 200])):
+                    value = self.value(field, depth)
+                    if value is None:
+                        continue
+                    if field.message_type is not None:
+                        target.add().CopyFrom(value)
+                    else:
+                        target.append(value)
+            else:
+                value = self.value(field, depth)
+                if value is None:
+                    continue
+                if field.message_type is not None:
+                    target.CopyFrom(value)
+                else:
+                    setattr(message, field.name, value)
+        return message
+
+
+def rss_mib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+
+class HostileTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="lathe-hostile-")
+        cls.pb = generate_protos(os.path.join(cls.root, "py"))
+        model = os.path.join(cls.root, "model")
+        result = run("lathe-synth", "model", "--out", model, "--max-pos", "64")
+        assert result.returncode == 0, result.stderr
+        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
+        cls.cluster.start_coordinator()
+        cls.tokens = {}
+        for role in (CLIENT, WORKER, ADMIN):
+            with open(cls.cluster.tokens[role]) as f:
+                cls.tokens[role] = f.read().strip()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.cluster.stop()
+        if os.environ.get("LATHE_KEEP_E2E") is None:
+            shutil.rmtree(cls.root, ignore_errors=True)
+
+    def call(self, channel, service, method, request, token, timeout=5):
+        """The status code of one call (a stream: of its first answer)."""
+        path = f"/lathe.v1.{service.name}/{method.name}"
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        response = method.output_type._concrete_class
+        try:
+            if method.client_streaming:
+                call = channel.stream_stream(path, lambda m: m.SerializeToString(),
+                                             response.FromString)
+                for _ in call(iter([request]), timeout=2, metadata=metadata):
+                    break
+            elif method.server_streaming:
+                call = channel.unary_stream(path, lambda m: m.SerializeToString(),
+                                            response.FromString)
+                for _ in call(request, timeout=2, metadata=metadata):
+                    break
+            else:
+                channel.unary_unary(path, lambda m: m.SerializeToString(),
+                                    response.FromString)(request, timeout=timeout,
+                                                         metadata=metadata)
+            return grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            return error.code()
+
+    def test_random_oversized_and_garbage_requests(self):
+        rng = random.Random(1000)
+        filler = Filler(rng)
+        methods = [(service, method)
+                   for service in self.pb.DESCRIPTOR.services_by_name.values()
+                   for method in service.methods]
+        pid = self.cluster.coordinator.pid
+        seen = {}
+        with grpc.insecure_channel(self.cluster.address,
+                                   options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+            for i in range(REQUESTS):
+                service, method = rng.choice(methods)
+                request = filler.message(method.input_type._concrete_class)
+                who = rng.choice([None, "wrong", CLIENT, WORKER, ADMIN])
+                token = {None: None, "wrong": "wrong-token-" + "z" * 20}.get(who) \
+                    if who in (None, "wrong") else self.tokens[who]
+                code = self.call(ch, service, method, request, token)
+                seen.setdefault(method.name, set()).add(code.name)
+                if request.ByteSize() > 4 << 20:  # the server's message limit, before all else
+                    expected = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+                elif who in (None, "wrong"):
+                    expected = {grpc.StatusCode.UNAUTHENTICATED}
+                elif who not in ROLES[method.name]:
+                    expected = {grpc.StatusCode.PERMISSION_DENIED}
+                else:
+                    expected = ANSWERS
+                self.assertIn(code, expected, (i, method.name, who, str(request)[:300]))
+            # Over the 4 MiB limit: refused before any handler runs.
+            for service, method in methods:
+                big = method.input_type._concrete_class()
+                strings = [f for f in big.DESCRIPTOR.fields
+                           if f.type == f.TYPE_STRING and f.label != f.LABEL_REPEATED]
+                if not strings or method.client_streaming:
+                    continue
+                setattr(big, strings[0].name, "x" * (5 << 20))
+                code = self.call(ch, service, method, big, self.tokens[CLIENT])
+                self.assertEqual(code, grpc.StatusCode.RESOURCE_EXHAUSTED, method.name)
+            # Bytes that are no protobuf.
+            for _ in range(50):
+                service, method = rng.choice([m for m in methods
+                                              if not m[1].client_streaming and
+                                              not m[1].server_streaming])
+                garbage = bytes(rng.randrange(256) for _ in range(rng.randint(1, 2000)))
+                try:
+                    ch.unary_unary(f"/lathe.v1.{service.name}/{method.name}")(
+                        garbage, timeout=5, metadata=[("authorization",
+                                                       f"Bearer {self.tokens[ADMIN]}")])
+                    code = grpc.StatusCode.OK
+                except grpc.RpcError as error:
+                    code = error.code()
+                self.assertIn(code, ANSWERS | {grpc.StatusCode.INTERNAL,
+                                               grpc.StatusCode.PERMISSION_DENIED}, method.name)
+        self.assertIsNone(self.cluster.coordinator.poll(), "the coordinator died")
+        listed = self.cluster.lathe("list")
+        self.assertEqual(listed.returncode, 0, listed.stderr)
+        rss = rss_mib(pid)
+        print(f"coordinator RSS after the barrage: {rss:.0f} MiB; codes per method: {seen}",
+              file=sys.stderr)
+        self.assertLess(rss, RSS_BOUND_MIB)
+
+
+if __name__ == "__main__":
+    unittest.main()
