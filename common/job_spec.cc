@@ -150,14 +150,23 @@ bool IsBoolText(absl::string_view text) {
   return false;
 }
 
+constexpr size_t kMaxShownChars = 40;
+
 // `text` for an error message: escaped, and cut to one short line.
 std::string Shown(absl::string_view text) {
-  constexpr size_t kMaxChars = 40;
-  if (text.size() <= kMaxChars) return absl::CHexEscape(text);
-  return absl::StrCat(absl::CHexEscape(text.substr(0, kMaxChars)), "...");
+  if (text.size() <= kMaxShownChars) return absl::CHexEscape(text);
+  return absl::StrCat(absl::CHexEscape(text.substr(0, kMaxShownChars)), "...");
 }
 
 std::string Quoted(absl::string_view text) { return absl::StrCat("\"", Shown(text), "\""); }
+
+// A map key for a field path: as it is when it is a short run of printable ASCII, else
+// quoted and escaped ("\"\"" for the empty key).
+std::string ShownKey(absl::string_view key) {
+  bool plain = !key.empty() && key.size() <= kMaxShownChars;
+  for (char c : key) plain = plain && absl::ascii_isprint(static_cast<unsigned char>(c));
+  return plain ? std::string(key) : Quoted(key);
+}
 
 // Renders a value for an error message, kept to one short line.
 std::string Describe(const YAML::Node& node) {
@@ -178,6 +187,21 @@ std::string Describe(const YAML::Node& node) {
     return Shown(raw);
   }
   return Quoted(raw);
+}
+
+// yaml-cpp's message as one line of printable ASCII: some messages end with the byte the
+// scanner stopped at ("unknown escape character: " and a control byte or a newline).
+std::string PrintableYamlMessage(absl::string_view message) {
+  std::string out;
+  for (char c : message) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
+    }
+  }
+  return out;
 }
 
 template <typename T>
@@ -214,7 +238,7 @@ class SpecReader {
                      absl::StrCat("field names must be strings, got ", Describe(entry.first)));
       }
       const std::string& key = entry.first.Scalar();
-      const std::string path = Join(field, key.empty() ? "\"\"" : key);
+      const std::string path = Join(field, ShownKey(key));
       bool is_known = false;
       for (absl::string_view name : known) is_known = is_known || name == key;
       if (!is_known) return Error(path, "unknown field");
@@ -769,15 +793,16 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": line ", e.mark.line + 1, ", column ",
-                                                   e.mark.column + 1, ": invalid YAML: ", e.msg));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": line ", e.mark.line + 1, ", column ", e.mark.column + 1,
+                     ": invalid YAML: ", PrintableYamlMessage(e.msg)));
   }
   SpecReader reader(source);
   try {
     return ParseRoot(reader, root, source);
   } catch (const YAML::Exception& e) {
     // Not expected: the reader checks node types before every access.
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", e.what()));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", PrintableYamlMessage(e.what())));
   }
 }
 

@@ -10,10 +10,38 @@ namespace lathe {
 
 using Json = nlohmann::json;
 
-std::string DescribeJson(const Json& value) {
-  std::string text = value.dump();
-  constexpr size_t kMaxChars = 40;
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
+namespace {
+
+// Appends compact JSON for `value` (as dump() writes it) to `out` until `out` is longer than
+// `limit`.
+void AppendJson(const Json& value, size_t limit, std::string* out) {
+  if (out->size() > limit) return;
+  if (!value.is_structured()) {
+    *out += value.dump(-1, ' ', false, Json::error_handler_t::replace);
+    return;
+  }
+  out->push_back(value.is_array() ? '[' : '{');
+  for (auto it = value.begin(); it != value.end() && out->size() <= limit; ++it) {
+    if (it != value.begin()) out->push_back(',');
+    if (value.is_object()) {
+      *out += Json(it.key()).dump(-1, ' ', false, Json::error_handler_t::replace);
+      out->push_back(':');
+    }
+    AppendJson(it.value(), limit, out);
+  }
+  out->push_back(value.is_array() ? ']' : '}');
+}
+
+}  // namespace
+
+std::string DescribeJson(const Json& value, size_t max_chars) {
+  std::string text;
+  AppendJson(value, max_chars, &text);
+  if (text.size() > max_chars) {
+    size_t cut = max_chars;  // between UTF-8 characters
+    while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;
+    text = text.substr(0, cut) + "...";
+  }
   return text;
 }
 

@@ -17,8 +17,11 @@
 
 namespace lathe {
 
-// Renders a JSON value for an error message, kept to one short line.
-std::string DescribeJson(const nlohmann::json& value);
+// Renders a JSON value for an error message: compact, on one line (control characters
+// escaped as JSON does, invalid UTF-8 replaced), cut between characters after `max_chars`
+// with "...". Untrusted input: renders only what it shows, so a deeply nested value costs
+// no deep recursion (dump() would be one frame per level) and a huge one no long string.
+std::string DescribeJson(const nlohmann::json& value, size_t max_chars = 40);
 
 // Typed access to the keys of one JSON object. Absent and null keys read as std::nullopt
 // (Hugging Face writes null for "use the default"). Errors read

@@ -27,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
+#include "common/json_fields.h"
 #include "common/status_macros.h"
 
 namespace lathe {
@@ -63,22 +64,41 @@ const DTypeInfo& Info(DType dtype) {
   return kDTypes[0];  // Unreachable for valid enum values.
 }
 
+// nlohmann's parse error as printable ASCII: it ends with the bytes last read, which in a
+// file that is not safetensors at all are anything.
+std::string PrintableParseError(absl::string_view message) {
+  std::string out;
+  for (char c : message) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
+    }
+  }
+  return out;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
 
 // numel(shape) * element_size, or nullopt on a negative dimension or overflow. A zero
-// dimension makes the count zero whatever the other dimensions are.
+// dimension makes the count zero, but the other dimensions must still multiply to an int64:
+// numel() and whoever builds a tensor of the shape multiply them all.
 std::optional<uint64_t> ByteCount(const std::vector<int64_t>& shape, size_t element_size) {
+  uint64_t numel = 1;
+  bool empty = false;
   for (int64_t dim : shape) {
     if (dim < 0) return std::nullopt;
-    if (dim == 0) return 0;
-  }
-  uint64_t numel = 1;
-  for (int64_t dim : shape) {
+    if (dim == 0) {
+      empty = true;
+      continue;
+    }
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(dim), &numel)) return std::nullopt;
   }
   if (numel > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+  if (empty) return 0;
   uint64_t bytes;
   if (__builtin_mul_overflow(numel, static_cast<uint64_t>(element_size), &bytes)) {
     return std::nullopt;
@@ -117,8 +137,8 @@ absl::StatusOr<TensorView> ParseTensorEntry(const std::string& name, const Json&
   for (const Json& dim : *shape_it) {
     std::optional<uint64_t> value = NonNegativeInteger(dim);
     if (!value.has_value() || *value > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return invalid(absl::StrCat("shape ", shape_it->dump(), " has an entry (", dim.dump(),
-                                  ") that is not a non-negative integer"));
+      return invalid(absl::StrCat("shape ", DescribeJson(*shape_it, 60), " has an entry (",
+                                  DescribeJson(dim, 60), ") that is not a non-negative integer"));
     }
     shape.push_back(static_cast<int64_t>(*value));
   }
@@ -130,8 +150,8 @@ absl::StatusOr<TensorView> ParseTensorEntry(const std::string& name, const Json&
   std::optional<uint64_t> begin = NonNegativeInteger((*offsets_it)[0]);
   std::optional<uint64_t> end = NonNegativeInteger((*offsets_it)[1]);
   if (!begin.has_value() || !end.has_value()) {
-    return invalid(
-        absl::StrCat("data_offsets ", offsets_it->dump(), " are not two non-negative integers"));
+    return invalid(absl::StrCat("data_offsets ", DescribeJson(*offsets_it, 60),
+                                " are not two non-negative integers"));
   }
   if (*begin > *end) {
     return invalid(absl::StrCat("data_offsets [", *begin, ", ", *end, "] have begin > end"));
@@ -178,6 +198,11 @@ absl::StatusOr<std::map<std::string, std::string>> ParseMetadata(const Json& val
   return metadata;
 }
 
+absl::Status ShortFileError(uint64_t file_size) {
+  return absl::DataLossError(
+      absl::StrCat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
+}
+
 // Rejects shard names that would escape the model directory.
 bool IsPlainRelativePath(const std::string& name) {
   if (name.empty()) return false;
@@ -213,68 +238,36 @@ int64_t TensorView::numel() const {
   return n;
 }
 
-absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
-    const std::string& path) {
-  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
-  file->path_ = path;
-  auto error = [&](const absl::Status& status) { return Annotate(status, path); };
-
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int errno_value = errno;
-    if (errno_value == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return absl::InternalError(absl::StrCat(
-        path, ": open: ", std::error_code(errno_value, std::generic_category()).message()));
-  }
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    int errno_value = errno;
-    ::close(fd);
-    return absl::InternalError(absl::StrCat(
-        path, ": fstat: ", std::error_code(errno_value, std::generic_category()).message()));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < kHeaderLengthBytes) {
-    ::close(fd);
-    return absl::DataLossError(absl::StrCat(path, ": file is ", file_size,
-                                            " bytes, shorter than the 8-byte header length"));
-  }
-  void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-  int mmap_errno = errno;
-  ::close(fd);
-  if (mapping == MAP_FAILED) {
-    return absl::InternalError(absl::StrCat(
-        path, ": mmap: ", std::error_code(mmap_errno, std::generic_category()).message()));
-  }
-  file->mapping_ = mapping;
-  file->mapping_size_ = file_size;
-  const auto* bytes = static_cast<const std::byte*>(mapping);
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view file_bytes,
+                                                         absl::string_view source) {
+  auto error = [&](const absl::Status& status) { return Annotate(status, source); };
+  const uint64_t file_size = file_bytes.size();
+  if (file_size < kHeaderLengthBytes) return error(ShortFileError(file_size));
+  const auto* bytes = reinterpret_cast<const std::byte*>(file_bytes.data());
 
   uint64_t header_length = 0;
   for (size_t i = 0; i < kHeaderLengthBytes; ++i) {
     header_length |= static_cast<uint64_t>(bytes[i]) << (8 * i);
   }
   if (header_length > file_size - kHeaderLengthBytes) {
-    return absl::DataLossError(absl::StrCat(path, ": header length ", header_length,
-                                            " runs past the end of the file (", file_size,
-                                            " bytes)"));
+    return error(absl::DataLossError(absl::StrCat("header length ", header_length,
+                                                  " runs past the end of the file (", file_size,
+                                                  " bytes)")));
   }
-  const char* header_begin = reinterpret_cast<const char*>(bytes + kHeaderLengthBytes);
+  const char* header_begin = file_bytes.data() + kHeaderLengthBytes;
   Json header;
   try {
     header = Json::parse(header_begin, header_begin + header_length);
   } catch (const Json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat(path, ": header is not JSON: ", e.what()));
+    return error(absl::InvalidArgumentError(
+        absl::StrCat("header is not JSON: ", PrintableParseError(e.what()))));
   }
   if (!header.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": header is not a JSON object but ", header.type_name()));
+    return error(absl::InvalidArgumentError(
+        absl::StrCat("header is not a JSON object but ", header.type_name())));
   }
 
+  SafetensorsHeader result;
   const std::byte* data = bytes + kHeaderLengthBytes + header_length;
   const uint64_t data_size = file_size - kHeaderLengthBytes - header_length;
   std::vector<std::pair<uint64_t, TensorView>> tensors;
@@ -282,7 +275,7 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
     if (name == kMetadataKey) {
       absl::StatusOr<std::map<std::string, std::string>> metadata = ParseMetadata(entry);
       if (!metadata.ok()) return error(metadata.status());
-      file->metadata_ = *std::move(metadata);
+      result.metadata = *std::move(metadata);
       continue;
     }
     absl::StatusOr<TensorView> view = ParseTensorEntry(name, entry, data, data_size);
@@ -314,11 +307,57 @@ absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
         absl::StrCat("the tensors cover ", next, " of the ", data_size,
                      " data bytes (tensors must cover the data end to end)")));
   }
-  file->tensors_.reserve(tensors.size());
-  for (auto& [begin, view] : tensors) {
-    file->index_.emplace(view.name, file->tensors_.size());
-    file->tensors_.push_back(std::move(view));
+  result.tensors.reserve(tensors.size());
+  for (auto& [begin, view] : tensors) result.tensors.push_back(std::move(view));
+  return result;
+}
+
+absl::StatusOr<std::shared_ptr<const SafetensorsFile>> SafetensorsFile::Open(
+    const std::string& path) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int errno_value = errno;
+    if (errno_value == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return absl::InternalError(absl::StrCat(
+        path, ": open: ", std::error_code(errno_value, std::generic_category()).message()));
   }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int errno_value = errno;
+    ::close(fd);
+    return absl::InternalError(absl::StrCat(
+        path, ": fstat: ", std::error_code(errno_value, std::generic_category()).message()));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
+  }
+  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
+  if (file_size < kHeaderLengthBytes) {  // mmap refuses an empty file
+    ::close(fd);
+    return Annotate(ShortFileError(file_size), path);
+  }
+  void* mapping = ::mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
+  int mmap_errno = errno;
+  ::close(fd);
+  if (mapping == MAP_FAILED) {
+    return absl::InternalError(absl::StrCat(
+        path, ": mmap: ", std::error_code(mmap_errno, std::generic_category()).message()));
+  }
+  file->mapping_ = mapping;
+  file->mapping_size_ = file_size;
+
+  LATHE_ASSIGN_OR_RETURN(
+      SafetensorsHeader header,
+      ParseSafetensorsHeader(absl::string_view(static_cast<const char*>(mapping), file_size),
+                             path));
+  file->metadata_ = std::move(header.metadata);
+  file->tensors_ = std::move(header.tensors);
+  for (size_t i = 0; i < file->tensors_.size(); ++i)
+    file->index_.emplace(file->tensors_[i].name, i);
   return std::shared_ptr<const SafetensorsFile>(std::move(file));
 }
 
@@ -362,7 +401,7 @@ absl::StatusOr<SafetensorsDirectory> SafetensorsDirectory::Open(const std::strin
   try {
     index = Json::parse(*index_text);
   } catch (const Json::exception& e) {
-    return invalid(absl::StrCat("not JSON: ", e.what()));
+    return invalid(absl::StrCat("not JSON: ", PrintableParseError(e.what())));
   }
   if (!index.is_object()) return invalid("not a JSON object");
   auto weight_map_it = index.find("weight_map");
@@ -374,7 +413,8 @@ absl::StatusOr<SafetensorsDirectory> SafetensorsDirectory::Open(const std::strin
   std::map<std::string, std::vector<std::string>> shards;
   for (const auto& [name, shard] : weight_map_it->items()) {
     if (!shard.is_string() || !IsPlainRelativePath(shard.get<std::string>())) {
-      return invalid(absl::StrCat("weight_map entry for tensor \"", name, "\" (", shard.dump(),
+      return invalid(absl::StrCat("weight_map entry for tensor \"", name, "\" (",
+                                  DescribeJson(shard, 60),
                                   ") is not a file name inside the directory"));
     }
     shards[shard.get<std::string>()].push_back(name);

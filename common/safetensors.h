@@ -48,6 +48,21 @@ struct TensorView {
   int64_t numel() const;
 };
 
+// What the header of a safetensors file says, checked against the bytes after it.
+struct SafetensorsHeader {
+  // In the order of their data offsets (ties, i.e. empty tensors, by name). Each `data`
+  // points into the bytes that were parsed.
+  std::vector<TensorView> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// Parses and validates `file_bytes`, the whole contents of a safetensors file (untrusted:
+// never throws, takes memory in proportion to its size). `source` names the file in
+// messages. On failure returns, naming `source` and, where there is one, the tensor, the
+// DATA_LOSS and INVALID_ARGUMENT errors that SafetensorsFile::Open describes.
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view file_bytes,
+                                                         absl::string_view source);
+
 // One memory-mapped .safetensors file.
 class SafetensorsFile {
  public:
@@ -59,10 +74,12 @@ class SafetensorsFile {
   //   INVALID_ARGUMENT (malformed content): not a regular file, the header is not JSON or
   //   not a JSON object, __metadata__ is not an object of strings, a tensor entry has an
   //   unknown dtype, a shape that is not a list of non-negative integers or whose byte
-  //   count overflows, data_offsets that are not [begin, end] with begin <= end, or a byte
-  //   count end - begin that does not match dtype x shape;
+  //   count overflows (its non-zero dimensions must multiply to an int64 even when a zero
+  //   makes it empty), data_offsets that are not [begin, end] with begin <= end, a byte
+  //   count end - begin that does not match dtype x shape, or tensors that do not cover
+  //   the data end to end (an overlap, a gap, bytes after the last tensor);
   //   INTERNAL: other I/O errors (open, fstat, mmap), with errno text.
-  // Overlaps and gaps between tensors are not checked.
+  // The bytes are checked by ParseSafetensorsHeader.
   static absl::StatusOr<std::shared_ptr<const SafetensorsFile>> Open(const std::string& path);
 
   ~SafetensorsFile();

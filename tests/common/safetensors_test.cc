@@ -316,6 +316,15 @@ TEST_F(SafetensorsTest, OverflowingShapeIsInvalid) {
                   R"({"w":{"dtype":"F64","shape":[2305843009213693952],"data_offsets":[0,8]}})", 8);
   EXPECT_THAT(SafetensorsFile::Open(path),
               StatusIs(absl::StatusCode::kInvalidArgument, "overflows the byte count"));
+  // An empty tensor whose other dimensions overflow was accepted, and numel() overflowed
+  // (undefined behaviour, caught by fuzz/safetensors_fuzzer's numel() check on this input).
+  path = WriteRaw("e.safetensors",
+                  R"({"w":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],)"
+                  R"("data_offsets":[0,0]}})",
+                  0);
+  EXPECT_THAT(SafetensorsFile::Open(path),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "shape [4611686018427387904, 4611686018427387904, 0] of F32 overflows"));
 }
 
 TEST_F(SafetensorsTest, MalformedEntriesAreInvalid) {
@@ -425,6 +434,58 @@ TEST_F(SafetensorsTest, CorruptHeaderBytesNeverCrash) {
       }
     }
   }
+}
+
+// Hand-written hostile headers (their nesting is deeper than the fuzzer's inputs are long):
+// the message used to render the value with dump(), which recursed once per level and
+// overflowed the stack.
+TEST_F(SafetensorsTest, DeeplyNestedHeaderValuesGiveShortErrors) {
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  const struct {
+    std::string header;
+    std::string fragment;
+  } cases[] = {
+      {R"({"w":{"dtype":"F32","shape":)" + deep + R"(,"data_offsets":[0,0]}})",
+       "tensor \"w\": shape [[[[[[[["},
+      {R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,)" + deep + "]}}",
+       "tensor \"w\": data_offsets [0,[[[[[["},
+  };
+  for (const auto& c : cases) {
+    std::string path = WriteRaw("m.safetensors", c.header, 0);
+    absl::StatusOr<std::shared_ptr<const SafetensorsFile>> file = SafetensorsFile::Open(path);
+    EXPECT_THAT(file, StatusIs(absl::StatusCode::kInvalidArgument, path + ": " + c.fragment));
+    EXPECT_LT(file.status().message().size(), path.size() + 200);
+  }
+}
+
+// ---- The header parser on its own (what fuzz/safetensors_fuzzer drives) ----
+
+TEST(SafetensorsHeaderTest, ParsesBytesAsOpenDoes) {
+  const std::string header_text =
+      R"({"__metadata__":{"k":"v"},"b":{"dtype":"U8","shape":[2],"data_offsets":[4,6]},)"
+      R"("a":{"dtype":"I16","shape":[2],"data_offsets":[0,4]}})";
+  const std::string bytes = LengthPrefix(header_text.size()) + header_text + "123456";
+  const auto* data = reinterpret_cast<const std::byte*>(bytes.data()) + 8 + header_text.size();
+  absl::StatusOr<SafetensorsHeader> header = ParseSafetensorsHeader(bytes, "mem");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->metadata, (std::map<std::string, std::string>{{"k", "v"}}));
+  ASSERT_EQ(header->tensors.size(), 2u);
+  EXPECT_EQ(header->tensors[0].name, "a");
+  EXPECT_EQ(header->tensors[0].data, data);
+  EXPECT_EQ(header->tensors[0].nbytes, 4u);
+  EXPECT_EQ(header->tensors[1].name, "b");
+  EXPECT_EQ(header->tensors[1].data, data + 4);
+
+  EXPECT_THAT(ParseSafetensorsHeader("abc", "mem"),
+              StatusIs(absl::StatusCode::kDataLoss,
+                       "mem: file is 3 bytes, shorter than the 8-byte header length"));
+  EXPECT_THAT(ParseSafetensorsHeader(bytes.substr(0, bytes.size() - 1), "mem"),
+              StatusIs(absl::StatusCode::kDataLoss, "mem: tensor \"b\": data_offsets [4, 6] run"));
+  // Not safetensors at all: nlohmann's message quotes the bytes it stopped at, escaped.
+  absl::StatusOr<SafetensorsHeader> binary =
+      ParseSafetensorsHeader(LengthPrefix(3) + "\x7f\n\xff", "mem");
+  EXPECT_THAT(binary, StatusIs(absl::StatusCode::kInvalidArgument, "mem: header is not JSON: "));
+  EXPECT_THAT(binary, StatusIs(absl::StatusCode::kInvalidArgument, "last read: '\\x7f'"));
 }
 
 // ---- Writing errors ----

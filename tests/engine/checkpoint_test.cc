@@ -255,8 +255,13 @@ TEST(CheckpointManifestTest, RefusesWhatIsNotAManifestWithoutThrowing) {
       ParseCheckpointManifest(R"({"files": {"state.json": {"size": 7, "sha256": "ab"}}})");
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_EQ(ok->at("state.json").size, 7u);
-  for (const char* text : {R"({"format": "1"})", R"({"format": 1, "step": "x"})",
-                           R"({"format": 1, "loss_scale": 3})"}) {
+  for (const char* text :
+       {R"({"format": "1"})", R"({"format": 1, "step": "x"})", R"({"format": 1, "loss_scale": 3})",
+        // found by fuzz/checkpoint_fuzzer: 1e300 overflowed the conversion
+        R"({"format":1,"step":1e300,"optimizer_steps":1,"cursor":{"epoch":0,)"
+        R"("next_document":0,"offset_in_document":0},"rng_state":"",)"
+        R"("spec_fingerprint":""})",
+        R"({"format":1,"step":18446744073709551615,"optimizer_steps":1})"}) {
     EXPECT_EQ(ParseTrainingState(text, "s.json").status().code(), absl::StatusCode::kDataLoss)
         << text;
   }

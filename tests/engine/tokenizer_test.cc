@@ -41,6 +41,13 @@ const Json& SyntheticJson(TokenizerFlavor flavor) {
   return it->second;
 }
 
+// Messages are one line: no newline, tab or other C0 control character.
+void ExpectOnePrintableLine(absl::string_view message) {
+  for (char c : message) {
+    EXPECT_GE(static_cast<unsigned char>(c), 0x20) << "in " << message;
+  }
+}
+
 Tokenizer MustParse(const Json& json) {
   absl::StatusOr<Tokenizer> tokenizer = Tokenizer::Parse(json.dump(), "/m/tokenizer.json");
   EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
@@ -331,6 +338,35 @@ TEST(Tokenizer, RefusesWhatItDoesNotImplementNamingTheField) {
        "/m/tokenizer.json: added_tokens[0].content: expected a non-empty string, got \"\""},
       {"not an object", [](Json& j) { j = Json::array(); },
        "/m/tokenizer.json: expected a JSON object at the top level"},
+      // Found by fuzz/tokenizer_fuzzer: an id below size() that no token has was taken, and
+      // Encode then gave an id that Decode refused.
+      {"template id of no token",
+       [](Json& j) {
+         j["added_tokens"][4]["id"] = 600;  // frees 575
+         j["post_processor"]["processors"][1]["special_tokens"]["<|begin_of_text|>"]["ids"] = {575};
+       },
+       "/m/tokenizer.json: post_processor.processors[1].special_tokens[\"<|begin_of_text|>\"]"
+       ".ids: 575 is not a token id of this tokenizer"},
+      // Strings from the file went into messages unescaped (a newline broke the line).
+      {"shared id, key with a newline", [](Json& j) { j["model"]["vocab"]["z\nz"] = 38; },
+       "/m/tokenizer.json: model.vocab: \"&\" and \"z\\nz\" share id 38"},
+      {"added twice, content with a newline",
+       [](Json& j) {
+         j["added_tokens"][0]["content"] = "a\nb";
+         j["added_tokens"][1]["content"] = "a\nb";
+       },
+       "/m/tokenizer.json: added_tokens[1]: \"a\\nb\" is added twice"},
+      {"nested sequences",
+       [](Json& j) {
+         Json normalizer = {{"type", "NFC"}};
+         for (int i = 0; i < 9; ++i) {
+           normalizer = {{"type", "Sequence"}, {"normalizers", {normalizer}}};
+         }
+         j["normalizer"] = normalizer;
+       },
+       "/m/tokenizer.json: normalizer.normalizers[0].normalizers[0].normalizers[0].normalizers[0]"
+       ".normalizers[0].normalizers[0].normalizers[0].normalizers[0]: a Sequence nested more "
+       "than 8 deep is not supported"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.description);
@@ -340,10 +376,66 @@ TEST(Tokenizer, RefusesWhatItDoesNotImplementNamingTheField) {
     ASSERT_FALSE(tokenizer.ok());
     EXPECT_EQ(tokenizer.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(std::string(tokenizer.status().message()).substr(0, c.message.size()), c.message);
-    EXPECT_EQ(tokenizer.status().message().find('\n'), absl::string_view::npos);
+    ExpectOnePrintableLine(tokenizer.status().message());
   }
   EXPECT_THAT(Tokenizer::Parse("{\"model\": ", "/m/tokenizer.json"),
               StatusIs(absl::StatusCode::kInvalidArgument, "/m/tokenizer.json: malformed JSON"));
+}
+
+// Hostile files give one-line errors, not a crash (the nested ones are longer than
+// fuzz/tokenizer_fuzzer's inputs can be).
+TEST(Tokenizer, RefusesHostileFilesWithOneLineErrors) {
+  const struct {
+    std::string description;
+    std::string json;
+    std::string message;
+  } cases[] = {
+      // An uncaught out_of_range ended the process.
+      {"number overflow", "{\"model\": 1e999}",
+       "/m/tokenizer.json: malformed JSON: [json.exception.out_of_range.406] number overflow"},
+      // nlohmann's message quotes the bytes last read (found by fuzz/tokenizer_fuzzer).
+      {"control byte", "{\"model\": \x7f}", "last read: '\"model\": \\x7f'"},
+      {"invalid UTF-8", "{\"model\": \"\xff\"}", "last read: '\"\\xff'"},
+      // dump() for the message recursed once per level and overflowed the stack.
+      {"deeply nested value",
+       "{\"normalizer\": {\"type\": " + std::string(200000, '[') + std::string(200000, ']') + "}}",
+       "/m/tokenizer.json: normalizer.type: expected a string, got [[[[[[[["},
+      // One stack frame and one ever longer path per level.
+      {"deeply nested sequences",
+       "{\"normalizer\": " +
+           [] {
+             constexpr int kLevels = 50000;
+             std::string levels;
+             for (int i = 0; i < kLevels; ++i) levels += R"({"type": "Sequence", "normalizers": [)";
+             levels += R"({"type": "NFC"})";
+             for (int i = 0; i < kLevels; ++i) levels += "]}";
+             return levels;
+           }() +
+           "}",
+       "a Sequence nested more than 8 deep is not supported"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.description);
+    absl::StatusOr<Tokenizer> tokenizer = Tokenizer::Parse(c.json, "/m/tokenizer.json");
+    EXPECT_THAT(tokenizer, StatusIs(absl::StatusCode::kInvalidArgument, c.message));
+    ExpectOnePrintableLine(tokenizer.status().message());
+    EXPECT_LT(tokenizer.status().message().size(), 300u);
+  }
+}
+
+// model.vocab was a table indexed by id, so one id near 2^31 in a small file asked for
+// 64 GiB, and 2^31 - 1 overflowed an int32 (fuzz/corpus/tokenizer/crash_giant_vocab_id.json).
+TEST(Tokenizer, LargeIdsCostNoMemory) {
+  Json json = SmallTokenizer({"ab"}, {"a b"});
+  json["model"]["vocab"]["zz"] = 2147483647;
+  Tokenizer tokenizer = MustParse(json);
+  EXPECT_EQ(tokenizer.size(), 2147483648);
+  EXPECT_THAT(tokenizer.TokenId("zz"), Optional(2147483647));
+  absl::StatusOr<std::string> decoded = tokenizer.Decode({2147483647, 256});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "zzab");
+  EXPECT_THAT(tokenizer.Decode({2147483646}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "token id 2147483646 is not in"));
 }
 
 TEST(PreTokenizer, RecognisesExactlyTheThreePatterns) {

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
+#include <stdexcept>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -114,6 +116,18 @@ std::string StateJson(const TrainingState& state, const CheckpointFence& writer)
   return json.dump(2) + "\n";
 }
 
+// json[key] as an int64; throws std::out_of_range (caught by the parser) for a value that
+// is no integer or does not fit (a double such as 1e300 would overflow the conversion).
+int64_t IntAt(const nlohmann::json& json, const char* key) {
+  const nlohmann::json& value = json.at(key);
+  if (!value.is_number_integer() ||
+      (value.is_number_unsigned() &&
+       value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))) {
+    throw std::out_of_range(absl::StrCat(key, " is not a 64-bit integer"));
+  }
+  return value.get<int64_t>();
+}
+
 }  // namespace
 
 absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::string_view path) {
@@ -126,12 +140,12 @@ absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::s
   }
   TrainingState state;
   try {
-    state.step = json.at("step").get<int64_t>();
-    state.optimizer_steps = json.at("optimizer_steps").get<int64_t>();
+    state.step = IntAt(json, "step");
+    state.optimizer_steps = IntAt(json, "optimizer_steps");
     const nlohmann::json& cursor = json.at("cursor");
-    state.cursor.epoch = cursor.at("epoch").get<int64_t>();
-    state.cursor.next_document = cursor.at("next_document").get<int64_t>();
-    state.cursor.offset_in_document = cursor.at("offset_in_document").get<int64_t>();
+    state.cursor.epoch = IntAt(cursor, "epoch");
+    state.cursor.next_document = IntAt(cursor, "next_document");
+    state.cursor.offset_in_document = IntAt(cursor, "offset_in_document");
     if (!absl::Base64Unescape(json.at("rng_state").get<std::string>(), &state.rng_state)) {
       return bad("rng_state is not base64");
     }
@@ -140,21 +154,21 @@ absl::StatusOr<TrainingState> ParseTrainingState(absl::string_view text, absl::s
     // Absent from checkpoints written before precision support (fp32: scale 1).
     if (json.contains("loss_scale")) {
       state.loss_scale.scale = json["loss_scale"].at("scale").get<double>();
-      state.loss_scale.clean_steps = json["loss_scale"].at("clean_steps").get<int64_t>();
+      state.loss_scale.clean_steps = IntAt(json["loss_scale"], "clean_steps");
     }
     if (json.contains("shards")) {
-      state.shard_world = json["shards"].at("world_size").get<int64_t>();
+      state.shard_world = IntAt(json["shards"], "world_size");
       if (state.shard_world < 1) return bad("shards.world_size is below 1");
     }
     if (json.contains("attempt")) {
       state.writer.job_id = json["attempt"].at("job_id").get<std::string>();
-      state.writer.generation = json["attempt"].at("generation").get<int64_t>();
+      state.writer.generation = IntAt(json["attempt"], "generation");
     }
     if (json.contains("nonfinite_steps")) {
-      state.skipped_steps = json["nonfinite_steps"].at("skipped").get<int64_t>();
-      state.consecutive_nonfinite = json["nonfinite_steps"].at("consecutive").get<int64_t>();
+      state.skipped_steps = IntAt(json["nonfinite_steps"], "skipped");
+      state.consecutive_nonfinite = IntAt(json["nonfinite_steps"], "consecutive");
     }
-  } catch (const nlohmann::json::exception& e) {
+  } catch (const std::exception& e) {  // json's exceptions and IntAt's
     return bad(e.what());
   }
   return state;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "common/file_util.h"
+#include "common/json_fields.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/engine/pre_tokenizer.h"
@@ -93,8 +94,8 @@ struct TokenizerData {
   bool nfc = false;
   std::vector<PreTokenizerStep> pre_tokenizer;
 
-  absl::flat_hash_map<std::string, int32_t> vocab;  // byte-level form -> id
-  std::vector<std::string> vocab_by_id;             // id -> byte-level form ("" if none)
+  absl::flat_hash_map<std::string, int32_t> vocab;        // byte-level form -> id
+  absl::flat_hash_map<int32_t, std::string> vocab_by_id;  // id -> byte-level form
   std::array<int32_t, 256> byte_ids{};
   absl::flat_hash_map<uint64_t, Merge> merges;  // (left id << 32 | right id) -> merge
   bool ignore_merges = false;
@@ -128,12 +129,29 @@ uint64_t PairKey(int32_t left, int32_t right) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(left)) << 32) | static_cast<uint32_t>(right);
 }
 
+// Sequences (of normalizers, pre-tokenizers, post-processors) nested deeper are refused:
+// real files nest one level, and each level is a stack frame and a longer path.
+constexpr int kMaxSequenceDepth = 8;
+
 // One short line for a JSON value in a message.
-std::string Describe(const Json& value) {
-  std::string text = value.dump(-1, ' ', false, Json::error_handler_t::replace);
-  constexpr size_t kMaxChars = 60;
-  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
-  return text;
+std::string Describe(const Json& value) { return DescribeJson(value, 60); }
+
+// A string from the file, quoted for a message as Describe shows it.
+std::string Quote(absl::string_view text) { return Describe(Json(std::string(text))); }
+
+// nlohmann's parse error as one line of printable ASCII: it ends with the bytes last read,
+// which may be control characters or part of a UTF-8 sequence.
+std::string PrintableParseError(absl::string_view message) {
+  std::string out;
+  for (char c : message) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
+    }
+  }
+  return out;
 }
 
 // Decodes the code point that ends at byte `end` of valid UTF-8 `s`; sets *start to where
@@ -428,12 +446,18 @@ class TokenizerParser {
     return value.get<bool>();
   }
 
+  absl::Status CheckSequenceDepth(absl::string_view path, int depth) const {
+    if (depth < kMaxSequenceDepth) return absl::OkStatus();
+    return Error(path, absl::StrCat("a Sequence nested more than ", kMaxSequenceDepth,
+                                    " deep is not supported"));
+  }
+
   absl::Status Unsupported(absl::string_view path, const Json& value,
                            absl::string_view supported) const {
     return Error(path, absl::StrCat(Describe(value), " is not supported (", supported, ")"));
   }
 
-  absl::Status ParseNormalizer(const Json& value, absl::string_view path) {
+  absl::Status ParseNormalizer(const Json& value, absl::string_view path, int depth = 0) {
     if (value.is_null()) return absl::OkStatus();
     LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
     if (type == "NFC") {
@@ -442,6 +466,7 @@ class TokenizerParser {
       return absl::OkStatus();
     }
     if (type == "Sequence") {
+      LATHE_RETURN_IF_ERROR(CheckSequenceDepth(path, depth));
       const Json& list = Get(value, "normalizers");
       if (!list.is_array()) {
         return Error(absl::StrCat(path, ".normalizers"),
@@ -449,7 +474,7 @@ class TokenizerParser {
       }
       for (size_t i = 0; i < list.size(); ++i) {
         LATHE_RETURN_IF_ERROR(
-            ParseNormalizer(list[i], absl::StrCat(path, ".normalizers[", i, "]")));
+            ParseNormalizer(list[i], absl::StrCat(path, ".normalizers[", i, "]"), depth + 1));
       }
       return absl::OkStatus();
     }
@@ -457,12 +482,13 @@ class TokenizerParser {
                        "null, NFC or a Sequence of NFC only");
   }
 
-  absl::Status ParsePreTokenizer(const Json& value, absl::string_view path) {
+  absl::Status ParsePreTokenizer(const Json& value, absl::string_view path, int depth = 0) {
     if (value.is_null()) {
       return Error(path, "null is not supported (byte-level BPE needs a ByteLevel pre-tokenizer)");
     }
     LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
     if (type == "Sequence") {
+      LATHE_RETURN_IF_ERROR(CheckSequenceDepth(path, depth));
       const Json& list = Get(value, "pretokenizers");
       if (!list.is_array()) {
         return Error(absl::StrCat(path, ".pretokenizers"),
@@ -470,7 +496,7 @@ class TokenizerParser {
       }
       for (size_t i = 0; i < list.size(); ++i) {
         LATHE_RETURN_IF_ERROR(
-            ParsePreTokenizer(list[i], absl::StrCat(path, ".pretokenizers[", i, "]")));
+            ParsePreTokenizer(list[i], absl::StrCat(path, ".pretokenizers[", i, "]"), depth + 1));
       }
       return absl::OkStatus();
     }
@@ -541,20 +567,17 @@ class TokenizerParser {
       if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
           id.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
         return Error(vocab_path,
-                     absl::StrCat("\"", it.key(), "\": ", Describe(id), " is not a token id"));
+                     absl::StrCat(Quote(it.key()), ": ", Describe(id), " is not a token id"));
       }
       const int32_t token_id = id.get<int32_t>();
-      if (static_cast<size_t>(token_id) >= data_->vocab_by_id.size()) {
-        data_->vocab_by_id.resize(token_id + 1);
-        present_.resize(token_id + 1);
+      // Sparse: an id is any int32, so a table indexed by id could be giant.
+      auto [by_id, added] = data_->vocab_by_id.try_emplace(token_id, it.key());
+      if (!added) {
+        return Error(vocab_path, absl::StrCat(Quote(by_id->second), " and ", Quote(it.key()),
+                                              " share id ", token_id));
       }
-      if (present_[token_id]) {
-        return Error(vocab_path, absl::StrCat("\"", data_->vocab_by_id[token_id], "\" and \"",
-                                              it.key(), "\" share id ", token_id));
-      }
-      present_[token_id] = true;
-      data_->vocab_by_id[token_id] = it.key();
       data_->vocab.emplace(it.key(), token_id);
+      data_->size = std::max<int64_t>(data_->size, int64_t{token_id} + 1);
     }
     const std::array<std::string, 256>& alphabet = ByteLevelAlphabet();
     for (int b = 0; b < 256; ++b) {
@@ -565,7 +588,6 @@ class TokenizerParser {
       }
       data_->byte_ids[b] = it->second;
     }
-    data_->size = static_cast<int64_t>(data_->vocab_by_id.size());
 
     const std::string merges_path = absl::StrCat(path, ".merges");
     const Json& merges = Get(value, "merges");
@@ -600,7 +622,7 @@ class TokenizerParser {
       for (int k = 0; k < 3; ++k) {
         auto it = data_->vocab.find(parts[k]);
         if (it == data_->vocab.end()) {
-          return Error(merge_path, absl::StrCat("\"", parts[k], "\" is not in ", vocab_path));
+          return Error(merge_path, absl::StrCat(Quote(parts[k]), " is not in ", vocab_path));
         }
         ids[k] = it->second;
       }
@@ -642,20 +664,21 @@ class TokenizerParser {
       LATHE_ASSIGN_OR_RETURN(token.normalized,
                              Bool(entry, "normalized", !token.special, entry_path));
       if (data_->added_by_content.contains(token.content)) {
-        return Error(entry_path, absl::StrCat("\"", token.content, "\" is added twice"));
+        return Error(entry_path, absl::StrCat(Quote(token.content), " is added twice"));
       }
       if (data_->added_by_id.contains(token.id)) {
-        return Error(entry_path, absl::StrCat("id ", token.id, " is given to \"",
-                                              data_->added_by_id[token.id]->content, "\" too"));
+        return Error(entry_path,
+                     absl::StrCat("id ", token.id, " is given to ",
+                                  Quote(data_->added_by_id[token.id]->content), " too"));
       }
-      if (static_cast<size_t>(token.id) < present_.size() && present_[token.id] &&
-          data_->vocab_by_id[token.id] != token.content) {
-        return Error(entry_path, absl::StrCat("id ", token.id, " is \"",
-                                              data_->vocab_by_id[token.id], "\" in model.vocab"));
+      if (auto it = data_->vocab_by_id.find(token.id);
+          it != data_->vocab_by_id.end() && it->second != token.content) {
+        return Error(entry_path,
+                     absl::StrCat("id ", token.id, " is ", Quote(it->second), " in model.vocab"));
       }
       if (auto it = data_->vocab.find(token.content);
           it != data_->vocab.end() && it->second != token.id) {
-        return Error(entry_path, absl::StrCat("\"", token.content, "\" has id ", it->second,
+        return Error(entry_path, absl::StrCat(Quote(token.content), " has id ", it->second,
                                               " in model.vocab, not ", token.id));
       }
       data_->added_tokens.push_back(std::move(token));
@@ -678,11 +701,12 @@ class TokenizerParser {
     return absl::OkStatus();
   }
 
-  absl::Status ParsePostProcessor(const Json& value, absl::string_view path) {
+  absl::Status ParsePostProcessor(const Json& value, absl::string_view path, int depth = 0) {
     if (value.is_null()) return absl::OkStatus();
     LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
     if (type == "ByteLevel") return absl::OkStatus();  // it only trims offsets
     if (type == "Sequence") {
+      LATHE_RETURN_IF_ERROR(CheckSequenceDepth(path, depth));
       const Json& list = Get(value, "processors");
       if (!list.is_array()) {
         return Error(absl::StrCat(path, ".processors"),
@@ -690,7 +714,7 @@ class TokenizerParser {
       }
       for (size_t i = 0; i < list.size(); ++i) {
         LATHE_RETURN_IF_ERROR(
-            ParsePostProcessor(list[i], absl::StrCat(path, ".processors[", i, "]")));
+            ParsePostProcessor(list[i], absl::StrCat(path, ".processors[", i, "]"), depth + 1));
       }
       return absl::OkStatus();
     }
@@ -732,11 +756,11 @@ class TokenizerParser {
       }
       if (entry == nullptr || !entry->is_object() || !Get(*entry, "ids").is_array()) {
         return Error(absl::StrCat(path, ".special_tokens"),
-                     absl::StrCat("no ids for \"", name, "\""));
+                     absl::StrCat("no ids for ", Quote(name)));
       }
       for (const Json& id : (*entry)["ids"]) {
-        if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= data_->size) {
-          return Error(absl::StrCat(path, ".special_tokens[\"", name, "\"].ids"),
+        if (!id.is_number_integer() || !HasId(id.get<int64_t>())) {
+          return Error(absl::StrCat(path, ".special_tokens[", Quote(name), "].ids"),
                        absl::StrCat(Describe(id), " is not a token id of this tokenizer"));
         }
         (seen_sequence ? suffix : prefix).push_back(id.get<int64_t>());
@@ -751,9 +775,15 @@ class TokenizerParser {
     return absl::OkStatus();
   }
 
+  // Whether model.vocab or added_tokens gives `id` (ids below size() may be unused).
+  bool HasId(int64_t id) const {
+    return (id >= 0 && id <= std::numeric_limits<int32_t>::max() &&
+            data_->vocab_by_id.contains(static_cast<int32_t>(id))) ||
+           data_->added_by_id.contains(id);
+  }
+
   absl::string_view source_;
   TokenizerData* data_;
-  std::vector<bool> present_;  // ids that model.vocab has
 };
 
 }  // namespace
@@ -770,8 +800,9 @@ absl::StatusOr<Tokenizer> Tokenizer::Parse(absl::string_view json_text, absl::st
   tokenizer_internal::Json root;
   try {
     root = tokenizer_internal::Json::parse(json_text);
-  } catch (const tokenizer_internal::Json::parse_error& e) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": malformed JSON: ", e.what()));
+  } catch (const tokenizer_internal::Json::exception& e) {  // out_of_range too: 1e999
+    return absl::InvalidArgumentError(absl::StrCat(
+        source, ": malformed JSON: ", tokenizer_internal::PrintableParseError(e.what())));
   }
   auto data = std::make_shared<TokenizerData>();
   tokenizer_internal::TokenizerParser parser(source, data.get());
@@ -812,11 +843,13 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int64_t> ids) con
       out += it->second->content;
       continue;
     }
-    if (id < 0 || id >= static_cast<int64_t>(data_->vocab_by_id.size()) ||
-        data_->vocab_by_id[id].empty()) {
+    auto by_id = id < 0 || id > std::numeric_limits<int32_t>::max()
+                     ? data_->vocab_by_id.end()
+                     : data_->vocab_by_id.find(static_cast<int32_t>(id));
+    if (by_id == data_->vocab_by_id.end()) {
       return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is not in the tokenizer"));
     }
-    const std::string& token = data_->vocab_by_id[id];
+    const std::string& token = by_id->second;
     size_t pos = 0;
     while (pos < token.size()) {
       size_t next;
