@@ -23,6 +23,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/file_util.h"
+#include "common/json_fields.h"
 #include "common/model_config.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -187,21 +188,6 @@ std::string Describe(const YAML::Node& node) {
     return Shown(raw);
   }
   return Quoted(raw);
-}
-
-// yaml-cpp's message as one line of printable ASCII: some messages end with the byte the
-// scanner stopped at ("unknown escape character: " and a control byte or a newline).
-std::string PrintableYamlMessage(absl::string_view message) {
-  std::string out;
-  for (char c : message) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      out.push_back(c);
-    } else {
-      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
-    }
-  }
-  return out;
 }
 
 template <typename T>
@@ -793,16 +779,16 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
   try {
     root = YAML::Load(std::string(text));
   } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(source, ": line ", e.mark.line + 1, ", column ", e.mark.column + 1,
-                     ": invalid YAML: ", PrintableYamlMessage(e.msg)));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": line ", e.mark.line + 1, ", column ",
+                                                   e.mark.column + 1,
+                                                   ": invalid YAML: ", PrintableAscii(e.msg)));
   }
   SpecReader reader(source);
   try {
     return ParseRoot(reader, root, source);
   } catch (const YAML::Exception& e) {
     // Not expected: the reader checks node types before every access.
-    return absl::InvalidArgumentError(absl::StrCat(source, ": ", PrintableYamlMessage(e.what())));
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", PrintableAscii(e.what())));
   }
 }
 

@@ -34,6 +34,19 @@ void AppendJson(const Json& value, size_t limit, std::string* out) {
 
 }  // namespace
 
+std::string PrintableAscii(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7f) {
+      out.push_back(c);
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
+    }
+  }
+  return out;
+}
+
 std::string DescribeJson(const Json& value, size_t max_chars) {
   std::string text;
   AppendJson(value, max_chars, &text);

@@ -17,6 +17,11 @@
 
 namespace lathe {
 
+// Untrusted text for an error message: printable ASCII kept, every other byte as \xNN, so
+// the message stays one line whatever the input (parsers' messages quote the bytes they
+// stopped at).
+std::string PrintableAscii(absl::string_view text);
+
 // Renders a JSON value for an error message: compact, on one line (control characters
 // escaped as JSON does, invalid UTF-8 replaced), cut between characters after `max_chars`
 // with "...". Untrusted input: renders only what it shows, so a deeply nested value costs

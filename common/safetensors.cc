@@ -64,21 +64,6 @@ const DTypeInfo& Info(DType dtype) {
   return kDTypes[0];  // Unreachable for valid enum values.
 }
 
-// nlohmann's parse error as printable ASCII: it ends with the bytes last read, which in a
-// file that is not safetensors at all are anything.
-std::string PrintableParseError(absl::string_view message) {
-  std::string out;
-  for (char c : message) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      out.push_back(c);
-    } else {
-      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
-    }
-  }
-  return out;
-}
-
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -259,8 +244,8 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view file_
   try {
     header = Json::parse(header_begin, header_begin + header_length);
   } catch (const Json::exception& e) {
-    return error(absl::InvalidArgumentError(
-        absl::StrCat("header is not JSON: ", PrintableParseError(e.what()))));
+    return error(
+        absl::InvalidArgumentError(absl::StrCat("header is not JSON: ", PrintableAscii(e.what()))));
   }
   if (!header.is_object()) {
     return error(absl::InvalidArgumentError(
@@ -401,7 +386,7 @@ absl::StatusOr<SafetensorsDirectory> SafetensorsDirectory::Open(const std::strin
   try {
     index = Json::parse(*index_text);
   } catch (const Json::exception& e) {
-    return invalid(absl::StrCat("not JSON: ", PrintableParseError(e.what())));
+    return invalid(absl::StrCat("not JSON: ", PrintableAscii(e.what())));
   }
   if (!index.is_object()) return invalid("not a JSON object");
   auto weight_map_it = index.find("weight_map");

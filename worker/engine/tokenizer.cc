@@ -139,21 +139,6 @@ std::string Describe(const Json& value) { return DescribeJson(value, 60); }
 // A string from the file, quoted for a message as Describe shows it.
 std::string Quote(absl::string_view text) { return Describe(Json(std::string(text))); }
 
-// nlohmann's parse error as one line of printable ASCII: it ends with the bytes last read,
-// which may be control characters or part of a UTF-8 sequence.
-std::string PrintableParseError(absl::string_view message) {
-  std::string out;
-  for (char c : message) {
-    const auto byte = static_cast<unsigned char>(c);
-    if (byte >= 0x20 && byte < 0x7f) {
-      out.push_back(c);
-    } else {
-      absl::StrAppend(&out, "\\x", absl::Hex(byte, absl::kZeroPad2));
-    }
-  }
-  return out;
-}
-
 // Decodes the code point that ends at byte `end` of valid UTF-8 `s`; sets *start to where
 // it begins.
 UChar32 LastCodePoint(absl::string_view s, size_t end, size_t* start) {
@@ -801,8 +786,8 @@ absl::StatusOr<Tokenizer> Tokenizer::Parse(absl::string_view json_text, absl::st
   try {
     root = tokenizer_internal::Json::parse(json_text);
   } catch (const tokenizer_internal::Json::exception& e) {  // out_of_range too: 1e999
-    return absl::InvalidArgumentError(absl::StrCat(
-        source, ": malformed JSON: ", tokenizer_internal::PrintableParseError(e.what())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": malformed JSON: ", PrintableAscii(e.what())));
   }
   auto data = std::make_shared<TokenizerData>();
   tokenizer_internal::TokenizerParser parser(source, data.get());
