@@ -6,43 +6,18 @@ their first attempt (their agents register again and report what they run)."""
 import json
 import os
 import random
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 import unittest
 
-from services_test import TIMEOUT, Cluster, run, write_tokens
+from services_test import TIMEOUT, ClusterTest
 
 SUBMISSIONS = 200
 KILLS = 10
 
 
-class CrashTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.root = tempfile.mkdtemp(prefix="lathe-crash-")
-        cls.model = os.path.join(cls.root, "model")
-        cls.data = os.path.join(cls.root, "train.jsonl")
-        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "64"),
-                    ("lathe-synth", "data", "--out", cls.data, "--records", "16")):
-            result = run(*cmd)
-            assert result.returncode == 0, result.stderr
-        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
-        try:
-            cls.cluster.start_coordinator()
-            cls.cluster.start_worker("w1")
-            cls.cluster.start_worker("w2")
-        except Exception:
-            cls.cluster.stop()
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.cluster.stop()
-        if os.environ.get("LATHE_KEEP_E2E") is None:
-            shutil.rmtree(cls.root, ignore_errors=True)
+class CrashTest(ClusterTest):
+    PREFIX = "lathe-crash-"
 
     def spec(self, name, steps):
         path = os.path.join(self.root, f"{name}.yaml")

@@ -8,15 +8,13 @@ protos' descriptors (modules generated here with protoc), so a new field is fuzz
 import math
 import os
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 import unittest
 
 import grpc
 
-from services_test import Cluster, run, write_tokens
+from services_test import ClusterTest
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../..")
 REQUESTS = 1000
@@ -132,26 +130,16 @@ def rss_mib(pid):
                 return int(line.split()[1]) / 1024
 
 
-class HostileTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.root = tempfile.mkdtemp(prefix="lathe-hostile-")
-        cls.pb = generate_protos(os.path.join(cls.root, "py"))
-        model = os.path.join(cls.root, "model")
-        result = run("lathe-synth", "model", "--out", model, "--max-pos", "64")
-        assert result.returncode == 0, result.stderr
-        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
-        cls.cluster.start_coordinator()
-        cls.tokens = {}
-        for role in (CLIENT, WORKER, ADMIN):
-            with open(cls.cluster.tokens[role]) as f:
-                cls.tokens[role] = f.read().strip()
+class HostileTest(ClusterTest):
+    PREFIX, WORKERS = "lathe-hostile-", ()
 
     @classmethod
-    def tearDownClass(cls):
-        cls.cluster.stop()
-        if os.environ.get("LATHE_KEEP_E2E") is None:
-            shutil.rmtree(cls.root, ignore_errors=True)
+    def configure(cls, cluster):
+        cls.pb = generate_protos(os.path.join(cls.root, "py"))
+        cls.tokens = {}
+        for role in (CLIENT, WORKER, ADMIN):
+            with open(cluster.tokens[role]) as f:
+                cls.tokens[role] = f.read().strip()
 
     def call(self, channel, service, method, request, token, timeout=5):
         """The status code of one call (a stream: of its first answer)."""

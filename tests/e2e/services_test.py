@@ -128,22 +128,32 @@ class Cluster:
                    *self.cli_args, *args, timeout=timeout)
 
 
-class ServicesTest(unittest.TestCase):
+class ClusterTest(unittest.TestCase):
+    """A cluster for the whole class under a new temporary root: a synthetic model and data
+    set (cls.model, cls.data), a coordinator and the agents named by WORKERS, all stopped
+    (and the root removed unless $LATHE_KEEP_E2E is set) at the end."""
+    PREFIX, MAX_POS, RECORDS, WORKERS = "lathe-e2e-", 64, 16, ("w1", "w2")
+
+    @classmethod
+    def configure(cls, cluster):
+        """Extra flags for the cluster's processes, before they start."""
+
     @classmethod
     def setUpClass(cls):
-        cls.root = tempfile.mkdtemp(prefix="lathe-e2e-")
+        cls.root = tempfile.mkdtemp(prefix=cls.PREFIX)
         cls.model = os.path.join(cls.root, "model")
         cls.data = os.path.join(cls.root, "train.jsonl")
-        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "128"),
-                    ("lathe-synth", "data", "--out", cls.data, "--records", "64")):
+        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", str(cls.MAX_POS)),
+                    ("lathe-synth", "data", "--out", cls.data, "--records", str(cls.RECORDS))):
             result = run(*cmd)
             assert result.returncode == 0, result.stderr
         cls.cluster = Cluster(cls.root, write_tokens(cls.root))
         try:
+            cls.configure(cls.cluster)
             cls.cluster.start_coordinator()
-            cls.cluster.start_worker("w1")
-            cls.cluster.start_worker("w2")
-            cls.wait_for_workers(2)
+            for worker in cls.WORKERS:
+                cls.cluster.start_worker(worker)
+            cls.wait_for_workers(len(cls.WORKERS))
         except Exception:
             cls.cluster.stop()
             raise
@@ -160,14 +170,15 @@ class ServicesTest(unittest.TestCase):
         while time.time() < deadline:
             result = cls.cluster.lathe("--output", "json", "workers")
             if result.returncode == 0:
-                workers = json.loads(result.stdout or "[]")
-                if isinstance(workers, dict):
-                    workers = workers.get("workers", [])
-                ready = [w for w in workers if w.get("state") == "ready"]
+                ready = [w for w in json.loads(result.stdout or "[]") if w["state"] == "ready"]
                 if len(ready) >= n:
                     return
             time.sleep(0.2)
         raise AssertionError(f"fewer than {n} workers registered")
+
+
+class ServicesTest(ClusterTest):
+    MAX_POS, RECORDS = 128, 64
 
     def spec(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
         path = os.path.join(self.root, f"{name}.yaml")

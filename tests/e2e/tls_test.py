@@ -5,14 +5,12 @@ rendezvous over TLS, and the connections that must be refused. The certificates 
 here with openssl."""
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 import threading
 import time
 import unittest
 
-from services_test import TIMEOUT, Cluster, run, write_tokens
+from services_test import ClusterTest, run
 
 
 def openssl(*args, cwd):
@@ -45,47 +43,19 @@ def make_certificates(directory):
             ("lathe-ca", "rogue-ca", "server", "worker", "rogue")}
 
 
-class TlsTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.root = tempfile.mkdtemp(prefix="lathe-tls-")
-        cls.certs = make_certificates(cls.root)
-        cls.model = os.path.join(cls.root, "model")
-        cls.data = os.path.join(cls.root, "train.jsonl")
-        for cmd in (("lathe-synth", "model", "--out", cls.model, "--max-pos", "64"),
-                    ("lathe-synth", "data", "--out", cls.data, "--records", "16")):
-            result = run(*cmd)
-            assert result.returncode == 0, result.stderr
-        c = cls.certs
-        cls.cluster = Cluster(cls.root, write_tokens(cls.root))
-        cls.cluster.coordinator_args = ["--tls-cert", c["server"] + ".pem",
-                                        "--tls-key", c["server"] + ".key",
-                                        "--tls-client-ca", c["lathe-ca"] + ".pem"]
-        cls.cluster.worker_args = ["--tls-ca", c["lathe-ca"] + ".pem",
-                                   "--tls-cert", c["worker"] + ".pem",
-                                   "--tls-key", c["worker"] + ".key"]
-        cls.cluster.cli_args = ["--tls-ca", c["lathe-ca"] + ".pem"]
-        try:
-            cls.cluster.start_coordinator()
-            cls.cluster.start_worker("w1")
-            cls.cluster.start_worker("w2")
-            deadline = time.time() + 30
-            while time.time() < deadline:
-                workers = cls.cluster.lathe("--output", "json", "workers")
-                if workers.returncode == 0 and len(json.loads(workers.stdout)) == 2:
-                    break
-                time.sleep(0.2)
-            else:
-                raise AssertionError("the agents did not register over mutual TLS")
-        except Exception:
-            cls.cluster.stop()
-            raise
+class TlsTest(ClusterTest):
+    PREFIX = "lathe-tls-"
 
     @classmethod
-    def tearDownClass(cls):
-        cls.cluster.stop()
-        if os.environ.get("LATHE_KEEP_E2E") is None:
-            shutil.rmtree(cls.root, ignore_errors=True)
+    def configure(cls, cluster):
+        c = cls.certs = make_certificates(cls.root)
+        cluster.coordinator_args = ["--tls-cert", c["server"] + ".pem",
+                                    "--tls-key", c["server"] + ".key",
+                                    "--tls-client-ca", c["lathe-ca"] + ".pem"]
+        cluster.worker_args = ["--tls-ca", c["lathe-ca"] + ".pem",
+                               "--tls-cert", c["worker"] + ".pem",
+                               "--tls-key", c["worker"] + ".key"]
+        cluster.cli_args = ["--tls-ca", c["lathe-ca"] + ".pem"]
 
     def test_a_two_rank_job_runs_over_tls(self):
         spec = os.path.join(self.root, "job.yaml")
