@@ -226,6 +226,11 @@ output: {os.path.join(self.root, "runs", name)}
                                 text=True)
         return [int(p) for p in result.stdout.split()]
 
+    def adapter_bytes(self, job_id):
+        with open(os.path.join(self.status(job_id)["adapter_path"],
+                               "adapter_model.safetensors"), "rb") as f:
+            return f.read()
+
     def expect_adapter(self, job_id):
         job = self.status(job_id)
         self.assertEqual(job["state"], "succeeded", job)
@@ -388,12 +393,7 @@ output: {os.path.join(self.root, "runs", name)}
         shown = self.cluster.lathe("status", job_id)
         self.assertIn(f"resumed from step {second['resumed_from_step']}", shown.stdout)
         self.assertIn("restarts     1 of 3", shown.stdout)
-        adapters = []
-        for one in (reference, job_id):
-            with open(os.path.join(self.status(one)["adapter_path"],
-                                   "adapter_model.safetensors"), "rb") as f:
-                adapters.append(f.read())
-        self.assertEqual(adapters[0], adapters[1])
+        self.assertEqual(self.adapter_bytes(reference), self.adapter_bytes(job_id))
 
     def test_2c_a_user_error_is_not_retried(self):
         job_id = self.submit("diverges", steps=50, lr="1.0e+308",
@@ -502,12 +502,7 @@ output: {os.path.join(self.root, "runs", name)}
             self.assertEqual(failed["failure"], "infrastructure", failed)
             recomputed = failed["progress"]["step"] - after["resumed_from_step"]
             self.assertLessEqual(recomputed, every, (failed, after))
-        adapters = []
-        for one in (reference, job_id):
-            with open(os.path.join(self.status(one)["adapter_path"],
-                                   "adapter_model.safetensors"), "rb") as f:
-                adapters.append(f.read())
-        self.assertEqual(adapters[0], adapters[1])
+        self.assertEqual(self.adapter_bytes(reference), self.adapter_bytes(job_id))
 
     def test_3_cancel_stops_the_trainer(self):
         job_id = self.submit("cancelled", steps=100000)
