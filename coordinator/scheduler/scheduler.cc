@@ -314,10 +314,26 @@ void Scheduler::Schedule() {
     }
     return a->sequence < b->sequence;
   });
+  // Jobs with ranks of an earlier attempt still on a slot: those may be writing the
+  // checkpoint the next attempt should resume from (a drain, a cancelled peer), so the next
+  // attempt waits for their end (the agent kills a rank 5 s after asking it to stop).
+  std::map<std::string, int64_t> ending;  // job -> generation of a live rank
+  for (const auto& [id, worker] : workers_) {
+    for (const auto& [slot, ref] : worker.busy) ending[ref.job_id] = ref.generation;
+  }
   const int64_t now_ms = NowMs();
   for (JobState* job : queued) {
     // A restart waiting out its backoff keeps its reason (CheckHeartbeats schedules again).
     if (job->status.restart_after_unix_ms() > now_ms) continue;
+    if (auto live = ending.find(job->status.job_id()); live != ending.end()) {
+      const std::string reason = absl::StrCat("waiting for the ranks of attempt ", live->second,
+                                              " to end (they may be writing a checkpoint)");
+      if (job->status.reason() != reason) {
+        job->status.set_reason(reason);
+        (void)Commit(*job);
+      }
+      continue;
+    }
     const int64_t ranks = RanksOf(job->status);
     const v1::Device device = DeviceOf(job->status);
     const uint64_t need = PlannedPeak(job->status.plan());

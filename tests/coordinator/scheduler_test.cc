@@ -424,12 +424,23 @@ TEST_F(RestartTest, ADrainedWorkersRanksMoveWithoutUsingUpRestarts) {
   EXPECT_EQ(drained->state(), v1::WORKER_STATE_DRAINING);
   v1::JobStatus job = Job("job");
   EXPECT_EQ(job.restarts(), 0);
-  ASSERT_EQ(job.attempts_size(), 2);  // placed again at once, on w2
   EXPECT_EQ(job.attempts(0).state(), v1::ATTEMPT_STATE_FAILED);
   EXPECT_THAT(job.attempts(0).error(), HasSubstr("worker w1 is being drained"));
+  // w1's trainer is told to stop. Until it has (it checkpoints on the way out), the job
+  // waits, although w2 is free.
+  v1::SlotStatus running;
+  running.set_slot(0);
+  running.set_job_id("job");
+  running.set_generation(1);
+  EXPECT_EQ(Beat("w1", {running}).cancellations_size(), 1);
+  EXPECT_EQ(Job("job").attempts_size(), 1);
+  EXPECT_EQ(Job("job").reason(),
+            "waiting for the ranks of attempt 1 to end (they may be writing a checkpoint)");
+  EXPECT_TRUE(Report("w1", "job", 1, 0, v1::RANK_EVENT_CANCELLED).ok());
+  job = Job("job");
+  ASSERT_EQ(job.attempts_size(), 2);  // now placed, on w2
   EXPECT_EQ(job.attempts(1).placements(0).worker_id(), "w2");
-  // w1's trainer is told to stop; it stays drained when its agent registers again.
-  EXPECT_EQ(Beat("w1").cancellations_size(), 1);
+  // It stays drained when its agent registers again.
   Register("w1");
   EXPECT_EQ(scheduler_->ListWorkers()[0].state(), v1::WORKER_STATE_DRAINING);
   // Removal: refused while it is alive (it would only register again); fine once lost.

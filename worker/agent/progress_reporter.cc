@@ -41,6 +41,11 @@ void ProgressReporter::Report(v1::ReportProgressRequest request, std::function<v
         for (Item& queued : queue_) {
           if (queued.request.event() == v1::RANK_EVENT_PROGRESS && !queued.on_done &&
               SameRank(queued.request, request)) {
+            // The newer progress supersedes the queued one, but not what only the first
+            // report of a rank says: the step it resumed from.
+            if (request.resumed_from_step() == 0) {
+              request.set_resumed_from_step(queued.request.resumed_from_step());
+            }
             queued.request = std::move(request);
             return;
           }
