@@ -27,6 +27,18 @@ TEST(GrpcStatusTest, EveryCodeAndMessageSurvivesBothWays) {
   EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
 }
 
+// A message quoting what a caller sent (a 300 KB job id) must still fit a client's 8 KiB
+// header limit, or the caller sees RESOURCE_EXHAUSTED instead of the error.
+TEST(GrpcStatusTest, LongMessagesKeepTheirHeadAndTail) {
+  const std::string message = "job " + std::string(300000, 'x') + " not found";
+  const grpc::Status wire = ToGrpcStatus(absl::NotFoundError(message));
+  EXPECT_EQ(wire.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_LE(wire.error_message().size(), kMaxWireMessageBytes);
+  EXPECT_THAT(wire.error_message(), ::testing::StartsWith("job xxx"));
+  EXPECT_THAT(wire.error_message(), ::testing::HasSubstr(" bytes cut) ... "));
+  EXPECT_THAT(wire.error_message(), ::testing::EndsWith("xxx not found"));
+}
+
 TEST(RetryPolicyTest, OnlyUnavailableAndDeadlineExceededAreRetried) {
   for (int code = 0; code <= 16; ++code) {
     const auto c = static_cast<absl::StatusCode>(code);
