@@ -157,6 +157,13 @@ absl::Status Scheduler::Commit(JobState& job, bool force_persist) {
   return status;
 }
 
+void Scheduler::SetQueueReason(JobState& job, const std::string& reason) {
+  if (job.status.reason() == reason) return;
+  job.status.set_reason(reason);
+  ++job.version;  // watchers see it
+  job.status.set_updated_unix_ms(NowMs());
+}
+
 void Scheduler::PersistWorker(const WorkerState& worker) {
   absl::Status status = store_->PutWorker(worker.status);
   if (!status.ok()) {
@@ -328,10 +335,7 @@ void Scheduler::Schedule() {
     if (auto live = ending.find(job->status.job_id()); live != ending.end()) {
       const std::string reason = absl::StrCat("waiting for the ranks of attempt ", live->second,
                                               " to end (they may be writing a checkpoint)");
-      if (job->status.reason() != reason) {
-        job->status.set_reason(reason);
-        (void)Commit(*job);
-      }
+      SetQueueReason(*job, reason);
       continue;
     }
     const int64_t ranks = RanksOf(job->status);
@@ -375,10 +379,7 @@ void Scheduler::Schedule() {
                                        "have that much (largest free %s)",
                                    FormatBytes(need), ranks, DeviceName(device), fitting, free,
                                    FormatBytes(largest_free));
-      if (job->status.reason() != reason) {
-        job->status.set_reason(reason);
-        (void)Commit(*job);
-      }
+      SetQueueReason(*job, reason);
       continue;
     }
     std::stable_sort(candidates.begin(), candidates.end(),

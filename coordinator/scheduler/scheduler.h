@@ -21,7 +21,8 @@
 //
 // Every change to a job is written through to the Store before the call returns, so a
 // restarted coordinator (which loads the store in Create) still knows every job it
-// acknowledged. Progress reports are written at most once per second per job.
+// acknowledged. Progress reports are written at most once per second per job; why a queued
+// job waits is recomputed by every pass and not written on its own (SetQueueReason).
 //
 // Thread-safety: thread-safe; every public method takes the one mutex. Watchers wait on it
 // with a condition (no polling).
@@ -162,6 +163,10 @@ class Scheduler {
 
   // Writes the job to the store and wakes its watchers.
   absl::Status Commit(JobState& job, bool force_persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Why a queued job waits: derived state, recomputed by every pass, so kept in memory (for
+  // readers and watchers) and written only with the job's next real change. A pass over
+  // thousands of queued jobs must not be thousands of fsyncs (issue #13).
+  void SetQueueReason(JobState& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places every queued job that fits.
   void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt of `job` with `state` and `error`, sends cancellations to

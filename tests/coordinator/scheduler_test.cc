@@ -230,6 +230,54 @@ TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
   EXPECT_EQ(scheduler_->Heartbeat(stale).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+// The store underneath, counting the job updates that reach it.
+class CountingStore : public Store {
+ public:
+  explicit CountingStore(Store* inner) : inner_(inner) {}
+  absl::Status CreateJob(const v1::JobStatus& job, absl::string_view request_id) override {
+    return inner_->CreateJob(job, request_id);
+  }
+  absl::Status UpdateJob(const v1::JobStatus& job) override {
+    ++updates;
+    return inner_->UpdateJob(job);
+  }
+  absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
+      absl::string_view request_id) override {
+    return inner_->FindJobByRequestId(request_id);
+  }
+  absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() override { return inner_->LoadJobs(); }
+  absl::Status PutWorker(const v1::WorkerStatus& worker) override {
+    return inner_->PutWorker(worker);
+  }
+  absl::Status DeleteWorker(absl::string_view worker_id) override {
+    return inner_->DeleteWorker(worker_id);
+  }
+  absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
+    return inner_->LoadWorkers();
+  }
+  int updates = 0;
+
+ private:
+  Store* inner_;
+};
+
+// Why a queued job waits changes with every worker that comes and goes: shown at once, but
+// never a store write (with thousands queued, a pass would be thousands of fsyncs).
+TEST_F(SchedulerTest, QueueReasonsAreShownButNotWritten) {
+  CountingStore counting(store_.get());
+  scheduler_ = *Scheduler::Create(&counting, &clock_, {absl::Seconds(2), absl::Seconds(15)});
+  for (int i = 0; i < 50; ++i) Add("job-" + std::to_string(i), /*ranks=*/2);
+  EXPECT_THAT(Job("job-7").reason(), HasSubstr("needs 2 cpu slots; 0 registered"));
+  const int before = counting.updates;
+  Register("w1");
+  EXPECT_THAT(Job("job-7").reason(), HasSubstr("needs 2 cpu slots; 1 registered"));
+  Register("w2", 1);
+  Register("w3", 1);  // now placeable: job-0 runs (a real change, written)
+  EXPECT_EQ(Job("job-0").state(), v1::JOB_STATE_RUNNING);
+  EXPECT_THAT(Job("job-7").reason(), HasSubstr("waiting for 2 free cpu slots"));
+  EXPECT_EQ(counting.updates - before, 1);
+}
+
 // --- restarts ----------------------------------------------------------------------------
 
 class RestartTest : public SchedulerTest {
