@@ -504,13 +504,8 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   if (!token.ok()) return UsageError(err, token.status().message(), usage);
   JobClientOptions client_options;
   client_options.token = *std::move(token);
-  ClientTlsFiles tls = ClientTlsFilesFromEnv();
-  for (auto [flag, file] : {std::pair{"tls-ca", &tls.ca}, std::pair{"tls-cert", &tls.cert},
-                            std::pair{"tls-key", &tls.key}}) {
-    if (flags->Has(flag)) *file = flags->Get(flag);
-  }
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(tls);
+      MakeChannelCredentials(ClientTlsFilesFrom(*flags));
   if (!credentials.ok()) return UsageError(err, credentials.status().message(), usage);
   const JobClient client(grpc::CreateChannel(address, *credentials), address, client_options);
   inv.positional = flags->positional();

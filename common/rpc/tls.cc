@@ -1,6 +1,8 @@
 #include "common/rpc/tls.h"
 
 #include <cstdlib>
+#include <filesystem>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -78,6 +80,16 @@ ClientTlsFiles ClientTlsFilesFromEnv() {
     return std::string(value == nullptr ? "" : value);
   };
   return {get(kTlsEnvCa), get(kTlsEnvCert), get(kTlsEnvKey)};
+}
+
+ClientTlsFiles ClientTlsFilesFrom(const ParsedFlags& flags) {
+  ClientTlsFiles tls = ClientTlsFilesFromEnv();
+  for (auto [flag, file] : {std::pair{"tls-ca", &tls.ca}, std::pair{"tls-cert", &tls.cert},
+                            std::pair{"tls-key", &tls.key}}) {
+    if (flags.Has(flag)) *file = flags.Get(flag);
+    if (!file->empty()) *file = std::filesystem::absolute(*file).string();
+  }
+  return tls;
 }
 
 }  // namespace lathe

@@ -19,6 +19,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "common/command_line.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 
@@ -55,6 +56,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 
 // The files named by the kTlsEnv* variables (unset: empty).
 ClientTlsFiles ClientTlsFilesFromEnv();
+
+// --tls-ca, --tls-cert and --tls-key, each falling back to its kTlsEnv* variable, as absolute
+// paths (an agent hands them to trainers that run in other directories).
+ClientTlsFiles ClientTlsFilesFrom(const ParsedFlags& flags);
 
 }  // namespace lathe
 

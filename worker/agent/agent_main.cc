@@ -4,7 +4,6 @@
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <iostream>
 #include <thread>
 #include <utility>
@@ -59,17 +58,6 @@ std::string HostName() {
   return name;
 }
 
-// The agent's TLS files (flags, else the environment), absolute: its trainers get them too.
-ClientTlsFiles TlsFilesFromFlags(const ParsedFlags& flags) {
-  ClientTlsFiles tls = ClientTlsFilesFromEnv();
-  for (auto [flag, file] : {std::pair{"tls-ca", &tls.ca}, std::pair{"tls-cert", &tls.cert},
-                            std::pair{"tls-key", &tls.key}}) {
-    if (flags.Has(flag)) *file = flags.Get(flag);
-    if (!file->empty()) *file = std::filesystem::absolute(*file).string();
-  }
-  return tls;
-}
-
 absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
                                                     ProcessLauncher& launcher) {
   WorkerAgentOptions options;
@@ -116,7 +104,7 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
   LATHE_ASSIGN_OR_RETURN(options.token, ResolveToken(flags.Get("token"), flags.Get("token-file"),
                                                      "--token-file", "LATHE_TOKEN"));
   if (!options.token.empty()) trainer.environment.push_back({"LATHE_TOKEN", options.token});
-  const ClientTlsFiles tls = TlsFilesFromFlags(flags);
+  const ClientTlsFiles tls = ClientTlsFilesFrom(flags);  // its trainers get them too
   for (auto [name, file] : {std::pair{kTlsEnvCa, &tls.ca}, std::pair{kTlsEnvCert, &tls.cert},
                             std::pair{kTlsEnvKey, &tls.key}}) {
     if (!file->empty()) trainer.environment.push_back({name, *file});
@@ -212,7 +200,7 @@ int RunAgentCommand(int argc, char** argv) {
                options->trainer.work_dir);
 
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
-      MakeChannelCredentials(TlsFilesFromFlags(*flags));
+      MakeChannelCredentials(ClientTlsFilesFrom(*flags));
   if (!credentials.ok()) {
     std::cerr << "lathe-worker agent: " << credentials.status().message() << "\n";
     return 2;
