@@ -4,7 +4,6 @@ submissions: every acknowledged job is there after the restarts (none lost), non
 (the CLI retries with the same request id), and the jobs that were running carry on in
 their first attempt (their agents register again and report what they run)."""
 import json
-import os
 import random
 import threading
 import time
@@ -18,19 +17,6 @@ KILLS = 10
 
 class CrashTest(ClusterTest):
     PREFIX = "lathe-crash-"
-
-    def spec(self, name, steps):
-        path = os.path.join(self.root, f"{name}.yaml")
-        with open(path, "w") as f:
-            f.write(f"""name: {name}
-model: {{path: {self.model}}}
-data: {{train: {self.data}, seq_len: 16}}
-lora: {{rank: 2, alpha: 4}}
-train: {{steps: {steps}, global_batch: 2}}
-resources: {{ranks: 1, device: cpu}}
-output: {os.path.join(self.root, "runs", name)}
-""")
-        return path
 
     def jobs(self):
         listed = self.cluster.lathe("--output", "json", "list")
@@ -46,7 +32,7 @@ output: {os.path.join(self.root, "runs", name)}
         # Two long jobs, one on each worker, running before the first kill.
         running = []
         for name in ("long-a", "long-b"):
-            submitted = self.cluster.lathe("submit", self.spec(name, 10**6))
+            submitted = self.cluster.lathe("submit", self.spec(name, steps=10**6))
             self.assertEqual(submitted.returncode, 0, submitted.stderr)
             running.append(submitted.stdout.strip())
         deadline = time.time() + TIMEOUT
@@ -54,7 +40,7 @@ output: {os.path.join(self.root, "runs", name)}
             self.assertLess(time.time(), deadline, "the long jobs did not start")
             time.sleep(0.2)
 
-        specs = [self.spec(f"burst-{i}", 5) for i in range(SUBMISSIONS)]
+        specs = [self.spec(f"burst-{i}", steps=5) for i in range(SUBMISSIONS)]
         acknowledged = {}  # i -> job id
         tries = [0]
 

@@ -176,11 +176,8 @@ class ClusterTest(unittest.TestCase):
             time.sleep(0.2)
         raise AssertionError(f"fewer than {n} workers registered")
 
-
-class ServicesTest(ClusterTest):
-    MAX_POS, RECORDS = 128, 64
-
     def spec(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
+        """A LoRA job spec on the class's model and data, written to <root>/<name>.yaml."""
         path = os.path.join(self.root, f"{name}.yaml")
         with open(path, "w") as f:
             f.write(f"""name: {name}
@@ -192,6 +189,10 @@ resources: {{ranks: {ranks}, device: cpu}}
 output: {os.path.join(self.root, "runs", name)}
 {extra}""")
         return path
+
+
+class ServicesTest(ClusterTest):
+    MAX_POS, RECORDS = 128, 64
 
     def submit(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
         result = self.cluster.lathe("submit", self.spec(name, steps, ranks, extra, train, lr))

@@ -58,16 +58,7 @@ class TlsTest(ClusterTest):
         cluster.cli_args = ["--tls-ca", c["lathe-ca"] + ".pem"]
 
     def test_a_two_rank_job_runs_over_tls(self):
-        spec = os.path.join(self.root, "job.yaml")
-        with open(spec, "w") as f:
-            f.write(f"""name: over-tls
-model: {{path: {self.model}}}
-data: {{train: {self.data}, seq_len: 16}}
-lora: {{rank: 2, alpha: 4}}
-train: {{steps: 3, global_batch: 2}}
-resources: {{ranks: 2, device: cpu}}
-output: {os.path.join(self.root, "runs", "over-tls")}
-""")
+        spec = self.spec("over-tls", steps=3, ranks=2)
         submitted = self.cluster.lathe("submit", spec)
         self.assertEqual(submitted.returncode, 0, submitted.stderr)
         job_id = submitted.stdout.strip()
