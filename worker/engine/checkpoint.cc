@@ -12,6 +12,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/file_util.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
@@ -61,12 +62,13 @@ int64_t StepOf(const std::string& name) {
   return step;
 }
 
-// The step directories of `dir` by step, newest first.
-std::vector<std::pair<int64_t, fs::path>> StepDirs(const std::string& dir) {
+// The step directories of `dir` by step, newest first; `error` is set when `dir` cannot
+// be read.
+std::vector<std::pair<int64_t, fs::path>> StepDirs(const std::string& dir, std::error_code& error) {
   std::vector<std::pair<int64_t, fs::path>> steps;
-  std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
-    if (int64_t step = StepOf(entry.path().filename().string()); step >= 0) {
+    if (int64_t step = StepOf(entry.path().filename().string());
+        step >= 0 && entry.is_directory()) {
       steps.emplace_back(step, entry.path());
     }
   }
@@ -74,8 +76,21 @@ std::vector<std::pair<int64_t, fs::path>> StepDirs(const std::string& dir) {
   return steps;
 }
 
+// The generation whose save left the temporary directory `name` (".tmp-g3-step-..." 3,
+// ".tmp-step-..." 0), or -1 when it is none.
+int64_t TempDirGeneration(absl::string_view name) {
+  if (!absl::ConsumePrefix(&name, ".tmp-")) return -1;
+  int64_t generation = 0;
+  if (absl::ConsumePrefix(&name, "g") &&
+      !absl::SimpleAtoi(name.substr(0, name.find('-')), &generation)) {
+    return -1;
+  }
+  return generation;
+}
+
 absl::Status WriteFence(const std::string& dir, const CheckpointFence& fence) {
-  const std::vector<std::pair<int64_t, fs::path>> steps = StepDirs(dir);
+  std::error_code error;
+  const std::vector<std::pair<int64_t, fs::path>> steps = StepDirs(dir, error);
   nlohmann::ordered_json json;
   json["job_id"] = fence.job_id;
   json["generation"] = fence.generation;
@@ -328,25 +343,19 @@ absl::Status CheckpointStore::Publish(const TrainingState& state) {
       fence_.generation > 0 ? ReadFence(dir_) : std::optional<FenceRecord>();
   std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
-    const std::string name = entry.path().filename().string();
-    int64_t generation = 0;
-    if (absl::StartsWith(name, ".tmp-") &&
-        (!absl::StartsWith(name, ".tmp-g") ||
-         (absl::SimpleAtoi(name.substr(6, name.find('-', 6) - 6), &generation) &&
-          generation <= fence_.generation))) {
-      fs::remove_all(entry.path(), error);
-    }
+    const int64_t generation = TempDirGeneration(entry.path().filename().string());
+    if (generation >= 0 && generation <= fence_.generation) fs::remove_all(entry.path(), error);
   }
-  int64_t kept = 0;
-  for (const auto& [step, path] : StepDirs(dir_)) {
+  auto committed_late = [&](int64_t step, const fs::path& path) {
+    if (!record) return false;  // unfenced: nothing is late
     absl::StatusOr<std::string> text = ReadFile((path / kState).string());
     absl::StatusOr<TrainingState> written =
         text.ok() ? ParseTrainingState(*text, path.string()) : text.status();
-    if (written.ok() && CommittedLate(written->writer, step, record)) {
-      fs::remove_all(path, error);
-    } else if (++kept > keep_) {
-      fs::remove_all(path, error);
-    }
+    return written.ok() && CommittedLate(written->writer, step, record);
+  };
+  int64_t kept = 0;
+  for (const auto& [step, path] : StepDirs(dir_, error)) {
+    if (committed_late(step, path) || ++kept > keep_) fs::remove_all(path, error);
   }
   return absl::OkStatus();
 }
@@ -402,21 +411,13 @@ absl::StatusOr<std::optional<LoadedCheckpoint>> CheckpointStore::LoadNewest(
     std::vector<std::string>* rejected) const {
   std::error_code error;
   if (!fs::exists(dir_, error)) return std::optional<LoadedCheckpoint>();
-  std::vector<std::pair<int64_t, std::string>> steps;
-  for (const fs::directory_entry& entry : fs::directory_iterator(dir_, error)) {
-    const std::string name = entry.path().filename().string();
-    if (int64_t step = StepOf(name); step >= 0 && entry.is_directory()) {
-      steps.emplace_back(step, entry.path().string());
-    }
-  }
+  const std::vector<std::pair<int64_t, fs::path>> steps = StepDirs(dir_, error);
   if (error) return absl::InternalError(absl::StrCat(dir_, ": ", error.message()));
-  std::sort(steps.rbegin(), steps.rend());
   for (const auto& [step, path] : steps) {
-    absl::StatusOr<LoadedCheckpoint> loaded = Load(path);
+    absl::StatusOr<LoadedCheckpoint> loaded = Load(path.string());
     if (loaded.ok()) return std::optional<LoadedCheckpoint>(*std::move(loaded));
     if (rejected != nullptr) {
-      rejected->push_back(
-          absl::StrCat(fs::path(path).filename().string(), ": ", loaded.status().message()));
+      rejected->push_back(absl::StrCat(path.filename().string(), ": ", loaded.status().message()));
     }
   }
   return std::optional<LoadedCheckpoint>();
