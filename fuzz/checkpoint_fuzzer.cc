@@ -2,20 +2,18 @@
 // (worker/engine/checkpoint.h): any bytes must give a result or DATA_LOSS.
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "fuzz/fuzz_check.h"
 #include "worker/engine/checkpoint.h"
 
 namespace {
 
 void ExpectOkOrDataLoss(const absl::Status& status, const char* what) {
-  if (status.ok() || absl::IsDataLoss(status)) return;
-  std::fprintf(stderr, "checkpoint_fuzzer: %s: not DATA_LOSS: %s\n", what,
-               status.ToString().c_str());
-  std::abort();
+  if (!status.ok() && !absl::IsDataLoss(status)) {
+    lathe::FuzzFail("checkpoint_fuzzer", what, "not DATA_LOSS: " + status.ToString());
+  }
 }
 
 }  // namespace

@@ -2,21 +2,11 @@
 // DATA_LOSS or INVALID_ARGUMENT, or tensors that lie inside the data and cover it end to end.
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/safetensors.h"
-
-namespace {
-
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "safetensors_fuzzer: %s\n", what);
-  std::abort();
-}
-
-}  // namespace
+#include "fuzz/fuzz_check.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
@@ -24,7 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       lathe::ParseSafetensorsHeader(bytes, "model.safetensors");
   if (!header.ok()) {
     if (!absl::IsDataLoss(header.status()) && !absl::IsInvalidArgument(header.status())) {
-      Fail("neither DATA_LOSS nor INVALID_ARGUMENT");
+      lathe::FuzzFail("safetensors_fuzzer", "neither DATA_LOSS nor INVALID_ARGUMENT");
     }
     return 0;
   }
@@ -34,14 +24,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::byte* next = reinterpret_cast<const std::byte*>(data + 8 + header_length);
   for (const lathe::TensorView& tensor : header->tensors) {
     if (tensor.data > end || tensor.nbytes > static_cast<size_t>(end - tensor.data)) {
-      Fail("a tensor lies outside the file");
+      lathe::FuzzFail("safetensors_fuzzer", "a tensor lies outside the file");
     }
-    if (tensor.data != next) Fail("the tensors do not cover the data end to end");
+    if (tensor.data != next)
+      lathe::FuzzFail("safetensors_fuzzer", "the tensors do not cover the data end to end");
     next = tensor.data + tensor.nbytes;
     if (static_cast<uint64_t>(tensor.numel()) * lathe::DTypeSize(tensor.dtype) != tensor.nbytes) {
-      Fail("numel x dtype size is not nbytes");
+      lathe::FuzzFail("safetensors_fuzzer", "numel x dtype size is not nbytes");
     }
   }
-  if (next != end) Fail("the tensors do not reach the end of the file");
+  if (next != end)
+    lathe::FuzzFail("safetensors_fuzzer", "the tensors do not reach the end of the file");
   return 0;
 }

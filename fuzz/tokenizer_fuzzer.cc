@@ -5,12 +5,11 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "fuzz/fuzz_check.h"
 #include "worker/engine/pre_tokenizer.h"
 #include "worker/engine/tokenizer.h"
 
@@ -18,12 +17,6 @@ namespace {
 
 // How much of the input is encoded: enough for words, added tokens and their surroundings.
 constexpr size_t kMaxTextBytes = 1024;
-
-[[noreturn]] void Fail(const char* what, absl::string_view detail) {
-  std::fprintf(stderr, "tokenizer_fuzzer: %s: %.*s\n", what, static_cast<int>(detail.size()),
-               detail.data());
-  std::abort();
-}
 
 bool IsOneLine(absl::string_view message) {
   for (char c : message) {
@@ -40,10 +33,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       lathe::Tokenizer::Parse(json, "/m/tokenizer.json");
   if (!tokenizer.ok()) {
     if (!absl::IsInvalidArgument(tokenizer.status())) {
-      Fail("not INVALID_ARGUMENT", tokenizer.status().ToString());
+      lathe::FuzzFail("tokenizer_fuzzer", "not INVALID_ARGUMENT", tokenizer.status().ToString());
     }
     if (!IsOneLine(tokenizer.status().message())) {
-      Fail("message is not one printable line", tokenizer.status().ToString());
+      lathe::FuzzFail("tokenizer_fuzzer", "message is not one printable line",
+                      tokenizer.status().ToString());
     }
     return 0;
   }
@@ -51,14 +45,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (bool add_special_tokens : {false, true}) {
     const absl::StatusOr<std::vector<int64_t>> ids = tokenizer->Encode(text, add_special_tokens);
     if (!ids.ok()) {
-      if (!absl::IsInvalidArgument(ids.status())) Fail("Encode", ids.status().ToString());
+      if (!absl::IsInvalidArgument(ids.status()))
+        lathe::FuzzFail("tokenizer_fuzzer", "Encode", ids.status().ToString());
       continue;
     }
     for (int64_t id : *ids) {
-      if (id < 0 || id >= tokenizer->size()) Fail("Encode gave an id out of range", text);
+      if (id < 0 || id >= tokenizer->size())
+        lathe::FuzzFail("tokenizer_fuzzer", "Encode gave an id out of range", text);
     }
     const absl::StatusOr<std::string> decoded = tokenizer->Decode(*ids);
-    if (!decoded.ok()) Fail("Decode refused Encode's ids", decoded.status().ToString());
+    if (!decoded.ok())
+      lathe::FuzzFail("tokenizer_fuzzer", "Decode refused Encode's ids",
+                      decoded.status().ToString());
   }
   return 0;
 }
