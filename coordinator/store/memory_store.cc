@@ -36,13 +36,22 @@ class MemoryStore : public Store {
     return absl::OkStatus();
   }
 
-  absl::Status UpdateJob(const v1::JobStatus& job) override {
+  absl::Status Write(const StoreBatch& batch) override {
     absl::MutexLock lock(&mu_);
-    auto it = index_.find(job.job_id());
-    if (it == index_.end()) {
-      return absl::NotFoundError(absl::StrCat("job ", job.job_id(), " not found"));
+    // Checked in full first: all of the batch or none of it.
+    for (const v1::JobStatus& job : batch.jobs) {
+      if (index_.count(job.job_id()) == 0) {
+        return absl::NotFoundError(absl::StrCat("job ", job.job_id(), " not found"));
+      }
     }
-    jobs_[it->second] = job;
+    for (const v1::WorkerStatus& worker : batch.workers) {
+      if (worker.worker_id().empty()) {
+        return absl::InvalidArgumentError("PutWorker: worker_id is empty");
+      }
+    }
+    for (const v1::JobStatus& job : batch.jobs) jobs_[index_.at(job.job_id())] = job;
+    for (const v1::WorkerStatus& worker : batch.workers) workers_[worker.worker_id()] = worker;
+    for (const std::string& id : batch.deleted_workers) workers_.erase(id);
     return absl::OkStatus();
   }
 
@@ -58,21 +67,6 @@ class MemoryStore : public Store {
   absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() override {
     absl::MutexLock lock(&mu_);
     return jobs_;
-  }
-
-  absl::Status PutWorker(const v1::WorkerStatus& worker) override {
-    if (worker.worker_id().empty()) {
-      return absl::InvalidArgumentError("PutWorker: worker_id is empty");
-    }
-    absl::MutexLock lock(&mu_);
-    workers_[worker.worker_id()] = worker;
-    return absl::OkStatus();
-  }
-
-  absl::Status DeleteWorker(absl::string_view worker_id) override {
-    absl::MutexLock lock(&mu_);
-    workers_.erase(std::string(worker_id));
-    return absl::OkStatus();
   }
 
   absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {

@@ -138,19 +138,17 @@ class SqliteStore : public Store {
     return Commit(absl::StrCat("committing job ", job.job_id()));
   }
 
-  absl::Status UpdateJob(const v1::JobStatus& job) override {
-    const std::string record = job.SerializeAsString();
+  absl::Status Write(const StoreBatch& batch) override {
+    if (batch.empty()) return absl::OkStatus();
     absl::MutexLock lock(&mu_);
-    const std::string what = absl::StrCat("updating job ", job.job_id());
-    LATHE_ASSIGN_OR_RETURN(Statement statement,
-                           Prepare("UPDATE jobs SET record = ? WHERE job_id = ?", what));
-    LATHE_RETURN_IF_ERROR(BindBlob(statement.get(), 1, record, what));
-    LATHE_RETURN_IF_ERROR(BindText(statement.get(), 2, job.job_id(), what));
-    LATHE_RETURN_IF_ERROR(StepDone(statement.get(), what));
-    if (sqlite3_changes(db_.get()) == 0) {
-      return absl::NotFoundError(absl::StrCat(path_, ": job ", job.job_id(), " not found"));
+    LATHE_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE", "starting a transaction"));
+    absl::Status status = WriteInTransaction(batch);
+    if (!status.ok()) {
+      Rollback();
+      return status;
     }
-    return absl::OkStatus();
+    return Commit(absl::StrCat("committing ", batch.jobs.size(), " jobs and ",
+                               batch.workers.size() + batch.deleted_workers.size(), " workers"));
   }
 
   absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
@@ -181,31 +179,6 @@ class SqliteStore : public Store {
     }
     if (rc != SQLITE_DONE) return Error(rc, kWhat);
     return jobs;
-  }
-
-  absl::Status PutWorker(const v1::WorkerStatus& worker) override {
-    if (worker.worker_id().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(path_, ": PutWorker: worker_id is empty"));
-    }
-    const std::string record = worker.SerializeAsString();
-    absl::MutexLock lock(&mu_);
-    const std::string what = absl::StrCat("storing worker ", worker.worker_id());
-    LATHE_ASSIGN_OR_RETURN(Statement statement,
-                           Prepare("INSERT INTO workers (worker_id, record) VALUES (?, ?) "
-                                   "ON CONFLICT (worker_id) DO UPDATE SET record = excluded.record",
-                                   what));
-    LATHE_RETURN_IF_ERROR(BindText(statement.get(), 1, worker.worker_id(), what));
-    LATHE_RETURN_IF_ERROR(BindBlob(statement.get(), 2, record, what));
-    return StepDone(statement.get(), what);
-  }
-
-  absl::Status DeleteWorker(absl::string_view worker_id) override {
-    absl::MutexLock lock(&mu_);
-    const std::string what = absl::StrCat("removing worker ", worker_id);
-    LATHE_ASSIGN_OR_RETURN(Statement statement,
-                           Prepare("DELETE FROM workers WHERE worker_id = ?", what));
-    LATHE_RETURN_IF_ERROR(BindText(statement.get(), 1, worker_id, what));
-    return StepDone(statement.get(), what);
   }
 
   absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
@@ -382,6 +355,56 @@ class SqliteStore : public Store {
     }  // else left NULL: many jobs may have no request id
     LATHE_RETURN_IF_ERROR(BindBlob(statement.get(), 3, record, what));
     return StepDone(statement.get(), what);
+  }
+
+  // REQUIRES: a write transaction is open.
+  absl::Status WriteInTransaction(const StoreBatch& batch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // One prepared statement per kind, reset between rows.
+    if (!batch.jobs.empty()) {
+      constexpr absl::string_view kWhat = "updating jobs";
+      LATHE_ASSIGN_OR_RETURN(Statement statement,
+                             Prepare("UPDATE jobs SET record = ? WHERE job_id = ?", kWhat));
+      for (const v1::JobStatus& job : batch.jobs) {
+        const std::string what = absl::StrCat("updating job ", job.job_id());
+        sqlite3_reset(statement.get());
+        LATHE_RETURN_IF_ERROR(BindBlob(statement.get(), 1, job.SerializeAsString(), what));
+        LATHE_RETURN_IF_ERROR(BindText(statement.get(), 2, job.job_id(), what));
+        LATHE_RETURN_IF_ERROR(StepDone(statement.get(), what));
+        if (sqlite3_changes(db_.get()) == 0) {
+          return absl::NotFoundError(absl::StrCat(path_, ": job ", job.job_id(), " not found"));
+        }
+      }
+    }
+    if (!batch.workers.empty()) {
+      constexpr absl::string_view kWhat = "storing workers";
+      LATHE_ASSIGN_OR_RETURN(
+          Statement statement,
+          Prepare("INSERT INTO workers (worker_id, record) VALUES (?, ?) "
+                  "ON CONFLICT (worker_id) DO UPDATE SET record = excluded.record",
+                  kWhat));
+      for (const v1::WorkerStatus& worker : batch.workers) {
+        if (worker.worker_id().empty()) {
+          return absl::InvalidArgumentError(absl::StrCat(path_, ": PutWorker: worker_id is empty"));
+        }
+        const std::string what = absl::StrCat("storing worker ", worker.worker_id());
+        sqlite3_reset(statement.get());
+        LATHE_RETURN_IF_ERROR(BindText(statement.get(), 1, worker.worker_id(), what));
+        LATHE_RETURN_IF_ERROR(BindBlob(statement.get(), 2, worker.SerializeAsString(), what));
+        LATHE_RETURN_IF_ERROR(StepDone(statement.get(), what));
+      }
+    }
+    if (!batch.deleted_workers.empty()) {
+      constexpr absl::string_view kWhat = "removing workers";
+      LATHE_ASSIGN_OR_RETURN(Statement statement,
+                             Prepare("DELETE FROM workers WHERE worker_id = ?", kWhat));
+      for (const std::string& id : batch.deleted_workers) {
+        const std::string what = absl::StrCat("removing worker ", id);
+        sqlite3_reset(statement.get());
+        LATHE_RETURN_IF_ERROR(BindText(statement.get(), 1, id, what));
+        LATHE_RETURN_IF_ERROR(StepDone(statement.get(), what));
+      }
+    }
+    return absl::OkStatus();
   }
 
   const std::string path_;

@@ -1,7 +1,7 @@
 // The coordinator's persistent state: every acknowledged job (its whole JobStatus, attempts
 // included), the request ids that created them, and the registered workers. The coordinator
-// keeps its working state in memory and writes each change through to the store before it
-// acknowledges it; on start it loads everything back.
+// keeps its working state in memory and writes changes in batches (one transaction each),
+// each change before it is acknowledged; on start it loads everything back.
 //
 // Records are the API's proto messages: the store is a table of them, keyed as below.
 //
@@ -22,6 +22,16 @@
 
 namespace lathe {
 
+// Changes written together: replaced jobs (each must exist), inserted or replaced workers,
+// forgotten workers (absent is fine). Applied in that order.
+struct StoreBatch {
+  std::vector<v1::JobStatus> jobs;
+  std::vector<v1::WorkerStatus> workers;
+  std::vector<std::string> deleted_workers;
+
+  bool empty() const { return jobs.empty() && workers.empty() && deleted_workers.empty(); }
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -31,9 +41,6 @@ class Store {
   // job id or the request id is already present (nothing is written then).
   virtual absl::Status CreateJob(const v1::JobStatus& job, absl::string_view request_id) = 0;
 
-  // Replaces the stored job with the same job_id, durably. NOT_FOUND when absent.
-  virtual absl::Status UpdateJob(const v1::JobStatus& job) = 0;
-
   // The job created by `request_id`, or nullopt.
   virtual absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
       absl::string_view request_id) = 0;
@@ -41,11 +48,15 @@ class Store {
   // Every job, in creation order.
   virtual absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() = 0;
 
-  // Inserts or replaces the worker keyed by worker_id.
-  virtual absl::Status PutWorker(const v1::WorkerStatus& worker) = 0;
+  // Applies `batch` in one transaction, durably (one fsync however many records): all of it
+  // or, on an error, none of it. NOT_FOUND when a job in it is absent; INVALID_ARGUMENT for
+  // an empty job or worker id.
+  virtual absl::Status Write(const StoreBatch& batch) = 0;
 
-  // Forgets the worker keyed by worker_id; OK when absent.
-  virtual absl::Status DeleteWorker(absl::string_view worker_id) = 0;
+  // A batch of one.
+  absl::Status UpdateJob(const v1::JobStatus& job);
+  absl::Status PutWorker(const v1::WorkerStatus& worker);
+  absl::Status DeleteWorker(absl::string_view worker_id);
 
   // Every worker, ordered by worker_id.
   virtual absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() = 0;

@@ -197,6 +197,39 @@ TYPED_TEST(StoreContractTest, UpdatingAnUnknownJobIsNotFound) {
   EXPECT_THAT(*jobs, ElementsAre(HasJobId("job-1")));
 }
 
+TYPED_TEST(StoreContractTest, ABatchIsWrittenWholeOrNotAtAll) {
+  ASSERT_TRUE(this->store_->CreateJob(MakeJob("job-1"), "").ok());
+  ASSERT_TRUE(this->store_->CreateJob(MakeJob("job-2"), "").ok());
+  ASSERT_TRUE(this->store_->PutWorker(MakeWorker("worker-old", 1)).ok());
+
+  // A job that does not exist fails the batch, and nothing of it is written.
+  StoreBatch bad;
+  bad.jobs = {MakeJob("job-1", v1::JOB_STATE_RUNNING), MakeJob("job-x")};
+  bad.workers = {MakeWorker("worker-a", 2)};
+  bad.deleted_workers = {"worker-old"};
+  absl::Status status = this->store_->Write(bad);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound) << status;
+  absl::StatusOr<std::vector<v1::JobStatus>> jobs = this->store_->LoadJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  EXPECT_THAT(*jobs, ElementsAre(EqualsProto(MakeJob("job-1")), EqualsProto(MakeJob("job-2"))));
+  absl::StatusOr<std::vector<v1::WorkerStatus>> workers = this->store_->LoadWorkers();
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  EXPECT_THAT(*workers, ElementsAre(HasWorkerId("worker-old")));
+
+  StoreBatch good;
+  good.jobs = {MakeJob("job-1", v1::JOB_STATE_RUNNING), MakeJob("job-2", v1::JOB_STATE_FAILED)};
+  good.workers = {MakeWorker("worker-a", 2)};
+  good.deleted_workers = {"worker-old"};
+  ASSERT_TRUE(this->store_->Write(good).ok());
+  jobs = this->store_->LoadJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  EXPECT_THAT(*jobs, ElementsAre(EqualsProto(MakeJob("job-1", v1::JOB_STATE_RUNNING)),
+                                 EqualsProto(MakeJob("job-2", v1::JOB_STATE_FAILED))));
+  workers = this->store_->LoadWorkers();
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  EXPECT_THAT(*workers, ElementsAre(EqualsProto(MakeWorker("worker-a", 2))));
+}
+
 TYPED_TEST(StoreContractTest, EmptyIdsAreInvalidArgument) {
   absl::Status status = this->store_->CreateJob(MakeJob(""), "req-1");
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
