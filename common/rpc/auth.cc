@@ -116,7 +116,7 @@ absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
   return FromText(*text, path);
 }
 
-grpc::Status Authenticator::Check(const grpc::ServerContext& context,
+grpc::Status Authenticator::Check(const grpc::ServerContextBase& context,
                                   std::initializer_list<Role> allowed,
                                   absl::string_view method) const {
   if (worker_certificates_ &&

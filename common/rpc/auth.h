@@ -59,7 +59,7 @@ class Authenticator {
   // bearer token or with an unknown one, or for a worker call without a verified client
   // certificate when RequireWorkerCertificates was called (also with auth off); PERMISSION_DENIED
   // naming the token's name and role and `method` for a token of another role.
-  grpc::Status Check(const grpc::ServerContext& context, std::initializer_list<Role> allowed,
+  grpc::Status Check(const grpc::ServerContextBase& context, std::initializer_list<Role> allowed,
                      absl::string_view method) const;
 
  private:

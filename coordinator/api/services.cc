@@ -1,15 +1,39 @@
 #include "coordinator/api/services.h"
 
+#include <deque>
+#include <initializer_list>
+#include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "common/proto/job_state.h"
 #include "common/rpc/grpc_status.h"
 
 namespace lathe {
 namespace {
+
+// A unary call: checks the caller's role at once, then runs `work` (returning the call's
+// status, its result written into the response) on `pool`.
+template <typename Work>
+grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, const Authenticator* auth,
+                                std::initializer_list<Role> roles, const char* method,
+                                WorkPool* pool, Work work) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  grpc::Status denied = auth->Check(*context, roles, method);
+  if (!denied.ok()) {
+    reactor->Finish(denied);
+    return reactor;
+  }
+  if (!pool->Schedule([reactor, work = std::move(work)]() mutable { reactor->Finish(work()); })) {
+    reactor->Finish(grpc::Status(
+        grpc::StatusCode::UNAVAILABLE,
+        absl::StrCat("the coordinator has too many calls waiting; retry ", method, " later")));
+  }
+  return reactor;
+}
 
 // Moves a successful result into the response; the status either way.
 template <typename T>
@@ -20,159 +44,365 @@ grpc::Status Respond(absl::StatusOr<T> result, T* response) {
 
 }  // namespace
 
-grpc::Status JobServiceImpl::SubmitJob(grpc::ServerContext* context,
-                                       const v1::SubmitJobRequest* request,
-                                       v1::SubmitJobResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "SubmitJob"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(jobs_->Submit(*request), response);
+// --- JobService -----------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext* context,
+                                                    const v1::SubmitJobRequest* request,
+                                                    v1::SubmitJobResponse* response) {
+  return Serve(context, auth_, kClientCall, "SubmitJob", &pool_,
+               [=] { return Respond(jobs_->Submit(*request), response); });
 }
 
-grpc::Status JobServiceImpl::PlanJob(grpc::ServerContext* context,
-                                     const v1::PlanJobRequest* request,
-                                     v1::PlanJobResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "PlanJob"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(jobs_->Plan(*request), response);
+grpc::ServerUnaryReactor* JobServiceImpl::PlanJob(grpc::CallbackServerContext* context,
+                                                  const v1::PlanJobRequest* request,
+                                                  v1::PlanJobResponse* response) {
+  return Serve(context, auth_, kClientCall, "PlanJob", &pool_,
+               [=] { return Respond(jobs_->Plan(*request), response); });
 }
 
-grpc::Status JobServiceImpl::GetPlanHistory(grpc::ServerContext* context,
-                                            const v1::GetPlanHistoryRequest* request,
-                                            v1::GetPlanHistoryResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "GetPlanHistory"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(jobs_->PlanHistory(*request), response);
+grpc::ServerUnaryReactor* JobServiceImpl::GetPlanHistory(grpc::CallbackServerContext* context,
+                                                         const v1::GetPlanHistoryRequest* request,
+                                                         v1::GetPlanHistoryResponse* response) {
+  return Serve(context, auth_, kClientCall, "GetPlanHistory", &pool_,
+               [=] { return Respond(jobs_->PlanHistory(*request), response); });
 }
 
-grpc::Status JobServiceImpl::GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
-                                    v1::JobStatus* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "GetJob"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(scheduler_->GetJob(request->job_id()), response);
+grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* context,
+                                                 const v1::GetJobRequest* request,
+                                                 v1::JobStatus* response) {
+  return Serve(context, auth_, kClientCall, "GetJob", &pool_,
+               [=] { return Respond(scheduler_->GetJob(request->job_id()), response); });
 }
 
-grpc::Status JobServiceImpl::ListJobs(grpc::ServerContext* context,
-                                      const v1::ListJobsRequest* request,
-                                      v1::ListJobsResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "ListJobs"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(jobs_->List(*request), response);
+grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* context,
+                                                   const v1::ListJobsRequest* request,
+                                                   v1::ListJobsResponse* response) {
+  return Serve(context, auth_, kClientCall, "ListJobs", &pool_,
+               [=] { return Respond(jobs_->List(*request), response); });
 }
 
-grpc::Status JobServiceImpl::CancelJob(grpc::ServerContext* context,
-                                       const v1::CancelJobRequest* request,
-                                       v1::JobStatus* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "CancelJob"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
+grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext* context,
+                                                    const v1::CancelJobRequest* request,
+                                                    v1::JobStatus* response) {
+  return Serve(context, auth_, kClientCall, "CancelJob", &pool_, [=] {
+    return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
+  });
 }
 
-grpc::Status JobServiceImpl::WatchJob(grpc::ServerContext* context,
-                                      const v1::WatchJobRequest* request,
-                                      grpc::ServerWriter<v1::JobStatus>* writer) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "WatchJob"); !denied.ok()) {
-    return denied;
+bool JobServiceImpl::AdmitWatch(const std::string& host) {
+  absl::MutexLock lock(&watches_mu_);
+  if (watches_ >= options_.max_watches || watches_by_host_[host] >= options_.max_watches_per_host) {
+    if (watches_by_host_[host] == 0) watches_by_host_.erase(host);
+    return false;
   }
+  ++watches_;
+  ++watches_by_host_[host];
+  return true;
+}
+
+void JobServiceImpl::ReleaseWatch(const std::string& host) {
+  absl::MutexLock lock(&watches_mu_);
+  --watches_;
+  if (--watches_by_host_[host] == 0) watches_by_host_.erase(host);
+}
+
+// One WatchJob stream: the scheduler calls OnChange (under its lock) with every new status;
+// the newest one not yet written waits in `pending_`, so a slow reader sees the latest state
+// and never a backlog. The stream ends after a final state is written.
+class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
+ public:
+  WatchReactor(JobServiceImpl* service, std::string host)
+      : service_(service), host_(std::move(host)) {}
+
+  // REQUIRES: called once, right after construction.
+  void Start(const std::string& job_id) {
+    absl::StatusOr<uint64_t> watch = service_->scheduler_->Watch(
+        job_id, [this](const v1::JobStatus& status) { OnChange(status); });
+    if (!watch.ok()) {
+      End(ToGrpcStatus(watch.status()));
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    watch_id_ = *watch;
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool write = false;
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) {
+        ending_ = grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away");
+      } else if (IsFinalState(current_.state()) && !ending_) {
+        ending_ = grpc::Status::OK;
+      } else if (pending_ && !ending_) {
+        current_ = std::move(*pending_);
+        pending_.reset();
+        writing_ = write = true;
+      }
+      if (ending_ && !writing_ && !finished_) {
+        finished_ = true;
+        finish = *ending_;
+      }
+    }
+    if (write) StartWrite(&current_);
+    if (finish) Finish(*finish);
+  }
+
+  void OnCancel() override { End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
+
+  void OnDone() override {
+    uint64_t watch = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      watch = watch_id_;
+    }
+    if (watch != 0) service_->scheduler_->Unwatch(watch);
+    service_->ReleaseWatch(host_);
+    delete this;
+  }
+
+ private:
+  void OnChange(const v1::JobStatus& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;
+      if (writing_) {
+        pending_ = status;
+        return;
+      }
+      current_ = status;
+      writing_ = true;
+    }
+    StartWrite(&current_);
+  }
+
+  // Finishes with `status` once no write is in flight.
+  void End(grpc::Status status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;
+      ending_ = status;
+      if (writing_ || finished_) return;  // OnWriteDone finishes
+      finished_ = true;
+    }
+    Finish(status);
+  }
+
+  JobServiceImpl* const service_;
+  const std::string host_;
+  absl::Mutex mu_;
+  uint64_t watch_id_ ABSL_GUARDED_BY(mu_) = 0;
+  v1::JobStatus current_;  // being written; changed only while no write is in flight
+  std::optional<v1::JobStatus> pending_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> ending_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
+    grpc::CallbackServerContext* context, const v1::WatchJobRequest* request) {
   // "ipv4:127.0.0.1:50000" -> "ipv4:127.0.0.1": one host's connections count together.
   const std::string peer = context->peer();
   const std::string host = peer.substr(0, peer.rfind(':'));
-  {
-    absl::MutexLock lock(&watches_mu_);
-    if (watches_ >= options_.max_watches ||
-        watches_by_host_[host] >= options_.max_watches_per_host) {
-      return grpc::Status(
-          grpc::StatusCode::RESOURCE_EXHAUSTED,
-          absl::StrCat("too many WatchJob streams (at most ", options_.max_watches, " in all and ",
-                       options_.max_watches_per_host, " from one host); end one or poll GetJob"));
+  grpc::Status refused = auth_->Check(*context, kClientCall, "WatchJob");
+  if (refused.ok() && !AdmitWatch(host)) {
+    refused = grpc::Status(
+        grpc::StatusCode::RESOURCE_EXHAUSTED,
+        absl::StrCat("too many WatchJob streams (at most ", options_.max_watches, " in all and ",
+                     options_.max_watches_per_host, " from one host); end one or poll GetJob"));
+  }
+  if (!refused.ok()) {
+    class Refused : public grpc::ServerWriteReactor<v1::JobStatus> {
+     public:
+      explicit Refused(const grpc::Status& status) { Finish(status); }
+      void OnDone() override { delete this; }
+    };
+    return new Refused(refused);
+  }
+  auto* reactor = new WatchReactor(this, host);
+  reactor->Start(request->job_id());
+  return reactor;
+}
+
+// --- WorkerService --------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* WorkerServiceImpl::RegisterWorker(
+    grpc::CallbackServerContext* context, const v1::RegisterWorkerRequest* request,
+    v1::RegisterWorkerResponse* response) {
+  return Serve(context, auth_, kWorkerCall, "RegisterWorker", &pool_,
+               [=] { return Respond(scheduler_->RegisterWorker(*request), response); });
+}
+
+namespace {
+
+// One worker's heartbeat stream: each heartbeat is answered at once from the worker's
+// mailbox (no scheduling lock, no store), and assignments placed in between are pushed.
+class HeartbeatReactor final
+    : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
+ public:
+  HeartbeatReactor(Scheduler* scheduler, const grpc::Status& denied)
+      : scheduler_(scheduler), mail_(std::make_shared<Mail>(this)) {
+    if (!denied.ok()) {
+      End(denied);
+      return;
     }
-    ++watches_;
-    ++watches_by_host_[host];
+    StartRead(&request_);
   }
-  absl::Cleanup release = [this, &host] {
-    absl::MutexLock lock(&watches_mu_);
-    --watches_;
-    if (--watches_by_host_[host] == 0) watches_by_host_.erase(host);
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {  // the worker closed its side, or the call ended
+      End(grpc::Status::OK);
+      return;
+    }
+    absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request_, mail_);
+    if (!response.ok()) {
+      End(ToGrpcStatus(response.status()));
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      worker_id_ = request_.worker_id();
+      session_id_ = request_.session_id();
+    }
+    Send(*std::move(response));
+    StartRead(&request_);
+  }
+
+  void OnWriteDone(bool ok) override {
+    bool write = false;
+    std::optional<grpc::Status> finish;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok && !ending_) ending_ = grpc::Status(grpc::StatusCode::CANCELLED, "write failed");
+      if (!ending_ && !outbox_.empty()) {
+        current_ = std::move(outbox_.front());
+        outbox_.pop_front();
+        writing_ = write = true;
+      }
+      if (ending_ && !writing_ && !finished_) {
+        finished_ = true;
+        finish = *ending_;
+      }
+    }
+    if (write) StartWrite(&current_);
+    if (finish) Finish(*finish);
+  }
+
+  void OnDone() override {
+    mail_->Detach();
+    delete this;
+  }
+
+ private:
+  // The scheduler's handle on the stream; outlives the reactor when the scheduler holds it.
+  class Mail final : public MailListener {
+   public:
+    explicit Mail(HeartbeatReactor* reactor) : reactor_(reactor) {}
+    void OnMail() override {
+      absl::MutexLock lock(&mu_);
+      if (reactor_ != nullptr) reactor_->Push();
+    }
+    void Detach() {
+      absl::MutexLock lock(&mu_);
+      reactor_ = nullptr;
+    }
+
+   private:
+    absl::Mutex mu_;
+    HeartbeatReactor* reactor_ ABSL_GUARDED_BY(mu_);
   };
-  uint64_t version = 0;  // jobs start at version 1: the first wait returns at once
-  while (!context->IsCancelled()) {
-    const uint64_t seen = version;
-    // Wake up every second to notice a client that went away.
-    absl::StatusOr<v1::JobStatus> status =
-        scheduler_->WaitForJobChange(request->job_id(), &version, absl::Now() + absl::Seconds(1));
-    if (!status.ok()) return ToGrpcStatus(status.status());
-    if (version == seen) continue;
-    if (!writer->Write(*status) || IsFinalState(status->state())) break;
+
+  // New mail between heartbeats: sent unprompted (in_reply_to 0).
+  void Push() {
+    std::string worker, session;
+    {
+      absl::MutexLock lock(&mu_);
+      worker = worker_id_;
+      session = session_id_;
+    }
+    v1::HeartbeatResponse mail = scheduler_->TakeMail(worker, session);
+    if (mail.assignments_size() > 0 || mail.cancellations_size() > 0) Send(std::move(mail));
   }
-  return grpc::Status::OK;
+
+  void Send(v1::HeartbeatResponse response) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;
+      if (writing_) {
+        outbox_.push_back(std::move(response));
+        return;
+      }
+      current_ = std::move(response);
+      writing_ = true;
+    }
+    StartWrite(&current_);
+  }
+
+  // Finishes with `status` once no write is in flight.
+  void End(const grpc::Status& status) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (ending_) return;
+      ending_ = status;
+      if (writing_ || finished_) return;  // OnWriteDone finishes
+      finished_ = true;
+    }
+    Finish(status);
+  }
+
+  Scheduler* const scheduler_;
+  const std::shared_ptr<Mail> mail_;
+  v1::HeartbeatRequest request_;   // the read in flight (one at a time)
+  v1::HeartbeatResponse current_;  // the write in flight
+  absl::Mutex mu_;
+  std::string worker_id_ ABSL_GUARDED_BY(mu_);
+  std::string session_id_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::HeartbeatResponse> outbox_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  std::optional<grpc::Status> ending_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* WorkerServiceImpl::Heartbeat(
+    grpc::CallbackServerContext* context) {
+  return new HeartbeatReactor(scheduler_, auth_->Check(*context, kWorkerCall, "Heartbeat"));
 }
 
-grpc::Status WorkerServiceImpl::RegisterWorker(grpc::ServerContext* context,
-                                               const v1::RegisterWorkerRequest* request,
-                                               v1::RegisterWorkerResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "RegisterWorker"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(scheduler_->RegisterWorker(*request), response);
+grpc::ServerUnaryReactor* WorkerServiceImpl::ReportProgress(
+    grpc::CallbackServerContext* context, const v1::ReportProgressRequest* request,
+    v1::ReportProgressResponse*) {
+  return Serve(context, auth_, kWorkerCall, "ReportProgress", &pool_,
+               [=] { return ToGrpcStatus(scheduler_->ReportProgress(*request)); });
 }
 
-grpc::Status WorkerServiceImpl::Heartbeat(
-    grpc::ServerContext* context,
-    grpc::ServerReaderWriter<v1::HeartbeatResponse, v1::HeartbeatRequest>* stream) {
-  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "Heartbeat"); !denied.ok()) {
-    return denied;
-  }
-  v1::HeartbeatRequest request;
-  while (stream->Read(&request)) {
-    absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request);
-    if (!response.ok()) return ToGrpcStatus(response.status());
-    if (!stream->Write(*response)) break;
-  }
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* WorkerServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
+                                                         const v1::ListWorkersRequest*,
+                                                         v1::ListWorkersResponse* response) {
+  return Serve(context, auth_, kClientCall, "ListWorkers", &pool_, [=] {
+    for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
+      *response->add_workers() = std::move(worker);
+    }
+    return grpc::Status::OK;
+  });
 }
 
-grpc::Status WorkerServiceImpl::ReportProgress(grpc::ServerContext* context,
-                                               const v1::ReportProgressRequest* request,
-                                               v1::ReportProgressResponse*) {
-  if (grpc::Status denied = auth_->Check(*context, kWorkerCall, "ReportProgress"); !denied.ok()) {
-    return denied;
-  }
-  return ToGrpcStatus(scheduler_->ReportProgress(*request));
+grpc::ServerUnaryReactor* WorkerServiceImpl::DrainWorker(grpc::CallbackServerContext* context,
+                                                         const v1::DrainWorkerRequest* request,
+                                                         v1::WorkerStatus* response) {
+  return Serve(context, auth_, kAdminCall, "DrainWorker", &pool_,
+               [=] { return Respond(scheduler_->DrainWorker(request->worker_id()), response); });
 }
 
-grpc::Status WorkerServiceImpl::ListWorkers(grpc::ServerContext* context,
-                                            const v1::ListWorkersRequest*,
-                                            v1::ListWorkersResponse* response) {
-  if (grpc::Status denied = auth_->Check(*context, kClientCall, "ListWorkers"); !denied.ok()) {
-    return denied;
-  }
-  for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
-    *response->add_workers() = std::move(worker);
-  }
-  return grpc::Status::OK;
-}
-
-grpc::Status WorkerServiceImpl::DrainWorker(grpc::ServerContext* context,
-                                            const v1::DrainWorkerRequest* request,
-                                            v1::WorkerStatus* response) {
-  if (grpc::Status denied = auth_->Check(*context, kAdminCall, "DrainWorker"); !denied.ok()) {
-    return denied;
-  }
-  return Respond(scheduler_->DrainWorker(request->worker_id()), response);
-}
-
-grpc::Status WorkerServiceImpl::RemoveWorker(grpc::ServerContext* context,
-                                             const v1::RemoveWorkerRequest* request,
-                                             v1::RemoveWorkerResponse*) {
-  if (grpc::Status denied = auth_->Check(*context, kAdminCall, "RemoveWorker"); !denied.ok()) {
-    return denied;
-  }
-  return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id()));
+grpc::ServerUnaryReactor* WorkerServiceImpl::RemoveWorker(grpc::CallbackServerContext* context,
+                                                          const v1::RemoveWorkerRequest* request,
+                                                          v1::RemoveWorkerResponse*) {
+  return Serve(context, auth_, kAdminCall, "RemoveWorker", &pool_,
+               [=] { return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id())); });
 }
 
 }  // namespace lathe

@@ -1,9 +1,8 @@
-// The coordinator's gRPC services: thin adapters from the generated service classes to the
-// domain (JobManager, Scheduler). Each handler checks the caller's role (common/rpc/auth.h:
-// JobService and ListWorkers are clients' calls, DrainWorker and RemoveWorker admins', the
-// rest of WorkerService workers'),
-// converts its request, calls one domain method and converts the absl::Status to a
-// grpc::Status; no other logic lives here.
+// The coordinator's gRPC services: thin adapters from the generated callback service
+// classes to the domain (JobManager, Scheduler). Each handler checks the caller's role
+// (common/rpc/auth.h: JobService and ListWorkers are clients' calls, DrainWorker and
+// RemoveWorker admins', the rest of WorkerService workers'), converts its request, calls one
+// domain method and converts the absl::Status to a grpc::Status; no other logic lives here.
 //
 // Thread-safety: thread-safe (the domain classes are).
 #ifndef LATHE_COORDINATOR_API_SERVICES_H_
@@ -14,6 +13,7 @@
 
 #include "absl/synchronization/mutex.h"
 #include "common/rpc/auth.h"
+#include "coordinator/api/work_pool.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "grpcpp/grpcpp.h"
@@ -21,70 +21,99 @@
 
 namespace lathe {
 
-// Each WatchJob stream holds a server thread for as long as the job runs: bounded in all and
-// per caller (the peer's host), RESOURCE_EXHAUSTED beyond.
+// Every method is a callback (reactor) method: streams hold no thread, and unary calls run
+// on the service's WorkPool. WatchJob streams are bounded in all and per caller (the peer's
+// host), RESOURCE_EXHAUSTED beyond; heartbeat streams by gRPC's per-connection stream limit.
 struct JobServiceOptions {
-  int max_watches = 256;
-  int max_watches_per_host = 32;
+  int max_watches = 4096;
+  int max_watches_per_host = 1024;
+  int threads = 4;
+  size_t max_queued = 4096;  // calls waiting for a thread; UNAVAILABLE beyond
 };
 
-class JobServiceImpl final : public v1::JobService::Service {
+class JobServiceImpl final : public v1::JobService::CallbackService {
  public:
   // REQUIRES: the arguments outlive the service.
   JobServiceImpl(JobManager* jobs, Scheduler* scheduler, const Authenticator* auth,
                  JobServiceOptions options = {})
-      : jobs_(jobs), scheduler_(scheduler), auth_(auth), options_(options) {}
+      : jobs_(jobs),
+        scheduler_(scheduler),
+        auth_(auth),
+        options_(options),
+        pool_(options.threads, options.max_queued) {}
 
-  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request,
-                         v1::SubmitJobResponse* response) override;
-  grpc::Status PlanJob(grpc::ServerContext* context, const v1::PlanJobRequest* request,
-                       v1::PlanJobResponse* response) override;
-  grpc::Status GetPlanHistory(grpc::ServerContext* context,
-                              const v1::GetPlanHistoryRequest* request,
-                              v1::GetPlanHistoryResponse* response) override;
-  grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request,
-                      v1::JobStatus* response) override;
-  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request,
-                        v1::ListJobsResponse* response) override;
-  grpc::Status CancelJob(grpc::ServerContext* context, const v1::CancelJobRequest* request,
-                         v1::JobStatus* response) override;
-  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
-                        grpc::ServerWriter<v1::JobStatus>* writer) override;
+  grpc::ServerUnaryReactor* SubmitJob(grpc::CallbackServerContext* context,
+                                      const v1::SubmitJobRequest* request,
+                                      v1::SubmitJobResponse* response) override;
+  grpc::ServerUnaryReactor* PlanJob(grpc::CallbackServerContext* context,
+                                    const v1::PlanJobRequest* request,
+                                    v1::PlanJobResponse* response) override;
+  grpc::ServerUnaryReactor* GetPlanHistory(grpc::CallbackServerContext* context,
+                                           const v1::GetPlanHistoryRequest* request,
+                                           v1::GetPlanHistoryResponse* response) override;
+  grpc::ServerUnaryReactor* GetJob(grpc::CallbackServerContext* context,
+                                   const v1::GetJobRequest* request,
+                                   v1::JobStatus* response) override;
+  grpc::ServerUnaryReactor* ListJobs(grpc::CallbackServerContext* context,
+                                     const v1::ListJobsRequest* request,
+                                     v1::ListJobsResponse* response) override;
+  grpc::ServerUnaryReactor* CancelJob(grpc::CallbackServerContext* context,
+                                      const v1::CancelJobRequest* request,
+                                      v1::JobStatus* response) override;
+  grpc::ServerWriteReactor<v1::JobStatus>* WatchJob(grpc::CallbackServerContext* context,
+                                                    const v1::WatchJobRequest* request) override;
 
  private:
+  friend class WatchReactor;
+  // Counts a watch of `host`; false when a limit is reached.
+  bool AdmitWatch(const std::string& host);
+  void ReleaseWatch(const std::string& host);
+
   JobManager* const jobs_;
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
   const JobServiceOptions options_;
+  WorkPool pool_;
   absl::Mutex watches_mu_;
   int watches_ ABSL_GUARDED_BY(watches_mu_) = 0;
   std::map<std::string, int> watches_by_host_ ABSL_GUARDED_BY(watches_mu_);
 };
 
-class WorkerServiceImpl final : public v1::WorkerService::Service {
- public:
-  WorkerServiceImpl(Scheduler* scheduler, const Authenticator* auth)
-      : scheduler_(scheduler), auth_(auth) {}
+struct WorkerServiceOptions {
+  int threads = 4;
+  size_t max_queued = 16384;  // a registration burst of thousands waits here, not in threads
+};
 
-  grpc::Status RegisterWorker(grpc::ServerContext* context,
-                              const v1::RegisterWorkerRequest* request,
-                              v1::RegisterWorkerResponse* response) override;
-  grpc::Status Heartbeat(
-      grpc::ServerContext* context,
-      grpc::ServerReaderWriter<v1::HeartbeatResponse, v1::HeartbeatRequest>* stream) override;
-  grpc::Status ReportProgress(grpc::ServerContext* context,
-                              const v1::ReportProgressRequest* request,
-                              v1::ReportProgressResponse* response) override;
-  grpc::Status ListWorkers(grpc::ServerContext* context, const v1::ListWorkersRequest* request,
-                           v1::ListWorkersResponse* response) override;
-  grpc::Status DrainWorker(grpc::ServerContext* context, const v1::DrainWorkerRequest* request,
-                           v1::WorkerStatus* response) override;
-  grpc::Status RemoveWorker(grpc::ServerContext* context, const v1::RemoveWorkerRequest* request,
-                            v1::RemoveWorkerResponse* response) override;
+class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
+ public:
+  WorkerServiceImpl(Scheduler* scheduler, const Authenticator* auth,
+                    WorkerServiceOptions options = {})
+      : scheduler_(scheduler), auth_(auth), pool_(options.threads, options.max_queued) {}
+
+  grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* context,
+                                           const v1::RegisterWorkerRequest* request,
+                                           v1::RegisterWorkerResponse* response) override;
+  // The stream's reads and writes run on gRPC's callback threads and take only the
+  // scheduler's mailbox lock (Scheduler::Heartbeat); new assignments are pushed on it.
+  grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* Heartbeat(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* ReportProgress(grpc::CallbackServerContext* context,
+                                           const v1::ReportProgressRequest* request,
+                                           v1::ReportProgressResponse* response) override;
+  grpc::ServerUnaryReactor* ListWorkers(grpc::CallbackServerContext* context,
+                                        const v1::ListWorkersRequest* request,
+                                        v1::ListWorkersResponse* response) override;
+  grpc::ServerUnaryReactor* DrainWorker(grpc::CallbackServerContext* context,
+                                        const v1::DrainWorkerRequest* request,
+                                        v1::WorkerStatus* response) override;
+  grpc::ServerUnaryReactor* RemoveWorker(grpc::CallbackServerContext* context,
+                                         const v1::RemoveWorkerRequest* request,
+                                         v1::RemoveWorkerResponse* response) override;
 
  private:
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
+  WorkPool pool_;
 };
 
 }  // namespace lathe

@@ -6,6 +6,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -168,31 +169,29 @@ absl::StatusOr<v1::ListJobsResponse> JobManager::List(const v1::ListJobsRequest&
     return absl::InvalidArgumentError(
         absl::StrCat("page_size: must be >= 0, got ", request.page_size()));
   }
-  const size_t page_size = request.page_size() == 0 ? 100 : std::min(request.page_size(), 1000);
-  std::set<v1::JobState> states;
-  for (int state : request.states()) states.insert(static_cast<v1::JobState>(state));
-  std::vector<v1::JobStatus> jobs = scheduler_->ListJobs(states);
-  size_t begin = 0;
+  JobQuery query;
+  query.limit = request.page_size() == 0 ? 100 : std::min(request.page_size(), 1000);
+  for (int state : request.states()) query.states.insert(static_cast<v1::JobState>(state));
+  query.name = request.name();
+  query.since_unix_ms = request.since_unix_ms();
+  // A page also ends before it would pass kMaxListBytes (at least one job), so that no page
+  // exceeds gRPC's message limit whatever the jobs hold.
+  query.max_bytes = kMaxListBytes;
+  // The token is the position after the previous page: the submission sequence of its last
+  // job ("s<sequence>").
   if (!request.page_token().empty()) {
-    auto it = std::find_if(jobs.begin(), jobs.end(), [&](const v1::JobStatus& j) {
-      return j.job_id() == request.page_token();
-    });
-    if (it == jobs.end()) {
+    int64_t before = 0;
+    if (!absl::StartsWith(request.page_token(), "s") ||
+        !absl::SimpleAtoi(request.page_token().substr(1), &before) || before < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat("page_token: unknown token \"", request.page_token(), "\""));
+          absl::StrCat("page_token: unknown token \"", request.page_token().substr(0, 64), "\""));
     }
-    begin = static_cast<size_t>(it - jobs.begin()) + 1;
+    query.before_sequence = before;
   }
-  // A page ends at page_size jobs or before it would pass kMaxListBytes (at least one job),
-  // so that no page exceeds gRPC's message limit whatever the jobs hold.
+  JobPage page = scheduler_->ListJobs(query);
   v1::ListJobsResponse response;
-  size_t bytes = 0, end = begin;
-  for (; end < jobs.size() && end < begin + page_size; ++end) {
-    bytes += jobs[end].ByteSizeLong();
-    if (end > begin && bytes > kMaxListBytes) break;
-    *response.add_jobs() = jobs[end];
-  }
-  if (end < jobs.size()) response.set_next_page_token(jobs[end - 1].job_id());
+  for (v1::JobStatus& job : page.jobs) *response.add_jobs() = std::move(job);
+  if (page.next_before >= 0) response.set_next_page_token(absl::StrCat("s", page.next_before));
   return response;
 }
 

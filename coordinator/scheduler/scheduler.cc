@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <queue>
 #include <tuple>
 #include <utility>
 
@@ -94,6 +95,42 @@ void Learn(const v1::Plan& plan, const v1::Attempt& attempt, MemoryCalibration& 
                      attempt.peak_memory().total());
 }
 
+// Whether two heartbeats list the same ranks.
+bool SameRanks(const std::vector<v1::SlotStatus>& before,
+               const google::protobuf::RepeatedPtrField<v1::SlotStatus>& now) {
+  if (before.size() != static_cast<size_t>(now.size())) return false;
+  for (size_t i = 0; i < before.size(); ++i) {
+    const v1::SlotStatus& a = before[i];
+    const v1::SlotStatus& b = now[static_cast<int>(i)];
+    if (a.slot() != b.slot() || a.job_id() != b.job_id() || a.generation() != b.generation() ||
+        a.rank() != b.rank()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The staged batches as one: the newest record of each job and worker.
+StoreBatch Merge(const std::deque<std::pair<uint64_t, StoreBatch>>& batches) {
+  std::map<std::string, const v1::JobStatus*> jobs;
+  std::map<std::string, const v1::WorkerStatus*> workers;  // null: deleted
+  for (const auto& [sequence, batch] : batches) {
+    for (const v1::JobStatus& job : batch.jobs) jobs[job.job_id()] = &job;
+    for (const v1::WorkerStatus& worker : batch.workers) workers[worker.worker_id()] = &worker;
+    for (const std::string& id : batch.deleted_workers) workers[id] = nullptr;
+  }
+  StoreBatch merged;
+  for (const auto& [id, job] : jobs) merged.jobs.push_back(*job);
+  for (const auto& [id, worker] : workers) {
+    if (worker != nullptr) {
+      merged.workers.push_back(*worker);
+    } else {
+      merged.deleted_workers.push_back(id);
+    }
+  }
+  return merged;
+}
+
 }  // namespace
 
 Scheduler::Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options)
@@ -106,33 +143,48 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const
   std::unique_ptr<Scheduler> scheduler(new Scheduler(store, clock, options));
   LATHE_ASSIGN_OR_RETURN(std::vector<v1::JobStatus> jobs, store->LoadJobs());
   LATHE_ASSIGN_OR_RETURN(std::vector<v1::WorkerStatus> workers, store->LoadWorkers());
-  absl::MutexLock lock(&scheduler->mu_);
+  Scheduler& s = *scheduler;
+  absl::MutexLock lock(&s.mu_);
   const absl::Time now = clock->Now();
   for (v1::WorkerStatus& status : workers) {
-    WorkerState& worker = scheduler->workers_[status.worker_id()];
+    WorkerState& worker = s.workers_[status.worker_id()];
     worker.status = std::move(status);
     worker.status.set_busy_slots(0);
     worker.status.clear_running();
-    worker.last_heartbeat = now;  // a grace period to register again
+    absl::MutexLock mail_lock(&s.mail_mu_);
+    Mailbox& mailbox = s.mail_[worker.status.worker_id()];
+    mailbox.live = worker.status.state() != v1::WORKER_STATE_LOST;
+    mailbox.last_heartbeat = now;  // a grace period to register again
   }
   for (v1::JobStatus& status : jobs) {
-    JobState& job = scheduler->jobs_[status.job_id()];
+    JobState& job = s.jobs_[status.job_id()];
     job.status = std::move(status);
-    job.sequence = scheduler->next_sequence_++;
+    job.sequence = s.next_sequence_++;
+    job.class_key = {DeviceOf(job.status), RanksOf(job.status), PlannedPeak(job.status.plan())};
     job.last_persisted = now;
+    s.by_sequence_[job.sequence] = &job;
+    s.by_state_[job.status.state()].insert(job.sequence);
+    s.by_name_[job.status.spec().name()].insert(job.sequence);
+    const std::string output = NormalPath(job.status.spec().output());
+    if (!IsFinalState(job.status.state()) && !output.empty()) {
+      s.active_outputs_[output] = job.status.job_id();
+    }
+  }
+  for (auto& [id, job] : s.jobs_) {
     if (job.status.attempts().empty()) continue;
     const v1::Attempt& attempt = *job.status.attempts().rbegin();
     if (!IsActive(attempt)) continue;
     for (const v1::RankPlacement& p : attempt.placements()) {
-      auto worker = scheduler->workers_.find(p.worker_id());
-      if (worker == scheduler->workers_.end()) continue;
-      worker->second.busy[p.slot()] = {job.status.job_id(), attempt.generation(), p.rank()};
-      worker->second.status.set_busy_slots(static_cast<int64_t>(worker->second.busy.size()));
+      auto worker = s.workers_.find(p.worker_id());
+      if (worker == s.workers_.end()) continue;
+      s.MarkBusy(worker->second, p.slot(),
+                 {id, attempt.generation(), p.rank(), std::get<2>(job.class_key)});
     }
   }
+  for (auto& [id, job] : s.jobs_) s.Reindex(job);
   // The corrections, learned again in the order the attempts ended.
   std::vector<std::pair<const v1::Plan*, const v1::Attempt*>> ended;
-  for (const auto& [id, job] : scheduler->jobs_) {
+  for (const auto& [id, job] : s.jobs_) {
     for (const v1::Attempt& attempt : job.status.attempts()) {
       ended.emplace_back(&job.status.plan(), &attempt);
     }
@@ -140,153 +192,257 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const
   std::stable_sort(ended.begin(), ended.end(), [](const auto& a, const auto& b) {
     return a.second->ended_unix_ms() < b.second->ended_unix_ms();
   });
-  for (const auto& [plan, attempt] : ended) Learn(*plan, *attempt, scheduler->calibration_);
+  for (const auto& [plan, attempt] : ended) Learn(*plan, *attempt, s.calibration_);
   return scheduler;
 }
 
-absl::Status Scheduler::Commit(JobState& job, bool force_persist) {
-  ++job.version;
-  job.status.set_updated_unix_ms(NowMs());
-  const absl::Time now = clock_->Now();
-  if (!force_persist && now - job.last_persisted < absl::Seconds(1)) return absl::OkStatus();
-  job.last_persisted = now;
-  absl::Status status = store_->UpdateJob(job.status);
-  if (!status.ok()) {
-    spdlog::error("job={} persisting failed: {}", job.status.job_id(), status.ToString());
-  }
-  return status;
+// --- the scheduling loop --------------------------------------------------------------
+
+void Scheduler::RequestPass() {
+  absl::MutexLock lock(&mail_mu_);
+  pass_requested_ = true;
 }
 
-void Scheduler::SetQueueReason(JobState& job, const std::string& reason) {
-  if (job.status.reason() == reason) return;
-  job.status.set_reason(reason);
-  ++job.version;  // watchers see it
-  job.status.set_updated_unix_ms(NowMs());
-}
-
-void Scheduler::PersistWorker(const WorkerState& worker) {
-  absl::Status status = store_->PutWorker(worker.status);
-  if (!status.ok()) {
-    spdlog::error("worker={} persisting failed: {}", worker.status.worker_id(), status.ToString());
-  }
-}
-
-absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_view request_id,
-                                                bool* existing) {
-  absl::MutexLock lock(&mu_);
-  *existing = false;
-  if (!request_id.empty()) {
-    // A retry gets the job it created; another spec under the same id is a mistake.
-    auto same = [&](const v1::JobStatus& earlier) -> absl::StatusOr<v1::JobStatus> {
-      if (!google::protobuf::util::MessageDifferencer::Equals(earlier.spec(), job.spec())) {
-        return absl::AlreadyExistsError(absl::StrCat("request_id ", request_id,
-                                                     " already created job ", earlier.job_id(),
-                                                     " with another spec; use a new request id"));
-      }
-      *existing = true;
-      return earlier;
-    };
-    if (auto it = request_ids_.find(request_id); it != request_ids_.end()) {
-      return same(jobs_.at(it->second).status);
-    }
-    LATHE_ASSIGN_OR_RETURN(std::optional<v1::JobStatus> stored,
-                           store_->FindJobByRequestId(request_id));
-    if (stored) {
-      request_ids_[std::string(request_id)] = stored->job_id();
-      auto it = jobs_.find(stored->job_id());
-      return same(it != jobs_.end() ? it->second.status : *stored);
-    }
-  }
-  // An output directory belongs to one job at a time: two would write one adapter and mix
-  // their checkpoints.
-  const std::string output = NormalPath(job.spec().output());
-  for (const auto& [id, other] : jobs_) {
-    if (!output.empty() && !IsFinalState(other.status.state()) &&
-        NormalPath(other.status.spec().output()) == output) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("spec: output: ", job.spec().output(), " belongs to job ", id, " (",
-                       other.status.state() == v1::JOB_STATE_QUEUED ? "queued" : "running",
-                       "); wait for it to end or choose another directory"));
-    }
-  }
-  job.set_state(v1::JOB_STATE_QUEUED);
-  job.set_reason("waiting to be scheduled");
-  job.set_submitted_unix_ms(NowMs());
-  job.set_updated_unix_ms(job.submitted_unix_ms());
-  LATHE_RETURN_IF_ERROR(store_->CreateJob(job, request_id));
-  const std::string id = job.job_id();
-  JobState& state = jobs_[id];
-  state.status = std::move(job);
-  state.request_id = std::string(request_id);
-  state.sequence = next_sequence_++;
-  state.last_persisted = clock_->Now();
-  if (!request_id.empty()) request_ids_[std::string(request_id)] = id;
-  spdlog::info("job={} submitted", id);
-  Schedule();
-  return jobs_.at(id).status;
-}
-
-absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id) const {
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  return it->second.status;
-}
-
-std::vector<v1::JobStatus> Scheduler::ListJobs(const std::set<v1::JobState>& states) const {
-  absl::MutexLock lock(&mu_);
-  std::vector<const JobState*> selected;
-  for (const auto& [id, job] : jobs_) {
-    if (states.empty() || states.count(job.status.state())) selected.push_back(&job);
-  }
-  std::sort(selected.begin(), selected.end(),
-            [](const JobState* a, const JobState* b) { return a->sequence > b->sequence; });
-  std::vector<v1::JobStatus> result;
-  result.reserve(selected.size());
-  for (const JobState* job : selected) result.push_back(job->status);
-  return result;
-}
-
-absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
-                                                   absl::string_view reason) {
-  absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  JobState& job = it->second;
-  if (IsFinalState(job.status.state())) return job.status;
-  const std::string why =
-      reason.empty() ? "cancelled by the user" : absl::StrCat("cancelled: ", reason);
-  if (job.status.state() == v1::JOB_STATE_QUEUED) {
-    job.status.set_state(v1::JOB_STATE_CANCELLED);
-    job.status.set_reason(why);
-    LATHE_RETURN_IF_ERROR(Commit(job));
-  } else {
-    EndAttempt(job, v1::ATTEMPT_STATE_CANCELLED, v1::JOB_STATE_CANCELLED, why);
-    LATHE_RETURN_IF_ERROR(Commit(job));
-  }
-  spdlog::info("job={} {}", job.status.job_id(), why);
-  Schedule();
-  return job.status;
-}
-
-absl::StatusOr<v1::JobStatus> Scheduler::WaitForJobChange(absl::string_view job_id,
-                                                          uint64_t* version,
-                                                          absl::Time deadline) const {
-  auto changed = [this, job_id, version]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-    auto it = jobs_.find(job_id);
-    return it == jobs_.end() || it->second.version != *version;
+void Scheduler::WaitForWork(absl::Duration timeout) const {
+  auto work = [this]() ABSL_SHARED_LOCKS_REQUIRED(mail_mu_) {
+    return pass_requested_ || !reports_.empty();
   };
-  mu_.LockWhenWithDeadline(absl::Condition(&changed), deadline);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) {
-    mu_.Unlock();
-    return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  }
-  *version = it->second.version;
-  v1::JobStatus status = it->second.status;
-  mu_.Unlock();
-  return status;
+  mail_mu_.LockWhenWithTimeout(absl::Condition(&work), timeout);
+  mail_mu_.Unlock();
 }
+
+void Scheduler::Settle() {
+  uint64_t sequence = 0;
+  std::set<std::string> notify;
+  {
+    absl::MutexLock lock(&mu_);
+    std::vector<HeartbeatReport> reports;
+    {
+      absl::MutexLock mail_lock(&mail_mu_);
+      reports.swap(reports_);
+    }
+    for (const HeartbeatReport& report : reports) ProcessReport(report);
+    stats_.heartbeat_reports += static_cast<int64_t>(reports.size());
+    bool pass = false;
+    {
+      absl::MutexLock mail_lock(&mail_mu_);
+      std::swap(pass, pass_requested_);
+    }
+    if (pass) {
+      const absl::Time start = absl::Now();
+      RunPass();
+      const absl::Duration took = absl::Now() - start;
+      ++stats_.passes;
+      stats_.total += took;
+      stats_.longest = std::max(stats_.longest, took);
+    }
+    sequence = Stage();
+    notify.swap(mail_waiting_);
+  }
+  absl::Status durable = WaitDurable(sequence);
+  if (!durable.ok()) {
+    spdlog::error("persisting the scheduler's changes failed (retried with the next ones): {}",
+                  durable.ToString());
+    return;
+  }
+  NotifyMail(notify);
+}
+
+PassStats Scheduler::TakePassStats() {
+  absl::MutexLock lock(&mu_);
+  PassStats stats = stats_;
+  stats_ = PassStats();
+  return stats;
+}
+
+// --- writes ---------------------------------------------------------------------------
+
+void Scheduler::Touch(JobState& job, bool persist) {
+  job.status.set_updated_unix_ms(NowMs());
+  NotifyWatchers(job);
+  const absl::Time now = clock_->Now();
+  if (!persist && now - job.last_persisted < absl::Seconds(1)) return;
+  job.last_persisted = now;
+  dirty_jobs_.insert(job.status.job_id());
+}
+
+void Scheduler::MarkWorkerDirty(const WorkerState& worker) {
+  dirty_workers_.insert(worker.status.worker_id());
+}
+
+uint64_t Scheduler::Stage() {
+  StoreBatch batch;
+  for (const std::string& id : dirty_jobs_) batch.jobs.push_back(jobs_.at(id).status);
+  for (const std::string& id : dirty_workers_) {
+    auto worker = workers_.find(id);
+    if (worker != workers_.end()) batch.workers.push_back(worker->second.status);
+  }
+  batch.deleted_workers.assign(deleted_workers_.begin(), deleted_workers_.end());
+  dirty_jobs_.clear();
+  dirty_workers_.clear();
+  deleted_workers_.clear();
+  absl::MutexLock lock(&write_mu_);
+  if (batch.empty()) return staged_sequence_;
+  staged_.emplace_back(++staged_sequence_, std::move(batch));
+  return staged_sequence_;
+}
+
+absl::Status Scheduler::WaitDurable(uint64_t sequence) {
+  absl::MutexLock lock(&write_mu_);
+  while (durable_sequence_.load() < sequence) {
+    if (writing_) {
+      // Another caller is writing: its batch may hold ours; else ours is next.
+      write_mu_.Await(absl::Condition(
+          +[](bool* writing) { return !*writing; }, &writing_));
+      continue;
+    }
+    if (staged_.empty()) {
+      return absl::InternalError(absl::StrCat("batch ", sequence, " was never staged"));
+    }
+    std::deque<std::pair<uint64_t, StoreBatch>> batches;
+    batches.swap(staged_);
+    const uint64_t last = batches.back().first;
+    writing_ = true;
+    write_mu_.Unlock();
+    absl::Status status = store_->Write(Merge(batches));
+    write_mu_.Lock();
+    writing_ = false;
+    if (!status.ok()) {  // written with the next ones
+      for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
+        staged_.push_front(std::move(*it));
+      }
+      return status;
+    }
+    durable_sequence_.store(last);
+  }
+  return absl::OkStatus();
+}
+
+void Scheduler::NotifyMail(const std::set<std::string>& workers) {
+  std::vector<std::shared_ptr<MailListener>> listeners;
+  {
+    absl::MutexLock lock(&mail_mu_);
+    for (const std::string& id : workers) {
+      auto mailbox = mail_.find(id);
+      if (mailbox == mail_.end()) continue;
+      if (std::shared_ptr<MailListener> listener = mailbox->second.listener.lock()) {
+        listeners.push_back(std::move(listener));
+      }
+    }
+  }
+  for (const std::shared_ptr<MailListener>& listener : listeners) listener->OnMail();
+}
+
+// --- indexes --------------------------------------------------------------------------
+
+v1::JobStatus Scheduler::View(const JobState& job) const {
+  v1::JobStatus view = job.status;
+  if (job.status.state() != v1::JOB_STATE_QUEUED || job.status.restart_after_unix_ms() > NowMs()) {
+    return view;  // a restart waiting out its backoff keeps its reason
+  }
+  if (job.live_ranks > 0 && !job.status.attempts().empty()) {
+    view.set_reason(absl::StrCat("waiting for the ranks of attempt ",
+                                 job.status.attempts().rbegin()->generation(),
+                                 " to end (they may be writing a checkpoint)"));
+  } else if (auto c = classes_.find(job.class_key);
+             job.queued && c != classes_.end() && !c->second.reason.empty()) {
+    view.set_reason(c->second.reason);
+  }
+  return view;
+}
+
+void Scheduler::NotifyWatchers(const JobState& job) {
+  auto [begin, end] = watches_by_job_.equal_range(job.status.job_id());
+  if (begin == end) return;
+  const v1::JobStatus view = View(job);
+  for (auto it = begin; it != end; ++it) watches_.at(it->second).second(view);
+}
+
+void Scheduler::SetJobState(JobState& job, v1::JobState state) {
+  const v1::JobState before = job.status.state();
+  if (before != state) {
+    by_state_[before].erase(job.sequence);
+    by_state_[state].insert(job.sequence);
+    job.status.set_state(state);
+    if (IsFinalState(state)) {
+      auto output = active_outputs_.find(NormalPath(job.status.spec().output()));
+      if (output != active_outputs_.end() && output->second == job.status.job_id()) {
+        active_outputs_.erase(output);
+      }
+    }
+  }
+  Reindex(job);
+}
+
+void Scheduler::Reindex(JobState& job) {
+  const bool is_queued = job.status.state() == v1::JOB_STATE_QUEUED;
+  const int64_t restart_at = job.status.restart_after_unix_ms();
+  const bool backing_off = is_queued && restart_at > NowMs();
+  const bool queue = is_queued && !backing_off && job.live_ranks == 0;
+  const QueueKey key{-job.status.spec().priority(), job.sequence};
+  if (queue != job.queued) {
+    JobClass& c = classes_[job.class_key];
+    if (queue) {
+      c.queue.insert(key);
+      RequestPass();
+    } else {
+      c.queue.erase(key);
+      if (c.queue.empty()) classes_.erase(job.class_key);
+    }
+    job.queued = queue;
+  }
+  if (job.backing_off) backoff_.erase({job.backoff_at, job.sequence});
+  job.backing_off = backing_off;
+  job.backoff_at = restart_at;
+  if (backing_off) backoff_.insert({restart_at, job.sequence});
+}
+
+void Scheduler::IndexWorker(WorkerState& worker) {
+  const std::string& id = worker.status.worker_id();
+  const v1::Device before = worker.indexed_device;
+  ready_slots_[before] -= worker.indexed_slots;
+  free_slots_[before] -= worker.indexed_free;
+  if (worker.indexed_free > 0) free_index_[before].erase({-worker.indexed_free, id});
+  const bool ready = worker.status.state() == v1::WORKER_STATE_READY && !worker.session_id.empty();
+  const int64_t slots = ready ? worker.status.slots() : 0;
+  const int64_t free = std::max<int64_t>(0, slots - static_cast<int64_t>(worker.busy.size()));
+  const v1::Device device = worker.status.device();
+  ready_slots_[device] += slots;
+  free_slots_[device] += free;
+  if (free > 0) free_index_[device].insert({-free, id});
+  worker.indexed_device = device;
+  worker.indexed_slots = slots;
+  worker.indexed_free = free;
+  worker.status.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
+}
+
+void Scheduler::MarkBusy(WorkerState& worker, int64_t slot, SlotRef ref) {
+  auto job = jobs_.find(ref.job_id);
+  if (job != jobs_.end()) ++job->second.live_ranks;
+  worker.busy_memory += ref.memory;
+  worker.busy[slot] = std::move(ref);
+  IndexWorker(worker);
+}
+
+void Scheduler::FreeSlot(const std::string& worker_id, int64_t slot) {
+  auto it = workers_.find(worker_id);
+  if (it == workers_.end()) return;
+  WorkerState& worker = it->second;
+  auto busy = worker.busy.find(slot);
+  if (busy == worker.busy.end()) return;
+  const SlotRef ref = busy->second;
+  worker.busy.erase(busy);
+  worker.busy_memory -= std::min(worker.busy_memory, ref.memory);
+  IndexWorker(worker);
+  RequestPass();
+  auto job = jobs_.find(ref.job_id);
+  if (job != jobs_.end() && --job->second.live_ranks == 0) {
+    Reindex(job->second);
+    NotifyWatchers(job->second);
+  }
+}
+
+// --- placement ------------------------------------------------------------------------
 
 std::optional<uint64_t> Scheduler::FreeMemory(const WorkerState& worker, int64_t slot, size_t taken,
                                               uint64_t need) const {
@@ -302,131 +458,320 @@ std::optional<uint64_t> Scheduler::FreeMemory(const WorkerState& worker, int64_t
   // of this placement) leave of it.
   const uint64_t host = worker.status.host_memory_bytes();
   if (host == 0) return std::nullopt;
-  uint64_t used = taken * need;
-  for (const auto& [busy_slot, ref] : worker.busy) {
-    auto job = jobs_.find(ref.job_id);
-    if (job != jobs_.end()) used += PlannedPeak(job->second.status.plan());
-  }
+  const uint64_t used = taken * need + worker.busy_memory;
   return used >= host ? 0 : host - used;
 }
 
-void Scheduler::Schedule() {
-  std::vector<JobState*> queued;
-  for (auto& [id, job] : jobs_) {
-    if (job.status.state() == v1::JOB_STATE_QUEUED) queued.push_back(&job);
-  }
-  std::sort(queued.begin(), queued.end(), [](const JobState* a, const JobState* b) {
-    if (a->status.spec().priority() != b->status.spec().priority()) {
-      return a->status.spec().priority() > b->status.spec().priority();
-    }
-    return a->sequence < b->sequence;
-  });
-  // Jobs with ranks of an earlier attempt still on a slot: those may be writing the
-  // checkpoint the next attempt should resume from (a drain, a cancelled peer), so the next
-  // attempt waits for their end (the agent kills a rank 5 s after asking it to stop).
-  std::map<std::string, int64_t> ending;  // job -> generation of a live rank
-  for (const auto& [id, worker] : workers_) {
-    for (const auto& [slot, ref] : worker.busy) ending[ref.job_id] = ref.generation;
-  }
-  const int64_t now_ms = NowMs();
-  for (JobState* job : queued) {
-    // A restart waiting out its backoff keeps its reason (CheckHeartbeats schedules again).
-    if (job->status.restart_after_unix_ms() > now_ms) continue;
-    if (auto live = ending.find(job->status.job_id()); live != ending.end()) {
-      const std::string reason = absl::StrCat("waiting for the ranks of attempt ", live->second,
-                                              " to end (they may be writing a checkpoint)");
-      SetQueueReason(*job, reason);
+void Scheduler::RunPass() {
+  // The head of every class, best first; a class leaves at its first job that does not fit.
+  using Head = std::pair<QueueKey, ClassKey>;
+  std::priority_queue<Head, std::vector<Head>, std::greater<Head>> heads;
+  for (const auto& [key, c] : classes_) heads.push({*c.queue.begin(), key});
+  while (!heads.empty()) {
+    const auto [head, key] = heads.top();
+    heads.pop();
+    JobState& job = *by_sequence_.at(head.second);
+    std::optional<std::string> why = TryPlace(job);
+    auto c = classes_.find(key);  // placing the last job of a class removes it
+    if (!why) {
+      ++stats_.placed;
+      if (c != classes_.end()) heads.push({*c->second.queue.begin(), key});
       continue;
     }
-    const int64_t ranks = RanksOf(job->status);
-    const v1::Device device = DeviceOf(job->status);
-    const uint64_t need = PlannedPeak(job->status.plan());
-    // Live workers of the job's device, most free slots first, so ranks stay together.
-    struct Candidate {
-      WorkerState* worker;
-      std::vector<int64_t> free_slots;
-    };
-    std::vector<Candidate> candidates;
-    int64_t registered = 0, free = 0, fitting = 0;
-    uint64_t largest_free = 0;  // memory of the roomiest free slot, when memory decides
-    for (auto& [id, worker] : workers_) {
-      if (worker.status.state() != v1::WORKER_STATE_READY || worker.session_id.empty() ||
-          worker.status.device() != device) {
-        continue;
-      }
-      registered += worker.status.slots();
-      Candidate c{&worker, {}};
-      int64_t free_here = 0;
-      for (int64_t slot = 0; slot < worker.status.slots(); ++slot) {
-        if (worker.busy.count(slot)) continue;
-        ++free_here;
-        const std::optional<uint64_t> memory = FreeMemory(worker, slot, c.free_slots.size(), need);
-        if (memory) largest_free = std::max(largest_free, *memory);
-        if (!memory || *memory >= need) c.free_slots.push_back(slot);
-      }
-      free += free_here;
-      fitting += static_cast<int64_t>(c.free_slots.size());
-      if (!c.free_slots.empty()) candidates.push_back(std::move(c));
-    }
-    if (fitting < ranks) {
-      std::string reason =
-          registered < ranks ? absl::StrFormat("needs %d %s slots; %d registered", ranks,
-                                               DeviceName(device), registered)
-          : free < ranks     ? absl::StrFormat("waiting for %d free %s slots; %d of %d free", ranks,
-                                               DeviceName(device), free, registered)
-                             : absl::StrFormat(
-                                   "needs %s per rank on %d %s slots; %d of the %d free slots "
-                                       "have that much (largest free %s)",
-                                   FormatBytes(need), ranks, DeviceName(device), fitting, free,
-                                   FormatBytes(largest_free));
-      SetQueueReason(*job, reason);
-      continue;
-    }
-    std::stable_sort(candidates.begin(), candidates.end(),
-                     [](const Candidate& a, const Candidate& b) {
-                       return a.free_slots.size() > b.free_slots.size();
-                     });
-    v1::Attempt* attempt = job->status.add_attempts();
-    attempt->set_generation(job->status.attempts_size());
-    attempt->set_state(v1::ATTEMPT_STATE_STARTING);
-    attempt->set_started_unix_ms(NowMs());
-    *attempt->mutable_predicted_memory() = job->status.plan().predicted_memory();
-    int64_t rank = 0;
-    for (Candidate& c : candidates) {
-      for (int64_t slot : c.free_slots) {
-        if (rank == ranks) break;
-        v1::RankPlacement* p = attempt->add_placements();
-        p->set_rank(rank);
-        p->set_worker_id(c.worker->status.worker_id());
-        p->set_slot(slot);
-        c.worker->busy[slot] = {job->status.job_id(), attempt->generation(), rank};
-        c.worker->status.set_busy_slots(static_cast<int64_t>(c.worker->busy.size()));
-        v1::Assignment& a = c.worker->pending_assignments.emplace_back();
-        a.set_job_id(job->status.job_id());
-        a.set_generation(attempt->generation());
-        a.set_rank(rank);
-        a.set_world_size(ranks);
-        a.set_slot(slot);
-        *a.mutable_spec() = job->status.spec();
-        *a.mutable_plan() = job->status.plan();
-        ++rank;
+    if (c->second.reason != *why) {
+      c->second.reason = *why;
+      // Its queued jobs' reason changed: tell their watchers (a few), not every job.
+      for (const auto& [id, watch] : watches_) {
+        auto watched = jobs_.find(watch.first);
+        if (watched != jobs_.end() && watched->second.queued && watched->second.class_key == key) {
+          watch.second(View(watched->second));
+        }
       }
     }
-    job->succeeded_ranks.clear();
-    job->status.clear_restart_after_unix_ms();
-    job->status.set_state(v1::JOB_STATE_RUNNING);
-    job->status.set_reason("");
-    spdlog::info("job={} attempt={} placed: {} ranks", job->status.job_id(), attempt->generation(),
-                 ranks);
-    (void)Commit(*job);
   }
 }
 
-void Scheduler::FreeSlot(const std::string& worker_id, int64_t slot) {
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end()) return;
-  it->second.busy.erase(slot);
-  it->second.status.set_busy_slots(static_cast<int64_t>(it->second.busy.size()));
+std::optional<std::string> Scheduler::TryPlace(JobState& job) {
+  const auto& [device, ranks, need] = job.class_key;
+  const int64_t registered = ready_slots_[device];
+  const int64_t free = free_slots_[device];
+  if (registered < ranks) {
+    return absl::StrFormat("needs %d %s slots; %d registered", ranks, DeviceName(device),
+                           registered);
+  }
+  if (free < ranks) {
+    return absl::StrFormat("waiting for %d free %s slots; %d of %d free", ranks, DeviceName(device),
+                           free, registered);
+  }
+  // Workers with free slots, most free first, so that ranks stay together.
+  struct Pick {
+    WorkerState* worker;
+    std::vector<int64_t> slots;
+  };
+  std::vector<Pick> picks;
+  int64_t fitting = 0;
+  uint64_t largest_free = 0;  // memory of the roomiest free slot, when memory decides
+  for (const auto& [negative_free, id] : free_index_[device]) {
+    WorkerState& worker = workers_.find(id)->second;
+    Pick pick{&worker, {}};
+    for (int64_t slot = 0; slot < worker.status.slots() && fitting < ranks; ++slot) {
+      if (worker.busy.count(slot)) continue;
+      const std::optional<uint64_t> memory = FreeMemory(worker, slot, pick.slots.size(), need);
+      if (memory) largest_free = std::max(largest_free, *memory);
+      if (!memory || *memory >= need) {
+        pick.slots.push_back(slot);
+        ++fitting;
+      }
+    }
+    if (!pick.slots.empty()) picks.push_back(std::move(pick));
+    if (fitting == ranks) break;
+  }
+  if (fitting < ranks) {
+    return absl::StrFormat(
+        "needs %s per rank on %d %s slots; %d of the %d free slots have that much (largest "
+        "free %s)",
+        FormatBytes(need), ranks, DeviceName(device), fitting, free, FormatBytes(largest_free));
+  }
+  v1::Attempt* attempt = job.status.add_attempts();
+  attempt->set_generation(job.status.attempts_size());
+  attempt->set_state(v1::ATTEMPT_STATE_STARTING);
+  attempt->set_started_unix_ms(NowMs());
+  *attempt->mutable_predicted_memory() = job.status.plan().predicted_memory();
+  // Deliverable once the batch with this placement is durable: the next one staged.
+  uint64_t batch;
+  {
+    absl::MutexLock lock(&write_mu_);
+    batch = staged_sequence_ + 1;
+  }
+  const std::string& job_id = job.status.job_id();
+  int64_t rank = 0;
+  for (Pick& pick : picks) {
+    const std::string& worker_id = pick.worker->status.worker_id();
+    std::vector<v1::Assignment> assignments;
+    for (int64_t slot : pick.slots) {
+      v1::RankPlacement* p = attempt->add_placements();
+      p->set_rank(rank);
+      p->set_worker_id(worker_id);
+      p->set_slot(slot);
+      MarkBusy(*pick.worker, slot, {job_id, attempt->generation(), rank, need});
+      v1::Assignment& a = assignments.emplace_back();
+      a.set_job_id(job_id);
+      a.set_generation(attempt->generation());
+      a.set_rank(rank);
+      a.set_world_size(ranks);
+      a.set_slot(slot);
+      *a.mutable_spec() = job.status.spec();
+      *a.mutable_plan() = job.status.plan();
+      ++rank;
+    }
+    absl::MutexLock lock(&mail_mu_);
+    Mailbox& mailbox = mail_[worker_id];
+    for (v1::Assignment& a : assignments) mailbox.assignments.emplace_back(batch, std::move(a));
+    mail_waiting_.insert(worker_id);
+  }
+  job.succeeded_ranks.clear();
+  job.status.clear_restart_after_unix_ms();
+  job.status.set_reason("");
+  SetJobState(job, v1::JOB_STATE_RUNNING);
+  spdlog::info("job={} attempt={} placed: {} ranks", job_id, attempt->generation(), ranks);
+  Touch(job);
+  return std::nullopt;
+}
+
+// --- jobs -----------------------------------------------------------------------------
+
+absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_view request_id,
+                                                bool* existing) {
+  *existing = false;
+  const std::string request(request_id);
+  // A retry gets the job it created; another spec under the same id is a mistake.
+  auto same = [&](const v1::JobStatus& earlier) -> absl::StatusOr<v1::JobStatus> {
+    if (!google::protobuf::util::MessageDifferencer::Equals(earlier.spec(), job.spec())) {
+      return absl::AlreadyExistsError(absl::StrCat("request_id ", request, " already created job ",
+                                                   earlier.job_id(),
+                                                   " with another spec; use a new request id"));
+    }
+    *existing = true;
+    return earlier;
+  };
+  if (!request.empty()) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (auto it = request_ids_.find(request); it != request_ids_.end()) {
+        return same(View(jobs_.at(it->second)));
+      }
+    }
+    // Created before the coordinator restarted (an indexed read, outside the lock).
+    LATHE_ASSIGN_OR_RETURN(std::optional<v1::JobStatus> stored,
+                           store_->FindJobByRequestId(request));
+    if (stored) {
+      absl::MutexLock lock(&mu_);
+      request_ids_[request] = stored->job_id();
+      auto it = jobs_.find(stored->job_id());
+      return same(it != jobs_.end() ? View(it->second) : *stored);
+    }
+  }
+  // An output directory belongs to one job at a time: two would write one adapter and mix
+  // their checkpoints. Reserved (with the request id) while the job is written.
+  const std::string output = NormalPath(job.spec().output());
+  {
+    absl::MutexLock lock(&mu_);
+    if (!request.empty()) {
+      if (auto it = request_ids_.find(request); it != request_ids_.end()) {
+        return same(View(jobs_.at(it->second)));
+      }
+      if (pending_requests_.count(request)) {
+        return absl::UnavailableError(
+            absl::StrCat("request_id ", request, ": the same submission is being stored; retry"));
+      }
+    }
+    if (!output.empty()) {
+      if (auto owner = active_outputs_.find(output); owner != active_outputs_.end()) {
+        auto other = jobs_.find(owner->second);
+        const bool queued =
+            other == jobs_.end() || other->second.status.state() == v1::JOB_STATE_QUEUED;
+        return absl::FailedPreconditionError(absl::StrCat(
+            "spec: output: ", job.spec().output(), " belongs to job ", owner->second, " (",
+            queued ? "queued" : "running", "); wait for it to end or choose another directory"));
+      }
+      active_outputs_[output] = job.job_id();
+    }
+    if (!request.empty()) pending_requests_.insert(request);
+  }
+  job.set_state(v1::JOB_STATE_QUEUED);
+  job.set_reason("waiting to be scheduled");
+  job.set_submitted_unix_ms(NowMs());
+  job.set_updated_unix_ms(job.submitted_unix_ms());
+  // Durable before it is acknowledged; outside the lock, so that passes and registrations
+  // do not wait for the fsync.
+  const absl::Status created = store_->CreateJob(job, request);
+  absl::MutexLock lock(&mu_);
+  pending_requests_.erase(request);
+  if (!created.ok()) {
+    if (!output.empty()) active_outputs_.erase(output);
+    return created;
+  }
+  const std::string id = job.job_id();
+  JobState& state = jobs_[id];
+  state.status = std::move(job);
+  state.request_id = request;
+  state.sequence = next_sequence_++;
+  state.class_key = {DeviceOf(state.status), RanksOf(state.status),
+                     PlannedPeak(state.status.plan())};
+  state.last_persisted = clock_->Now();
+  by_sequence_[state.sequence] = &state;
+  by_state_[v1::JOB_STATE_QUEUED].insert(state.sequence);
+  by_name_[state.status.spec().name()].insert(state.sequence);
+  if (!request.empty()) request_ids_[request] = id;
+  Reindex(state);  // requests a pass
+  spdlog::info("job={} submitted", id);
+  return View(state);
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  return View(it->second);
+}
+
+JobPage Scheduler::ListJobs(const JobQuery& query) const {
+  absl::MutexLock lock(&mu_);
+  // The candidates' sequence sets (by name, else by the wanted states), merged newest first.
+  std::vector<const std::set<int64_t>*> sources;
+  if (!query.name.empty()) {
+    if (auto it = by_name_.find(query.name); it != by_name_.end()) sources.push_back(&it->second);
+  } else {
+    for (const auto& [state, sequences] : by_state_) {
+      if (query.states.empty() || query.states.count(state)) sources.push_back(&sequences);
+    }
+  }
+  // Per source, the next candidate: the largest sequence below the cursor.
+  std::vector<std::set<int64_t>::const_reverse_iterator> next;
+  for (const std::set<int64_t>* source : sources) {
+    next.emplace_back(source->lower_bound(query.before_sequence));
+  }
+  JobPage page;
+  size_t bytes = 0;
+  int64_t last = -1;
+  while (true) {
+    int best = -1;
+    for (size_t i = 0; i < sources.size(); ++i) {
+      if (next[i] == sources[i]->rend()) continue;
+      if (best < 0 || *next[i] > *next[best]) best = static_cast<int>(i);
+    }
+    if (best < 0) break;  // no more jobs
+    const int64_t sequence = *next[best]++;
+    const JobState& job = *by_sequence_.at(sequence);
+    if (query.since_unix_ms > 0 && job.status.submitted_unix_ms() < query.since_unix_ms) break;
+    if (!query.name.empty() && !query.states.empty() && !query.states.count(job.status.state())) {
+      continue;
+    }
+    v1::JobStatus view = View(job);
+    bytes += view.ByteSizeLong();
+    if (page.jobs.size() == query.limit ||
+        (!page.jobs.empty() && query.max_bytes > 0 && bytes > query.max_bytes)) {
+      page.next_before = last;  // more follow
+      break;
+    }
+    page.jobs.push_back(std::move(view));
+    last = sequence;
+  }
+  return page;
+}
+
+absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
+                                                   absl::string_view reason) {
+  uint64_t sequence = 0;
+  v1::JobStatus result;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(job_id);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+    JobState& job = it->second;
+    if (!IsFinalState(job.status.state())) {
+      const std::string why =
+          reason.empty() ? "cancelled by the user" : absl::StrCat("cancelled: ", reason);
+      if (job.status.state() == v1::JOB_STATE_QUEUED) {
+        job.status.set_reason(why);
+        SetJobState(job, v1::JOB_STATE_CANCELLED);
+      } else {
+        EndAttempt(job, v1::ATTEMPT_STATE_CANCELLED, v1::JOB_STATE_CANCELLED, why);
+      }
+      Touch(job);
+      spdlog::info("job={} {}", job.status.job_id(), why);
+    }
+    result = View(job);
+    sequence = Stage();
+  }
+  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  return result;
+}
+
+absl::StatusOr<uint64_t> Scheduler::Watch(absl::string_view job_id,
+                                          std::function<void(const v1::JobStatus&)> on_change) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  const uint64_t id = ++next_watch_;
+  on_change(View(it->second));
+  watches_.emplace(id, std::make_pair(std::string(job_id), std::move(on_change)));
+  watches_by_job_.emplace(std::string(job_id), id);
+  return id;
+}
+
+void Scheduler::Unwatch(uint64_t watch_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = watches_.find(watch_id);
+  if (it == watches_.end()) return;
+  auto [begin, end] = watches_by_job_.equal_range(it->second.first);
+  for (auto w = begin; w != end; ++w) {
+    if (w->second == watch_id) {
+      watches_by_job_.erase(w);
+      break;
+    }
+  }
+  watches_.erase(it);
 }
 
 void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
@@ -436,11 +781,12 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
   attempt->set_ended_unix_ms(NowMs());
   if (state == v1::ATTEMPT_STATE_FAILED) attempt->set_error(reason);
   Learn(job.status.plan(), *attempt, calibration_);
+  const std::string& job_id = job.status.job_id();
   for (const v1::RankPlacement& p : attempt->placements()) {
     auto worker = workers_.find(p.worker_id());
     if (worker == workers_.end()) continue;
     auto busy = worker->second.busy.find(p.slot());
-    if (busy == worker->second.busy.end() || busy->second.job_id != job.status.job_id() ||
+    if (busy == worker->second.busy.end() || busy->second.job_id != job_id ||
         busy->second.generation != attempt->generation()) {
       continue;  // that rank already ended
     }
@@ -450,22 +796,30 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
     }
     // Drop the assignment if it was never delivered; otherwise stop the trainer. The slot
     // stays busy until the worker says the rank is gone.
-    auto& pending = worker->second.pending_assignments;
-    auto undelivered = std::find_if(pending.begin(), pending.end(), [&](const v1::Assignment& a) {
-      return a.job_id() == job.status.job_id() && a.generation() == attempt->generation();
-    });
-    if (undelivered != pending.end()) {
-      pending.erase(undelivered);
-      FreeSlot(p.worker_id(), p.slot());
-      continue;
+    bool undelivered = false;
+    {
+      absl::MutexLock lock(&mail_mu_);
+      Mailbox& mailbox = mail_[p.worker_id()];
+      auto& pending = mailbox.assignments;
+      auto it = std::find_if(pending.begin(), pending.end(), [&](const auto& a) {
+        return a.second.job_id() == job_id && a.second.generation() == attempt->generation() &&
+               a.second.rank() == p.rank();
+      });
+      if (it != pending.end()) {
+        pending.erase(it);
+        undelivered = true;
+      } else {
+        v1::Cancellation& c = mailbox.cancellations.emplace_back();
+        c.set_job_id(job_id);
+        c.set_generation(attempt->generation());
+        c.set_reason(reason);
+        mail_waiting_.insert(p.worker_id());
+      }
     }
-    v1::Cancellation& c = worker->second.pending_cancellations.emplace_back();
-    c.set_job_id(job.status.job_id());
-    c.set_generation(attempt->generation());
-    c.set_reason(reason);
+    if (undelivered) FreeSlot(p.worker_id(), p.slot());
   }
-  job.status.set_state(job_state);
   job.status.set_reason(reason);
+  SetJobState(job, job_state);
 }
 
 void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind,
@@ -476,7 +830,7 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
     EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
     job.status.set_reason(
         absl::StrCat("moving after attempt ", attempt->generation(), " was stopped: ", reason));
-    (void)Commit(job);
+    Touch(job);
     return;
   }
   const int64_t max_restarts = job.status.spec().max_restarts();
@@ -486,7 +840,7 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
       job.status.set_reason(
           absl::StrCat(reason, " (no restarts left: max_restarts ", max_restarts, ")"));
     }
-    (void)Commit(job);
+    Touch(job);
     return;
   }
   // Again from the newest checkpoint (the trainer finds it in the output directory): at
@@ -503,16 +857,18 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
           ? absl::ZeroDuration()
           : std::min(options_.restart_backoff * (int64_t{1} << std::min<int64_t>(stalled - 1, 20)),
                      options_.max_restart_backoff);
-  EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
   job.status.set_restarts(restart);
   job.status.set_restart_after_unix_ms(absl::ToUnixMillis(clock_->Now() + backoff));
+  EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
   job.status.set_reason(
       absl::StrCat("restart ", restart, " of ", max_restarts, stalled == 0 ? " at once" : " in ",
                    stalled == 0 ? "" : absl::FormatDuration(backoff), " after attempt ",
                    attempt->generation(), " failed: ", reason));
   spdlog::warn("job={} {}", job.status.job_id(), job.status.reason());
-  (void)Commit(job);
+  Touch(job);
 }
+
+// --- workers --------------------------------------------------------------------------
 
 absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
     const v1::RegisterWorkerRequest& request) {
@@ -521,8 +877,6 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   WorkerState& worker = workers_[request.worker_id()];
   worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
                                       absl::Uniform<uint64_t>(absl::BitGen()));
-  worker.last_heartbeat = clock_->Now();
-  worker.reconcile = true;
   v1::WorkerStatus& s = worker.status;
   s.set_worker_id(request.worker_id());
   // A drained worker stays drained when its agent registers again.
@@ -533,11 +887,25 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   *s.mutable_devices() = request.devices();
   s.set_host_memory_bytes(request.host_memory_bytes());
   s.set_last_heartbeat_unix_ms(NowMs());
-  s.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
-  PersistWorker(worker);
+  IndexWorker(worker);
+  // Not acknowledged durably: a registration lost in a crash is simply made again, and the
+  // record is written with the first placement on the worker at the latest.
+  MarkWorkerDirty(worker);
+  {
+    absl::MutexLock mail_lock(&mail_mu_);
+    Mailbox& mailbox = mail_[request.worker_id()];
+    mailbox.session_id = worker.session_id;
+    mailbox.live = true;
+    mailbox.last_heartbeat = clock_->Now();
+    mailbox.last_heartbeat_unix_ms = s.last_heartbeat_unix_ms();
+    mailbox.running.clear();
+    mailbox.reconcile = true;
+    mailbox.reconciling = true;
+    mailbox.delivered.clear();
+    pass_requested_ = true;
+  }
   spdlog::info("worker={} registered: {} {} slots", request.worker_id(), DeviceName(s.device()),
                request.slots());
-  Schedule();
   v1::RegisterWorkerResponse response;
   response.set_worker_id(request.worker_id());
   response.set_session_id(worker.session_id);
@@ -546,51 +914,122 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   return response;
 }
 
-absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request) {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(request.worker_id());
-  if (it == workers_.end() || it->second.session_id.empty() ||
+namespace {
+
+// Moves the deliverable mail (assignments whose placement is durable) into `response`.
+template <typename Mailbox>
+void TakeDeliverable(Mailbox& mailbox, uint64_t durable, v1::HeartbeatResponse* response) {
+  auto& pending = mailbox.assignments;
+  auto kept = pending.begin();
+  for (auto& a : pending) {
+    if (a.first <= durable) {
+      if (mailbox.reconciling) {
+        mailbox.delivered.emplace_back(a.second.job_id(), a.second.generation());
+      }
+      *response->add_assignments() = std::move(a.second);
+    } else {
+      *kept++ = std::move(a);
+    }
+  }
+  pending.erase(kept, pending.end());
+  for (v1::Cancellation& c : mailbox.cancellations) *response->add_cancellations() = std::move(c);
+  mailbox.cancellations.clear();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request,
+                                                           std::shared_ptr<MailListener> listener) {
+  if (request.slots_size() > kMaxSlots) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slots: at most ", kMaxSlots, ", got ", request.slots_size()));
+  }
+  v1::HeartbeatResponse response;
+  response.set_in_reply_to(request.sequence());
+  absl::MutexLock lock(&mail_mu_);
+  auto it = mail_.find(request.worker_id());
+  if (it == mail_.end() || it->second.session_id.empty() ||
       it->second.session_id != request.session_id()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "worker ", request.worker_id(), ": unknown or expired session; register again"));
   }
-  WorkerState& worker = it->second;
-  worker.last_heartbeat = clock_->Now();
-  worker.status.set_last_heartbeat_unix_ms(NowMs());
-  worker.status.clear_running();
-  std::set<int64_t> reported;
+  Mailbox& mailbox = it->second;
+  const absl::Time now = clock_->Now();
+  mailbox.last_heartbeat = now;
+  mailbox.last_heartbeat_unix_ms = absl::ToUnixMillis(now);
+  if (listener != nullptr) mailbox.listener = listener;
+  const bool changed = !SameRanks(mailbox.running, request.slots());
+  if (changed) mailbox.running.assign(request.slots().begin(), request.slots().end());
+  // The scheduler looks at what the worker runs when it changed, after a registration, and
+  // now and then while it runs something (a cancellation may have been lost).
+  const bool report =
+      changed || mailbox.reconcile ||
+      (!mailbox.running.empty() && now - mailbox.last_report > options_.heartbeat_timeout);
+  TakeDeliverable(mailbox, durable_sequence_.load(), &response);
+  if (report) {
+    reports_.push_back(
+        {request.worker_id(), mailbox.session_id, mailbox.running, mailbox.reconcile});
+    mailbox.reconcile = false;
+    mailbox.last_report = now;
+  }
+  return response;
+}
+
+v1::HeartbeatResponse Scheduler::TakeMail(absl::string_view worker_id,
+                                          absl::string_view session_id) {
   v1::HeartbeatResponse response;
-  for (const v1::SlotStatus& slot : request.slots()) {
-    if (slot.job_id().empty()) continue;
-    *worker.status.add_running() = slot;
-    reported.insert(slot.slot());
-    if (!IsActiveAttemptLocked(slot.job_id(), slot.generation())) {
-      bool pending =
-          std::any_of(worker.pending_cancellations.begin(), worker.pending_cancellations.end(),
+  absl::MutexLock lock(&mail_mu_);
+  auto it = mail_.find(worker_id);
+  if (it == mail_.end() || it->second.session_id.empty() || it->second.session_id != session_id) {
+    return response;
+  }
+  TakeDeliverable(it->second, durable_sequence_.load(), &response);
+  return response;
+}
+
+void Scheduler::ProcessReport(const HeartbeatReport& report) {
+  auto it = workers_.find(report.worker_id);
+  if (it == workers_.end() || it->second.session_id != report.session_id) return;
+  WorkerState& worker = it->second;
+  std::set<int64_t> reported;
+  std::set<std::string> lost_jobs;
+  {
+    absl::MutexLock lock(&mail_mu_);
+    Mailbox& mailbox = mail_[report.worker_id];
+    for (const v1::SlotStatus& slot : report.running) {
+      if (slot.job_id().empty()) continue;
+      reported.insert(slot.slot());
+      if (IsActiveAttemptLocked(slot.job_id(), slot.generation())) continue;
+      const bool pending =
+          std::any_of(mailbox.cancellations.begin(), mailbox.cancellations.end(),
                       [&](const v1::Cancellation& c) {
                         return c.job_id() == slot.job_id() && c.generation() == slot.generation();
                       });
       if (!pending) {
-        v1::Cancellation& c = worker.pending_cancellations.emplace_back();
+        v1::Cancellation& c = mailbox.cancellations.emplace_back();
         c.set_job_id(slot.job_id());
         c.set_generation(slot.generation());
         c.set_reason("the attempt is no longer current");
+        mail_waiting_.insert(report.worker_id);
       }
     }
-  }
-  // After a registration: ranks placed here that the worker does not run and will not
-  // receive are lost.
-  std::set<std::string> lost_jobs;
-  if (worker.reconcile) {
-    worker.reconcile = false;
-    for (const auto& [slot, ref] : worker.busy) {
-      if (reported.count(slot) || !IsActiveAttemptLocked(ref.job_id, ref.generation)) continue;
-      const bool pending =
-          std::any_of(worker.pending_assignments.begin(), worker.pending_assignments.end(),
-                      [&](const v1::Assignment& a) {
-                        return a.job_id() == ref.job_id && a.generation() == ref.generation;
-                      });
-      if (!pending) lost_jobs.insert(ref.job_id);
+    // After a registration: ranks placed here that the worker does not run, was not sent
+    // since (in an answer or pushed) and will not receive are lost.
+    if (report.reconcile) {
+      for (const auto& [slot, ref] : worker.busy) {
+        if (reported.count(slot) || !IsActiveAttemptLocked(ref.job_id, ref.generation)) continue;
+        auto same = [&](const std::string& job, int64_t generation) {
+          return job == ref.job_id && generation == ref.generation;
+        };
+        const bool delivered = std::any_of(mailbox.delivered.begin(), mailbox.delivered.end(),
+                                           [&](const auto& d) { return same(d.first, d.second); });
+        const bool pending = std::any_of(
+            mailbox.assignments.begin(), mailbox.assignments.end(),
+            [&](const auto& a) { return same(a.second.job_id(), a.second.generation()); });
+        if (!delivered && !pending) lost_jobs.insert(ref.job_id);
+      }
+      mailbox.reconciling = false;
+      mailbox.delivered.clear();
     }
   }
   for (const std::string& job_id : lost_jobs) {
@@ -601,29 +1040,30 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
                 v1::FAILURE_KIND_INFRASTRUCTURE);
   }
   // Slots of ended attempts that the worker no longer runs are free again.
-  bool freed = !lost_jobs.empty();
-  for (auto busy = worker.busy.begin(); busy != worker.busy.end();) {
-    if (!IsActiveAttemptLocked(busy->second.job_id, busy->second.generation) &&
-        !reported.count(busy->first)) {
-      busy = worker.busy.erase(busy);
-      freed = true;
-    } else {
-      ++busy;
+  std::vector<int64_t> ended;
+  for (const auto& [slot, ref] : worker.busy) {
+    if (!IsActiveAttemptLocked(ref.job_id, ref.generation) && !reported.count(slot)) {
+      ended.push_back(slot);
     }
   }
-  worker.status.set_busy_slots(static_cast<int64_t>(worker.busy.size()));
-  for (v1::Assignment& a : worker.pending_assignments) *response.add_assignments() = std::move(a);
-  worker.pending_assignments.clear();
-  for (v1::Cancellation& c : worker.pending_cancellations) {
-    *response.add_cancellations() = std::move(c);
-  }
-  worker.pending_cancellations.clear();
-  if (freed) Schedule();
-  return response;
+  for (int64_t slot : ended) FreeSlot(report.worker_id, slot);
 }
 
 absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request) {
-  absl::MutexLock lock(&mu_);
+  bool acknowledge = false;
+  uint64_t sequence = 0;
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = ApplyReport(request, &acknowledge);
+    sequence = Stage();
+  }
+  // A rank's start and end are durable before the agent hears they were received.
+  if (acknowledge) LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  return status;
+}
+
+absl::Status Scheduler::ApplyReport(const v1::ReportProgressRequest& request, bool* acknowledge) {
   auto it = jobs_.find(request.job_id());
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job ", request.job_id(), " not found"));
@@ -661,7 +1101,6 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
   if (!IsActive(*attempt)) {
     if (terminal_event) {
       FreeSlot(placement->worker_id(), placement->slot());
-      Schedule();
       return absl::OkStatus();
     }
     return absl::FailedPreconditionError(absl::StrCat("job ", request.job_id(), ": attempt ",
@@ -675,7 +1114,9 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
   switch (request.event()) {
     case v1::RANK_EVENT_STARTED:
       attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
-      return Commit(job);
+      Touch(job);
+      *acknowledge = true;
+      return absl::OkStatus();
     case v1::RANK_EVENT_PROGRESS:
       attempt->set_state(v1::ATTEMPT_STATE_RUNNING);
       if (request.rank() == 0) {
@@ -685,7 +1126,8 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
           attempt->set_resumed_from_step(request.resumed_from_step());
         }
       }
-      return Commit(job, /*force_persist=*/request.resumed_from_step() > 0);
+      Touch(job, /*persist=*/request.resumed_from_step() > 0);
+      return absl::OkStatus();
     case v1::RANK_EVENT_SUCCEEDED: {
       FreeSlot(placement->worker_id(), placement->slot());
       job.succeeded_ranks.insert(request.rank());
@@ -699,13 +1141,13 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
         attempt->set_state(v1::ATTEMPT_STATE_SUCCEEDED);
         attempt->set_ended_unix_ms(NowMs());
         Learn(job.status.plan(), *attempt, calibration_);
-        job.status.set_state(v1::JOB_STATE_SUCCEEDED);
         job.status.set_reason("");
+        SetJobState(job, v1::JOB_STATE_SUCCEEDED);
         spdlog::info("job={} succeeded", job.status.job_id());
       }
-      absl::Status status = Commit(job);
-      Schedule();
-      return status;
+      Touch(job);
+      *acknowledge = true;
+      return absl::OkStatus();
     }
     case v1::RANK_EVENT_FAILED:
     case v1::RANK_EVENT_CANCELLED: {
@@ -725,7 +1167,7 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
       FailAttempt(job, reason,
                   request.event() == v1::RANK_EVENT_CANCELLED ? v1::FAILURE_KIND_INFRASTRUCTURE
                                                               : request.failure());
-      Schedule();
+      *acknowledge = true;
       return absl::OkStatus();
     }
     default:
@@ -733,48 +1175,78 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
   }
 }
 
+void Scheduler::MarkLost(WorkerState& worker, const std::string& reason) {
+  const std::string& id = worker.status.worker_id();
+  spdlog::warn("{}", reason);
+  worker.status.set_state(v1::WORKER_STATE_LOST);
+  worker.session_id.clear();
+  {
+    absl::MutexLock lock(&mail_mu_);
+    Mailbox& mailbox = mail_[id];
+    mailbox.session_id.clear();
+    mailbox.live = false;
+    mailbox.running.clear();
+    mailbox.assignments.clear();
+    mailbox.cancellations.clear();
+  }
+  IndexWorker(worker);
+  MarkWorkerDirty(worker);
+  std::set<std::string> failed;
+  for (const auto& [slot, ref] : worker.busy) {
+    if (IsActiveAttemptLocked(ref.job_id, ref.generation)) failed.insert(ref.job_id);
+  }
+  for (const std::string& job_id : failed) {
+    FailAttempt(jobs_.find(job_id)->second, reason, v1::FAILURE_KIND_INFRASTRUCTURE);
+  }
+  std::vector<int64_t> slots;
+  for (const auto& [slot, ref] : worker.busy) slots.push_back(slot);
+  for (int64_t slot : slots) FreeSlot(id, slot);
+}
+
 void Scheduler::CheckHeartbeats() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
-  bool changed = false;
-  for (auto& [id, worker] : workers_) {
-    if (worker.status.state() == v1::WORKER_STATE_LOST ||
-        now - worker.last_heartbeat <= options_.heartbeat_timeout) {
-      continue;
-    }
-    const std::string reason = absl::StrCat(
-        "worker ", id, " lost: no heartbeat for ",
-        absl::FormatDuration(absl::Trunc(now - worker.last_heartbeat, absl::Seconds(1))));
-    spdlog::warn("{}", reason);
-    worker.status.set_state(v1::WORKER_STATE_LOST);
-    worker.session_id.clear();
-    worker.pending_assignments.clear();
-    worker.pending_cancellations.clear();
-    std::map<int64_t, SlotRef> busy = std::move(worker.busy);
-    worker.busy.clear();
-    worker.status.set_busy_slots(0);
-    worker.status.clear_running();
-    PersistWorker(worker);
-    for (const auto& [slot, ref] : busy) {
-      if (IsActiveAttemptLocked(ref.job_id, ref.generation)) {
-        FailAttempt(jobs_.find(ref.job_id)->second, reason, v1::FAILURE_KIND_INFRASTRUCTURE);
+  // Liveness from the heartbeats' arrival times alone.
+  std::vector<std::pair<std::string, absl::Duration>> silent;
+  {
+    absl::MutexLock mail_lock(&mail_mu_);
+    for (const auto& [id, mailbox] : mail_) {
+      if (mailbox.live && now - mailbox.last_heartbeat > options_.heartbeat_timeout) {
+        silent.emplace_back(id, now - mailbox.last_heartbeat);
       }
     }
-    changed = true;
   }
-  // Restarts whose backoff has passed.
-  for (const auto& [id, job] : jobs_) {
-    changed = changed || (job.status.state() == v1::JOB_STATE_QUEUED &&
-                          job.status.restart_after_unix_ms() > 0 &&
-                          job.status.restart_after_unix_ms() <= absl::ToUnixMillis(now));
+  for (const auto& [id, silence] : silent) {
+    auto worker = workers_.find(id);
+    if (worker == workers_.end() || worker->second.status.state() == v1::WORKER_STATE_LOST) {
+      continue;
+    }
+    MarkLost(worker->second,
+             absl::StrCat("worker ", id, " lost: no heartbeat for ",
+                          absl::FormatDuration(absl::Trunc(silence, absl::Seconds(1)))));
   }
-  if (changed) Schedule();
+  // Restarts whose backoff has passed join the queue.
+  const int64_t now_ms = absl::ToUnixMillis(now);
+  while (!backoff_.empty() && backoff_.begin()->first <= now_ms) {
+    JobState& job = *by_sequence_.at(backoff_.begin()->second);
+    Reindex(job);  // leaves backoff_
+    NotifyWatchers(job);
+  }
 }
 
 std::vector<v1::WorkerStatus> Scheduler::ListWorkers() const {
   absl::MutexLock lock(&mu_);
+  absl::MutexLock mail_lock(&mail_mu_);
   std::vector<v1::WorkerStatus> result;
-  for (const auto& [id, worker] : workers_) result.push_back(worker.status);
+  for (const auto& [id, worker] : workers_) {
+    v1::WorkerStatus& status = result.emplace_back(worker.status);
+    auto mailbox = mail_.find(id);
+    if (mailbox == mail_.end() || worker.session_id.empty()) continue;
+    for (const v1::SlotStatus& slot : mailbox->second.running) {
+      if (!slot.job_id().empty()) *status.add_running() = slot;
+    }
+    status.set_last_heartbeat_unix_ms(mailbox->second.last_heartbeat_unix_ms);
+  }
   return result;
 }
 
@@ -817,44 +1289,62 @@ v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit) const {
 }
 
 absl::StatusOr<v1::WorkerStatus> Scheduler::DrainWorker(absl::string_view worker_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+  uint64_t sequence = 0;
+  v1::WorkerStatus result;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end()) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+    }
+    WorkerState& worker = it->second;
+    if (worker.status.state() == v1::WORKER_STATE_READY) {
+      worker.status.set_state(v1::WORKER_STATE_DRAINING);
+      IndexWorker(worker);
+      MarkWorkerDirty(worker);
+      spdlog::info("worker={} draining", std::string(worker_id));
+    }
+    // Its ranks' attempts end (the trainers checkpoint on SIGTERM) and their jobs queue again.
+    std::set<std::string> moving;
+    for (const auto& [slot, ref] : worker.busy) {
+      if (IsActiveAttemptLocked(ref.job_id, ref.generation)) moving.insert(ref.job_id);
+    }
+    for (const std::string& job_id : moving) {
+      FailAttempt(jobs_.find(job_id)->second,
+                  absl::StrCat("worker ", worker_id, " is being drained"),
+                  v1::FAILURE_KIND_INFRASTRUCTURE, /*charged=*/false);
+    }
+    result = worker.status;
+    sequence = Stage();
   }
-  WorkerState& worker = it->second;
-  if (worker.status.state() == v1::WORKER_STATE_READY) {
-    worker.status.set_state(v1::WORKER_STATE_DRAINING);
-    PersistWorker(worker);
-    spdlog::info("worker={} draining", std::string(worker_id));
-  }
-  // Its ranks' attempts end (the trainers checkpoint on SIGTERM) and their jobs queue again.
-  std::set<std::string> moving;
-  for (const auto& [slot, ref] : worker.busy) {
-    if (IsActiveAttemptLocked(ref.job_id, ref.generation)) moving.insert(ref.job_id);
-  }
-  for (const std::string& job_id : moving) {
-    FailAttempt(jobs_.find(job_id)->second, absl::StrCat("worker ", worker_id, " is being drained"),
-                v1::FAILURE_KIND_INFRASTRUCTURE, /*charged=*/false);
-  }
-  Schedule();
-  return worker.status;
+  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  return result;
 }
 
 absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
-  absl::MutexLock lock(&mu_);
-  auto it = workers_.find(worker_id);
-  if (it == workers_.end()) {
-    return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+  uint64_t sequence = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = workers_.find(worker_id);
+    if (it == workers_.end()) {
+      return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
+    }
+    // A live worker would only register again: it must be lost (its agent stopped) first.
+    if (it->second.status.state() != v1::WORKER_STATE_LOST) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("worker ", worker_id, " is not lost; drain it (lathe workers drain), stop ",
+                       "its agent, and remove it once the coordinator has lost it"));
+    }
+    dirty_workers_.erase(it->second.status.worker_id());
+    deleted_workers_.insert(it->second.status.worker_id());
+    workers_.erase(it);
+    {
+      absl::MutexLock mail_lock(&mail_mu_);
+      mail_.erase(std::string(worker_id));
+    }
+    sequence = Stage();
   }
-  // A live worker would only register again: it must be lost (its agent stopped) first.
-  if (it->second.status.state() != v1::WORKER_STATE_LOST) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("worker ", worker_id, " is not lost; drain it (lathe workers drain), stop ",
-                     "its agent, and remove it once the coordinator has lost it"));
-  }
-  LATHE_RETURN_IF_ERROR(store_->DeleteWorker(worker_id));
-  workers_.erase(it);
+  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
   spdlog::info("worker={} removed", std::string(worker_id));
   return absl::OkStatus();
 }

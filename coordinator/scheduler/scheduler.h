@@ -1,40 +1,58 @@
 // The coordinator's state machine: the jobs, the workers, the queue and gang placement.
 //
-// Jobs wait in a queue ordered by priority (higher first), then submission time. Whenever
-// something changes (a job arrives, a worker registers, a slot frees up) the scheduler walks
-// the queue and places every job whose ranks all fit at once on free slots of live workers
-// of its device kind; a job that does not fit stays queued with the reason, and later jobs
-// that do fit may go first (backfill). A job is never placed in part.
+// Jobs wait in a queue ordered by priority (higher first), then submission order. A
+// scheduling pass places every queued job whose ranks all fit at once on free slots of live
+// workers of its device kind; a job that does not fit stays queued with the reason, and
+// later jobs that do fit may go first (backfill). A job is never placed in part.
 //
 // A placement is an attempt with a generation (1, 2, ...). Workers learn of their ranks in
-// the answer to their next heartbeat, report progress and the end of each rank, and every
-// report carries the generation: reports for an attempt that is no longer current are
-// refused (fencing). A worker silent for longer than the heartbeat timeout is lost, and the
-// attempts with a rank on it fail.
+// the answer to a heartbeat (or pushed on their heartbeat stream), report progress and the
+// end of each rank, and every report carries the generation: reports for an attempt that is
+// no longer current are refused (fencing). A worker silent for longer than the heartbeat
+// timeout is lost, and the attempts with a rank on it fail.
 //
 // When an attempt fails for the infrastructure (a lost worker, a rank killed by a signal or
 // stopped by its worker, a collective timeout: the agent classifies its trainer's end) and
 // the spec's max_restarts allows, the job is queued again (at once when the attempt trained,
 // else after a backoff that doubles with each attempt in a row that did not), and its next
-// attempt resumes from the newest checkpoint in its output
-// directory. A user error (the spec, the data, a divergence) fails the job at once.
+// attempt resumes from the newest checkpoint in its output directory. A user error (the
+// spec, the data, a divergence) fails the job at once.
 //
-// Every change to a job is written through to the Store before the call returns, so a
-// restarted coordinator (which loads the store in Create) still knows every job it
-// acknowledged. Progress reports are written at most once per second per job; why a queued
-// job waits is recomputed by every pass and not written on its own (SetQueueReason).
+// Scale (issue #13; docs/services.md, "At scale"):
+//   - Heartbeats take only the mailbox lock, never the scheduling lock or the store: a
+//     heartbeat records its arrival time (liveness is decided from those alone), takes the
+//     worker's deliverable mail and queues what the scheduler must look at (a change in the
+//     ranks the worker runs). Settle() digests those reports.
+//   - Passes are incremental and coalesced: a change (a job, a worker, a freed slot) only
+//     requests a pass; Settle() runs one for everything requested since the last. Queued
+//     jobs are indexed by class (device, ranks, memory per rank), each class ordered by
+//     priority and submission, and free slots by device: a pass tries the head of each class
+//     in global order and stops a class at its first job that does not fit (capacity only
+//     shrinks during a pass), so it costs O((placed + classes) log), not O(queued).
+//   - Why a queued job waits is derived state: kept per class, shown on read, never written.
+//   - Durable writes are batched: changes mark jobs and workers dirty, each operation stages
+//     one batch, and whoever waits for durability writes every staged batch in one
+//     transaction (group commit). Acknowledged changes (a job created, cancelled or ended, a
+//     worker drained or removed) are durable before their call returns; a placement is
+//     durable before its assignment can be delivered; progress is written behind, at most
+//     once a second per job.
 //
-// Thread-safety: thread-safe; every public method takes the one mutex. Watchers wait on it
-// with a condition (no polling).
+// Thread-safety: thread-safe. Lock order: mu_ (the state), then mail_mu_ (mailboxes, the
+// heartbeat reports, the pass request), then write_mu_ (staged batches).
 #ifndef LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 
+#include <atomic>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -61,6 +79,42 @@ struct SchedulerOptions {
   absl::Duration max_restart_backoff = absl::Seconds(60);
 };
 
+// What ListJobs selects: newest first, below `before_sequence`, at most `limit` jobs.
+struct JobQuery {
+  std::set<v1::JobState> states;  // empty: every state
+  std::string name;               // the spec's name exactly; empty: any
+  int64_t since_unix_ms = 0;      // submitted at or after; 0: any time
+  int64_t before_sequence = INT64_MAX;
+  size_t limit = 100;
+  // A page also ends before its jobs' encoded size passes this (0: no bound); it holds at
+  // least one job.
+  size_t max_bytes = 0;
+};
+
+struct JobPage {
+  std::vector<v1::JobStatus> jobs;
+  // The submission sequence of the last job when more may follow (the next query's
+  // before_sequence); -1 on the last page.
+  int64_t next_before = -1;
+};
+
+// Told when a worker's heartbeat stream has new mail (assignments placed after its last
+// heartbeat). Called without the scheduler's locks; implementations must not block.
+class MailListener {
+ public:
+  virtual ~MailListener() = default;
+  virtual void OnMail() = 0;
+};
+
+// What the scheduling loop did since the last TakePassStats.
+struct PassStats {
+  int64_t passes = 0;
+  absl::Duration longest;
+  absl::Duration total;
+  int64_t placed = 0;
+  int64_t heartbeat_reports = 0;
+};
+
 class Scheduler {
  public:
   // Loads every job and worker from `store`. Workers known from before come back without a
@@ -69,25 +123,38 @@ class Scheduler {
   static absl::StatusOr<std::unique_ptr<Scheduler>> Create(Store* store, const Clock* clock,
                                                            const SchedulerOptions& options);
 
+  // --- the scheduling loop ------------------------------------------------------------
+
+  // Digests the heartbeat reports, runs one pass when one was requested, writes what the
+  // store lacks and pushes new mail to the workers' streams. The server's scheduling loop
+  // calls it whenever WaitForWork returns; tests call it to settle the state.
+  void Settle();
+  // Returns when a pass was requested or a heartbeat report queued, or after `timeout`.
+  void WaitForWork(absl::Duration timeout) const;
+  PassStats TakePassStats();
+
   // --- jobs ---------------------------------------------------------------------------
 
-  // Stores `job` (state QUEUED, with its id, spec and plan filled in) and tries to place it.
-  // With a non-empty request_id already used, returns the job it created instead (and
-  // `*existing` = true), or ALREADY_EXISTS naming that job when its spec differs. Other
-  // errors are the store's.
+  // Stores `job` (state QUEUED, with its id, spec and plan filled in), durably, and
+  // requests a pass. With a non-empty request_id already used, returns the job it created
+  // instead (and `*existing` = true), or ALREADY_EXISTS naming that job when its spec
+  // differs. Other errors are the store's.
   absl::StatusOr<v1::JobStatus> AddJob(v1::JobStatus job, absl::string_view request_id,
                                        bool* existing);
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
-  // Jobs in `states` (all when empty), newest first.
-  std::vector<v1::JobStatus> ListJobs(const std::set<v1::JobState>& states) const;
+  // The jobs `query` selects, newest first, in O(page) for a query by state or name.
+  JobPage ListJobs(const JobQuery& query) const;
   // Cancels a queued or running job (its running ranks get cancellations). A finished job
   // is returned unchanged. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason);
-  // Waits until the job's version differs from `*version` or `deadline` passes, then
-  // returns its status and sets `*version`. Start with *version = 0.
-  absl::StatusOr<v1::JobStatus> WaitForJobChange(absl::string_view job_id, uint64_t* version,
-                                                 absl::Time deadline) const;
+  // Calls `on_change` with the job's status now and after every change, until Unwatch;
+  // returns the watch's id. `on_change` runs under the scheduler's lock: it must not block
+  // or call the scheduler. NOT_FOUND for an unknown id.
+  absl::StatusOr<uint64_t> Watch(absl::string_view job_id,
+                                 std::function<void(const v1::JobStatus&)> on_change);
+  // After it returns, the watch's on_change is never called again.
+  void Unwatch(uint64_t watch_id);
 
   // --- workers ------------------------------------------------------------------------
 
@@ -97,14 +164,20 @@ class Scheduler {
   // its attempt fails as an infrastructure failure; ranks it lists carry on.
   absl::StatusOr<v1::RegisterWorkerResponse> RegisterWorker(
       const v1::RegisterWorkerRequest& request);
-  // Records a heartbeat and returns the assignments and cancellations for the worker.
-  // FAILED_PRECONDITION when the worker or its session is unknown (register again).
-  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  // Records a heartbeat and returns the worker's deliverable assignments and cancellations;
+  // `listener` (may be null) is told when more arrive before the next heartbeat. Takes only
+  // the mailbox lock. FAILED_PRECONDITION when the worker or its session is unknown
+  // (register again).
+  absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request,
+                                                  std::shared_ptr<MailListener> listener = nullptr);
+  // The deliverable mail of the worker's session now (empty when none or another session).
+  v1::HeartbeatResponse TakeMail(absl::string_view worker_id, absl::string_view session_id);
   // A rank's progress or end. FAILED_PRECONDITION for a stale generation or a rank that is
   // not placed on that worker; NOT_FOUND for an unknown job.
   absl::Status ReportProgress(const v1::ReportProgressRequest& request);
   // Marks workers whose last heartbeat is older than the timeout as lost and fails their
-  // attempts. Call periodically (the server does, every timeout / 4).
+  // attempts; queues restarts whose backoff has passed. Call periodically (the server does,
+  // every timeout / 4).
   void CheckHeartbeats();
   std::vector<v1::WorkerStatus> ListWorkers() const;
   // Marks the worker DRAINING (no new placements, kept across its re-registrations) and
@@ -133,69 +206,169 @@ class Scheduler {
     std::string job_id;
     int64_t generation = 0;
     int64_t rank = 0;
+    uint64_t memory = 0;  // the job's planned peak per rank
+  };
+  // Jobs placed alike: a pass stops a class at its first job that does not fit.
+  using ClassKey = std::tuple<v1::Device, int64_t /*ranks*/, uint64_t /*bytes per rank*/>;
+  // Queue order within a class: priority (higher first), then submission.
+  using QueueKey = std::pair<int64_t /*-priority*/, int64_t /*sequence*/>;
+  struct JobClass {
+    std::set<QueueKey> queue;
+    std::string reason;  // why its head did not fit in the last pass; "" when it did
   };
   struct WorkerState {
-    v1::WorkerStatus status;
-    std::string session_id;  // empty: must register again
-    absl::Time last_heartbeat;
+    v1::WorkerStatus status;          // running and last_heartbeat_unix_ms live in the mailbox
+    std::string session_id;           // empty: must register again
     std::map<int64_t, SlotRef> busy;  // slot -> rank placed there
-    std::vector<v1::Assignment> pending_assignments;
-    std::vector<v1::Cancellation> pending_cancellations;
-    // Set by a registration: the next heartbeat says which ranks the worker really runs.
-    bool reconcile = false;
+    uint64_t busy_memory = 0;         // the planned peaks of the ranks in `busy`
+    // What IndexWorker last counted for this worker.
+    v1::Device indexed_device = v1::DEVICE_UNSPECIFIED;
+    int64_t indexed_slots = 0;
+    int64_t indexed_free = 0;
   };
   struct JobState {
-    v1::JobStatus status;
+    v1::JobStatus status;  // reason: the job's own; a queued job's derived one is View's
     std::string request_id;
-    uint64_t version = 1;
     int64_t sequence = 0;  // creation order
+    ClassKey class_key;
     std::set<int64_t> succeeded_ranks;
     absl::Time last_persisted;
+    int64_t live_ranks = 0;    // busy slots holding a rank of any of its attempts
+    bool queued = false;       // in its class's queue
+    bool backing_off = false;  // in backoff_, at backoff_at
+    int64_t backoff_at = 0;
+  };
+  struct Mailbox {
+    std::string session_id;  // empty: no heartbeats accepted
+    bool live = false;       // not lost: liveness is checked
+    absl::Time last_heartbeat;
+    int64_t last_heartbeat_unix_ms = 0;
+    std::vector<v1::SlotStatus> running;  // as of the last heartbeat
+    absl::Time last_report;
+    bool reconcile = false;  // the next heartbeat is the first of a registration
+    // From a registration until Settle has reconciled it: every rank delivered meanwhile
+    // (in answers or pushed), which the worker cannot have been expected to list.
+    bool reconciling = false;
+    std::vector<std::pair<std::string, int64_t>> delivered;  // (job, generation)
+    // An assignment is deliverable once the batch with its placement (that sequence) is
+    // durable.
+    std::vector<std::pair<uint64_t, v1::Assignment>> assignments;
+    std::vector<v1::Cancellation> cancellations;
+    std::weak_ptr<MailListener> listener;
+  };
+  // What a heartbeat leaves for Settle.
+  struct HeartbeatReport {
+    std::string worker_id;
+    std::string session_id;
+    std::vector<v1::SlotStatus> running;
+    bool reconcile = false;  // the first heartbeat of a registration
   };
 
   Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options);
+
+  int64_t NowMs() const;
+  // The status as readers see it: a queued job's derived reason filled in.
+  v1::JobStatus View(const JobState& job) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Records a change: the update time, the watchers, and (unless rate-limited progress) the
+  // next batch to the store.
+  void Touch(JobState& job, bool persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void NotifyWatchers(const JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkWorkerDirty(const WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the job's state and keeps the indexes (by state, active outputs, the queue) true.
+  void SetJobState(JobState& job, v1::JobState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts the job in (or takes it out of) its class's queue and the backoff index by what it
+  // is now: queued, past its backoff, no rank of an earlier attempt still on a slot.
+  void Reindex(JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts the worker's slots in the per-device totals and the free-slot index again.
+  void IndexWorker(WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkBusy(WorkerState& worker, int64_t slot, SlotRef ref) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RequestPass();
 
   // Memory a new rank of a job needing `need` bytes per rank would have in `slot`, with
   // `taken` other free slots of this worker already given to the same placement; nullopt
   // when `need` is 0 (no prediction) or the worker did not report its memory.
   std::optional<uint64_t> FreeMemory(const WorkerState& worker, int64_t slot, size_t taken,
                                      uint64_t need) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Writes the job to the store and wakes its watchers.
-  absl::Status Commit(JobState& job, bool force_persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Why a queued job waits: derived state, recomputed by every pass, so kept in memory (for
-  // readers and watchers) and written only with the job's next real change. A pass over
-  // thousands of queued jobs must not be thousands of fsyncs (issue #13).
-  void SetQueueReason(JobState& job, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Places every queued job that fits.
-  void Schedule() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One pass: places what fits, class by class in queue order.
+  void RunPass() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Places the job when its ranks fit; otherwise returns why not.
+  std::optional<std::string> TryPlace(JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ProcessReport(const HeartbeatReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ReportProgress under the lock; `*acknowledge` when the change must be durable before
+  // the call returns.
+  absl::Status ApplyReport(const v1::ReportProgressRequest& request, bool* acknowledge)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt of `job` with `state` and `error`, sends cancellations to
   // the other ranks, frees their slots and sets the job's state and reason (not committed).
   void EndAttempt(JobState& job, v1::AttemptState state, v1::JobState job_state,
                   const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ends the current attempt as failed for `reason`; an infrastructure failure with
-  // restarts left queues the job again after a backoff, anything else fails it. Commits.
+  // restarts left queues the job again after a backoff, anything else fails it. Touches.
   // `charged` false (a drain): queued again at once, not counted as a restart.
   void FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind,
                    bool charged = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkLost(WorkerState& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // IsActiveAttempt with the lock held.
   bool IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  void PersistWorker(const WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int64_t NowMs() const;
+
+  // --- writes ---
+  // Moves the dirty jobs and workers into a staged batch; returns the sequence that is
+  // durable once everything staged so far is.
+  uint64_t Stage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Writes every staged batch up to `sequence` (with any staged after it) unless another
+  // caller already is; returns when they are durable, or the store's error.
+  absl::Status WaitDurable(uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  // Tells the listeners of `workers` that they have mail.
+  void NotifyMail(const std::set<std::string>& workers) ABSL_LOCKS_EXCLUDED(mu_, mail_mu_);
 
   Store* const store_;
   const Clock* const clock_;
   const SchedulerOptions options_;
 
-  mutable absl::Mutex mu_;
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(mail_mu_, write_mu_);
   std::map<std::string, JobState, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string, std::less<>> request_ids_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> pending_requests_ ABSL_GUARDED_BY(mu_);  // AddJob writing them
   std::map<std::string, WorkerState, std::less<>> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 0;
   MemoryCalibration calibration_ ABSL_GUARDED_BY(mu_);
+  // Indexes over jobs_.
+  std::map<int64_t, JobState*> by_sequence_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::JobState, std::set<int64_t>> by_state_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::set<int64_t>> by_name_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> active_outputs_ ABSL_GUARDED_BY(mu_);  // -> job id
+  std::map<ClassKey, JobClass> classes_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<int64_t, int64_t>> backoff_ ABSL_GUARDED_BY(mu_);  // (restart at, seq)
+  // Indexes over workers_ (READY with a session): slots, free slots, workers with free
+  // slots by most free first.
+  std::map<v1::Device, int64_t> ready_slots_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::Device, int64_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  std::map<v1::Device, std::set<std::pair<int64_t, std::string>>> free_index_ ABSL_GUARDED_BY(mu_);
+  // Watches: id -> (job, callback), and the ids by job.
+  std::map<uint64_t, std::pair<std::string, std::function<void(const v1::JobStatus&)>>> watches_
+      ABSL_GUARDED_BY(mu_);
+  std::multimap<std::string, uint64_t, std::less<>> watches_by_job_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_watch_ ABSL_GUARDED_BY(mu_) = 0;
+  // Not yet staged.
+  std::set<std::string> dirty_jobs_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> dirty_workers_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> deleted_workers_ ABSL_GUARDED_BY(mu_);
+  std::set<std::string> mail_waiting_ ABSL_GUARDED_BY(mu_);  // workers with new assignments
+  PassStats stats_ ABSL_GUARDED_BY(mu_);
+
+  mutable absl::Mutex mail_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);
+  std::map<std::string, Mailbox, std::less<>> mail_ ABSL_GUARDED_BY(mail_mu_);
+  std::vector<HeartbeatReport> reports_ ABSL_GUARDED_BY(mail_mu_);
+  bool pass_requested_ ABSL_GUARDED_BY(mail_mu_) = false;
+
+  absl::Mutex write_mu_;
+  uint64_t staged_sequence_ ABSL_GUARDED_BY(write_mu_) = 0;
+  std::deque<std::pair<uint64_t, StoreBatch>> staged_ ABSL_GUARDED_BY(write_mu_);
+  bool writing_ ABSL_GUARDED_BY(write_mu_) = false;
+  std::atomic<uint64_t> durable_sequence_{0};
 };
 
 }  // namespace lathe

@@ -5,9 +5,20 @@
 #include "spdlog/spdlog.h"
 
 namespace lathe {
+namespace {
+
+// How often the scheduling loop logs what its passes took.
+constexpr absl::Duration kStatsPeriod = absl::Seconds(10);
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorConfig& config) {
+  return Start(config, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
+    const CoordinatorConfig& config, std::unique_ptr<Store> store) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   if (config.insecure_no_auth) {
     server->auth_ = std::make_unique<Authenticator>(Authenticator::AllowAll());
@@ -28,7 +39,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       MakeServerCredentials(config.tls);
   if (!credentials.ok()) return credentials.status();
   if (!config.tls.client_ca.empty()) server->auth_->RequireWorkerCertificates();
-  if (config.db_path == ":memory:") {
+  if (store != nullptr) {
+    server->store_ = std::move(store);
+  } else if (config.db_path == ":memory:") {
     server->store_ = NewMemoryStore();
   } else {
     LATHE_ASSIGN_OR_RETURN(server->store_, OpenSqliteStore(config.db_path));
@@ -66,6 +79,30 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       std::thread([s = server.get(), period = config.heartbeat_timeout / 4] {
         while (!s->stop_.WaitForNotificationWithTimeout(period)) s->scheduler_->CheckHeartbeats();
       });
+  // The scheduling loop: one pass for everything that changed since the last (a burst of
+  // registrations is one pass), the heartbeats' reports, and the writes behind them. It
+  // wakes at least every 100 ms to write progress behind.
+  server->scheduling_loop_ = std::thread([s = server.get()] {
+    absl::Time next_stats = absl::Now() + kStatsPeriod;
+    while (!s->stop_.HasBeenNotified()) {
+      s->scheduler_->WaitForWork(absl::Milliseconds(100));
+      s->scheduler_->Settle();
+      if (absl::Now() >= next_stats) {
+        next_stats = absl::Now() + kStatsPeriod;
+        const PassStats stats = s->scheduler_->TakePassStats();
+        if (stats.passes > 0) {
+          spdlog::info(
+              "scheduler: {} passes in {}, longest {:.3f} ms, mean {:.3f} ms, {} jobs placed, {} "
+              "heartbeat reports",
+              stats.passes, absl::FormatDuration(kStatsPeriod),
+              absl::ToDoubleMilliseconds(stats.longest),
+              absl::ToDoubleMilliseconds(stats.total) / stats.passes, stats.placed,
+              stats.heartbeat_reports);
+        }
+      }
+    }
+    s->scheduler_->Settle();  // what the last calls changed
+  });
   return server;
 }
 
@@ -78,6 +115,7 @@ void CoordinatorServer::Shutdown() {
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (heartbeat_checker_.joinable()) heartbeat_checker_.join();
+  if (scheduling_loop_.joinable()) scheduling_loop_.join();
 }
 
 }  // namespace lathe

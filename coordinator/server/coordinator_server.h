@@ -1,5 +1,6 @@
 // Builds the coordinator once, in dependency order (store, clock, scheduler, job manager,
-// rendezvous store, gRPC services, server), and runs the heartbeat checker.
+// rendezvous store, gRPC services, server), and runs the heartbeat checker and the
+// scheduling loop.
 //
 // Thread-safety: Start, port and Shutdown may be called from different threads.
 #ifndef LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_
@@ -48,6 +49,9 @@ class CoordinatorServer {
   // or TLS file;
   // UNAVAILABLE when the address cannot be bound; the store's errors otherwise.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config);
+  // With `store` instead of the one config.db_path names (tests inject a slow one).
+  static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config,
+                                                                  std::unique_ptr<Store> store);
   ~CoordinatorServer();
 
   // The port actually bound.
@@ -75,6 +79,7 @@ class CoordinatorServer {
   // Held through Shutdown: a signal's Shutdown and main's (after Wait returns) may race.
   absl::Mutex shutdown_mu_;
   std::thread heartbeat_checker_;
+  std::thread scheduling_loop_;
 };
 
 }  // namespace lathe

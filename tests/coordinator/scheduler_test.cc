@@ -41,6 +41,7 @@ class SchedulerTest : public ::testing::Test {
     absl::StatusOr<v1::RegisterWorkerResponse> response = scheduler_->RegisterWorker(request);
     EXPECT_TRUE(response.ok()) << response.status();
     sessions_[id] = response->session_id();
+    scheduler_->Settle();
     return response->session_id();
   }
 
@@ -53,6 +54,7 @@ class SchedulerTest : public ::testing::Test {
     for (const v1::SlotStatus& s : running) *request.add_slots() = s;
     absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request);
     EXPECT_TRUE(response.ok()) << response.status();
+    scheduler_->Settle();  // what the heartbeat reported
     return response.ok() ? *response : v1::HeartbeatResponse();
   }
 
@@ -69,6 +71,7 @@ class SchedulerTest : public ::testing::Test {
     bool existing = false;
     absl::StatusOr<v1::JobStatus> added = scheduler_->AddJob(job, "", &existing);
     EXPECT_TRUE(added.ok()) << added.status();
+    scheduler_->Settle();
     return id;
   }
 
@@ -95,7 +98,9 @@ class SchedulerTest : public ::testing::Test {
     request.set_rank(rank);
     request.set_event(event);
     request.set_error(error);
-    return scheduler_->ReportProgress(request);
+    absl::Status status = scheduler_->ReportProgress(request);
+    scheduler_->Settle();
+    return status;
   }
 
   FakeClock clock_;
@@ -184,7 +189,7 @@ TEST_F(SchedulerTest, QueueOrderIsPriorityThenSubmission) {
     ASSERT_EQ(Job(current).state(), v1::JOB_STATE_RUNNING) << current;
     ASSERT_TRUE(Report("w1", current, 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
     EXPECT_EQ(Job(current).state(), v1::JOB_STATE_SUCCEEDED);
-    for (const v1::JobStatus& j : scheduler_->ListJobs({v1::JOB_STATE_RUNNING})) {
+    for (const v1::JobStatus& j : scheduler_->ListJobs({{v1::JOB_STATE_RUNNING}, "", 0, INT64_MAX, 1000}).jobs) {
       current = j.job_id();
       order.push_back(current);
     }
@@ -212,6 +217,7 @@ TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
   Beat("w1");
   clock_.Advance(absl::Seconds(10));  // w2 silent for 20 s, w1 for 10 s
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   std::map<std::string, v1::WorkerState> states;
   for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) states[w.worker_id()] = w.state();
   EXPECT_EQ(states["w1"], v1::WORKER_STATE_READY);
@@ -230,31 +236,31 @@ TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
   EXPECT_EQ(scheduler_->Heartbeat(stale).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
-// The store underneath, counting the job updates that reach it.
+// The store underneath, counting the transactions and job records that reach it.
 class CountingStore : public Store {
  public:
   explicit CountingStore(Store* inner) : inner_(inner) {}
   absl::Status CreateJob(const v1::JobStatus& job, absl::string_view request_id) override {
     return inner_->CreateJob(job, request_id);
   }
-  absl::Status UpdateJob(const v1::JobStatus& job) override {
-    ++updates;
-    return inner_->UpdateJob(job);
+  absl::Status Write(const StoreBatch& batch) override {
+    if (fail_writes) return absl::UnavailableError("the disk is away");
+    ++writes;
+    updates += static_cast<int>(batch.jobs.size());
+    last_batch = batch;
+    return inner_->Write(batch);
   }
   absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
       absl::string_view request_id) override {
     return inner_->FindJobByRequestId(request_id);
   }
   absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() override { return inner_->LoadJobs(); }
-  absl::Status PutWorker(const v1::WorkerStatus& worker) override {
-    return inner_->PutWorker(worker);
-  }
-  absl::Status DeleteWorker(absl::string_view worker_id) override {
-    return inner_->DeleteWorker(worker_id);
-  }
   absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
     return inner_->LoadWorkers();
   }
+  int writes = 0;
+  StoreBatch last_batch;
+  bool fail_writes = false;
   int updates = 0;
 
  private:
@@ -278,6 +284,53 @@ TEST_F(SchedulerTest, QueueReasonsAreShownButNotWritten) {
   EXPECT_EQ(counting.updates - before, 1);
 }
 
+// A pass that places many jobs writes them in one transaction, and their assignments are
+// delivered only once it is durable.
+TEST_F(SchedulerTest, APassIsOneTransaction) {
+  CountingStore counting(store_.get());
+  scheduler_ = *Scheduler::Create(&counting, &clock_, {absl::Seconds(2), absl::Seconds(15)});
+  for (int i = 0; i < 20; ++i) Add("job-" + std::to_string(i));
+  const int writes = counting.writes;
+  Register("big", /*slots=*/16);
+  EXPECT_EQ(counting.writes - writes, 1);
+  EXPECT_EQ(counting.last_batch.jobs.size(), 16u);
+  ASSERT_EQ(counting.last_batch.workers.size(), 1u) << "the registration, with its placements";
+  EXPECT_EQ(Beat("big").assignments_size(), 16);
+  EXPECT_EQ(Job("job-16").state(), v1::JOB_STATE_QUEUED);
+}
+
+// An assignment is delivered only once its placement is durable; one pushed between a
+// re-registered worker's first heartbeat and the reconciliation of that heartbeat does not
+// make its rank "lost" (the worker could not list it).
+TEST_F(SchedulerTest, OnlyDurablePlacementsAreDeliveredAndAPushIsNotALoss) {
+  CountingStore counting(store_.get());
+  scheduler_ = *Scheduler::Create(&counting, &clock_, {absl::Seconds(2), absl::Seconds(15)});
+  Add("job");
+  Add("other");
+  counting.fail_writes = true;
+  v1::RegisterWorkerRequest request;
+  request.set_worker_id("w1");
+  request.set_slots(1);
+  sessions_["w1"] = scheduler_->RegisterWorker(request)->session_id();
+  scheduler_->Settle();  // placed, but the write failed
+  ASSERT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id("w1");
+  beat.set_session_id(sessions_["w1"]);
+  beat.set_sequence(7);
+  absl::StatusOr<v1::HeartbeatResponse> answer = scheduler_->Heartbeat(beat);
+  ASSERT_TRUE(answer.ok()) << answer.status();
+  EXPECT_EQ(answer->assignments_size(), 0) << "delivered before it was durable";
+  EXPECT_EQ(answer->in_reply_to(), 7);
+  // Another call's write makes the placement durable too; the stream's push takes it.
+  counting.fail_writes = false;
+  ASSERT_TRUE(scheduler_->CancelJob("other", "").ok());
+  EXPECT_EQ(scheduler_->TakeMail("w1", sessions_["w1"]).assignments_size(), 1);
+  scheduler_->Settle();  // reconciles the heartbeat sent before the push
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING) << Job("job").reason();
+  EXPECT_EQ(Job("job").attempts_size(), 1);
+}
+
 // --- restarts ----------------------------------------------------------------------------
 
 class RestartTest : public SchedulerTest {
@@ -294,6 +347,7 @@ class RestartTest : public SchedulerTest {
     job.mutable_plan()->set_ranks(1);
     bool existing = false;
     ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+    scheduler_->Settle();
   }
   absl::Status Fail(int64_t generation, v1::FailureKind kind) {
     v1::ReportProgressRequest request;
@@ -303,7 +357,9 @@ class RestartTest : public SchedulerTest {
     request.set_event(v1::RANK_EVENT_FAILED);
     request.set_error("the trainer was killed by signal 9");
     request.set_failure(kind);
-    return scheduler_->ReportProgress(request);
+    absl::Status status = scheduler_->ReportProgress(request);
+    scheduler_->Settle();
+    return status;
   }
 };
 
@@ -320,10 +376,12 @@ TEST_F(RestartTest, InfrastructureFailuresRestartWithABackoffUntilMaxRestarts) {
             "trainer was killed by signal 9");
   // Not placed before the backoff ends, although the slot is free.
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").attempts_size(), 1);
   clock_.Advance(absl::Seconds(1));
   Beat("w1");
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   job = Job("job");
   ASSERT_EQ(job.attempts_size(), 2);
   EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
@@ -337,9 +395,11 @@ TEST_F(RestartTest, InfrastructureFailuresRestartWithABackoffUntilMaxRestarts) {
   Register("w1");
   clock_.Advance(absl::Seconds(1));
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").attempts_size(), 2);
   clock_.Advance(absl::Seconds(1));
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   ASSERT_EQ(Job("job").attempts_size(), 3);
   EXPECT_EQ(Job("job").restarts(), 2);
 
@@ -351,6 +411,7 @@ TEST_F(RestartTest, InfrastructureFailuresRestartWithABackoffUntilMaxRestarts) {
   EXPECT_THAT(job.reason(), HasSubstr("killed by signal 9 (no restarts left: max_restarts 2)"));
   clock_.Advance(absl::Minutes(5));
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").attempts_size(), 3);
 }
 
@@ -365,6 +426,7 @@ TEST_F(RestartTest, AnAttemptThatTrainedRestartsAtOnceAndOnlyACrashLoopBacksOff)
     progress.set_resumed_from_step(resumed);
     progress.mutable_progress()->set_step(step);
     ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+    scheduler_->Settle();
   };
   train(1, 0, 30);
   ASSERT_TRUE(Fail(1, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
@@ -376,11 +438,13 @@ TEST_F(RestartTest, AnAttemptThatTrainedRestartsAtOnceAndOnlyACrashLoopBacksOff)
   clock_.Advance(absl::Seconds(1));
   Beat("w1");
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   ASSERT_TRUE(Fail(3, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
   EXPECT_THAT(Job("job").reason(), HasSubstr("restart 3 of 5 in 2s"));
   clock_.Advance(absl::Seconds(2));
   Beat("w1");
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   // Attempt 4 trains past its checkpoint: at once again.
   train(4, 20, 21);
   ASSERT_TRUE(Fail(4, v1::FAILURE_KIND_INFRASTRUCTURE).ok());
@@ -404,11 +468,13 @@ TEST_F(RestartTest, ALostWorkerRestartsTheJobAndTheNextAttemptSaysWhereItResumed
   clock_.Advance(absl::Seconds(20));  // w1 silent; w2 registers again in time
   Register("w2");
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   v1::JobStatus job = Job("job");
   EXPECT_EQ(job.state(), v1::JOB_STATE_QUEUED);
   EXPECT_EQ(job.attempts(0).failure(), v1::FAILURE_KIND_INFRASTRUCTURE);
   clock_.Advance(absl::Seconds(1));
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   job = Job("job");
   ASSERT_EQ(job.attempts_size(), 2);
   EXPECT_EQ(job.attempts(1).placements(0).worker_id(), "w2");
@@ -420,6 +486,7 @@ TEST_F(RestartTest, ALostWorkerRestartsTheJobAndTheNextAttemptSaysWhereItResumed
   start.mutable_progress()->set_step(40);
   start.set_resumed_from_step(40);
   ASSERT_TRUE(scheduler_->ReportProgress(start).ok());
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").attempts(1).resumed_from_step(), 40);
 }
 
@@ -456,6 +523,7 @@ TEST_F(RestartTest, AnAssignmentLostInACoordinatorRestartIsRestartedNotStuck) {
   // The slot is free again and the restart is placed there after its backoff.
   clock_.Advance(absl::Seconds(1));
   scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
   job = Job("job");
   ASSERT_EQ(job.attempts_size(), 2);
   EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
@@ -468,6 +536,7 @@ TEST_F(RestartTest, ADrainedWorkersRanksMoveWithoutUsingUpRestarts) {
   Beat("w1");  // the assignment reaches w1
   ASSERT_EQ(Job("job").attempts(0).placements(0).worker_id(), "w1");
   absl::StatusOr<v1::WorkerStatus> drained = scheduler_->DrainWorker("w1");
+  scheduler_->Settle();
   ASSERT_TRUE(drained.ok());
   EXPECT_EQ(drained->state(), v1::WORKER_STATE_DRAINING);
   v1::JobStatus job = Job("job");
@@ -493,11 +562,14 @@ TEST_F(RestartTest, ADrainedWorkersRanksMoveWithoutUsingUpRestarts) {
   EXPECT_EQ(scheduler_->ListWorkers()[0].state(), v1::WORKER_STATE_DRAINING);
   // Removal: refused while it is alive (it would only register again); fine once lost.
   EXPECT_THAT(scheduler_->RemoveWorker("w1").message(), HasSubstr("w1 is not lost"));
+  scheduler_->Settle();
   EXPECT_EQ(scheduler_->RemoveWorker("nobody").code(), absl::StatusCode::kNotFound);
+  scheduler_->Settle();
   clock_.Advance(absl::Seconds(20));
   Register("w2");
   scheduler_->CheckHeartbeats();  // w1's agent stopped
   EXPECT_TRUE(scheduler_->RemoveWorker("w1").ok());
+  scheduler_->Settle();
   EXPECT_EQ(scheduler_->ListWorkers().size(), 1u);
   scheduler_.reset();
   scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
@@ -515,6 +587,7 @@ TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   running.set_job_id("job");
   running.set_generation(1);
   absl::StatusOr<v1::JobStatus> cancelled = scheduler_->CancelJob("job", "not needed");
+  scheduler_->Settle();
   ASSERT_TRUE(cancelled.ok());
   EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
   EXPECT_THAT(cancelled->reason(), HasSubstr("cancelled: not needed"));
@@ -525,12 +598,15 @@ TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   EXPECT_EQ(Job("next").state(), v1::JOB_STATE_RUNNING);
   // Cancelling a finished job changes nothing.
   EXPECT_EQ(scheduler_->CancelJob("job", "again")->reason(), cancelled->reason());
+  scheduler_->Settle();
   EXPECT_EQ(scheduler_->CancelJob("nope", "").status().code(), absl::StatusCode::kNotFound);
+  scheduler_->Settle();
 }
 
 TEST_F(SchedulerTest, CancellingAQueuedJobNeverPlacesIt) {
   Add("job");
   ASSERT_EQ(scheduler_->CancelJob("job", "")->state(), v1::JOB_STATE_CANCELLED);
+  scheduler_->Settle();
   Register("w1");
   EXPECT_EQ(Beat("w1").assignments_size(), 0);
 }
@@ -574,8 +650,13 @@ TEST_F(SchedulerTest, AFailedRankFailsTheJobAndStopsTheOthers) {
 TEST_F(SchedulerTest, ProgressIsVisibleAndSuccessRecordsTheResult) {
   Register("w1");
   Add("job");
-  uint64_t version = 0;
-  ASSERT_TRUE(scheduler_->WaitForJobChange("job", &version, absl::Now()).ok());
+  std::vector<v1::JobStatus> seen;
+  absl::StatusOr<uint64_t> watch =
+      scheduler_->Watch("job", [&](const v1::JobStatus& status) { seen.push_back(status); });
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  ASSERT_EQ(seen.size(), 1u) << "the status at once";
+  EXPECT_EQ(scheduler_->Watch("nope", [](const v1::JobStatus&) {}).status().code(),
+            absl::StatusCode::kNotFound);
   v1::ReportProgressRequest progress;
   progress.set_worker_id("w1");
   progress.set_job_id("job");
@@ -584,25 +665,30 @@ TEST_F(SchedulerTest, ProgressIsVisibleAndSuccessRecordsTheResult) {
   progress.mutable_progress()->set_step(3);
   progress.mutable_progress()->set_loss(2.5);
   ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
-  uint64_t seen = version;
-  absl::StatusOr<v1::JobStatus> changed =
-      scheduler_->WaitForJobChange("job", &version, absl::Now() + absl::Seconds(5));
-  ASSERT_TRUE(changed.ok());
-  EXPECT_NE(version, seen);
-  EXPECT_EQ(changed->attempts(0).progress().step(), 3);
+  scheduler_->Settle();
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen.back().attempts(0).progress().step(), 3);
   progress.set_event(v1::RANK_EVENT_SUCCEEDED);
   // A result is where the trainer writes it: in the job's output directory.
   progress.set_adapter_path("/etc/shadow");
   absl::Status elsewhere = scheduler_->ReportProgress(progress);
+  scheduler_->Settle();
   EXPECT_EQ(elsewhere.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(elsewhere.message(), HasSubstr("adapter_path: /etc/shadow is not /runs/job/adapter"));
   EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
   progress.set_adapter_path("/runs/job/adapter");
   ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+  scheduler_->Settle();
   v1::JobStatus job = Job("job");
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_DOUBLE_EQ(job.final_loss(), 2.5);
   EXPECT_EQ(job.adapter_path(), "/runs/job/adapter");
+  EXPECT_EQ(seen.back().state(), v1::JOB_STATE_SUCCEEDED);
+  const size_t calls = seen.size();
+  scheduler_->Unwatch(*watch);
+  Register("w2");
+  Add("other");
+  EXPECT_EQ(seen.size(), calls) << "called after Unwatch";
 }
 
 TEST_F(SchedulerTest, WhatWorkersSendIsBounded) {
@@ -633,6 +719,7 @@ TEST_F(SchedulerTest, WhatWorkersSendIsBounded) {
   failed.set_event(v1::RANK_EVENT_FAILED);
   failed.set_error("cause " + std::string(1 << 20, '.') + " last line");
   ASSERT_TRUE(scheduler_->ReportProgress(failed).ok());
+  scheduler_->Settle();
   const std::string error = Job("job").attempts(0).error();
   EXPECT_LT(error.size(), 20000u);
   EXPECT_THAT(error, HasSubstr("failed: cause"));
@@ -660,6 +747,7 @@ TEST_F(SchedulerTest, MeasuredPeaksTeachTheCalibrationAndSurviveARestart) {
   v1::JobStatus job = PlannedJob("job", 2, 10 * kGiB, 1.0, "k");
   bool existing = false;
   ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").attempts(0).predicted_memory().total(), 10 * kGiB);
   // Every rank's peak counts; the largest is the attempt's.
   for (int64_t rank : {0, 1}) {
@@ -672,6 +760,7 @@ TEST_F(SchedulerTest, MeasuredPeaksTeachTheCalibrationAndSurviveARestart) {
     progress.mutable_progress()->set_step(1);
     progress.mutable_progress()->mutable_memory()->set_total((rank == 0 ? 11 : 12) * kGiB);
     ASSERT_TRUE(scheduler_->ReportProgress(progress).ok());
+    scheduler_->Settle();
   }
   EXPECT_EQ(Job("job").attempts(0).peak_memory().total(), 12 * kGiB);
   EXPECT_EQ(scheduler_->Calibration().Lookup("k").samples, 0) << "learned before the end";
@@ -682,6 +771,7 @@ TEST_F(SchedulerTest, MeasuredPeaksTeachTheCalibrationAndSurviveARestart) {
   // An attempt that never finished a step teaches nothing.
   job.set_job_id("early");
   ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  scheduler_->Settle();
   ASSERT_TRUE(Report("w1", "early", 1, 0, v1::RANK_EVENT_FAILED, "boom").ok());
   EXPECT_EQ(scheduler_->Calibration().Lookup("k").samples, 1);
 
@@ -704,6 +794,7 @@ TEST_F(SchedulerTest, PlacementUsesTheCorrectedPeak) {
   Register("w1", 1, 16 * kGiB);
   bool existing = false;
   ASSERT_TRUE(scheduler_->AddJob(PlannedJob("job", 1, 10 * kGiB, 2.0, "k"), "", &existing).ok());
+  scheduler_->Settle();
   EXPECT_EQ(Job("job").state(), v1::JOB_STATE_QUEUED);
   EXPECT_THAT(Job("job").reason(), HasSubstr("needs 20.0 GiB per rank"));
 }
@@ -751,7 +842,9 @@ class JobManagerTest : public SchedulerTest {
     v1::SubmitJobRequest request;
     *request.mutable_spec() = spec;
     request.set_request_id(request_id);
-    return manager.Submit(request);
+    absl::StatusOr<v1::SubmitJobResponse> response = manager.Submit(request);
+    scheduler_->Settle();
+    return response;
   }
 
   void ExpectRefused(const v1::JobSpec& spec, const std::string& fragment,
@@ -760,7 +853,7 @@ class JobManagerTest : public SchedulerTest {
     absl::StatusOr<v1::SubmitJobResponse> response = Submit(spec, "", options);
     EXPECT_EQ(response.status().code(), code) << fragment;
     EXPECT_THAT(response.status().message(), HasSubstr(fragment));
-    EXPECT_TRUE(scheduler_->ListJobs({}).empty()) << "a refused job was stored";
+    EXPECT_TRUE(scheduler_->ListJobs({}).jobs.empty()) << "a refused job was stored";
   }
 
   TempDir dir_;
@@ -775,7 +868,7 @@ TEST_F(JobManagerTest, ARepeatedRequestIdReturnsTheSameJob) {
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->existing());
   EXPECT_EQ(again->job_id(), first->job_id());
-  EXPECT_EQ(scheduler_->ListJobs({}).size(), 1u);
+  EXPECT_EQ(scheduler_->ListJobs({}).jobs.size(), 1u);
   // The same id with another spec is a mistake, not a retry.
   spec_.output = dir_.Path("out2");
   absl::StatusOr<v1::SubmitJobResponse> other = Submit(JobSpecToProto(spec_), "req-1");
@@ -783,7 +876,7 @@ TEST_F(JobManagerTest, ARepeatedRequestIdReturnsTheSameJob) {
   EXPECT_THAT(other.status().message(), HasSubstr("request_id req-1 already created job " +
                                                   first->job_id() + " with another spec"));
   EXPECT_NE(Submit(JobSpecToProto(spec_), "req-2")->job_id(), first->job_id());
-  EXPECT_EQ(scheduler_->ListJobs({}).size(), 2u);
+  EXPECT_EQ(scheduler_->ListJobs({}).jobs.size(), 2u);
 }
 
 TEST_F(JobManagerTest, AnOutputDirectoryBelongsToOneJobAtATime) {
@@ -797,10 +890,11 @@ TEST_F(JobManagerTest, AnOutputDirectoryBelongsToOneJobAtATime) {
   EXPECT_THAT(second.status().message(),
               HasSubstr("spec: output: " + spec_.output + "/./ belongs to job " + first->job_id() +
                         " (queued); wait for it to end"));
-  EXPECT_EQ(scheduler_->ListJobs({}).size(), 1u);
+  EXPECT_EQ(scheduler_->ListJobs({}).jobs.size(), 1u);
   // Once that job has ended (here: cancelled), the directory may be used again, and a new
   // job resumes from what the old one left there.
   ASSERT_TRUE(scheduler_->CancelJob(first->job_id(), "").ok());
+  scheduler_->Settle();
   EXPECT_TRUE(Submit(same_output).ok());
 }
 
@@ -894,6 +988,7 @@ TEST_F(JobManagerTest, PlansLearnFromTheMeasuredPeaksOfEarlierAttempts) {
   done.mutable_progress()->set_step(2);
   done.mutable_progress()->mutable_memory()->set_total(plan.predicted_memory().total() * 11 / 10);
   ASSERT_TRUE(scheduler_->ReportProgress(done).ok());
+  scheduler_->Settle();
 
   spec_.output = dir_.Path("out2");
   absl::StatusOr<v1::SubmitJobResponse> second = Submit(JobSpecToProto(spec_));
@@ -918,6 +1013,7 @@ TEST_F(JobManagerTest, AGpuJobIsPlannedForTheRegisteredPool) {
   device->set_name("NVIDIA H200");
   device->set_memory_bytes(141000000000);
   ASSERT_TRUE(scheduler_->RegisterWorker(worker).ok());
+  scheduler_->Settle();
   spec_.resources.device = DeviceKind::kCuda;
   JobManager manager(scheduler_.get(), {});
   v1::PlanJobRequest request;
@@ -956,6 +1052,7 @@ TEST_F(JobManagerTest, AListPageStaysUnderTheMessageLimit) {
     job.mutable_spec()->set_output(std::string("/runs/") + id);
     bool existing = false;
     ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+    scheduler_->Settle();
   }
   JobManager manager(scheduler_.get(), {});
   v1::ListJobsRequest request;
@@ -989,11 +1086,47 @@ TEST_F(JobManagerTest, ListPagesNewestFirst) {
     request.set_page_token(page->next_page_token());
   }
   std::vector<std::string> all;
-  for (const v1::JobStatus& j : scheduler_->ListJobs({})) all.push_back(j.job_id());
+  for (const v1::JobStatus& j : scheduler_->ListJobs({}).jobs) all.push_back(j.job_id());
   EXPECT_EQ(seen, all);
   EXPECT_EQ(seen.size(), 5u);
   request.set_page_token("bogus");
   EXPECT_EQ(manager.List(request).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SchedulerTest, ListJobsFiltersByStateNameAndTimeAndPagesByKey) {
+  Register("w1");
+  // Submitted one second apart: a0 (runs on w1), b1, a2, b3, a4, the last four queued.
+  for (int i = 0; i < 5; ++i) {
+    Add(absl::StrCat(i % 2 == 0 ? "a" : "b", i));
+    clock_.Advance(absl::Seconds(1));
+  }
+  ASSERT_TRUE(scheduler_->CancelJob("b3", "").ok());
+  auto ids = [&](const JobQuery& query) {
+    std::vector<std::string> out;
+    for (const v1::JobStatus& j : scheduler_->ListJobs(query).jobs) out.push_back(j.job_id());
+    return out;
+  };
+  JobQuery query;
+  EXPECT_EQ(ids(query), (std::vector<std::string>{"a4", "b3", "a2", "b1", "a0"}));
+  query.states = {v1::JOB_STATE_QUEUED, v1::JOB_STATE_RUNNING};
+  EXPECT_EQ(ids(query), (std::vector<std::string>{"a4", "a2", "b1", "a0"}));
+  query.name = "a2";  // Add names a job after its id
+  EXPECT_EQ(ids(query), (std::vector<std::string>{"a2"}));
+  query.name = "";
+  query.states = {};
+  query.since_unix_ms = Job("a2").submitted_unix_ms();
+  EXPECT_EQ(ids(query), (std::vector<std::string>{"a4", "b3", "a2"}));
+  // Pages of two, each starting after the previous page's last job.
+  query = JobQuery();
+  query.limit = 2;
+  std::vector<std::string> all;
+  for (int page = 0; page < 5; ++page) {
+    JobPage result = scheduler_->ListJobs(query);
+    for (const v1::JobStatus& j : result.jobs) all.push_back(j.job_id());
+    if (result.next_before < 0) break;
+    query.before_sequence = result.next_before;
+  }
+  EXPECT_EQ(all, (std::vector<std::string>{"a4", "b3", "a2", "b1", "a0"}));
 }
 
 }  // namespace

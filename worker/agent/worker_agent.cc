@@ -233,11 +233,12 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
   return status;
 }
 
-v1::HeartbeatRequest WorkerAgent::BuildHeartbeat() const {
+v1::HeartbeatRequest WorkerAgent::BuildHeartbeat() {
   absl::MutexLock lock(&mu_);
   v1::HeartbeatRequest request;
   request.set_worker_id(worker_id_);
   request.set_session_id(session_id_);
+  request.set_sequence(++heartbeats_sent_);
   for (size_t i = 0; i < slots_.size(); ++i) {
     v1::SlotStatus* slot = request.add_slots();
     slot->set_slot(static_cast<int64_t>(i));

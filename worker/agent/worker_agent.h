@@ -123,7 +123,7 @@ class WorkerAgent {
   absl::StatusOr<v1::RegisterWorkerResponse> Register(bool wait_for_ready);
   // One heartbeat stream, until it breaks or Shutdown. `*answered`: a response arrived.
   grpc::Status RunSession(const v1::RegisterWorkerResponse& registration, bool* answered);
-  v1::HeartbeatRequest BuildHeartbeat() const;
+  v1::HeartbeatRequest BuildHeartbeat();
   void HandleResponse(const v1::HeartbeatResponse& response);
   void HandleAssignment(const v1::Assignment& assignment);
   void HandleCancellation(const v1::Cancellation& cancellation);
@@ -158,6 +158,7 @@ class WorkerAgent {
   grpc::ClientContext* call_context_ ABSL_GUARDED_BY(mu_) = nullptr;
   bool stream_ended_ ABSL_GUARDED_BY(mu_) = false;
   bool answered_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t heartbeats_sent_ ABSL_GUARDED_BY(mu_) = 0;  // the next heartbeat's sequence - 1
   absl::Time last_answer_ ABSL_GUARDED_BY(mu_);
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);
   // Trainers whose slot was released, destroyed on the Run thread (never on a trainer's own
