@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/job_client.h"
 #include "client/job_json.h"
 #include "client/request_id.h"
@@ -199,14 +200,38 @@ int RunPlan(const Invocation& inv) {
   return kExitOk;
 }
 
+// `lathe list` shows the newest 50 jobs in a table unless asked for more: a coordinator may
+// hold thousands. JSON is for scripts, which must not miss a job silently: all of them,
+// unless --limit.
+constexpr int64_t kDefaultListLimit = 50;
+
 int RunList(const Invocation& inv) {
-  std::vector<v1::JobState> states;
+  JobFilter filter;
   for (const std::string& text : inv.states) {
     absl::StatusOr<v1::JobState> state = ParseJobState(text);
     if (!state.ok()) return Fail(inv, state.status());
-    states.push_back(*state);
+    filter.states.push_back(*state);
   }
-  absl::StatusOr<std::vector<v1::JobStatus>> jobs = inv.client->ListAllJobs(states);
+  filter.name = inv.flags.Get("name", "");
+  if (inv.flags.Has("since")) {
+    absl::Duration since;
+    const std::string text = inv.flags.Get("since", "");
+    if (!absl::ParseDuration(text, &since) || since <= absl::ZeroDuration()) {
+      return Fail(inv, absl::InvalidArgumentError(absl::StrCat(
+                           "--since: expected a duration such as 30m or 2h, got \"", text, "\"")));
+    }
+    filter.since_unix_ms = absl::ToUnixMillis(absl::Now() - since);
+  }
+  absl::StatusOr<int64_t> limit = inv.flags.GetInt("limit", kDefaultListLimit);
+  if (!limit.ok()) return Fail(inv, limit.status());
+  if (*limit < 1) {
+    return Fail(
+        inv, absl::InvalidArgumentError(absl::StrCat("--limit: must be at least 1, got ", *limit)));
+  }
+  const bool all = inv.flags.Has("all") || (inv.json && !inv.flags.Has("limit"));
+  bool more = false;
+  absl::StatusOr<std::vector<v1::JobStatus>> jobs =
+      inv.client->ListNewestJobs(filter, all ? 0 : static_cast<size_t>(*limit), &more);
   if (!jobs.ok()) return Fail(inv, jobs.status());
   if (inv.json) {
     nlohmann::ordered_json array = nlohmann::ordered_json::array();
@@ -214,6 +239,9 @@ int RunList(const Invocation& inv) {
     *inv.out << JsonLine(array) << "\n";
   } else {
     *inv.out << JobTable(*jobs, absl::Now());
+    if (more) {
+      *inv.out << "(the newest " << jobs->size() << "; --limit N or --all for older ones)\n";
+    }
   }
   return kExitOk;
 }
@@ -339,10 +367,15 @@ const std::vector<Command>& Commands() {
        1,
        RunPlan},
       {"list",
-       "[--state STATE]...",
-       "List jobs, newest first.",
+       "[--state STATE]... [--name NAME] [--since DURATION] [--limit N | --all]",
+       "List jobs, newest first: the newest 50 in a table (every job in JSON) unless --limit or "
+       "--all.",
        {{"state", true,
-         "queued, running, succeeded, failed or cancelled; repeat or separate with commas"}},
+         "queued, running, succeeded, failed or cancelled; repeat or separate with commas"},
+        {"name", true, "only jobs whose spec has this name"},
+        {"since", true, "only jobs submitted within this long, e.g. 30m or 2h"},
+        {"limit", true, "how many of the newest jobs (default 50 in a table, all in JSON)"},
+        {"all", false, "every job that matches"}},
        0,
        RunList},
       {"status",

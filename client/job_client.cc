@@ -115,10 +115,12 @@ absl::StatusOr<v1::JobStatus> JobClient::GetJob(absl::string_view job_id) const 
   return response;
 }
 
-absl::StatusOr<v1::ListJobsResponse> JobClient::ListJobs(const std::vector<v1::JobState>& states,
+absl::StatusOr<v1::ListJobsResponse> JobClient::ListJobs(const JobFilter& filter,
                                                          absl::string_view page_token) const {
   v1::ListJobsRequest request;
-  for (v1::JobState state : states) request.add_states(state);
+  for (v1::JobState state : filter.states) request.add_states(state);
+  request.set_name(filter.name);
+  request.set_since_unix_ms(filter.since_unix_ms);
   request.set_page_size(options_.list_page_size);
   request.set_page_token(std::string(page_token));
   v1::ListJobsResponse response;
@@ -128,20 +130,32 @@ absl::StatusOr<v1::ListJobsResponse> JobClient::ListJobs(const std::vector<v1::J
   return response;
 }
 
-absl::StatusOr<std::vector<v1::JobStatus>> JobClient::ListAllJobs(
-    const std::vector<v1::JobState>& states) const {
+absl::StatusOr<std::vector<v1::JobStatus>> JobClient::ListNewestJobs(const JobFilter& filter,
+                                                                     size_t limit,
+                                                                     bool* more) const {
   std::vector<v1::JobStatus> jobs;
   std::string token;
+  if (more != nullptr) *more = false;
   do {
-    absl::StatusOr<v1::ListJobsResponse> page = ListJobs(states, token);
+    absl::StatusOr<v1::ListJobsResponse> page = ListJobs(filter, token);
     if (!page.ok()) return page.status();
-    for (v1::JobStatus& job : *page->mutable_jobs()) jobs.push_back(std::move(job));
+    for (v1::JobStatus& job : *page->mutable_jobs()) {
+      if (limit > 0 && jobs.size() == limit) {
+        if (more != nullptr) *more = true;
+        return jobs;
+      }
+      jobs.push_back(std::move(job));
+    }
     if (!page->next_page_token().empty() && page->next_page_token() == token) {
       // A coordinator that hands back the token it was given would loop forever.
       return absl::InternalError(
           absl::StrCat("the coordinator at ", address_, " repeated page token \"", token, "\""));
     }
     token = page->next_page_token();
+    if (limit > 0 && jobs.size() == limit && !token.empty()) {
+      if (more != nullptr) *more = true;
+      return jobs;
+    }
   } while (!token.empty());
   return jobs;
 }

@@ -1,5 +1,5 @@
 // A typed client for the coordinator's JobService and WorkerService (the `lathe` CLI's
-// transport). Each method is one RPC (ListAllJobs follows pagination), returns the
+// transport). Each method is one RPC (ListNewestJobs follows pagination), returns the
 // coordinator's answer or its error as an absl::Status with the gRPC code kept, and never
 // throws.
 //
@@ -55,6 +55,13 @@ struct JobClientOptions {
   int32_t list_page_size = 100;
 };
 
+// What ListJobs selects (docs/services.md): every field empty or 0 selects all jobs.
+struct JobFilter {
+  std::vector<v1::JobState> states;
+  std::string name;           // the spec's name exactly
+  int64_t since_unix_ms = 0;  // submitted at or after
+};
+
 class JobClient {
  public:
   // A client over an insecure channel to `address` (host:port). Connects lazily: an
@@ -84,14 +91,14 @@ class JobClient {
   // JobService.GetJob. NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
 
-  // JobService.ListJobs, one page. `states` empty: every state.
-  absl::StatusOr<v1::ListJobsResponse> ListJobs(const std::vector<v1::JobState>& states,
+  // JobService.ListJobs, one page of the jobs `filter` selects.
+  absl::StatusOr<v1::ListJobsResponse> ListJobs(const JobFilter& filter,
                                                 absl::string_view page_token) const;
 
-  // Every job in `states` (empty: every state), newest first, following next_page_token
-  // until the last page.
-  absl::StatusOr<std::vector<v1::JobStatus>> ListAllJobs(
-      const std::vector<v1::JobState>& states) const;
+  // The newest `limit` jobs `filter` selects (0: all of them), newest first, following
+  // next_page_token; `*more` (may be null) says whether older ones were left out.
+  absl::StatusOr<std::vector<v1::JobStatus>> ListNewestJobs(const JobFilter& filter, size_t limit,
+                                                            bool* more = nullptr) const;
 
   // JobService.CancelJob: the job's status afterwards (unchanged for a finished job).
   // NOT_FOUND for an unknown id.

@@ -536,6 +536,45 @@ TEST_F(CliTest, ListJsonIsAnArrayOfJobObjects) {
   EXPECT_EQ(result.out, "[]\n");
 }
 
+TEST_F(CliTest, ListShowsTheNewestPageUnlessAskedForMore) {
+  std::vector<v1::ListJobsResponse> pages(2);
+  for (int i = 0; i < 6; ++i) {
+    *pages[i / 3].add_jobs() =
+        RunningJob(absl::StrCat("job-", 6 - i), 1, MillisAgo(absl::Hours(1)));
+  }
+  jobs_.SetPages(pages);
+  CliResult result = Run({"list", "--limit", "2", "--name", "demo-lora", "--since", "2h"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 4u) << result.out;
+  EXPECT_THAT(lines[1], HasSubstr("job-6"));
+  EXPECT_THAT(lines[3], HasSubstr("the newest 2; --limit N or --all for older ones"));
+  std::vector<v1::ListJobsRequest> requests = jobs_.list_requests();
+  ASSERT_EQ(requests.size(), 1u) << "one page was enough";
+  EXPECT_EQ(requests[0].name(), "demo-lora");
+  const int64_t since = requests[0].since_unix_ms();
+  EXPECT_NEAR(since, MillisAgo(absl::Hours(2)), 60'000);
+
+  result = Run({"list", "--all"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), 7u) << result.out;  // the header and six jobs, no footer
+
+  result = Run({"--output", "json", "list"});  // scripts get every job
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(result.out).size(), 6u);
+  result = Run({"--output", "json", "list", "--limit", "4"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(result.out).size(), 4u);
+
+  result = Run({"list", "--since", "yesterday"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("--since: expected a duration such as 30m or 2h"));
+  result = Run({"list", "--limit", "0"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("--limit: must be at least 1, got 0"));
+}
+
 TEST_F(CliTest, ListWithAnUnknownStateFails) {
   CliResult result = Run({"list", "--state", "sleeping"});
   EXPECT_EQ(result.code, 1);
