@@ -150,8 +150,12 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
   LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
   const JobSpec& spec = admitted.spec;
   v1::JobStatus job;
-  job.set_job_id(
-      absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(absl::BitGen()) & 0xFFFFFF));
+  // "<name>-<6 hex digits>": short to type, and drawn again when taken (10,000 jobs of one
+  // name would otherwise collide a few times; the store's unique key backs this up).
+  absl::BitGen bits;
+  do {
+    job.set_job_id(absl::StrFormat("%s-%06x", spec.name, absl::Uniform<uint32_t>(bits) & 0xFFFFFF));
+  } while (scheduler_->HasJob(job.job_id()));
   *job.mutable_spec() = JobSpecToProto(spec);  // defaults filled in
   *job.mutable_plan() = PlanToProto(admitted.plan.plan);
   bool existing = false;

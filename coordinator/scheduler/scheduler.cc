@@ -675,6 +675,11 @@ absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id) const 
   return View(it->second);
 }
 
+bool Scheduler::HasJob(absl::string_view job_id) const {
+  absl::MutexLock lock(&mu_);
+  return jobs_.count(job_id) > 0;
+}
+
 JobPage Scheduler::ListJobs(const JobQuery& query) const {
   absl::MutexLock lock(&mu_);
   // The candidates' sequence sets (by name, else by the wanted states), merged newest first.

@@ -143,6 +143,7 @@ class Scheduler {
                                        bool* existing);
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
+  bool HasJob(absl::string_view job_id) const;
   // The jobs `query` selects, newest first, in O(page) for a query by state or name.
   JobPage ListJobs(const JobQuery& query) const;
   // Cancels a queued or running job (its running ranks get cancellations). A finished job

@@ -8,6 +8,7 @@
 #include "coordinator/scheduler/job_manager.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/forwarding_store.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/tools/synthetic.h"
@@ -237,34 +238,20 @@ TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
 }
 
 // The store underneath, counting the transactions and job records that reach it.
-class CountingStore : public Store {
+class CountingStore : public testing::ForwardingStore {
  public:
-  explicit CountingStore(Store* inner) : inner_(inner) {}
-  absl::Status CreateJob(const v1::JobStatus& job, absl::string_view request_id) override {
-    return inner_->CreateJob(job, request_id);
-  }
+  using ForwardingStore::ForwardingStore;
   absl::Status Write(const StoreBatch& batch) override {
     if (fail_writes) return absl::UnavailableError("the disk is away");
     ++writes;
     updates += static_cast<int>(batch.jobs.size());
     last_batch = batch;
-    return inner_->Write(batch);
-  }
-  absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
-      absl::string_view request_id) override {
-    return inner_->FindJobByRequestId(request_id);
-  }
-  absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() override { return inner_->LoadJobs(); }
-  absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
-    return inner_->LoadWorkers();
+    return ForwardingStore::Write(batch);
   }
   int writes = 0;
   StoreBatch last_batch;
   bool fail_writes = false;
   int updates = 0;
-
- private:
-  Store* inner_;
 };
 
 // Why a queued job waits changes with every worker that comes and goes: shown at once, but
