@@ -22,6 +22,7 @@
 #include "coordinator/store/store.h"
 #include "gtest/gtest.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
+#include "tests/testing/forwarding_store.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/tools/synthetic.h"
@@ -36,26 +37,16 @@ constexpr absl::Duration kInterval = absl::Milliseconds(200);
 constexpr absl::Duration kTimeout = absl::Milliseconds(1500);
 
 // A memory store whose batch writes wait while the gate is closed.
-class GatedStore : public Store {
+class GatedStore : public testing::ForwardingStore {
  public:
-  GatedStore() : inner_(NewMemoryStore()) {}
-  absl::Status CreateJob(const v1::JobStatus& job, absl::string_view request_id) override {
-    return inner_->CreateJob(job, request_id);
-  }
+  using ForwardingStore::ForwardingStore;
   absl::Status Write(const StoreBatch& batch) override {
-    absl::MutexLock lock(&mu_);
-    if (closed_) ++blocked_;
-    mu_.Await(absl::Condition(
-        +[](bool* closed) { return !*closed; }, &closed_));
-    return inner_->Write(batch);
-  }
-  absl::StatusOr<std::optional<v1::JobStatus>> FindJobByRequestId(
-      absl::string_view request_id) override {
-    return inner_->FindJobByRequestId(request_id);
-  }
-  absl::StatusOr<std::vector<v1::JobStatus>> LoadJobs() override { return inner_->LoadJobs(); }
-  absl::StatusOr<std::vector<v1::WorkerStatus>> LoadWorkers() override {
-    return inner_->LoadWorkers();
+    {
+      absl::MutexLock lock(&mu_);
+      if (closed_) ++blocked_;
+      mu_.Await(absl::Condition(+[](bool* closed) { return !*closed; }, &closed_));
+    }
+    return ForwardingStore::Write(batch);
   }
 
   void SetClosed(bool closed) {
@@ -69,7 +60,6 @@ class GatedStore : public Store {
   }
 
  private:
-  std::unique_ptr<Store> inner_;
   absl::Mutex mu_;
   bool closed_ ABSL_GUARDED_BY(mu_) = false;
   int blocked_ ABSL_GUARDED_BY(mu_) = 0;
@@ -145,7 +135,8 @@ TEST(CoordinatorScaleTest, HeartbeatsAreAnsweredAndNobodyIsLostWhileTheScheduler
   config.heartbeat_interval = kInterval;
   config.heartbeat_timeout = kTimeout;
   config.allowed_roots = {dir.path()};
-  auto owned_store = std::make_unique<GatedStore>();
+  std::unique_ptr<Store> memory = NewMemoryStore();  // outlives the server
+  auto owned_store = std::make_unique<GatedStore>(memory.get());
   GatedStore* store = owned_store.get();
   absl::StatusOr<std::unique_ptr<CoordinatorServer>> server =
       CoordinatorServer::Start(config, std::move(owned_store));
