@@ -117,7 +117,8 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
   // REQUIRES: called once, right after construction.
   void Start(const std::string& job_id) {
     absl::StatusOr<uint64_t> watch = service_->scheduler_->Watch(
-        job_id, [this](const v1::JobStatus& status) { OnChange(status); });
+        job_id,
+        [this](std::shared_ptr<const v1::JobStatus> status) { OnChange(std::move(status)); });
     if (!watch.ok()) {
       End(ToGrpcStatus(watch.status()));
       return;
@@ -134,11 +135,10 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
       writing_ = false;
       if (!ok) {
         ending_ = grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away");
-      } else if (IsFinalState(current_.state()) && !ending_) {
+      } else if (IsFinalState(current_->state()) && !ending_) {
         ending_ = grpc::Status::OK;
       } else if (pending_ && !ending_) {
-        current_ = std::move(*pending_);
-        pending_.reset();
+        current_ = std::move(pending_);
         writing_ = write = true;
       }
       if (ending_ && !writing_ && !finished_) {
@@ -146,7 +146,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
         finish = *ending_;
       }
     }
-    if (write) StartWrite(&current_);
+    if (write) StartWrite(current_.get());
     if (finish) Finish(*finish);
   }
 
@@ -164,18 +164,23 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
   }
 
  private:
-  void OnChange(const v1::JobStatus& status) {
+  void OnChange(std::shared_ptr<const v1::JobStatus> status) {
     {
       absl::MutexLock lock(&mu_);
       if (ending_) return;
       if (writing_) {
-        pending_ = status;
+        pending_ = std::move(status);
         return;
       }
-      current_ = status;
+      current_ = std::move(status);
       writing_ = true;
     }
-    StartWrite(&current_);
+    // Called under the scheduler's lock, once per watcher of the job: the write (which
+    // serializes the status) runs on the pool. writing_ is already set, so the stream cannot
+    // finish before the task has started the write.
+    if (!service_->pool_.Schedule([this] { StartWrite(current_.get()); })) {
+      StartWrite(current_.get());
+    }
   }
 
   // Finishes with `status` once no write is in flight.
@@ -194,8 +199,10 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
   const std::string host_;
   absl::Mutex mu_;
   uint64_t watch_id_ ABSL_GUARDED_BY(mu_) = 0;
-  v1::JobStatus current_;  // being written; changed only while no write is in flight
-  std::optional<v1::JobStatus> pending_ ABSL_GUARDED_BY(mu_);
+  // Being written; changed only while no write is in flight. Shared with the scheduler and
+  // every other watcher of the job.
+  std::shared_ptr<const v1::JobStatus> current_;
+  std::shared_ptr<const v1::JobStatus> pending_ ABSL_GUARDED_BY(mu_);
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   std::optional<grpc::Status> ending_ ABSL_GUARDED_BY(mu_);
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

@@ -241,9 +241,17 @@ void Scheduler::Settle() {
   }
   absl::Status durable = WaitDurable(sequence);
   if (!durable.ok()) {
-    spdlog::error("persisting the scheduler's changes failed (retried with the next ones): {}",
-                  durable.ToString());
-    return;
+    // Retried by every Settle (10 a second): logged when it changes, else every minute.
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (durable.message() != last_write_error_ ||
+        now - last_write_error_logged_ > absl::Minutes(1)) {
+      spdlog::error("persisting the scheduler's changes failed (retried with the next ones): {}",
+                    durable.ToString());
+      last_write_error_ = std::string(durable.message());
+      last_write_error_logged_ = now;
+    }
+    return;  // assignments wait for their placement to be durable
   }
   NotifyMail(notify);
 }
@@ -354,7 +362,7 @@ v1::JobStatus Scheduler::View(const JobState& job) const {
 void Scheduler::NotifyWatchers(const JobState& job) {
   auto [begin, end] = watches_by_job_.equal_range(job.status.job_id());
   if (begin == end) return;
-  const v1::JobStatus view = View(job);
+  auto view = std::make_shared<const v1::JobStatus>(View(job));
   for (auto it = begin; it != end; ++it) watches_.at(it->second).second(view);
 }
 
@@ -484,7 +492,7 @@ void Scheduler::RunPass() {
       for (const auto& [id, watch] : watches_) {
         auto watched = jobs_.find(watch.first);
         if (watched != jobs_.end() && watched->second.queued && watched->second.class_key == key) {
-          watch.second(View(watched->second));
+          watch.second(std::make_shared<const v1::JobStatus>(View(watched->second)));
         }
       }
     }
@@ -753,13 +761,12 @@ absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
   return result;
 }
 
-absl::StatusOr<uint64_t> Scheduler::Watch(absl::string_view job_id,
-                                          std::function<void(const v1::JobStatus&)> on_change) {
+absl::StatusOr<uint64_t> Scheduler::Watch(absl::string_view job_id, JobWatcher on_change) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(job_id);
   if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
   const uint64_t id = ++next_watch_;
-  on_change(View(it->second));
+  on_change(std::make_shared<const v1::JobStatus>(View(it->second)));
   watches_.emplace(id, std::make_pair(std::string(job_id), std::move(on_change)));
   watches_by_job_.emplace(std::string(job_id), id);
   return id;

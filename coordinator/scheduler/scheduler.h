@@ -98,6 +98,9 @@ struct JobPage {
   int64_t next_before = -1;
 };
 
+// Called with a job's status after each change, the one copy shared by every watcher of it.
+using JobWatcher = std::function<void(std::shared_ptr<const v1::JobStatus>)>;
+
 // Told when a worker's heartbeat stream has new mail (assignments placed after its last
 // heartbeat). Called without the scheduler's locks; implementations must not block.
 class MailListener {
@@ -152,8 +155,7 @@ class Scheduler {
   // Calls `on_change` with the job's status now and after every change, until Unwatch;
   // returns the watch's id. `on_change` runs under the scheduler's lock: it must not block
   // or call the scheduler. NOT_FOUND for an unknown id.
-  absl::StatusOr<uint64_t> Watch(absl::string_view job_id,
-                                 std::function<void(const v1::JobStatus&)> on_change);
+  absl::StatusOr<uint64_t> Watch(absl::string_view job_id, JobWatcher on_change);
   // After it returns, the watch's on_change is never called again.
   void Unwatch(uint64_t watch_id);
 
@@ -349,8 +351,7 @@ class Scheduler {
   std::map<v1::Device, int64_t> free_slots_ ABSL_GUARDED_BY(mu_);
   std::map<v1::Device, std::set<std::pair<int64_t, std::string>>> free_index_ ABSL_GUARDED_BY(mu_);
   // Watches: id -> (job, callback), and the ids by job.
-  std::map<uint64_t, std::pair<std::string, std::function<void(const v1::JobStatus&)>>> watches_
-      ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, std::pair<std::string, JobWatcher>> watches_ ABSL_GUARDED_BY(mu_);
   std::multimap<std::string, uint64_t, std::less<>> watches_by_job_ ABSL_GUARDED_BY(mu_);
   uint64_t next_watch_ ABSL_GUARDED_BY(mu_) = 0;
   // Not yet staged.
@@ -359,6 +360,8 @@ class Scheduler {
   std::set<std::string> deleted_workers_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> mail_waiting_ ABSL_GUARDED_BY(mu_);  // workers with new assignments
   PassStats stats_ ABSL_GUARDED_BY(mu_);
+  std::string last_write_error_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_write_error_logged_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex mail_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);
   std::map<std::string, Mailbox, std::less<>> mail_ ABSL_GUARDED_BY(mail_mu_);

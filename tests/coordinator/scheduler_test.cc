@@ -190,7 +190,8 @@ TEST_F(SchedulerTest, QueueOrderIsPriorityThenSubmission) {
     ASSERT_EQ(Job(current).state(), v1::JOB_STATE_RUNNING) << current;
     ASSERT_TRUE(Report("w1", current, 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
     EXPECT_EQ(Job(current).state(), v1::JOB_STATE_SUCCEEDED);
-    for (const v1::JobStatus& j : scheduler_->ListJobs({{v1::JOB_STATE_RUNNING}, "", 0, INT64_MAX, 1000}).jobs) {
+    for (const v1::JobStatus& j :
+         scheduler_->ListJobs({{v1::JOB_STATE_RUNNING}, "", 0, INT64_MAX, 1000}).jobs) {
       current = j.job_id();
       order.push_back(current);
     }
@@ -638,11 +639,11 @@ TEST_F(SchedulerTest, ProgressIsVisibleAndSuccessRecordsTheResult) {
   Register("w1");
   Add("job");
   std::vector<v1::JobStatus> seen;
-  absl::StatusOr<uint64_t> watch =
-      scheduler_->Watch("job", [&](const v1::JobStatus& status) { seen.push_back(status); });
+  absl::StatusOr<uint64_t> watch = scheduler_->Watch(
+      "job", [&](std::shared_ptr<const v1::JobStatus> status) { seen.push_back(*status); });
   ASSERT_TRUE(watch.ok()) << watch.status();
   ASSERT_EQ(seen.size(), 1u) << "the status at once";
-  EXPECT_EQ(scheduler_->Watch("nope", [](const v1::JobStatus&) {}).status().code(),
+  EXPECT_EQ(scheduler_->Watch("nope", [](std::shared_ptr<const v1::JobStatus>) {}).status().code(),
             absl::StatusCode::kNotFound);
   v1::ReportProgressRequest progress;
   progress.set_worker_id("w1");
