@@ -8,10 +8,10 @@ one build of lathe-coordinator and prints a markdown table of the figures.
                                      [--legacy-replies]
 
 The standard set (each scenario starts its own coordinator with a fresh database):
-  heartbeat  5,000 workers, heartbeat interval 2 s, 30 s of heartbeats
+  heartbeat  5,000 workers, heartbeat interval 2 s, 30 s of heartbeats, 1,000 WatchJob streams
   submit     10,000 jobs, one after another from one client, no workers
   burst      10,000 jobs queued, then 1,000 workers registering at once, 20 s
---quick: 500 workers, 1,000 jobs, and 1,000 jobs with 200 workers for the burst (submit
+--quick: 500 workers (100 watchers), 1,000 jobs, and 1,000 jobs with 200 workers for the burst (submit
 windows of 100 jobs instead of 1,000).
 
 Each scenario is capped: submitting stops after a time limit (the report says how far it
@@ -33,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = [
     ("heartbeat",
      lambda quick: ["--scenario", "heartbeat", "--workers", "500" if quick else "5000",
+                    "--watchers", "100" if quick else "1000",
                     "--heartbeat-interval", "2", "--duration", "30"],
      240),
     ("submit",
@@ -60,6 +61,8 @@ ROWS = [
     ("streams given up after a silent timeout", "heartbeat_streams_given_up_silent"),
     ("answers pushed between heartbeats", "pushed_answers"),
     ("workers LOST at end", "workers_lost_at_end"),
+    ("WatchJob streams held", "watchers"),
+    ("WatchJob streams open at the end", "watch_streams_open_at_end"),
     ("submit jobs/s, all", "submit_jobs_per_s"),
     ("submit jobs/s, first window", "submit_first_window_jobs_per_s"),
     ("submit jobs/s, last window", "submit_last_window_jobs_per_s"),

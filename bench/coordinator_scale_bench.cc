@@ -94,6 +94,9 @@ const std::vector<FlagSpec> kFlags = {
     {"submit-time-limit", true,
      "seconds after which submitting stops and the report says how far it got (default: none)"},
     {"threads", true, "client polling threads for the simulated workers (default 2)"},
+    {"watchers", true,
+     "heartbeat scenario: WatchJob streams on one running job, held through it (default 0; "
+     "at most 1024, the coordinator's limit per host)"},
     {"legacy-replies", false,
      "the coordinator predates in_reply_to (before issue #13): every answer is the oldest "
      "heartbeat's, and none is pushed"},
@@ -1120,6 +1123,80 @@ std::string Describe(const grpc::Status& status) {
   return absl::StrCat("code ", status.error_code(), ": ", status.error_message());
 }
 
+// `count` WatchJob streams on one job, on async gRPC (one polling thread), 50 streams per
+// connection (the coordinator allows 64 per connection).
+class Watchers {
+ public:
+  Watchers(const std::string& address, const std::string& job_id, int64_t count) {
+    v1::WatchJobRequest request;
+    request.set_job_id(job_id);
+    std::unique_ptr<v1::JobService::Stub> stub;
+    for (int64_t i = 0; i < count; ++i) {
+      if (i % 50 == 0) {
+        grpc::ChannelArguments args;
+        args.SetInt("lathe.sim_watcher", static_cast<int>(i));
+        args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+        stubs_.push_back(v1::JobService::NewStub(
+            grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args)));
+      }
+      auto watch = std::make_unique<Watch>(this);
+      watch->reader = stubs_.back()->PrepareAsyncWatchJob(&watch->context, request, &cq_);
+      watch->reader->StartCall(&watch->started);
+      watches_.push_back(std::move(watch));
+    }
+    poller_ = std::thread([this] {
+      void* tag = nullptr;
+      bool ok = false;
+      while (cq_.Next(&tag, &ok)) static_cast<CompletionTag*>(tag)->Complete(ok);
+    });
+  }
+
+  // Streams that received the job's status at least once and have not ended.
+  int64_t open() const { return open_.load(); }
+
+  // Cancels every stream and waits for all to end.
+  void Stop() {
+    for (auto& watch : watches_) watch->context.TryCancel();
+    while (ended_.load() < static_cast<int64_t>(watches_.size())) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    cq_.Shutdown();
+    poller_.join();
+  }
+
+ private:
+  struct Watch {
+    explicit Watch(Watchers* owner)
+        : started([this](bool ok) { ok ? Read() : End(); }),
+          read([this, owner](bool ok) {
+            if (!ok) return End();
+            if (!got) owner->open_.fetch_add(1);
+            got = true;
+            Read();
+          }),
+          finished([this, owner](bool) {
+            if (got) owner->open_.fetch_sub(1);
+            owner->ended_.fetch_add(1);
+          }) {}
+    void Read() { reader->Read(&status, &read); }
+    void End() { reader->Finish(&end, &finished); }
+
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientAsyncReader<v1::JobStatus>> reader;
+    v1::JobStatus status;
+    grpc::Status end;
+    bool got = false;
+    CallbackTag started, read, finished;
+  };
+
+  grpc::CompletionQueue cq_;
+  std::vector<std::unique_ptr<v1::JobService::Stub>> stubs_;
+  std::vector<std::unique_ptr<Watch>> watches_;
+  std::atomic<int64_t> open_{0};
+  std::atomic<int64_t> ended_{0};
+  std::thread poller_;
+};
+
 struct SubmitResult {
   int64_t submitted = 0;
   int64_t failed = 0;
@@ -1314,6 +1391,7 @@ struct BenchConfig {
   std::string work_dir;
   bool keep = false;
   bool legacy_replies = false;
+  int64_t watchers = 0;
   std::string json_path;
 };
 
@@ -1426,6 +1504,23 @@ class Bench {
 
   absl::Status Heartbeat(Report& report) {
     LATHE_RETURN_IF_ERROR(StartCoordinator());
+    // Watchers follow one job (placed on a simulated worker, where it runs for good).
+    std::unique_ptr<Watchers> watchers;
+    if (config_.watchers > 0) {
+      absl::StatusOr<JobFiles> files = MakeJobFiles(config_.bin_dir, dir_);
+      if (!files.ok()) return files.status();
+      v1::SubmitJobRequest request;
+      *request.mutable_spec() = MakeJobSpec(*files, 0);
+      v1::SubmitJobResponse response;
+      const grpc::Status submitted =
+          jobs_->SubmitJob(ContextWithin(absl::Seconds(60)).get(), request, &response);
+      if (!submitted.ok()) {
+        return absl::UnavailableError(absl::StrCat("the watched job: ", Describe(submitted)));
+      }
+      Progress(absl::StrCat(config_.watchers, " watchers of ", response.job_id()));
+      watchers =
+          std::make_unique<Watchers>(coordinator_->address(), response.job_id(), config_.watchers);
+    }
     Fleet fleet(config_.workers, config_.threads, coordinator_->address(), WorkerOptions());
     const absl::Time start = absl::Now() + absl::Milliseconds(100);
     const absl::Duration spread = absl::Seconds(2);
@@ -1447,6 +1542,11 @@ class Bench {
     AddSchedulerReport(report, from, to);
     Progress("ListWorkers");
     if (coordinator_->Ended().empty()) AddWorkerCountsReport(report, *workers_);
+    if (watchers != nullptr) {
+      report.Int("watchers", config_.watchers);
+      report.Int("watch_streams_open_at_end", watchers->open());
+      watchers->Stop();
+    }
     Progress("stopping the workers");
     fleet.Stop();
     AddFleetReport(report, fleet.TakeStats(), from, to);
@@ -1623,9 +1723,10 @@ absl::StatusOr<BenchConfig> ParseConfig(const ParsedFlags& flags) {
     int64_t min;
   };
   int64_t threads = config.threads;
-  for (const IntFlag& f : {IntFlag{"workers", &config.workers, 1}, IntFlag{"jobs", &config.jobs, 0},
-                           IntFlag{"slots", &config.slots, 1}, IntFlag{"window", &config.window, 1},
-                           IntFlag{"threads", &threads, 1}}) {
+  for (const IntFlag& f :
+       {IntFlag{"workers", &config.workers, 1}, IntFlag{"jobs", &config.jobs, 0},
+        IntFlag{"slots", &config.slots, 1}, IntFlag{"window", &config.window, 1},
+        IntFlag{"threads", &threads, 1}, IntFlag{"watchers", &config.watchers, 0}}) {
     absl::StatusOr<int64_t> value = flags.GetInt(f.name, *f.value);
     if (!value.ok()) return value.status();
     if (*value < f.min) {
