@@ -20,14 +20,21 @@ namespace {
 template <typename Work>
 grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, const Authenticator* auth,
                                 std::initializer_list<Role> roles, const char* method,
-                                WorkPool* pool, Work work) {
+                                WorkPool* pool, RpcObserver* observer, Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  const absl::Time start = absl::Now();
   grpc::Status denied = auth->Check(*context, roles, method);
   if (!denied.ok()) {
+    if (observer != nullptr) observer->ObserveRpc(method, denied.error_code(), absl::Now() - start);
     reactor->Finish(denied);
     return reactor;
   }
-  if (!pool->Schedule([reactor, work = std::move(work)]() mutable { reactor->Finish(work()); })) {
+  auto run = [reactor, method, observer, start, work = std::move(work)]() mutable {
+    grpc::Status status = work();
+    if (observer != nullptr) observer->ObserveRpc(method, status.error_code(), absl::Now() - start);
+    reactor->Finish(status);
+  };
+  if (!pool->Schedule(std::move(run))) {
     reactor->Finish(grpc::Status(
         grpc::StatusCode::UNAVAILABLE,
         absl::StrCat("the coordinator has too many calls waiting; retry ", method, " later")));
@@ -49,42 +56,42 @@ grpc::Status Respond(absl::StatusOr<T> result, T* response) {
 grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext* context,
                                                     const v1::SubmitJobRequest* request,
                                                     v1::SubmitJobResponse* response) {
-  return Serve(context, auth_, kClientCall, "SubmitJob", &pool_,
+  return Serve(context, auth_, kClientCall, "SubmitJob", &pool_, options_.rpc_observer,
                [=] { return Respond(jobs_->Submit(*request), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::PlanJob(grpc::CallbackServerContext* context,
                                                   const v1::PlanJobRequest* request,
                                                   v1::PlanJobResponse* response) {
-  return Serve(context, auth_, kClientCall, "PlanJob", &pool_,
+  return Serve(context, auth_, kClientCall, "PlanJob", &pool_, options_.rpc_observer,
                [=] { return Respond(jobs_->Plan(*request), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetPlanHistory(grpc::CallbackServerContext* context,
                                                          const v1::GetPlanHistoryRequest* request,
                                                          v1::GetPlanHistoryResponse* response) {
-  return Serve(context, auth_, kClientCall, "GetPlanHistory", &pool_,
+  return Serve(context, auth_, kClientCall, "GetPlanHistory", &pool_, options_.rpc_observer,
                [=] { return Respond(jobs_->PlanHistory(*request), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* context,
                                                  const v1::GetJobRequest* request,
                                                  v1::JobStatus* response) {
-  return Serve(context, auth_, kClientCall, "GetJob", &pool_,
+  return Serve(context, auth_, kClientCall, "GetJob", &pool_, options_.rpc_observer,
                [=] { return Respond(scheduler_->GetJob(request->job_id()), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* context,
                                                    const v1::ListJobsRequest* request,
                                                    v1::ListJobsResponse* response) {
-  return Serve(context, auth_, kClientCall, "ListJobs", &pool_,
+  return Serve(context, auth_, kClientCall, "ListJobs", &pool_, options_.rpc_observer,
                [=] { return Respond(jobs_->List(*request), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext* context,
                                                     const v1::CancelJobRequest* request,
                                                     v1::JobStatus* response) {
-  return Serve(context, auth_, kClientCall, "CancelJob", &pool_, [=] {
+  return Serve(context, auth_, kClientCall, "CancelJob", &pool_, options_.rpc_observer, [=] {
     return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
   });
 }
@@ -238,7 +245,7 @@ grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
 grpc::ServerUnaryReactor* WorkerServiceImpl::RegisterWorker(
     grpc::CallbackServerContext* context, const v1::RegisterWorkerRequest* request,
     v1::RegisterWorkerResponse* response) {
-  return Serve(context, auth_, kWorkerCall, "RegisterWorker", &pool_,
+  return Serve(context, auth_, kWorkerCall, "RegisterWorker", &pool_, observer_,
                [=] { return Respond(scheduler_->RegisterWorker(*request), response); });
 }
 
@@ -383,14 +390,14 @@ grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* WorkerServ
 grpc::ServerUnaryReactor* WorkerServiceImpl::ReportProgress(
     grpc::CallbackServerContext* context, const v1::ReportProgressRequest* request,
     v1::ReportProgressResponse*) {
-  return Serve(context, auth_, kWorkerCall, "ReportProgress", &pool_,
+  return Serve(context, auth_, kWorkerCall, "ReportProgress", &pool_, observer_,
                [=] { return ToGrpcStatus(scheduler_->ReportProgress(*request)); });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
                                                          const v1::ListWorkersRequest*,
                                                          v1::ListWorkersResponse* response) {
-  return Serve(context, auth_, kClientCall, "ListWorkers", &pool_, [=] {
+  return Serve(context, auth_, kClientCall, "ListWorkers", &pool_, observer_, [=] {
     for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
       *response->add_workers() = std::move(worker);
     }
@@ -401,14 +408,14 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::ListWorkers(grpc::CallbackServerCon
 grpc::ServerUnaryReactor* WorkerServiceImpl::DrainWorker(grpc::CallbackServerContext* context,
                                                          const v1::DrainWorkerRequest* request,
                                                          v1::WorkerStatus* response) {
-  return Serve(context, auth_, kAdminCall, "DrainWorker", &pool_,
+  return Serve(context, auth_, kAdminCall, "DrainWorker", &pool_, observer_,
                [=] { return Respond(scheduler_->DrainWorker(request->worker_id()), response); });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RemoveWorker(grpc::CallbackServerContext* context,
                                                           const v1::RemoveWorkerRequest* request,
                                                           v1::RemoveWorkerResponse*) {
-  return Serve(context, auth_, kAdminCall, "RemoveWorker", &pool_,
+  return Serve(context, auth_, kAdminCall, "RemoveWorker", &pool_, observer_,
                [=] { return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id())); });
 }
 

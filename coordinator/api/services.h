@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/rpc/auth.h"
 #include "coordinator/api/work_pool.h"
 #include "coordinator/scheduler/job_manager.h"
@@ -21,6 +22,14 @@
 
 namespace lathe {
 
+// Told how long each unary call took and how it ended (the coordinator's metrics).
+class RpcObserver {
+ public:
+  virtual ~RpcObserver() = default;
+  // `method`: "SubmitJob", ...; called from the service's pool threads.
+  virtual void ObserveRpc(const char* method, grpc::StatusCode code, absl::Duration took) = 0;
+};
+
 // Every method is a callback (reactor) method: streams hold no thread, and unary calls run
 // on the service's WorkPool. WatchJob streams are bounded in all and per caller (the peer's
 // host), RESOURCE_EXHAUSTED beyond; heartbeat streams by gRPC's per-connection stream limit.
@@ -28,7 +37,8 @@ struct JobServiceOptions {
   int max_watches = 4096;
   int max_watches_per_host = 1024;
   int threads = 4;
-  size_t max_queued = 4096;  // calls waiting for a thread; UNAVAILABLE beyond
+  size_t max_queued = 4096;             // calls waiting for a thread; UNAVAILABLE beyond
+  RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
 };
 
 class JobServiceImpl final : public v1::JobService::CallbackService {
@@ -82,13 +92,17 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
 struct WorkerServiceOptions {
   int threads = 4;
   size_t max_queued = 16384;  // a registration burst of thousands waits here, not in threads
+  RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
  public:
   WorkerServiceImpl(Scheduler* scheduler, const Authenticator* auth,
                     WorkerServiceOptions options = {})
-      : scheduler_(scheduler), auth_(auth), pool_(options.threads, options.max_queued) {}
+      : scheduler_(scheduler),
+        auth_(auth),
+        observer_(options.rpc_observer),
+        pool_(options.threads, options.max_queued) {}
 
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* context,
                                            const v1::RegisterWorkerRequest* request,
@@ -113,6 +127,7 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
  private:
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
+  RpcObserver* const observer_;
   WorkPool pool_;
 };
 

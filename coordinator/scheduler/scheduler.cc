@@ -133,8 +133,21 @@ StoreBatch Merge(const std::deque<std::pair<uint64_t, StoreBatch>>& batches) {
 
 }  // namespace
 
+void DurationHistogram::Observe(absl::Duration value) {
+  const double seconds = absl::ToDoubleSeconds(value);
+  for (size_t i = 0; i < bounds.size(); ++i) {
+    if (seconds <= bounds[i]) ++counts[i];
+  }
+  ++count;
+  sum += seconds;
+}
+
 Scheduler::Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options)
-    : store_(store), clock_(clock), options_(options) {}
+    : store_(store), clock_(clock), options_(options) {
+  counters_.pass_seconds =
+      DurationHistogram({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1});
+  counters_.queue_seconds = DurationHistogram({1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600});
+}
 
 int64_t Scheduler::NowMs() const { return absl::ToUnixMillis(clock_->Now()); }
 
@@ -233,6 +246,7 @@ void Scheduler::Settle() {
       RunPass();
       const absl::Duration took = absl::Now() - start;
       ++stats_.passes;
+      counters_.pass_seconds.Observe(took);
       stats_.total += took;
       stats_.longest = std::max(stats_.longest, took);
     }
@@ -261,6 +275,44 @@ PassStats Scheduler::TakePassStats() {
   PassStats stats = stats_;
   stats_ = PassStats();
   return stats;
+}
+
+SchedulerSnapshot Scheduler::Snapshot(absl::Duration grace) const {
+  absl::MutexLock lock(&mu_);
+  SchedulerSnapshot snapshot = counters_;
+  snapshot.heartbeats = heartbeats_.load(std::memory_order_relaxed);
+  for (const auto& [state, sequences] : by_state_) {
+    snapshot.jobs[state] = static_cast<int64_t>(sequences.size());
+  }
+  for (const auto& [key, c] : classes_) {
+    snapshot.queued_eligible += static_cast<int64_t>(c.queue.size());
+  }
+  for (const auto& [id, worker] : workers_) ++snapshot.workers[worker.status.state()];
+  for (const auto& [device, slots] : ready_slots_) snapshot.slots[device] = slots;
+  for (const auto& [device, free] : free_slots_) snapshot.free_slots[device] = free;
+  auto show = [&](const JobState& job) {
+    SchedulerSnapshot::Job& shown = snapshot.jobs_shown.emplace_back();
+    shown.job_id = job.status.job_id();
+    shown.name = job.status.spec().name();
+    shown.state = job.status.state();
+    shown.predicted_memory = job.status.plan().predicted_memory();
+    shown.memory_correction = job.status.plan().memory_correction();
+    if (job.status.attempts().empty()) return;
+    const v1::Attempt& attempt = *job.status.attempts().rbegin();
+    shown.generation = attempt.generation();
+    shown.progress = attempt.progress();
+    shown.peak_memory = attempt.peak_memory();
+  };
+  if (auto running = by_state_.find(v1::JOB_STATE_RUNNING); running != by_state_.end()) {
+    for (int64_t sequence : running->second) show(*by_sequence_.at(sequence));
+  }
+  const int64_t since = NowMs() - absl::ToInt64Milliseconds(grace);
+  std::set<std::string> shown_ended;
+  for (auto it = ended_.rbegin(); it != ended_.rend() && it->first >= since; ++it) {
+    auto job = jobs_.find(it->second);
+    if (job != jobs_.end() && shown_ended.insert(it->second).second) show(job->second);
+  }
+  return snapshot;
 }
 
 // --- writes ---------------------------------------------------------------------------
@@ -372,7 +424,12 @@ void Scheduler::SetJobState(JobState& job, v1::JobState state) {
     by_state_[before].erase(job.sequence);
     by_state_[state].insert(job.sequence);
     job.status.set_state(state);
+    if (state == v1::JOB_STATE_QUEUED) job.queued_since = clock_->Now();
     if (IsFinalState(state)) {
+      // Shown by Snapshot for a grace period (at most an hour).
+      const int64_t now_ms = NowMs();
+      ended_.emplace_back(now_ms, job.status.job_id());
+      while (ended_.front().first < now_ms - 3600 * 1000) ended_.pop_front();
       auto output = active_outputs_.find(NormalPath(job.status.spec().output()));
       if (output != active_outputs_.end() && output->second == job.status.job_id()) {
         active_outputs_.erase(output);
@@ -577,6 +634,8 @@ std::optional<std::string> Scheduler::TryPlace(JobState& job) {
     for (v1::Assignment& a : assignments) mailbox.assignments.emplace_back(batch, std::move(a));
     mail_waiting_.insert(worker_id);
   }
+  ++counters_.attempts_started;
+  counters_.queue_seconds.Observe(clock_->Now() - job.queued_since);
   job.succeeded_ranks.clear();
   job.status.clear_restart_after_unix_ms();
   job.status.set_reason("");
@@ -667,6 +726,8 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
   state.class_key = {DeviceOf(state.status), RanksOf(state.status),
                      PlannedPeak(state.status.plan())};
   state.last_persisted = clock_->Now();
+  state.queued_since = state.last_persisted;
+  ++counters_.jobs_submitted;
   by_sequence_[state.sequence] = &state;
   by_state_[v1::JOB_STATE_QUEUED].insert(state.sequence);
   by_name_[state.status.spec().name()].insert(state.sequence);
@@ -791,6 +852,7 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
   v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
   attempt->set_state(state);
   attempt->set_ended_unix_ms(NowMs());
+  ++counters_.attempts_ended[{state, attempt->failure()}];
   if (state == v1::ATTEMPT_STATE_FAILED) attempt->set_error(reason);
   Learn(job.status.plan(), *attempt, calibration_);
   const std::string& job_id = job.status.job_id();
@@ -870,6 +932,7 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
           : std::min(options_.restart_backoff * (int64_t{1} << std::min<int64_t>(stalled - 1, 20)),
                      options_.max_restart_backoff);
   job.status.set_restarts(restart);
+  ++counters_.restarts;
   job.status.set_restart_after_unix_ms(absl::ToUnixMillis(clock_->Now() + backoff));
   EndAttempt(job, v1::ATTEMPT_STATE_FAILED, v1::JOB_STATE_QUEUED, reason);
   job.status.set_reason(
@@ -966,6 +1029,7 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
         "worker ", request.worker_id(), ": unknown or expired session; register again"));
   }
   Mailbox& mailbox = it->second;
+  heartbeats_.fetch_add(1, std::memory_order_relaxed);
   const absl::Time now = clock_->Now();
   mailbox.last_heartbeat = now;
   mailbox.last_heartbeat_unix_ms = absl::ToUnixMillis(now);
@@ -1152,6 +1216,7 @@ absl::Status Scheduler::ApplyReport(const v1::ReportProgressRequest& request, bo
       if (static_cast<int64_t>(job.succeeded_ranks.size()) == attempt->placements_size()) {
         attempt->set_state(v1::ATTEMPT_STATE_SUCCEEDED);
         attempt->set_ended_unix_ms(NowMs());
+        ++counters_.attempts_ended[{v1::ATTEMPT_STATE_SUCCEEDED, v1::FAILURE_KIND_UNSPECIFIED}];
         Learn(job.status.plan(), *attempt, calibration_);
         job.status.set_reason("");
         SetJobState(job, v1::JOB_STATE_SUCCEEDED);
@@ -1190,6 +1255,7 @@ absl::Status Scheduler::ApplyReport(const v1::ReportProgressRequest& request, bo
 void Scheduler::MarkLost(WorkerState& worker, const std::string& reason) {
   const std::string& id = worker.status.worker_id();
   spdlog::warn("{}", reason);
+  ++counters_.workers_lost;
   worker.status.set_state(v1::WORKER_STATE_LOST);
   worker.session_id.clear();
   {

@@ -109,6 +109,49 @@ class MailListener {
   virtual void OnMail() = 0;
 };
 
+// Counts of observations at or below each bound (cumulative, Prometheus' histogram), in
+// seconds; plain data, so that the scheduler needs no metrics library.
+struct DurationHistogram {
+  std::vector<double> bounds;
+  std::vector<uint64_t> counts;  // per bound, cumulative
+  uint64_t count = 0;
+  double sum = 0;
+
+  explicit DurationHistogram(std::vector<double> upper_bounds = {})
+      : bounds(std::move(upper_bounds)), counts(bounds.size(), 0) {}
+  void Observe(absl::Duration value);
+};
+
+// The scheduler's state and what it has counted since it started, for the metrics
+// (docs/observability.md). Jobs: the running ones and those that ended within the grace
+// period, so that a finished job's series go away and cardinality stays bounded.
+struct SchedulerSnapshot {
+  std::map<v1::JobState, int64_t> jobs;        // by state
+  int64_t queued_eligible = 0;                 // queued, past any backoff, tried by passes
+  std::map<v1::WorkerState, int64_t> workers;  // by state
+  std::map<v1::Device, int64_t> slots;         // of ready workers
+  std::map<v1::Device, int64_t> free_slots;
+  int64_t jobs_submitted = 0;
+  int64_t attempts_started = 0;
+  std::map<std::pair<v1::AttemptState, v1::FailureKind>, int64_t> attempts_ended;
+  int64_t restarts = 0;
+  int64_t workers_lost = 0;
+  int64_t heartbeats = 0;
+  DurationHistogram pass_seconds;
+  DurationHistogram queue_seconds;  // submission (or requeue) to placement
+  struct Job {
+    std::string job_id;
+    std::string name;
+    v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
+    int64_t generation = 0;
+    v1::Progress progress;            // rank 0's, of the latest attempt
+    v1::MemoryBreakdown peak_memory;  // measured, the largest of any rank
+    v1::MemoryBreakdown predicted_memory;
+    double memory_correction = 1;
+  };
+  std::vector<Job> jobs_shown;
+};
+
 // What the scheduling loop did since the last TakePassStats.
 struct PassStats {
   int64_t passes = 0;
@@ -135,6 +178,8 @@ class Scheduler {
   // Returns when a pass was requested or a heartbeat report queued, or after `timeout`.
   void WaitForWork(absl::Duration timeout) const;
   PassStats TakePassStats();
+  // For the metrics; `grace`: how long an ended job is still shown.
+  SchedulerSnapshot Snapshot(absl::Duration grace) const;
 
   // --- jobs ---------------------------------------------------------------------------
 
@@ -240,6 +285,7 @@ class Scheduler {
     bool queued = false;       // in its class's queue
     bool backing_off = false;  // in backoff_, at backoff_at
     int64_t backoff_at = 0;
+    absl::Time queued_since;  // submitted or queued again
   };
   struct Mailbox {
     std::string session_id;  // empty: no heartbeats accepted
@@ -360,6 +406,10 @@ class Scheduler {
   std::set<std::string> deleted_workers_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> mail_waiting_ ABSL_GUARDED_BY(mu_);  // workers with new assignments
   PassStats stats_ ABSL_GUARDED_BY(mu_);
+  // Counted since the start, for Snapshot.
+  SchedulerSnapshot counters_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<int64_t, std::string>> ended_ ABSL_GUARDED_BY(mu_);  // (ms, job id)
+  std::atomic<int64_t> heartbeats_{0};
   std::string last_write_error_ ABSL_GUARDED_BY(mu_);
   absl::Time last_write_error_logged_ ABSL_GUARDED_BY(mu_);
 

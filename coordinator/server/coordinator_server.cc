@@ -57,8 +57,19 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         return scheduler->IsActiveAttempt(job, generation);
       });
   const Authenticator* auth = server->auth_.get();
-  server->job_service_ = std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth);
-  server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth);
+  RpcObserver* observer = nullptr;
+  if (!config.metrics_listen.empty()) {
+    LATHE_ASSIGN_OR_RETURN(server->metrics_,
+                           CoordinatorMetrics::Start(config.metrics_listen, scheduler));
+    observer = server->metrics_.get();
+  }
+  JobServiceOptions job_options;
+  job_options.rpc_observer = observer;
+  WorkerServiceOptions worker_options;
+  worker_options.rpc_observer = observer;
+  server->job_service_ =
+      std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth, job_options);
+  server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth, worker_options);
   server->rendezvous_service_ =
       std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get(), auth);
 

@@ -18,6 +18,7 @@
 #include "common/clock.h"
 #include "common/rpc/tls.h"
 #include "coordinator/api/services.h"
+#include "coordinator/metrics/coordinator_metrics.h"
 #include "coordinator/planner/device_pools.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
@@ -40,6 +41,8 @@ struct CoordinatorConfig {
   bool insecure_no_auth = false;  // every caller may do anything: logged loudly
   // TLS (common/rpc/tls.h); with a client CA, worker calls need a verified certificate.
   ServerTlsFiles tls;
+  // Where /metrics is served (docs/observability.md); empty: nowhere.
+  std::string metrics_listen;
 };
 
 class CoordinatorServer {
@@ -56,6 +59,8 @@ class CoordinatorServer {
 
   // The port actually bound.
   int port() const { return port_; }
+  // The port /metrics is served on; 0 without metrics_listen.
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   // Blocks until Shutdown.
   void Wait();
   // Stops serving (in-flight streams are cancelled) and the heartbeat checker.
@@ -70,6 +75,7 @@ class CoordinatorServer {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<RendezvousStore> rendezvous_;
+  std::unique_ptr<CoordinatorMetrics> metrics_;
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<WorkerServiceImpl> worker_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;

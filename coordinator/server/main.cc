@@ -32,6 +32,9 @@ const std::vector<FlagSpec> kFlags = {
      "accept every call without a token: anyone who reaches the port may do anything"},
     {"tls-cert", true, "PEM certificate chain to serve TLS with (with --tls-key)"},
     {"tls-key", true, "PEM private key of --tls-cert"},
+    {"metrics-listen", true,
+     "host:port to serve Prometheus metrics on, at /metrics (docs/observability.md; port 0 "
+     "picks one); default: none"},
     {"tls-client-ca", true,
      "PEM roots for client certificates: mutual TLS, required of workers (with --tls-cert)"},
     {"help", false, "this message"},
@@ -50,6 +53,7 @@ int Main(int argc, char** argv) {
   config.auth_tokens_path = flags->Get("auth-tokens");
   config.insecure_no_auth = flags->Has("insecure-no-auth");
   config.tls = {flags->Get("tls-cert"), flags->Get("tls-key"), flags->Get("tls-client-ca")};
+  config.metrics_listen = flags->Get("metrics-listen");
   if (config.insecure_no_auth && !config.auth_tokens_path.empty()) {
     std::cerr << "lathe-coordinator: --auth-tokens and --insecure-no-auth exclude each other\n";
     return 2;
@@ -116,6 +120,12 @@ int Main(int argc, char** argv) {
                 : config.tls.client_ca.empty() ? "TLS"
                                                : "TLS, mutual TLS for workers")
             << ")" << std::endl;
+  if (!config.metrics_listen.empty()) {
+    const std::string metrics_host =
+        config.metrics_listen.substr(0, config.metrics_listen.rfind(':'));
+    std::cout << "lathe-coordinator metrics on http://" << metrics_host << ":"
+              << (*server)->metrics_port() << "/metrics" << std::endl;
+  }
   std::thread waiter([&] {
     int signal = 0;
     sigwait(&signals, &signal);
