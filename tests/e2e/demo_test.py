@@ -33,6 +33,8 @@ class DemoTest(unittest.TestCase):
             for name in ("adapter_model.safetensors", "adapter_config.json"):
                 self.assertTrue(os.path.isfile(os.path.join(adapter, name)), name)
             self.assertIn(f"The adapter is in {adapter}", out)
+            self.assertRegex(out, r"== metrics \(Prometheus, docs/observability.md\) while the "
+                                  r"demo runs: http://127\.0\.0\.1:\d+/metrics")
             losses = [float(x) for x in re.findall(r"^loss (\d+\.\d+) over", out, re.M)]
             self.assertEqual(len(losses), 2, out[-2000:])
             base, tuned = losses

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""The coordinator's /metrics under a real Prometheus (issue #14): a cluster whose
+coordinator serves --metrics-listen, Debian's `prometheus` scraping it every 0.5 s on
+127.0.0.1, and a job run through it. The test reads the figures back through Prometheus'
+HTTP query API: the running job's tokens/s and its memory by component, the same step, loss
+and tokens/s as `lathe status` once it ended, the job counted as succeeded; and
+`promtool check metrics` passes on what the coordinator serves."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+import unittest
+import urllib.parse
+import urllib.request
+
+from services_test import TIMEOUT, ClusterTest, free_port
+
+COMPONENTS = {"weights", "trainable", "gradients", "optimizer", "activations", "logits",
+              "comm_buffers", "overhead"}
+
+
+def http_get(url):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+class MetricsTest(ClusterTest):
+    PREFIX, MAX_POS, RECORDS, WORKERS = "lathe-metrics-", 128, 64, ("w1",)
+
+    @classmethod
+    def configure(cls, cluster):
+        cls.metrics_port = free_port()
+        cluster.coordinator_args += ["--metrics-listen", f"127.0.0.1:{cls.metrics_port}"]
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        cls.prometheus = None
+        prometheus = shutil.which("prometheus")
+        if prometheus is None:
+            cls.tearDownClass()
+            raise AssertionError("no prometheus binary: scripts/install-deps installs it")
+        cls.prometheus_port = free_port()
+        config = os.path.join(cls.root, "prometheus.yml")
+        with open(config, "w") as f:
+            f.write(f"""global: {{scrape_interval: 500ms, scrape_timeout: 400ms}}
+scrape_configs:
+  - job_name: lathe-coordinator
+    static_configs: [{{targets: ["127.0.0.1:{cls.metrics_port}"]}}]
+""")
+        cls.prometheus_log = open(os.path.join(cls.root, "prometheus.log"), "w")
+        cls.prometheus = subprocess.Popen(
+            [prometheus, f"--config.file={config}",
+             f"--storage.tsdb.path={os.path.join(cls.root, 'tsdb')}",
+             f"--web.listen-address=127.0.0.1:{cls.prometheus_port}"],
+            stdout=cls.prometheus_log, stderr=subprocess.STDOUT)
+
+    @classmethod
+    def tearDownClass(cls):
+        if getattr(cls, "prometheus", None) is not None:
+            cls.prometheus.send_signal(signal.SIGTERM)
+            try:
+                cls.prometheus.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                cls.prometheus.kill()
+                cls.prometheus.wait()
+            cls.prometheus_log.close()
+        super().tearDownClass()
+
+    def query(self, promql):
+        """The instant vector of `promql` as {frozenset(labels): value}."""
+        url = (f"http://127.0.0.1:{self.prometheus_port}/api/v1/query?" +
+               urllib.parse.urlencode({"query": promql}))
+        answer = json.loads(http_get(url))
+        self.assertEqual(answer["status"], "success", answer)
+        return {frozenset(r["metric"].items()): float(r["value"][1])
+                for r in answer["data"]["result"]}
+
+    def wait_query(self, promql, check, what):
+        """Polls `promql` until check(result) holds; returns the result."""
+        deadline = time.time() + TIMEOUT
+        while True:
+            try:
+                result = self.query(promql)
+            except OSError:  # Prometheus still starting
+                result = None
+            if result is not None and check(result):
+                return result
+            self.assertLess(time.time(), deadline, f"{what}: {promql} gave {result}")
+            time.sleep(0.25)
+
+    def status(self, job_id):
+        shown = self.cluster.lathe("--output", "json", "status", job_id)
+        self.assertEqual(shown.returncode, 0, shown.stderr)
+        return json.loads(shown.stdout)
+
+    def test_prometheus_sees_the_job_run_and_succeed(self):
+        submitted = self.cluster.lathe("submit", self.spec("watched", steps=120))
+        self.assertEqual(submitted.returncode, 0, submitted.stderr)
+        job = submitted.stdout.strip()
+
+        # While it runs: tokens/s above 0 and a memory series per component.
+        self.wait_query(f'lathe_job_tokens_per_second{{job_id="{job}"}}',
+                        lambda r: r and max(r.values()) > 0, "tokens/s of the running job")
+        memory = self.wait_query(f'lathe_job_memory_peak_bytes{{job_id="{job}"}}',
+                                 lambda r: len(r) == len(COMPONENTS), "memory by component")
+        self.assertEqual({dict(labels)["component"] for labels in memory}, COMPONENTS)
+        self.assertGreater(max(memory.values()), 0)
+        predicted = self.query(f'lathe_job_memory_predicted_bytes{{job_id="{job}"}}')
+        self.assertEqual(len(predicted), len(COMPONENTS))
+        self.assertEqual(self.query('lathe_workers{state="ready"}'),
+                         {frozenset({"__name__": "lathe_workers", "state": "ready",
+                                     "instance": f"127.0.0.1:{self.metrics_port}",
+                                     "job": "lathe-coordinator"}.items()): 1.0})
+
+        # What the coordinator serves passes promtool's checks.
+        text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        checked = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                 capture_output=True, text=True)
+        self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
+
+        # Once it ended: counted as succeeded, and the same figures as `lathe status`.
+        deadline = time.time() + TIMEOUT
+        while self.status(job)["state"] != "succeeded":
+            self.assertLess(time.time(), deadline, "the job did not succeed")
+            time.sleep(0.2)
+        progress = self.status(job)["progress"]
+        self.wait_query('lathe_jobs{state="succeeded"}', lambda r: list(r.values()) == [1.0],
+                        "the job counted as succeeded")
+        self.wait_query('lathe_attempts_ended_total{result="succeeded"}',
+                        lambda r: list(r.values()) == [1.0], "one attempt ended")
+        step = self.wait_query(f'lathe_job_step{{job_id="{job}"}}',
+                               lambda r: list(r.values()) == [progress["step"]], "the last step")
+        self.assertEqual(list(step.values()), [120.0])
+        loss = self.query(f'lathe_job_loss{{job_id="{job}"}}')
+        self.assertAlmostEqual(list(loss.values())[0], progress["loss"], places=5)
+        tokens = self.query(f'lathe_job_tokens_per_second{{job_id="{job}"}}')
+        self.assertAlmostEqual(list(tokens.values())[0], progress["tokens_per_second"],
+                               delta=1e-6 * progress["tokens_per_second"] + 1e-3)
+        # Every unary call the CLI made is timed, by method and code.
+        calls = self.query('lathe_rpc_duration_seconds_count{method="SubmitJob",code="OK"}')
+        self.assertEqual(list(calls.values()), [1.0])
+
+
+if __name__ == "__main__":
+    unittest.main()
