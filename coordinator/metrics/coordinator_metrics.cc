@@ -1,6 +1,5 @@
 #include "coordinator/metrics/coordinator_metrics.h"
 
-#include <exception>
 #include <limits>
 #include <map>
 #include <utility>
@@ -13,7 +12,6 @@
 #include "common/memory_components.h"
 #include "common/proto/memory_breakdown.h"
 #include "prometheus/collectable.h"
-#include "prometheus/exposer.h"
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
@@ -172,7 +170,7 @@ class SchedulerCollector : public prometheus::Collectable {
 
  private:
   // Per job (running, or ended within kEndedJobGrace): rank 0's progress and memory. The
-// label is job_id, not job: Prometheus gives every target a `job` label of its own.
+  // label is job_id, not job: Prometheus gives every target a `job` label of its own.
   static void AddJobs(const SchedulerSnapshot& s, std::vector<MetricFamily>& out) {
     MetricFamily info =
         Family("lathe_job_info", "1 for each job shown: its name, state and current attempt.",
@@ -248,28 +246,15 @@ class CoordinatorMetrics::Impl {
   std::shared_ptr<prometheus::Registry> registry;
   prometheus::Family<prometheus::Histogram>& rpc;
   std::shared_ptr<SchedulerCollector> collector;
-  std::unique_ptr<prometheus::Exposer> exposer;
 };
 
-CoordinatorMetrics::CoordinatorMetrics(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CoordinatorMetrics::CoordinatorMetrics(const Scheduler* scheduler)
+    : impl_(std::make_unique<Impl>(scheduler)) {}
 
 CoordinatorMetrics::~CoordinatorMetrics() = default;
 
-absl::StatusOr<std::unique_ptr<CoordinatorMetrics>> CoordinatorMetrics::Start(
-    const std::string& listen, const Scheduler* scheduler) {
-  auto impl = std::make_unique<Impl>(scheduler);
-  try {
-    impl->exposer = std::make_unique<prometheus::Exposer>(listen, /*num_threads=*/2);
-  } catch (const std::exception& e) {
-    return absl::UnavailableError(
-        absl::StrCat("--metrics-listen: cannot serve /metrics on ", listen, ": ", e.what()));
-  }
-  impl->exposer->RegisterCollectable(impl->registry);
-  impl->exposer->RegisterCollectable(impl->collector);
-  const std::vector<int> ports = impl->exposer->GetListeningPorts();
-  std::unique_ptr<CoordinatorMetrics> metrics(new CoordinatorMetrics(std::move(impl)));
-  metrics->port_ = ports.empty() ? 0 : ports.front();
-  return metrics;
+std::vector<std::weak_ptr<prometheus::Collectable>> CoordinatorMetrics::Collectables() const {
+  return {impl_->registry, impl_->collector};
 }
 
 void CoordinatorMetrics::ObserveRpc(const char* method, grpc::StatusCode code,

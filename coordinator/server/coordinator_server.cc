@@ -59,9 +59,18 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   const Authenticator* auth = server->auth_.get();
   RpcObserver* observer = nullptr;
   if (!config.metrics_listen.empty()) {
-    LATHE_ASSIGN_OR_RETURN(server->metrics_,
-                           CoordinatorMetrics::Start(config.metrics_listen, scheduler));
+    server->metrics_ = std::make_unique<CoordinatorMetrics>(scheduler);
     observer = server->metrics_.get();
+    CoordinatorServer* s = server.get();
+    LATHE_ASSIGN_OR_RETURN(
+        server->http_,
+        HttpEndpoints::Start({config.metrics_listen, server->metrics_->Collectables(),
+                              [s] {
+                                return s->ready_.load()
+                                           ? absl::OkStatus()
+                                           : absl::UnavailableError("starting or shutting down");
+                              }},
+                             "--metrics-listen"));
   }
   JobServiceOptions job_options;
   job_options.rpc_observer = observer;
@@ -73,6 +82,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->rendezvous_service_ =
       std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get(), auth);
 
+  // The standard grpc.health.v1 service (unauthenticated, for probes and load balancers):
+  // SERVING from here until Shutdown.
+  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, *credentials, &server->port_);
   // Bounds on what one caller can make the server hold: a message, the streams of one
@@ -86,6 +98,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
+  server->ready_ = true;
   server->heartbeat_checker_ =
       std::thread([s = server.get(), period = config.heartbeat_timeout / 4] {
         while (!s->stop_.WaitForNotificationWithTimeout(period)) s->scheduler_->CheckHeartbeats();
@@ -123,6 +136,10 @@ void CoordinatorServer::Wait() { stop_.WaitForNotification(); }
 
 void CoordinatorServer::Shutdown() {
   absl::MutexLock lock(&shutdown_mu_);
+  ready_ = false;
+  if (server_ && server_->GetHealthCheckService() != nullptr) {
+    server_->GetHealthCheckService()->Shutdown();  // NOT_SERVING from now on
+  }
   if (!stop_.HasBeenNotified()) stop_.Notify();
   if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   if (heartbeat_checker_.joinable()) heartbeat_checker_.join();

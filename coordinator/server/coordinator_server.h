@@ -6,6 +6,7 @@
 #ifndef LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_
 #define LATHE_COORDINATOR_SERVER_COORDINATOR_SERVER_H_
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
+#include "common/http/http_endpoints.h"
 #include "common/rpc/tls.h"
 #include "coordinator/api/services.h"
 #include "coordinator/metrics/coordinator_metrics.h"
@@ -41,7 +43,7 @@ struct CoordinatorConfig {
   bool insecure_no_auth = false;  // every caller may do anything: logged loudly
   // TLS (common/rpc/tls.h); with a client CA, worker calls need a verified certificate.
   ServerTlsFiles tls;
-  // Where /metrics is served (docs/observability.md); empty: nowhere.
+  // Where /metrics, /healthz and /readyz are served (docs/observability.md); empty: nowhere.
   std::string metrics_listen;
 };
 
@@ -59,8 +61,8 @@ class CoordinatorServer {
 
   // The port actually bound.
   int port() const { return port_; }
-  // The port /metrics is served on; 0 without metrics_listen.
-  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  // The port /metrics, /healthz and /readyz are served on; 0 without metrics_listen.
+  int metrics_port() const { return http_ ? http_->port() : 0; }
   // Blocks until Shutdown.
   void Wait();
   // Stops serving (in-flight streams are cancelled) and the heartbeat checker.
@@ -76,6 +78,9 @@ class CoordinatorServer {
   std::unique_ptr<JobManager> jobs_;
   std::unique_ptr<RendezvousStore> rendezvous_;
   std::unique_ptr<CoordinatorMetrics> metrics_;
+  std::unique_ptr<HttpEndpoints> http_;
+  // Serving: between a successful Start and Shutdown (/readyz, the gRPC health service).
+  std::atomic<bool> ready_{false};
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<WorkerServiceImpl> worker_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;

@@ -2,7 +2,6 @@
 // it runs and ends, the grace period after which its series go, and the RPC histogram.
 #include <string>
 
-#include "absl/strings/str_cat.h"
 #include "coordinator/metrics/coordinator_metrics.h"
 #include "coordinator/store/store.h"
 #include "gmock/gmock.h"
@@ -18,10 +17,7 @@ TEST(CoordinatorMetricsTest, AJobsSeriesFollowItAndGoAfterTheGracePeriod) {
   FakeClock clock;
   std::unique_ptr<Store> store = NewMemoryStore();
   std::unique_ptr<Scheduler> scheduler = *Scheduler::Create(store.get(), &clock, {});
-  absl::StatusOr<std::unique_ptr<CoordinatorMetrics>> metrics =
-      CoordinatorMetrics::Start("127.0.0.1:0", scheduler.get());
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  EXPECT_GT((*metrics)->port(), 0);
+  auto metrics = std::make_unique<CoordinatorMetrics>(scheduler.get());
 
   v1::RegisterWorkerRequest worker;
   worker.set_worker_id("w1");
@@ -51,9 +47,9 @@ TEST(CoordinatorMetricsTest, AJobsSeriesFollowItAndGoAfterTheGracePeriod) {
   progress->mutable_memory()->set_activations(4096);
   progress->mutable_memory()->set_total(8192);
   ASSERT_TRUE(scheduler->ReportProgress(report).ok());
-  (*metrics)->ObserveRpc("SubmitJob", grpc::StatusCode::OK, absl::Milliseconds(3));
+  metrics->ObserveRpc("SubmitJob", grpc::StatusCode::OK, absl::Milliseconds(3));
 
-  std::string text = (*metrics)->Text();
+  std::string text = metrics->Text();
   EXPECT_THAT(text, HasSubstr("lathe_jobs{state=\"running\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("lathe_jobs{state=\"queued\"} 0\n"));
   EXPECT_THAT(text, HasSubstr("lathe_workers{state=\"ready\"} 1\n"));
@@ -75,31 +71,16 @@ TEST(CoordinatorMetricsTest, AJobsSeriesFollowItAndGoAfterTheGracePeriod) {
 
   report.set_event(v1::RANK_EVENT_SUCCEEDED);
   ASSERT_TRUE(scheduler->ReportProgress(report).ok());
-  text = (*metrics)->Text();
+  text = metrics->Text();
   EXPECT_THAT(text, HasSubstr("lathe_jobs{state=\"succeeded\"} 1\n"));
   EXPECT_THAT(text, HasSubstr("lathe_attempts_ended_total{failure=\"none\",result=\"succeeded\"} "
                               "1\n"));
   EXPECT_THAT(text, HasSubstr("lathe_job_step{job_id=\"job-1\"} 7\n")) << "shown after its end";
 
   clock.Advance(kEndedJobGrace + absl::Seconds(1));
-  text = (*metrics)->Text();
+  text = metrics->Text();
   EXPECT_THAT(text, Not(HasSubstr("job_id=\"job-1\""))) << "still shown after the grace period";
   EXPECT_THAT(text, HasSubstr("lathe_jobs{state=\"succeeded\"} 1\n"));
-}
-
-TEST(CoordinatorMetricsTest, AnAddressInUseIsUnavailable) {
-  FakeClock clock;
-  std::unique_ptr<Store> store = NewMemoryStore();
-  std::unique_ptr<Scheduler> scheduler = *Scheduler::Create(store.get(), &clock, {});
-  absl::StatusOr<std::unique_ptr<CoordinatorMetrics>> first =
-      CoordinatorMetrics::Start("127.0.0.1:0", scheduler.get());
-  ASSERT_TRUE(first.ok()) << first.status();
-  const std::string taken = absl::StrCat("127.0.0.1:", (*first)->port());
-  absl::StatusOr<std::unique_ptr<CoordinatorMetrics>> second =
-      CoordinatorMetrics::Start(taken, scheduler.get());
-  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(second.status().message(),
-              HasSubstr("--metrics-listen: cannot serve /metrics on " + taken));
 }
 
 }  // namespace

@@ -15,6 +15,8 @@ import unittest
 import urllib.parse
 import urllib.request
 
+import grpc
+
 from services_test import TIMEOUT, ClusterTest, free_port
 
 COMPONENTS = {"weights", "trainable", "gradients", "optimizer", "activations", "logits",
@@ -95,6 +97,16 @@ scrape_configs:
         shown = self.cluster.lathe("--output", "json", "status", job_id)
         self.assertEqual(shown.returncode, 0, shown.stderr)
         return json.loads(shown.stdout)
+
+    def test_health_and_readiness(self):
+        base = f"http://127.0.0.1:{self.metrics_port}"
+        self.assertEqual(http_get(f"{base}/healthz"), "ok\n")
+        self.assertEqual(http_get(f"{base}/readyz"), "ready\n")
+        # The standard grpc.health.v1 service, without a token: HealthCheckResponse
+        # {status: SERVING} is the two bytes 08 01.
+        with grpc.insecure_channel(self.cluster.address) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            self.assertEqual(check(b"", timeout=10), b"\x08\x01")
 
     def test_prometheus_sees_the_job_run_and_succeed(self):
         submitted = self.cluster.lathe("submit", self.spec("watched", steps=120))
