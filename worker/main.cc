@@ -4,10 +4,13 @@
 //   score --model DIR   mean loss (and optionally logits) of a model (+ adapter) on data
 //   agent --coordinator ADDR   register with a coordinator and run the ranks it assigns
 #include <signal.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -444,7 +447,21 @@ int Main(int argc, char** argv) {
     return 0;
   }
 #ifdef LATHE_WITH_AGENT
-  if (command == "agent") return RunAgentCommand(argc - 2, argv + 2);
+  if (command == "agent") {
+    // The agent runs without libtorch (worker/agent/agent_main.h): the lathe-agent beside
+    // this binary, when there is one, with the same flags and this binary as its trainer.
+    const std::string agent = BesideThisExecutable("lathe-agent");
+    if (access(agent.c_str(), X_OK) == 0) {
+      std::vector<char*> args = {const_cast<char*>(agent.c_str())};
+      for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+      args.push_back(nullptr);
+      execv(agent.c_str(), args.data());
+      std::cerr << "lathe-worker agent: cannot run " << agent << ": " << std::strerror(errno)
+                << "\n";
+      return 1;
+    }
+    return RunAgentCommand(argc - 2, argv + 2, "/proc/self/exe");
+  }
 #endif
   const std::vector<FlagSpec>* specs = command == "train"   ? &kTrainFlags
                                        : command == "score" ? &kScoreFlags

@@ -5,7 +5,9 @@
 #include <exception>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/collectable.h"
 #include "prometheus/metric_family.h"
 #include "prometheus/text_serializer.h"
@@ -68,6 +70,16 @@ class ReadyHandler : public CivetHandler {
   const std::function<absl::Status()> ready_;
 };
 
+// civetweb's own message when it cannot start (it says why only through this callback).
+absl::Mutex start_error_mu;
+std::string* start_error ABSL_GUARDED_BY(start_error_mu) = nullptr;
+
+int LogMessage(const mg_connection*, const char* message) {
+  absl::MutexLock lock(&start_error_mu);
+  if (start_error != nullptr && start_error->empty()) *start_error = message;
+  return 1;  // logged
+}
+
 }  // namespace
 
 class HttpEndpoints::Impl {
@@ -86,12 +98,27 @@ absl::StatusOr<std::unique_ptr<HttpEndpoints>> HttpEndpoints::Start(HttpEndpoint
   const std::string listen = options.listen;
   std::unique_ptr<HttpEndpoints> endpoints(new HttpEndpoints());
   endpoints->impl_ = std::make_unique<Impl>(std::move(options));
+  CivetCallbacks callbacks;
+  callbacks.log_message = LogMessage;
+  std::string why;
+  {
+    absl::MutexLock lock(&start_error_mu);
+    start_error = &why;
+  }
+  std::string failure;
   try {
     endpoints->impl_->server = std::make_unique<CivetServer>(
-        std::vector<std::string>{"listening_ports", listen, "num_threads", "2"});
+        std::vector<std::string>{"listening_ports", listen, "num_threads", "2"}, &callbacks);
   } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  {
+    absl::MutexLock lock(&start_error_mu);
+    start_error = nullptr;
+  }
+  if (!failure.empty()) {
     return absl::UnavailableError(
-        absl::StrCat(flag, ": cannot serve HTTP on ", listen, ": ", e.what()));
+        absl::StrCat(flag, ": cannot serve HTTP on ", listen, ": ", why.empty() ? failure : why));
   }
   CivetServer& server = *endpoints->impl_->server;
   server.addHandler("/metrics", &endpoints->impl_->metrics);

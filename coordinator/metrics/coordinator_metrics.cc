@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "common/http/metric_families.h"
 #include "common/memory_components.h"
 #include "common/proto/memory_breakdown.h"
 #include "prometheus/collectable.h"
@@ -29,35 +30,6 @@ std::string EnumLabel(const std::string& name, absl::string_view prefix) {
   return absl::AsciiStrToLower(absl::StripPrefix(name, prefix));
 }
 
-MetricFamily Family(std::string name, std::string help, MetricType type) {
-  MetricFamily family;
-  family.name = std::move(name);
-  family.help = std::move(help);
-  family.type = type;
-  return family;
-}
-
-// One sample; its value goes where `family.type` reads it.
-void Add(MetricFamily& family, std::vector<ClientMetric::Label> labels, double value) {
-  ClientMetric& metric = family.metric.emplace_back();
-  metric.label = std::move(labels);
-  if (family.type == MetricType::Counter) {
-    metric.counter.value = value;
-  } else {
-    metric.gauge.value = value;
-  }
-}
-
-void AddHistogram(MetricFamily& family, const DurationHistogram& histogram) {
-  ClientMetric& metric = family.metric.emplace_back();
-  metric.histogram.sample_count = histogram.count;
-  metric.histogram.sample_sum = histogram.sum;
-  for (size_t i = 0; i < histogram.bounds.size(); ++i) {
-    metric.histogram.bucket.push_back({histogram.counts[i], histogram.bounds[i]});
-  }
-  metric.histogram.bucket.push_back({histogram.count, std::numeric_limits<double>::infinity()});
-}
-
 // A gauge per value of a proto enum but its UNSPECIFIED (0), labelled by its name: every
 // state is exported, also at 0, so that a query by state never finds nothing.
 template <typename Enum>
@@ -67,9 +39,13 @@ void AddByEnum(MetricFamily& family, const google::protobuf::EnumDescriptor* val
     const google::protobuf::EnumValueDescriptor* value = values->value(i);
     if (value->number() == 0) continue;
     auto it = counts.find(static_cast<Enum>(value->number()));
-    Add(family, {{"state", EnumLabel(value->name(), prefix)}},
-        it == counts.end() ? 0 : static_cast<double>(it->second));
+    AddSample(family, {{"state", EnumLabel(value->name(), prefix)}},
+              it == counts.end() ? 0 : static_cast<double>(it->second));
   }
+}
+
+void AddDurations(MetricFamily& family, const DurationHistogram& h) {
+  AddHistogram(family, {}, h.bounds, h.counts, h.count, h.sum);
 }
 
 std::string DeviceLabel(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
@@ -83,35 +59,37 @@ class SchedulerCollector : public prometheus::Collectable {
     const SchedulerSnapshot s = scheduler_->Snapshot(kEndedJobGrace);
     std::vector<MetricFamily> out;
     {
-      MetricFamily f = Family("lathe_jobs", "Jobs by state.", MetricType::Gauge);
+      MetricFamily f = MakeFamily("lathe_jobs", "Jobs by state.", MetricType::Gauge);
       AddByEnum(f, v1::JobState_descriptor(), "JOB_STATE_", s.jobs);
       out.push_back(std::move(f));
     }
     {
-      MetricFamily f = Family("lathe_queue_length",
-                              "Queued jobs that scheduling passes try (past any restart backoff, "
-                              "no rank of an earlier attempt still running).",
-                              MetricType::Gauge);
-      Add(f, {}, static_cast<double>(s.queued_eligible));
+      MetricFamily f =
+          MakeFamily("lathe_queue_length",
+                     "Queued jobs that scheduling passes try (past any restart backoff, "
+                     "no rank of an earlier attempt still running).",
+                     MetricType::Gauge);
+      AddSample(f, {}, static_cast<double>(s.queued_eligible));
       out.push_back(std::move(f));
     }
     {
-      MetricFamily f = Family("lathe_workers", "Registered workers by state.", MetricType::Gauge);
+      MetricFamily f =
+          MakeFamily("lathe_workers", "Registered workers by state.", MetricType::Gauge);
       AddByEnum(f, v1::WorkerState_descriptor(), "WORKER_STATE_", s.workers);
       out.push_back(std::move(f));
     }
     {
       MetricFamily slots =
-          Family("lathe_slots", "Slots of ready workers, by device.", MetricType::Gauge);
-      MetricFamily free =
-          Family("lathe_free_slots", "Free slots of ready workers, by device.", MetricType::Gauge);
+          MakeFamily("lathe_slots", "Slots of ready workers, by device.", MetricType::Gauge);
+      MetricFamily free = MakeFamily("lathe_free_slots", "Free slots of ready workers, by device.",
+                                     MetricType::Gauge);
       for (v1::Device device : {v1::DEVICE_CPU, v1::DEVICE_CUDA}) {
         auto total = s.slots.find(device);
         auto idle = s.free_slots.find(device);
-        Add(slots, {{"device", DeviceLabel(device)}},
-            total == s.slots.end() ? 0 : static_cast<double>(total->second));
-        Add(free, {{"device", DeviceLabel(device)}},
-            idle == s.free_slots.end() ? 0 : static_cast<double>(idle->second));
+        AddSample(slots, {{"device", DeviceLabel(device)}},
+                  total == s.slots.end() ? 0 : static_cast<double>(total->second));
+        AddSample(free, {{"device", DeviceLabel(device)}},
+                  idle == s.free_slots.end() ? 0 : static_cast<double>(idle->second));
       }
       out.push_back(std::move(slots));
       out.push_back(std::move(free));
@@ -128,40 +106,40 @@ class SchedulerCollector : public prometheus::Collectable {
           std::tuple{"lathe_workers_lost_total",
                      "Workers declared lost after a heartbeat timeout of silence.", s.workers_lost},
           std::tuple{"lathe_heartbeats_total", "Heartbeats answered.", s.heartbeats}}) {
-      MetricFamily f = Family(name, help, MetricType::Counter);
-      Add(f, {}, static_cast<double>(value));
+      MetricFamily f = MakeFamily(name, help, MetricType::Counter);
+      AddSample(f, {}, static_cast<double>(value));
       out.push_back(std::move(f));
     }
     {
       MetricFamily f =
-          Family("lathe_attempts_ended_total",
-                 "Attempts ended, by result (succeeded, failed, cancelled) and failure kind "
-                 "(user, infrastructure, none).",
-                 MetricType::Counter);
+          MakeFamily("lathe_attempts_ended_total",
+                     "Attempts ended, by result (succeeded, failed, cancelled) and failure kind "
+                     "(user, infrastructure, none).",
+                     MetricType::Counter);
       for (const auto& [key, count] : s.attempts_ended) {
         const std::string failure =
             key.second == v1::FAILURE_KIND_UNSPECIFIED
                 ? "none"
                 : EnumLabel(v1::FailureKind_Name(key.second), "FAILURE_KIND_");
-        Add(f,
-            {{"failure", failure},
-             {"result", EnumLabel(v1::AttemptState_Name(key.first), "ATTEMPT_STATE_")}},
-            static_cast<double>(count));
+        AddSample(f,
+                  {{"failure", failure},
+                   {"result", EnumLabel(v1::AttemptState_Name(key.first), "ATTEMPT_STATE_")}},
+                  static_cast<double>(count));
       }
       out.push_back(std::move(f));
     }
     {
-      MetricFamily f = Family("lathe_scheduling_pass_duration_seconds",
-                              "Wall time of each scheduling pass.", MetricType::Histogram);
-      AddHistogram(f, s.pass_seconds);
+      MetricFamily f = MakeFamily("lathe_scheduling_pass_duration_seconds",
+                                  "Wall time of each scheduling pass.", MetricType::Histogram);
+      AddDurations(f, s.pass_seconds);
       out.push_back(std::move(f));
     }
     {
-      MetricFamily f = Family("lathe_queue_wait_seconds",
-                              "Time from a job's submission (or its requeue after a failed "
-                              "attempt) to its placement.",
-                              MetricType::Histogram);
-      AddHistogram(f, s.queue_seconds);
+      MetricFamily f = MakeFamily("lathe_queue_wait_seconds",
+                                  "Time from a job's submission (or its requeue after a failed "
+                                  "attempt) to its placement.",
+                                  MetricType::Histogram);
+      AddDurations(f, s.queue_seconds);
       out.push_back(std::move(f));
     }
     AddJobs(s, out);
@@ -173,52 +151,53 @@ class SchedulerCollector : public prometheus::Collectable {
   // label is job_id, not job: Prometheus gives every target a `job` label of its own.
   static void AddJobs(const SchedulerSnapshot& s, std::vector<MetricFamily>& out) {
     MetricFamily info =
-        Family("lathe_job_info", "1 for each job shown: its name, state and current attempt.",
-               MetricType::Gauge);
-    MetricFamily step = Family("lathe_job_step", "Optimizer steps done.", MetricType::Gauge);
-    MetricFamily total = Family("lathe_job_total_steps", "Steps the job runs.", MetricType::Gauge);
+        MakeFamily("lathe_job_info", "1 for each job shown: its name, state and current attempt.",
+                   MetricType::Gauge);
+    MetricFamily step = MakeFamily("lathe_job_step", "Optimizer steps done.", MetricType::Gauge);
+    MetricFamily total =
+        MakeFamily("lathe_job_total_steps", "Steps the job runs.", MetricType::Gauge);
     MetricFamily loss =
-        Family("lathe_job_loss", "Training loss of the latest step.", MetricType::Gauge);
-    MetricFamily lr =
-        Family("lathe_job_learning_rate", "Learning rate of the latest step.", MetricType::Gauge);
+        MakeFamily("lathe_job_loss", "Training loss of the latest step.", MetricType::Gauge);
+    MetricFamily lr = MakeFamily("lathe_job_learning_rate", "Learning rate of the latest step.",
+                                 MetricType::Gauge);
     MetricFamily tokens =
-        Family("lathe_job_tokens_per_second",
-               "Training tokens per second of rank 0 over the latest step.", MetricType::Gauge);
-    MetricFamily mfu = Family("lathe_job_mfu_ratio",
-                              "Model FLOPs utilisation of rank 0's device, 0 to 1 "
-                              "(docs/training.md, \"MFU\").",
-                              MetricType::Gauge);
+        MakeFamily("lathe_job_tokens_per_second",
+                   "Training tokens per second of rank 0 over the latest step.", MetricType::Gauge);
+    MetricFamily mfu = MakeFamily("lathe_job_mfu_ratio",
+                                  "Model FLOPs utilisation of rank 0's device, 0 to 1 "
+                                  "(docs/training.md, \"MFU\").",
+                                  MetricType::Gauge);
     MetricFamily step_seconds =
-        Family("lathe_job_step_seconds", "Mean wall time of a step so far (after the first).",
-               MetricType::Gauge);
-    MetricFamily measured = Family("lathe_job_memory_peak_bytes",
-                                   "Measured peak memory of the attempt by component: the "
-                                   "largest any rank reported.",
-                                   MetricType::Gauge);
-    MetricFamily predicted = Family("lathe_job_memory_predicted_bytes",
-                                    "The planner's predicted peak per rank by component "
-                                    "(before its learned correction).",
-                                    MetricType::Gauge);
+        MakeFamily("lathe_job_step_seconds", "Mean wall time of a step so far (after the first).",
+                   MetricType::Gauge);
+    MetricFamily measured = MakeFamily("lathe_job_memory_peak_bytes",
+                                       "Measured peak memory of the attempt by component: the "
+                                       "largest any rank reported.",
+                                       MetricType::Gauge);
+    MetricFamily predicted = MakeFamily("lathe_job_memory_predicted_bytes",
+                                        "The planner's predicted peak per rank by component "
+                                        "(before its learned correction).",
+                                        MetricType::Gauge);
     for (const SchedulerSnapshot::Job& job : s.jobs_shown) {
-      Add(info,
-          {{"attempt", absl::StrCat(job.generation)},
-           {"job_id", job.job_id},
-           {"name", job.name},
-           {"state", EnumLabel(v1::JobState_Name(job.state), "JOB_STATE_")}},
-          1);
+      AddSample(info,
+                {{"attempt", absl::StrCat(job.generation)},
+                 {"job_id", job.job_id},
+                 {"name", job.name},
+                 {"state", EnumLabel(v1::JobState_Name(job.state), "JOB_STATE_")}},
+                1);
       const std::vector<ClientMetric::Label> id = {{"job_id", job.job_id}};
-      Add(step, id, static_cast<double>(job.progress.step()));
-      Add(total, id, static_cast<double>(job.progress.total_steps()));
-      if (job.progress.has_loss()) Add(loss, id, job.progress.loss());
-      Add(lr, id, job.progress.lr());
-      Add(tokens, id, job.progress.tokens_per_second());
-      Add(mfu, id, job.progress.mfu());
-      Add(step_seconds, id, job.progress.step_seconds());
+      AddSample(step, id, static_cast<double>(job.progress.step()));
+      AddSample(total, id, static_cast<double>(job.progress.total_steps()));
+      if (job.progress.has_loss()) AddSample(loss, id, job.progress.loss());
+      AddSample(lr, id, job.progress.lr());
+      AddSample(tokens, id, job.progress.tokens_per_second());
+      AddSample(mfu, id, job.progress.mfu());
+      AddSample(step_seconds, id, job.progress.step_seconds());
       for (MemoryComponent c : kMemoryComponents) {
         const std::vector<ClientMetric::Label> labels = {
             {"component", std::string(MemoryComponentName(c))}, {"job_id", job.job_id}};
-        Add(measured, labels, static_cast<double>(ComponentBytes(job.peak_memory, c)));
-        Add(predicted, labels, static_cast<double>(ComponentBytes(job.predicted_memory, c)));
+        AddSample(measured, labels, static_cast<double>(ComponentBytes(job.peak_memory, c)));
+        AddSample(predicted, labels, static_cast<double>(ComponentBytes(job.predicted_memory, c)));
       }
     }
     for (MetricFamily* f :

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""The coordinator's /metrics under a real Prometheus (issue #14): a cluster whose
-coordinator serves --metrics-listen, Debian's `prometheus` scraping it every 0.5 s on
+"""The daemons' /metrics under a real Prometheus (issue #14): a cluster whose coordinator
+and worker agent serve --metrics-listen, Debian's `prometheus` scraping both every 0.5 s on
 127.0.0.1, and a job run through it. The test reads the figures back through Prometheus'
 HTTP query API: the running job's tokens/s and its memory by component, the same step, loss
 and tokens/s as `lathe status` once it ended, the job counted as succeeded; and
@@ -33,8 +33,14 @@ class MetricsTest(ClusterTest):
 
     @classmethod
     def configure(cls, cluster):
-        cls.metrics_port = free_port()
+        # Distinct ports: free_port may hand out one again until a process binds it.
+        ports = {cluster.port}
+        while len(ports) < 4:
+            ports.add(free_port())
+        cls.metrics_port, cls.worker_metrics_port, cls.prometheus_port = sorted(
+            ports - {cluster.port})
         cluster.coordinator_args += ["--metrics-listen", f"127.0.0.1:{cls.metrics_port}"]
+        cluster.worker_args += ["--metrics-listen", f"127.0.0.1:{cls.worker_metrics_port}"]
 
     @classmethod
     def setUpClass(cls):
@@ -44,13 +50,14 @@ class MetricsTest(ClusterTest):
         if prometheus is None:
             cls.tearDownClass()
             raise AssertionError("no prometheus binary: scripts/install-deps installs it")
-        cls.prometheus_port = free_port()
         config = os.path.join(cls.root, "prometheus.yml")
         with open(config, "w") as f:
             f.write(f"""global: {{scrape_interval: 500ms, scrape_timeout: 400ms}}
 scrape_configs:
   - job_name: lathe-coordinator
     static_configs: [{{targets: ["127.0.0.1:{cls.metrics_port}"]}}]
+  - job_name: lathe-worker
+    static_configs: [{{targets: ["127.0.0.1:{cls.worker_metrics_port}"]}}]
 """)
         cls.prometheus_log = open(os.path.join(cls.root, "prometheus.log"), "w")
         cls.prometheus = subprocess.Popen(
@@ -99,9 +106,10 @@ scrape_configs:
         return json.loads(shown.stdout)
 
     def test_health_and_readiness(self):
-        base = f"http://127.0.0.1:{self.metrics_port}"
-        self.assertEqual(http_get(f"{base}/healthz"), "ok\n")
-        self.assertEqual(http_get(f"{base}/readyz"), "ready\n")
+        for port in (self.metrics_port, self.worker_metrics_port):  # the worker: registered
+            base = f"http://127.0.0.1:{port}"
+            self.assertEqual(http_get(f"{base}/healthz"), "ok\n")
+            self.assertEqual(http_get(f"{base}/readyz"), "ready\n")
         # The standard grpc.health.v1 service, without a token: HealthCheckResponse
         # {status: SERVING} is the two bytes 08 01.
         with grpc.insecure_channel(self.cluster.address) as channel:
@@ -127,11 +135,18 @@ scrape_configs:
                                      "instance": f"127.0.0.1:{self.metrics_port}",
                                      "job": "lathe-coordinator"}.items()): 1.0})
 
-        # What the coordinator serves passes promtool's checks.
-        text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        checked = subprocess.run(["promtool", "check", "metrics"], input=text,
-                                 capture_output=True, text=True)
-        self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
+        # The worker's view of its rank: tokens/s and the step time histogram.
+        self.wait_query(f'lathe_rank_tokens_per_second{{job_id="{job}",rank="0"}}',
+                        lambda r: r and max(r.values()) > 0, "the rank's tokens/s")
+        self.wait_query(f'lathe_rank_step_duration_seconds_count{{job_id="{job}"}}',
+                        lambda r: r and max(r.values()) >= 1, "the rank's step times")
+
+        # What both daemons serve passes promtool's checks.
+        for port in (self.metrics_port, self.worker_metrics_port):
+            text = http_get(f"http://127.0.0.1:{port}/metrics")
+            checked = subprocess.run(["promtool", "check", "metrics"], input=text,
+                                     capture_output=True, text=True)
+            self.assertEqual(checked.returncode, 0, checked.stdout + checked.stderr)
 
         # Once it ended: counted as succeeded, and the same figures as `lathe status`.
         deadline = time.time() + TIMEOUT

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <thread>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
+#include "common/http/http_endpoints.h"
 #include "common/rpc/auth.h"
 #include "common/rpc/tls.h"
 #include "common/status_macros.h"
@@ -20,6 +22,7 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "spdlog/spdlog.h"
+#include "worker/agent/agent_metrics.h"
 #include "worker/agent/host_resources.h"
 #include "worker/agent/process_launcher.h"
 #include "worker/agent/worker_agent.h"
@@ -46,6 +49,9 @@ const std::vector<FlagSpec> kAgentFlags = {
      "PEM roots of the coordinator's certificate: connect with TLS (default $LATHE_TLS_CA); "
      "its trainers get the TLS files as $LATHE_TLS_CA, $LATHE_TLS_CERT, $LATHE_TLS_KEY"},
     {"tls-cert", true, "PEM certificate of this worker, for mutual TLS (default $LATHE_TLS_CERT)"},
+    {"metrics-listen", true,
+     "host:port to serve /metrics, /healthz and /readyz on (docs/observability.md; port 0 "
+     "picks one); default: none"},
     {"tls-key", true, "PEM private key of --tls-cert (default $LATHE_TLS_KEY)"},
     {"peak-flops", true,
      "peak FLOP/s of one slot's device, for MFU (default: looked up (CUDA) or measured (CPU) by "
@@ -59,6 +65,7 @@ std::string HostName() {
 }
 
 absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
+                                                    const std::string& default_trainer,
                                                     ProcessLauncher& launcher) {
   WorkerAgentOptions options;
   const std::string device = flags.Get("device", "cpu");
@@ -109,7 +116,7 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
                             std::pair{kTlsEnvKey, &tls.key}}) {
     if (!file->empty()) trainer.environment.push_back({name, *file});
   }
-  trainer.trainer_binary = flags.Get("trainer-binary", "/proc/self/exe");
+  trainer.trainer_binary = flags.Get("trainer-binary", default_trainer);
   if (access(trainer.trainer_binary.c_str(), X_OK) != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--trainer-binary: ", trainer.trainer_binary, " is not an executable file"));
@@ -160,7 +167,13 @@ std::shared_ptr<grpc::Channel> CoordinatorChannel(
 
 std::string AgentFlagsHelp() { return FlagsHelp(kAgentFlags); }
 
-int RunAgentCommand(int argc, char** argv) {
+std::string BesideThisExecutable(const std::string& name) {
+  std::error_code error;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? name : (self.parent_path() / name).string();
+}
+
+int RunAgentCommand(int argc, char** argv, const std::string& default_trainer) {
   std::vector<std::string> args(argv, argv + argc);
   for (const std::string& arg : args) {
     if (arg == "--help" || arg == "-h") {
@@ -189,7 +202,7 @@ int RunAgentCommand(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   PosixProcessLauncher launcher;
-  absl::StatusOr<WorkerAgentOptions> options = OptionsFromFlags(*flags, launcher);
+  absl::StatusOr<WorkerAgentOptions> options = OptionsFromFlags(*flags, default_trainer, launcher);
   if (!options.ok()) {
     std::cerr << "lathe-worker agent: " << options.status().message() << "\n";
     return 2;
@@ -208,7 +221,36 @@ int RunAgentCommand(int argc, char** argv) {
   std::unique_ptr<v1::WorkerService::Stub> stub =
       v1::WorkerService::NewStub(CoordinatorChannel(coordinator, *credentials));
   RealClock clock;
+  // The agent's metrics and probes: ready while its heartbeat stream is answered.
+  std::shared_ptr<AgentMetrics> metrics;
+  std::unique_ptr<HttpEndpoints> http;
+  WorkerAgent* serving = nullptr;  // set once the agent exists
+  if (flags->Has("metrics-listen")) {
+    metrics = std::make_shared<AgentMetrics>(options->worker_id, options->slots, options->devices,
+                                             &clock);
+    options->on_event = [metrics](const v1::Assignment& assignment, const RankReport& event) {
+      metrics->Record(assignment, event);
+    };
+    absl::StatusOr<std::unique_ptr<HttpEndpoints>> started = HttpEndpoints::Start(
+        {flags->Get("metrics-listen"),
+         {metrics},
+         [&serving] {
+           return serving != nullptr && serving->Connected()
+                      ? absl::OkStatus()
+                      : absl::UnavailableError("not registered with the coordinator");
+         }},
+        "--metrics-listen");
+    if (!started.ok()) {
+      std::cerr << "lathe-worker agent: " << started.status().message() << "\n";
+      return 2;
+    }
+    http = *std::move(started);
+    const std::string listen = flags->Get("metrics-listen");
+    options->address = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", http->port());
+    spdlog::info("worker={} metrics on http://{}/metrics", options->worker_id, options->address);
+  }
   WorkerAgent agent(*std::move(options), stub.get(), &launcher, &clock);
+  serving = &agent;
 
   absl::Status result;
   std::thread runner([&] {
@@ -223,6 +265,7 @@ int RunAgentCommand(int argc, char** argv) {
     agent.Shutdown();
   }
   runner.join();
+  http.reset();  // before the agent it asks
   if (!result.ok()) {
     std::cerr << "lathe-worker agent: " << result.message() << "\n";
     return 1;

@@ -343,7 +343,13 @@ void WorkerAgent::StartTrainer(const std::shared_ptr<TrainerSupervisor>& trainer
   }
 }
 
+bool WorkerAgent::Connected() const {
+  absl::MutexLock lock(&mu_);
+  return call_context_ != nullptr && answered_ && !stream_ended_;
+}
+
 void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const RankReport& event) {
+  if (options_.on_event) options_.on_event(assignment, event);
   v1::ReportProgressRequest request;
   request.set_worker_id(worker_id());
   request.set_job_id(assignment.job_id());
@@ -376,6 +382,13 @@ void WorkerAgent::ReportNotStarted(const v1::Assignment& assignment, const std::
   request.set_event(v1::RANK_EVENT_FAILED);
   request.set_error(error);
   request.set_failure(v1::FAILURE_KIND_INFRASTRUCTURE);  // this worker could not start it
+  if (options_.on_event) {
+    RankReport failed;
+    failed.kind = v1::RANK_EVENT_FAILED;
+    failed.error = error;
+    failed.failure = v1::FAILURE_KIND_INFRASTRUCTURE;
+    options_.on_event(assignment, failed);
+  }
   v1::Assignment rank = RankOf(assignment);
   reporter_.Report(std::move(request), [this, rank] { ReleaseSlot(rank); });
 }

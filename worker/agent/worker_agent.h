@@ -33,6 +33,7 @@
 #define LATHE_WORKER_AGENT_WORKER_AGENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +84,9 @@ struct WorkerAgentOptions {
   // trainer.environment.
   std::string token;
   ProgressReporterOptions reporter;
+  // Told of every trainer event (and of a rank that could not start), before it is
+  // reported: the agent's metrics. Called on trainers' threads; may be null.
+  std::function<void(const v1::Assignment&, const RankReport&)> on_event;
 };
 
 class WorkerAgent {
@@ -107,6 +111,10 @@ class WorkerAgent {
 
   // Makes Run return (promptly: trainers get their cancel grace, no more). Idempotent.
   void Shutdown();
+
+  // True while a heartbeat stream is open and the coordinator has answered on it: the
+  // agent's readiness.
+  bool Connected() const;
 
  private:
   struct Slot {
