@@ -7,6 +7,7 @@ and tokens/s as `lathe status` once it ended, the job counted as succeeded; and
 `promtool check metrics` passes on what the coordinator serves."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +19,8 @@ import urllib.request
 import grpc
 
 from services_test import TIMEOUT, ClusterTest, free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COMPONENTS = {"weights", "trainable", "gradients", "optimizer", "activations", "logits",
               "comm_buffers", "overhead"}
@@ -169,6 +172,41 @@ scrape_configs:
         # Every unary call the CLI made is timed, by method and code.
         calls = self.query('lathe_rpc_duration_seconds_count{method="SubmitJob",code="OK"}')
         self.assertEqual(list(calls.values()), [1.0])
+        self.check_dashboard_and_alerts(job)
+
+    def exported_names(self):
+        """Every metric name the two daemons serve (a histogram's _bucket/_sum/_count too)."""
+        names = set()
+        for port in (self.metrics_port, self.worker_metrics_port):
+            for line in http_get(f"http://127.0.0.1:{port}/metrics").splitlines():
+                if line.startswith("# TYPE "):
+                    _, _, name, kind = line.split()
+                    names.add(name)
+                    if kind == "histogram":
+                        names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        return names
+
+    def check_dashboard_and_alerts(self, job):
+        """Every PromQL expression of deploy/ names only metrics the binaries export, and
+        Prometheus parses each of the dashboard's (with the job picked)."""
+        exported = self.exported_names()
+        with open(os.path.join(ROOT, "deploy", "grafana", "lathe.json")) as f:
+            dashboard = json.load(f)
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        self.assertGreater(len(exprs), 20)
+        variables = [v["definition"] for v in dashboard["templating"]["list"]
+                     if v.get("definition")]
+        with open(os.path.join(ROOT, "deploy", "prometheus", "lathe-alerts.yml")) as f:
+            rules = re.findall(r"expr: \|?\s*\n?((?:.+\n?)+?)(?=\s+(?:for|labels):)", f.read())
+        self.assertEqual(len(rules), 5, rules)
+        for text in exprs + variables + rules:
+            for name in re.findall(r"\blathe_[a-z_]+", text):
+                self.assertIn(name, exported, f"{name} in {text!r} is not exported")
+        for expr in exprs:
+            url = (f"http://127.0.0.1:{self.prometheus_port}/api/v1/query?" +
+                   urllib.parse.urlencode({"query": expr.replace("$job_id", job)}))
+            answer = json.loads(http_get(url))
+            self.assertEqual(answer["status"], "success", (expr, answer))
 
 
 if __name__ == "__main__":
