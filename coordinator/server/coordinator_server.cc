@@ -20,6 +20,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorConfig& config, std::unique_ptr<Store> store) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  server->shutdown_grace_ = config.shutdown_grace;
   if (config.insecure_no_auth) {
     server->auth_ = std::make_unique<Authenticator>(Authenticator::AllowAll());
     spdlog::warn(
@@ -141,7 +142,9 @@ void CoordinatorServer::Shutdown() {
     server_->GetHealthCheckService()->Shutdown();  // NOT_SERVING from now on
   }
   if (!stop_.HasBeenNotified()) stop_.Notify();
-  if (server_) server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // Stop accepting calls; those in flight get the grace period (their writes are durable
+  // before they answer); then the scheduling loop writes what is left and stops.
+  if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + shutdown_grace_));
   if (heartbeat_checker_.joinable()) heartbeat_checker_.join();
   if (scheduling_loop_.joinable()) scheduling_loop_.join();
 }

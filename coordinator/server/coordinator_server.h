@@ -43,6 +43,8 @@ struct CoordinatorConfig {
   bool insecure_no_auth = false;  // every caller may do anything: logged loudly
   // TLS (common/rpc/tls.h); with a client CA, worker calls need a verified certificate.
   ServerTlsFiles tls;
+  // On shutdown, how long calls in flight have to finish before they are cancelled.
+  absl::Duration shutdown_grace = absl::Seconds(2);
   // Where /metrics, /healthz and /readyz are served (docs/observability.md); empty: nowhere.
   std::string metrics_listen;
 };
@@ -86,6 +88,7 @@ class CoordinatorServer {
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
+  absl::Duration shutdown_grace_;
   absl::Notification stop_;
   // Held through Shutdown: a signal's Shutdown and main's (after Wait returns) may race.
   absl::Mutex shutdown_mu_;

@@ -32,6 +32,8 @@ const std::vector<FlagSpec> kFlags = {
      "accept every call without a token: anyone who reaches the port may do anything"},
     {"tls-cert", true, "PEM certificate chain to serve TLS with (with --tls-key)"},
     {"tls-key", true, "PEM private key of --tls-cert"},
+    {"shutdown-grace", true,
+     "seconds calls in flight get to finish on SIGTERM before they are cancelled (default 2)"},
     {"metrics-listen", true,
      "host:port to serve Prometheus metrics on, at /metrics (docs/observability.md; port 0 "
      "picks one); default: none"},
@@ -54,6 +56,14 @@ int Main(int argc, char** argv) {
   config.insecure_no_auth = flags->Has("insecure-no-auth");
   config.tls = {flags->Get("tls-cert"), flags->Get("tls-key"), flags->Get("tls-client-ca")};
   config.metrics_listen = flags->Get("metrics-listen");
+  absl::StatusOr<double> grace = flags->GetDouble("shutdown-grace", 2);
+  if (!grace.ok() || !(*grace >= 0)) {
+    std::cerr << "lathe-coordinator: --shutdown-grace: "
+              << (grace.ok() ? "must be >= 0 seconds" : std::string(grace.status().message()))
+              << "\n";
+    return 2;
+  }
+  config.shutdown_grace = absl::Seconds(*grace);
   if (config.insecure_no_auth && !config.auth_tokens_path.empty()) {
     std::cerr << "lathe-coordinator: --auth-tokens and --insecure-no-auth exclude each other\n";
     return 2;

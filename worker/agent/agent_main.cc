@@ -40,6 +40,9 @@ const std::vector<FlagSpec> kAgentFlags = {
     {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
     {"collective-timeout", true,
      "seconds a trainer's collective waits for the other ranks before it fails (default 60)"},
+    {"stop-grace", true,
+     "seconds a trainer asked to stop (cancelled, drained, or the agent shutting down on "
+     "SIGTERM) has to checkpoint and exit before SIGKILL (default 5)"},
     {"trainer-binary", true, "lathe-worker binary that runs `train` (default this one)"},
     {"token", true,
      "the worker's bearer token (default: --token-file, then $LATHE_TOKEN); its trainers get it "
@@ -108,6 +111,12 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
         absl::StrCat("--collective-timeout: must be > 0 seconds, got ", collective_timeout));
   }
   trainer.collective_timeout = absl::Seconds(collective_timeout);
+  LATHE_ASSIGN_OR_RETURN(double stop_grace, flags.GetDouble("stop-grace", 5));
+  if (!(stop_grace > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--stop-grace: must be > 0 seconds, got ", stop_grace));
+  }
+  trainer.cancel_grace = absl::Seconds(stop_grace);
   LATHE_ASSIGN_OR_RETURN(options.token, ResolveToken(flags.Get("token"), flags.Get("token-file"),
                                                      "--token-file", "LATHE_TOKEN"));
   if (!options.token.empty()) trainer.environment.push_back({"LATHE_TOKEN", options.token});
