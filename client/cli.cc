@@ -289,6 +289,41 @@ int RunWatch(const Invocation& inv) {
   return kExitFailed;
 }
 
+int RunLogs(const Invocation& inv) {
+  const std::string& id = inv.positional[0];
+  absl::StatusOr<int64_t> rank = inv.flags.GetInt("rank", 0);
+  if (!rank.ok()) return Fail(inv, rank.status());
+  absl::StatusOr<int64_t> attempt = inv.flags.GetInt("attempt", 0);
+  if (!attempt.ok()) return Fail(inv, attempt.status());
+  if (*rank < 0 || *attempt < 0) {
+    return Fail(inv, absl::InvalidArgumentError("--rank and --attempt: must be >= 0"));
+  }
+  const bool follow = inv.flags.Has("follow");
+  int64_t offset = 0;
+  int64_t generation = *attempt;  // fixed after the first answer, so --follow stays on it
+  bool ended_seen = false;
+  while (true) {
+    absl::StatusOr<v1::GetLogsResponse> chunk = inv.client->GetLogs(id, generation, *rank, offset);
+    if (!chunk.ok()) return FailForJob(inv, chunk.status(), id);
+    generation = chunk->attempt();
+    *inv.out << chunk->data();
+    inv.out->flush();
+    offset = chunk->next_offset();
+    if (offset < chunk->size()) continue;  // more is there already
+    if (!follow) break;
+    // Its worker sends a rank's log about every second, so the last lines may come after
+    // the attempt has ended: one more look two seconds later.
+    if (!chunk->attempt_active()) {
+      if (ended_seen) break;
+      ended_seen = true;
+      absl::SleepFor(absl::Seconds(2));
+      continue;
+    }
+    absl::SleepFor(absl::Seconds(1));
+  }
+  return kExitOk;
+}
+
 int RunCancel(const Invocation& inv) {
   const std::string& id = inv.positional[0];
   absl::StatusOr<v1::JobStatus> job = inv.client->CancelJob(id, inv.flags.Get("reason"));
@@ -391,6 +426,14 @@ const std::vector<Command>& Commands() {
        {},
        1,
        RunWatch},
+      {"logs",
+       "ID [--rank R] [--attempt A] [--follow]",
+       "Print a rank's log (its trainer's output), as its worker sent it to the coordinator.",
+       {{"rank", true, "which rank (default 0)"},
+        {"attempt", true, "which attempt (default: the latest)"},
+        {"follow", false, "keep printing as the rank runs, until its attempt ends"}},
+       1,
+       RunLogs},
       {"cancel",
        "ID [--reason TEXT]",
        "Cancel a job.",

@@ -172,6 +172,20 @@ absl::StatusOr<v1::JobStatus> JobClient::CancelJob(absl::string_view job_id,
   return response;
 }
 
+absl::StatusOr<v1::GetLogsResponse> JobClient::GetLogs(absl::string_view job_id, int64_t attempt,
+                                                       int64_t rank, int64_t offset) const {
+  v1::GetLogsRequest request;
+  request.set_job_id(std::string(job_id));
+  request.set_attempt(attempt);
+  request.set_rank(rank);
+  request.set_offset(offset);
+  v1::GetLogsResponse response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->GetLogs(c, request, &response); });
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::Status JobClient::WatchJob(absl::string_view job_id,
                                  const std::function<bool(const v1::JobStatus&)>& on_update) const {
   v1::WatchJobRequest request;

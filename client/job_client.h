@@ -104,6 +104,10 @@ class JobClient {
   // NOT_FOUND for an unknown id.
   absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason) const;
 
+  // JobService.GetLogs: a rank's log from `offset` (attempt 0: the latest).
+  absl::StatusOr<v1::GetLogsResponse> GetLogs(absl::string_view job_id, int64_t attempt,
+                                              int64_t rank, int64_t offset) const;
+
   // JobService.WatchJob: calls `on_update` with the current status and then once per change,
   // on the calling thread, until the coordinator ends the stream (the job ended) or
   // `on_update` returns false. OK then; otherwise the stream's error (NOT_FOUND for an

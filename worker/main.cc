@@ -302,12 +302,14 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
   };
   sigaction(SIGTERM, &action, nullptr);
   const Plan& plan = trainer->plan();
-  if (json) {
+  // The human-readable lines: on stdout, or with --output json (stdout is the agent's event
+  // stream) on stderr, which the agent keeps as the rank's log (`lathe logs`).
+  std::ostream& text = json ? std::cerr : std::cout;
+  {
 #ifdef LATHE_WITH_AGENT
-    PrintEvent(StartEvent(*trainer));
+    if (json) PrintEvent(StartEvent(*trainer));
 #endif
-  } else {
-    std::cout << absl::StrFormat(
+    text << absl::StrFormat(
         "job %s: %d steps, global batch %d, micro-batch %d x %d accumulation on %d rank(s)%s\n",
         spec.name, trainer->total_steps(), spec.train.global_batch, plan.micro_batch,
         plan.gradient_accumulation, plan.ranks,
@@ -316,54 +318,46 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
   // Whoever reads the output (the agent) is gone when a write fails: stop after the next
   // step with a checkpoint rather than train on unheard (docs/reliability.md).
   signal(SIGPIPE, SIG_IGN);
-  auto on_step = [json](const StepReport& r) {
+  auto on_step = [json, &text](const StepReport& r) {
     absl::Cleanup stop_when_unheard = [] {
       if (!std::cout) g_trainer.load()->RequestStop();
     };
-    if (json) {
 #ifdef LATHE_WITH_AGENT
-      PrintEvent(StepEvent(r));
+    if (json) PrintEvent(StepEvent(r));
 #endif
-      return;
-    }
     const double tokens_per_s = r.seconds > 0 ? r.tokens / r.seconds : 0.0;
-    std::cout << absl::StrFormat(
-                     "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  MFU %.1f%%  "
-                     "peak %.1f MiB",
-                     r.step, r.steps,
-                     !r.loss     ? "no targets"
-                     : r.skipped ? absl::StrFormat("%g (not finite: step skipped)", *r.loss)
-                                 : absl::StrFormat("%.4f", *r.loss),
-                     r.lr, r.grad_norm, tokens_per_s, 100 * r.mfu, r.peak_bytes / 1048576.0)
-              << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "")
-              << std::endl;
+    text << absl::StrFormat(
+                "step %5d/%d  loss %s  lr %.3e  grad_norm %.4f  tokens/s %.0f  MFU %.1f%%  "
+                "peak %.1f MiB",
+                r.step, r.steps,
+                !r.loss     ? "no targets"
+                : r.skipped ? absl::StrFormat("%g (not finite: step skipped)", *r.loss)
+                            : absl::StrFormat("%.4f", *r.loss),
+                r.lr, r.grad_norm, tokens_per_s, 100 * r.mfu, r.peak_bytes / 1048576.0)
+         << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "") << std::endl;
   };
-  auto on_checkpoint = [json](int64_t step, const std::string& dir) {
-    if (json) {
+  auto on_checkpoint = [json, &text](int64_t step, const std::string& dir) {
 #ifdef LATHE_WITH_AGENT
+    if (json) {
       v1::TrainerEvent event;
       event.mutable_checkpoint()->set_step(step);
       event.mutable_checkpoint()->set_path(dir);
       PrintEvent(event);
-#endif
-      return;
     }
-    std::cout << "checkpoint after step " << step << ": " << dir << std::endl;
+#endif
+    text << "checkpoint after step " << step << ": " << dir << std::endl;
   };
   LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step, on_checkpoint));
-  if (json) {
 #ifdef LATHE_WITH_AGENT
-    PrintEvent(DoneEvent(result));
+  if (json) PrintEvent(DoneEvent(result));
 #endif
-  } else {
-    std::cout << absl::StrFormat("done: %d steps in %.1f s, %.0f tokens/s, peak RSS %.1f MiB\n",
-                                 result.steps, result.seconds, result.tokens_per_second,
-                                 result.peak_rss_bytes / 1048576.0);
-    if (result.eval_loss) std::cout << absl::StrFormat("eval loss %.4f\n", *result.eval_loss);
-    std::cout << (result.adapter_dir.empty() ? "model: " + result.model_dir
-                                             : "adapter: " + result.adapter_dir)
-              << std::endl;
-  }
+  text << absl::StrFormat("done: %d steps in %.1f s, %.0f tokens/s, peak RSS %.1f MiB\n",
+                          result.steps, result.seconds, result.tokens_per_second,
+                          result.peak_rss_bytes / 1048576.0);
+  if (result.eval_loss) text << absl::StrFormat("eval loss %.4f\n", *result.eval_loss);
+  text << (result.adapter_dir.empty() ? "model: " + result.model_dir
+                                      : "adapter: " + result.adapter_dir)
+       << std::endl;
   return absl::OkStatus();
 }
 

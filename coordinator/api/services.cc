@@ -240,6 +240,40 @@ grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
   return reactor;
 }
 
+namespace {
+
+constexpr int64_t kMaxLogChunk = 1 << 20;
+
+}  // namespace
+
+grpc::ServerUnaryReactor* JobServiceImpl::GetLogs(grpc::CallbackServerContext* context,
+                                                  const v1::GetLogsRequest* request,
+                                                  v1::GetLogsResponse* response) {
+  return Serve(context, auth_, kClientCall, "GetLogs", &pool_, options_.rpc_observer, [=] {
+    if (options_.logs == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
+    }
+    if (request->offset() < 0 || request->max_bytes() < 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "offset and max_bytes: must be >= 0");
+    }
+    absl::StatusOr<std::pair<int64_t, bool>> attempt =
+        scheduler_->LogAttempt(request->job_id(), request->attempt(), request->rank());
+    if (!attempt.ok()) return ToGrpcStatus(attempt.status());
+    const int64_t max = request->max_bytes() == 0
+                            ? kMaxLogChunk
+                            : std::min<int64_t>(request->max_bytes(), kMaxLogChunk);
+    absl::StatusOr<LogStore::Chunk> chunk = options_.logs->Read(
+        {request->job_id(), attempt->first, request->rank()}, request->offset(), max);
+    if (!chunk.ok()) return ToGrpcStatus(chunk.status());
+    response->set_next_offset(request->offset() + static_cast<int64_t>(chunk->data.size()));
+    response->set_data(std::move(chunk->data));
+    response->set_attempt(attempt->first);
+    response->set_attempt_active(attempt->second);
+    response->set_size(chunk->size);
+    return grpc::Status::OK;
+  });
+}
+
 // --- WorkerService --------------------------------------------------------------------
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RegisterWorker(
@@ -410,6 +444,29 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::DrainWorker(grpc::CallbackServerCon
                                                          v1::WorkerStatus* response) {
   return Serve(context, auth_, kAdminCall, "DrainWorker", &pool_, observer_,
                [=] { return Respond(scheduler_->DrainWorker(request->worker_id()), response); });
+}
+
+grpc::ServerUnaryReactor* WorkerServiceImpl::AppendLogs(grpc::CallbackServerContext* context,
+                                                        const v1::AppendLogsRequest* request,
+                                                        v1::AppendLogsResponse* response) {
+  return Serve(context, auth_, kWorkerCall, "AppendLogs", &pool_, observer_, [=] {
+    if (logs_ == nullptr) {
+      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
+    }
+    if (request->offset() < 0 || static_cast<int64_t>(request->data().size()) > kMaxLogChunk) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          "offset: must be >= 0; data: at most 1 MiB");
+    }
+    absl::Status allowed = scheduler_->CheckLogWriter(request->job_id(), request->generation(),
+                                                      request->rank(), request->worker_id());
+    if (!allowed.ok()) return ToGrpcStatus(allowed);
+    absl::StatusOr<int64_t> size =
+        logs_->Append({request->job_id(), request->generation(), request->rank()},
+                      request->offset(), request->data());
+    if (!size.ok()) return ToGrpcStatus(size.status());
+    response->set_size(*size);
+    return grpc::Status::OK;
+  });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RemoveWorker(grpc::CallbackServerContext* context,

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "common/rpc/auth.h"
 #include "coordinator/api/work_pool.h"
+#include "coordinator/logs/log_store.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "grpcpp/grpcpp.h"
@@ -39,6 +40,7 @@ struct JobServiceOptions {
   int threads = 4;
   size_t max_queued = 4096;             // calls waiting for a thread; UNAVAILABLE beyond
   RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
+  LogStore* logs = nullptr;             // the ranks' logs; null: GetLogs is UNIMPLEMENTED
 };
 
 class JobServiceImpl final : public v1::JobService::CallbackService {
@@ -72,6 +74,9 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
                                       v1::JobStatus* response) override;
   grpc::ServerWriteReactor<v1::JobStatus>* WatchJob(grpc::CallbackServerContext* context,
                                                     const v1::WatchJobRequest* request) override;
+  grpc::ServerUnaryReactor* GetLogs(grpc::CallbackServerContext* context,
+                                    const v1::GetLogsRequest* request,
+                                    v1::GetLogsResponse* response) override;
 
  private:
   friend class WatchReactor;
@@ -93,6 +98,7 @@ struct WorkerServiceOptions {
   int threads = 4;
   size_t max_queued = 16384;  // a registration burst of thousands waits here, not in threads
   RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
+  LogStore* logs = nullptr;             // the ranks' logs; null: AppendLogs is UNIMPLEMENTED
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
@@ -102,6 +108,7 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
       : scheduler_(scheduler),
         auth_(auth),
         observer_(options.rpc_observer),
+        logs_(options.logs),
         pool_(options.threads, options.max_queued) {}
 
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* context,
@@ -123,11 +130,15 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
   grpc::ServerUnaryReactor* RemoveWorker(grpc::CallbackServerContext* context,
                                          const v1::RemoveWorkerRequest* request,
                                          v1::RemoveWorkerResponse* response) override;
+  grpc::ServerUnaryReactor* AppendLogs(grpc::CallbackServerContext* context,
+                                       const v1::AppendLogsRequest* request,
+                                       v1::AppendLogsResponse* response) override;
 
  private:
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
   RpcObserver* const observer_;
+  LogStore* const logs_;
   WorkPool pool_;
 };
 

@@ -1427,6 +1427,47 @@ absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
   return absl::OkStatus();
 }
 
+absl::Status Scheduler::CheckLogWriter(absl::string_view job_id, int64_t generation, int64_t rank,
+                                       absl::string_view worker_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  const auto& attempts = it->second.status.attempts();
+  if (generation < 1 || generation > attempts.size()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no attempt ", generation));
+  }
+  for (const v1::RankPlacement& p : attempts[static_cast<int>(generation - 1)].placements()) {
+    if (p.rank() == rank && p.worker_id() == worker_id) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, ": rank ", rank, " of attempt ",
+                                                    generation, " was not placed on worker ",
+                                                    worker_id));
+}
+
+absl::StatusOr<std::pair<int64_t, bool>> Scheduler::LogAttempt(absl::string_view job_id,
+                                                               int64_t attempt,
+                                                               int64_t rank) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  const auto& attempts = it->second.status.attempts();
+  if (attempts.empty()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has not started: no logs yet"));
+  }
+  const int64_t generation = attempt == 0 ? attempts.size() : attempt;
+  if (generation < 1 || generation > attempts.size()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no attempt ", attempt,
+                                            " (it has ", attempts.size(), ")"));
+  }
+  const v1::Attempt& a = attempts[static_cast<int>(generation - 1)];
+  if (rank < 0 || rank >= a.placements_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank: attempt ", generation, " of job ", job_id,
+                                                   " has ranks 0 to ", a.placements_size() - 1,
+                                                   ", not ", rank));
+  }
+  return std::make_pair(generation, IsActive(a));
+}
+
 bool Scheduler::IsActiveAttempt(absl::string_view job_id, int64_t generation) const {
   absl::MutexLock lock(&mu_);
   return IsActiveAttemptLocked(job_id, generation);

@@ -245,6 +245,17 @@ class Scheduler {
   // Those attempts, newest `limit` first (by end time), and the corrections.
   v1::GetPlanHistoryResponse PlanHistory(size_t limit) const;
 
+  // Whether `worker_id` may send the log of `rank` in attempt `generation`: it was placed
+  // there (in any attempt, ended ones too). NOT_FOUND for an unknown job or attempt;
+  // FAILED_PRECONDITION otherwise.
+  absl::Status CheckLogWriter(absl::string_view job_id, int64_t generation, int64_t rank,
+                              absl::string_view worker_id) const;
+  // The attempt `lathe logs` reads (`attempt` 0: the latest) and whether it is active.
+  // NOT_FOUND for an unknown job, a job not placed yet or an attempt it never had;
+  // INVALID_ARGUMENT for a rank the attempt does not have.
+  absl::StatusOr<std::pair<int64_t, bool>> LogAttempt(absl::string_view job_id, int64_t attempt,
+                                                      int64_t rank) const;
+
   // True when `generation` is the current attempt of the job and that attempt is active:
   // the rendezvous store's fencing check.
   bool IsActiveAttempt(absl::string_view job_id, int64_t generation) const;

@@ -1,5 +1,10 @@
 #include "coordinator/server/coordinator_server.h"
 
+#include <stdlib.h>
+
+#include <filesystem>
+#include <system_error>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
@@ -73,10 +78,22 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                               }},
                              "--metrics-listen"));
   }
+  std::string log_dir = config.log_dir;
+  if (log_dir.empty() && config.db_path != ":memory:") log_dir = config.db_path + ".logs";
+  if (log_dir.empty()) {
+    char pattern[] = "/tmp/lathe-logs-XXXXXX";
+    if (mkdtemp(pattern) == nullptr) {
+      return absl::InternalError("cannot create a temporary directory for the logs in /tmp");
+    }
+    log_dir = server->temporary_log_dir_ = pattern;
+  }
+  LATHE_ASSIGN_OR_RETURN(server->logs_, LogStore::Open(log_dir));
   JobServiceOptions job_options;
   job_options.rpc_observer = observer;
+  job_options.logs = server->logs_.get();
   WorkerServiceOptions worker_options;
   worker_options.rpc_observer = observer;
+  worker_options.logs = server->logs_.get();
   server->job_service_ =
       std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth, job_options);
   server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth, worker_options);
@@ -131,7 +148,13 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   return server;
 }
 
-CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+CoordinatorServer::~CoordinatorServer() {
+  Shutdown();
+  if (!temporary_log_dir_.empty()) {
+    std::error_code ignored;
+    std::filesystem::remove_all(temporary_log_dir_, ignored);
+  }
+}
 
 void CoordinatorServer::Wait() { stop_.WaitForNotification(); }
 

@@ -32,6 +32,9 @@ const std::vector<FlagSpec> kFlags = {
      "accept every call without a token: anyone who reaches the port may do anything"},
     {"tls-cert", true, "PEM certificate chain to serve TLS with (with --tls-key)"},
     {"tls-key", true, "PEM private key of --tls-cert"},
+    {"log-dir", true,
+     "where the ranks' logs are kept (default: <db>.logs; with --db :memory:, a temporary "
+     "directory removed at exit)"},
     {"shutdown-grace", true,
      "seconds calls in flight get to finish on SIGTERM before they are cancelled (default 2)"},
     {"metrics-listen", true,
@@ -56,6 +59,7 @@ int Main(int argc, char** argv) {
   config.insecure_no_auth = flags->Has("insecure-no-auth");
   config.tls = {flags->Get("tls-cert"), flags->Get("tls-key"), flags->Get("tls-client-ca")};
   config.metrics_listen = flags->Get("metrics-listen");
+  config.log_dir = flags->Get("log-dir");
   absl::StatusOr<double> grace = flags->GetDouble("shutdown-grace", 2);
   if (!grace.ok() || !(*grace >= 0)) {
     std::cerr << "lathe-coordinator: --shutdown-grace: "

@@ -120,6 +120,16 @@ class AuthMatrixTest : public ::testing::Test {
            }
            return reader->Finish();
          }},
+        {"GetLogs", kClient,
+         [jobs](grpc::ClientContext* c) {
+           v1::GetLogsResponse r;
+           return jobs->GetLogs(c, v1::GetLogsRequest(), &r);
+         }},
+        {"AppendLogs", kWorker,
+         [workers](grpc::ClientContext* c) {
+           v1::AppendLogsResponse r;
+           return workers->AppendLogs(c, v1::AppendLogsRequest(), &r);
+         }},
         {"ListWorkers", kClient,
          [workers](grpc::ClientContext* c) {
            v1::ListWorkersResponse r;
@@ -214,7 +224,7 @@ bool IsAuthError(const grpc::Status& status) {
 
 TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
   const std::vector<Rpc> rpcs = EveryRpc();
-  ASSERT_EQ(rpcs.size(), 17u);  // every method of the three services
+  ASSERT_EQ(rpcs.size(), 19u);  // every method of the three services
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     grpc::Status none = CallAs(rpc, "");

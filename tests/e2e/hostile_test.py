@@ -23,8 +23,8 @@ RSS_BOUND_MIB = 256  # the coordinator's resident memory after the barrage
 CLIENT, WORKER, ADMIN = "client", "worker", "admin"
 ROLES = {  # method -> roles allowed (common/rpc/auth.h)
     **{m: {CLIENT, ADMIN} for m in ("SubmitJob", "GetJob", "ListJobs", "CancelJob", "WatchJob",
-                                    "PlanJob", "GetPlanHistory", "ListWorkers")},
-    **{m: {WORKER} for m in ("RegisterWorker", "Heartbeat", "ReportProgress",
+                                    "PlanJob", "GetPlanHistory", "GetLogs", "ListWorkers")},
+    **{m: {WORKER} for m in ("RegisterWorker", "Heartbeat", "ReportProgress", "AppendLogs",
                              "Set", "Get", "Wait", "Add")},
     **{m: {ADMIN} for m in ("DrainWorker", "RemoveWorker")},
 }

@@ -221,6 +221,7 @@ void TrainerSupervisor::Wait() const {
 void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
   absl::StatusOr<v1::TrainerEvent> event = ParseTrainerEventLine(line);
   if (!event.ok()) {
+    if (options_.on_output_line) options_.on_output_line(line);
     absl::MutexLock lock(&mu_);
     AddToTail(line);
     return;
@@ -276,6 +277,7 @@ void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
 }
 
 void TrainerSupervisor::OnStderrLine(absl::string_view line) {
+  if (options_.on_output_line) options_.on_output_line(line);
   if (log_file_.is_open()) {
     log_file_ << line << '\n';
     log_file_.flush();
@@ -334,7 +336,8 @@ void TrainerSupervisor::AddToTail(absl::string_view line) {
 std::string TrainerSupervisor::TailText() const {
   if (tail_.empty()) return "; no log output";
   return absl::StrCat("; last ", tail_.size() == 1 ? "line" : absl::StrCat(tail_.size(), " lines"),
-                      " of its output (stderr in ", run_dir_, "/trainer.log):\n",
+                      " of its output (all of it: lathe logs ", assignment_.job_id(), " --attempt ",
+                      assignment_.generation(), " --rank ", assignment_.rank(), "):\n",
                       absl::StrJoin(tail_, "\n"));
 }
 

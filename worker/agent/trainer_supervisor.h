@@ -70,6 +70,9 @@ struct TrainerSupervisorOptions {
   std::vector<std::pair<std::string, std::string>> environment;
   // How many lines the log tail keeps.
   int log_tail_lines = 20;
+  // Told every line of the trainer's output that is not an event (its log: stderr, and
+  // stray stdout lines), on its reader threads; may be null.
+  std::function<void(absl::string_view line)> on_output_line;
 };
 
 // What the supervisor tells its owner: one of the coordinator's RankEvents, with what the

@@ -42,6 +42,12 @@ ProgressReporterOptions ReporterOptions(const WorkerAgentOptions& options) {
   return reporter;
 }
 
+LogShipperOptions ShipperOptions(const WorkerAgentOptions& options) {
+  LogShipperOptions shipper;
+  shipper.token = options.token;
+  return shipper;
+}
+
 }  // namespace
 
 WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInterface* stub,
@@ -50,7 +56,8 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInte
       stub_(stub),
       launcher_(launcher),
       clock_(clock),
-      reporter_(stub, ReporterOptions(options_)) {
+      reporter_(stub, ReporterOptions(options_)),
+      shipper_(stub, ShipperOptions(options_)) {
   absl::MutexLock lock(&mu_);
   worker_id_ = options_.worker_id;
   slots_.resize(static_cast<size_t>(std::max<int64_t>(0, options_.slots)));
@@ -330,6 +337,9 @@ std::shared_ptr<TrainerSupervisor> WorkerAgent::MakeSupervisor(const v1::Assignm
     }
   }
   v1::Assignment rank = RankOf(assignment);
+  trainer.on_output_line = [this, rank](absl::string_view line) {
+    shipper_.AppendLine(worker_id(), rank.job_id(), rank.generation(), rank.rank(), line);
+  };
   return std::make_shared<TrainerSupervisor>(
       assignment, std::move(trainer), launcher_, clock_,
       [this, rank](const RankReport& event) { OnTrainerEvent(rank, event); });
@@ -365,6 +375,7 @@ void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const RankRep
   request.set_failure(event.failure);
   request.set_resumed_from_step(event.resumed_from_step);
   if (IsTerminal(event.kind)) {
+    shipper_.Finished(assignment.job_id(), assignment.generation(), assignment.rank());
     reporter_.Report(std::move(request), [this, assignment] { ReleaseSlot(assignment); });
   } else {
     reporter_.Report(std::move(request));

@@ -50,6 +50,7 @@
 #include "grpcpp/client_context.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
+#include "worker/agent/log_shipper.h"
 #include "worker/agent/process_launcher.h"
 #include "worker/agent/progress_reporter.h"
 #include "worker/agent/trainer_supervisor.h"
@@ -156,6 +157,8 @@ class WorkerAgent {
   const Clock* const clock_;
   // Declared before the slots: trainers are destroyed first, while it can still take reports.
   ProgressReporter reporter_;
+  // The trainers' output for the coordinator (`lathe logs`); before the slots too.
+  LogShipper shipper_;
 
   mutable absl::Mutex mu_;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
