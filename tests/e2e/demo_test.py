@@ -2,7 +2,8 @@
 """The README's first command, end to end: scripts/demo with this build's binaries
 (LATHE_BIN_DIR), so that a change to flags, the CLI's output or the daemons that breaks the
 quick start fails CI. Checks that it exits 0, that the job succeeded with its progress and
-MFU shown, that the adapter is where it says, and that the adapter lowers the eval loss."""
+MFU shown, that the adapter is where it says, and that the adapter lowers the eval loss; and
+that --prometheus starts a Prometheus on the demo's daemons."""
 import os
 import re
 import shutil
@@ -39,6 +40,25 @@ class DemoTest(unittest.TestCase):
             self.assertEqual(len(losses), 2, out[-2000:])
             base, tuned = losses
             self.assertLess(tuned, base - 0.1)
+        finally:
+            if os.environ.get("LATHE_KEEP_E2E") is None:
+                shutil.rmtree(work, ignore_errors=True)
+
+    def test_demo_with_prometheus(self):
+        """--prometheus: a Prometheus scraping the demo's daemons, with the alert rules."""
+        work = tempfile.mkdtemp(prefix="lathe-demo-e2e-")
+        try:
+            result = subprocess.run([os.path.join(SOURCE, "scripts", "demo"), "--prometheus",
+                                     work], input="\n", capture_output=True, text=True,
+                                    timeout=300)
+            out = result.stdout
+            self.assertEqual(result.returncode, 0, out[-3000:] + result.stderr[-3000:])
+            self.assertIn("SUCCEEDED", out)
+            self.assertRegex(out, r"== prometheus on http://127\.0\.0\.1:\d+")
+            with open(os.path.join(work, "prometheus.log")) as f:
+                log = f.read()
+            self.assertIn("Server is ready to receive web requests", log)
+            self.assertIn("Completed loading of configuration file", log)
         finally:
             if os.environ.get("LATHE_KEEP_E2E") is None:
                 shutil.rmtree(work, ignore_errors=True)
