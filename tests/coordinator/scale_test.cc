@@ -44,7 +44,8 @@ class GatedStore : public testing::ForwardingStore {
     {
       absl::MutexLock lock(&mu_);
       if (closed_) ++blocked_;
-      mu_.Await(absl::Condition(+[](bool* closed) { return !*closed; }, &closed_));
+      mu_.Await(absl::Condition(
+          +[](bool* closed) { return !*closed; }, &closed_));
     }
     return ForwardingStore::Write(batch);
   }
