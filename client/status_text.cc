@@ -46,8 +46,6 @@ std::string EnumSuffix(const std::string& name, absl::string_view prefix) {
   return std::string(absl::StripPrefix(name, prefix));
 }
 
-std::string DeviceName(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
-
 std::string PrecisionText(v1::Precision precision) {
   switch (precision) {
     case v1::PRECISION_BF16:

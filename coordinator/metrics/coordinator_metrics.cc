@@ -11,6 +11,7 @@
 #include "absl/strings/strip.h"
 #include "common/http/metric_families.h"
 #include "common/memory_components.h"
+#include "common/proto/job_state.h"
 #include "common/proto/memory_breakdown.h"
 #include "prometheus/collectable.h"
 #include "prometheus/family.h"
@@ -48,8 +49,6 @@ void AddDurations(MetricFamily& family, const DurationHistogram& h) {
   AddHistogram(family, {}, h.bounds, h.counts, h.count, h.sum);
 }
 
-std::string DeviceLabel(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
-
 // The scheduler read at each scrape.
 class SchedulerCollector : public prometheus::Collectable {
  public:
@@ -86,9 +85,9 @@ class SchedulerCollector : public prometheus::Collectable {
       for (v1::Device device : {v1::DEVICE_CPU, v1::DEVICE_CUDA}) {
         auto total = s.slots.find(device);
         auto idle = s.free_slots.find(device);
-        AddSample(slots, {{"device", DeviceLabel(device)}},
+        AddSample(slots, {{"device", DeviceName(device)}},
                   total == s.slots.end() ? 0 : static_cast<double>(total->second));
-        AddSample(free, {{"device", DeviceLabel(device)}},
+        AddSample(free, {{"device", DeviceName(device)}},
                   idle == s.free_slots.end() ? 0 : static_cast<double>(idle->second));
       }
       out.push_back(std::move(slots));

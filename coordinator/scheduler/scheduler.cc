@@ -67,8 +67,6 @@ bool IsActive(const v1::Attempt& attempt) {
          attempt.state() == v1::ATTEMPT_STATE_RUNNING;
 }
 
-std::string DeviceName(v1::Device device) { return device == v1::DEVICE_CUDA ? "cuda" : "cpu"; }
-
 v1::Device DeviceOf(const v1::JobStatus& job) {
   return job.plan().device() == v1::DEVICE_UNSPECIFIED ? v1::DEVICE_CPU : job.plan().device();
 }
@@ -721,7 +719,6 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
   const std::string id = job.job_id();
   JobState& state = jobs_[id];
   state.status = std::move(job);
-  state.request_id = request;
   state.sequence = next_sequence_++;
   state.class_key = {DeviceOf(state.status), RanksOf(state.status),
                      PlannedPeak(state.status.plan())};

@@ -287,7 +287,6 @@ class Scheduler {
   };
   struct JobState {
     v1::JobStatus status;  // reason: the job's own; a queued job's derived one is View's
-    std::string request_id;
     int64_t sequence = 0;  // creation order
     ClassKey class_key;
     std::set<int64_t> succeeded_ranks;
