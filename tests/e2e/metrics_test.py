@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 import unittest
@@ -18,7 +17,7 @@ import urllib.request
 
 import grpc
 
-from services_test import TIMEOUT, ClusterTest, free_port
+from services_test import TIMEOUT, ClusterTest, free_port, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,12 +71,7 @@ scrape_configs:
     @classmethod
     def tearDownClass(cls):
         if getattr(cls, "prometheus", None) is not None:
-            cls.prometheus.send_signal(signal.SIGTERM)
-            try:
-                cls.prometheus.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                cls.prometheus.kill()
-                cls.prometheus.wait()
+            stop_process(cls.prometheus, timeout=20)
             cls.prometheus_log.close()
         super().tearDownClass()
 

@@ -60,6 +60,18 @@ def write_tokens(directory):
     return paths
 
 
+def stop_process(process, timeout):
+    """SIGTERM, then SIGKILL after `timeout` seconds; nothing when it already ended."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class Cluster:
     def __init__(self, root, tokens):
         self.root = root
@@ -92,13 +104,7 @@ class Cluster:
             self.root, "coordinator.log")), daemon=True).start()
 
     def stop_coordinator(self):
-        if self.coordinator and self.coordinator.poll() is None:
-            self.coordinator.send_signal(signal.SIGTERM)
-            try:
-                self.coordinator.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.coordinator.kill()
-                self.coordinator.wait()
+        stop_process(self.coordinator, timeout=10)
 
     def start_worker(self, worker_id):
         with open(os.path.join(self.root, f"{worker_id}.log"), "a") as log:
