@@ -233,6 +233,35 @@ class ServicesTest(ClusterTest):
                                 text=True)
         return [int(p) for p in result.stdout.split()]
 
+    def train_until(self, job_id, generation, step, deadline):
+        """Waits until attempt `generation` of a one-rank job runs and reported `step`, and
+        returns the job's attempts. A step takes a few milliseconds, less than one `lathe
+        status`: the attempt's trainer runs only in short bursts between two looks, or it
+        could run to the job's end first on a fast machine or after a slow look."""
+        trainer = f"/{job_id}-g{generation}-r0/"
+        try:
+            while True:
+                self.signal_processes(trainer, signal.SIGSTOP)
+                attempts = self.status(job_id)["attempts"]
+                progress = attempts[-1]["progress"] if attempts else None
+                if len(attempts) == generation and attempts[-1]["state"] == "running" and \
+                        progress and progress["step"] >= step:
+                    return attempts
+                self.assertLess(time.time(), deadline, attempts)
+                self.signal_processes(trainer, signal.SIGCONT)
+                time.sleep(0.02)
+        finally:
+            self.signal_processes(trainer, signal.SIGCONT)
+
+    def signal_processes(self, pattern, signum):
+        """Sends `signum` to every process whose command line contains `pattern`."""
+        result = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True)
+        for pid in result.stdout.split():
+            try:
+                os.kill(int(pid), signum)
+            except ProcessLookupError:
+                pass
+
     def adapter_bytes(self, job_id):
         with open(os.path.join(self.status(job_id)["adapter_path"],
                                "adapter_model.safetensors"), "rb") as f:
@@ -377,12 +406,7 @@ class ServicesTest(ClusterTest):
         train = ", checkpoint_every: 20"
         reference = self.submit("uninterrupted", steps=300, train=train)
         job_id = self.submit("killed", steps=300, train=train)
-        deadline = time.time() + TIMEOUT
-        while time.time() < deadline:
-            progress = self.status(job_id)["progress"]
-            if progress is not None and progress["step"] >= 25:
-                break
-            time.sleep(0.05)
+        self.train_until(job_id, 1, 25, time.time() + TIMEOUT)
         pids = self.trainer_pids(job_id)
         self.assertEqual(len(pids), 1, pids)
         os.kill(pids[0], signal.SIGKILL)
@@ -480,19 +504,9 @@ class ServicesTest(ClusterTest):
         deadline = time.time() + 4 * TIMEOUT
         for kill in range(10):
             target = 20 * (kill + 1) + rng.randrange(20)
-            while True:  # the attempt after the last kill has trained to the target step
-                attempts = self.status(job_id)["attempts"]
-                progress = attempts[-1]["progress"] if attempts else None
-                if len(attempts) == kill + 1 and attempts[-1]["state"] == "running" and \
-                        progress and progress["step"] >= target:
-                    break
-                self.assertLess(time.time(), deadline, attempts)
-                time.sleep(0.02)
+            attempts = self.train_until(job_id, kill + 1, target, deadline)
             if kill % 2 == 0:
-                pgrep = subprocess.run(["pgrep", "-f", "--", f"/{job_id}-g{kill + 1}-r0/"],
-                                       capture_output=True, text=True)
-                for pid in pgrep.stdout.split():
-                    os.kill(int(pid), signal.SIGKILL)
+                self.signal_processes(f"/{job_id}-g{kill + 1}-r0/", signal.SIGKILL)
             else:
                 worker = attempts[-1]["placements"][0]["worker_id"]
                 self.cluster.workers[worker].kill()
