@@ -2,7 +2,9 @@
 // events, the step time histogram, memory by component, the grace period, the worker's own.
 #include "worker/agent/agent_metrics.h"
 
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -19,7 +21,9 @@ TEST(AgentMetricsTest, ARanksFiguresFollowItsEventsAndGoAfterTheGracePeriod) {
   v1::DeviceInfo gpu;
   gpu.set_index(0);
   gpu.set_memory_bytes(80);
-  AgentMetrics metrics("w1", 2, {gpu}, &clock);
+  AgentMetrics metrics("w1", 2, {gpu}, &clock, [] {
+    return std::vector<std::optional<uint64_t>>{std::nullopt, 30};
+  });
   v1::Assignment assignment;
   assignment.set_job_id("job-1");
   assignment.set_generation(2);
@@ -53,7 +57,11 @@ TEST(AgentMetricsTest, ARanksFiguresFollowItsEventsAndGoAfterTheGracePeriod) {
                            "worker_id=\"w1\",component=\"optimizer\"} 3000\n"));
   EXPECT_THAT(t, HasSubstr("lathe_worker_busy_slots{worker_id=\"w1\"} 1\n"));
   EXPECT_THAT(t, HasSubstr("lathe_worker_slots{worker_id=\"w1\"} 2\n"));
-  EXPECT_THAT(t, HasSubstr("lathe_worker_device_memory_bytes{slot=\"0\",worker_id=\"w1\"} 80\n"));
+  EXPECT_THAT(t, HasSubstr("lathe_worker_device_memory_bytes{kind=\"total\",slot=\"0\","
+                           "worker_id=\"w1\"} 80\n"));
+  EXPECT_THAT(t, HasSubstr("lathe_worker_device_memory_bytes{kind=\"used\",slot=\"1\","
+                           "worker_id=\"w1\"} 30\n"));
+  EXPECT_THAT(t, Not(HasSubstr("kind=\"used\",slot=\"0\"")));
   EXPECT_THAT(t, HasSubstr("lathe_worker_host_memory_bytes{kind=\"total\",worker_id=\"w1\"}"));
   // A repeated step (the agent may see one twice) is not a second sample.
   metrics.Record(assignment, step);

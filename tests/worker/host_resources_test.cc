@@ -1,10 +1,16 @@
 #include "worker/agent/host_resources.h"
 
+#include <memory>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "worker/agent/fake_process_launcher.h"
 
 namespace lathe {
 namespace {
@@ -29,17 +35,62 @@ TEST(HostResourcesTest, ReadsThisHostsMemory) {
 }
 
 TEST(HostResourcesTest, ParsesNvidiaSmi) {
-  absl::StatusOr<std::vector<GpuInfo>> gpus =
-      ParseNvidiaSmiGpus("0, GPU-aaaa, NVIDIA H200, 143771\n1, GPU-bbbb, NVIDIA H200, 143771\n");
+  absl::StatusOr<std::vector<GpuInfo>> gpus = ParseNvidiaSmiGpus(
+      "0, GPU-aaaa, NVIDIA H200, 143771, 0\n"
+      "1, GPU-bbbb, NVIDIA H200, 143771, 60241\n");
   ASSERT_TRUE(gpus.ok()) << gpus.status();
   ASSERT_EQ(gpus->size(), 2u);
   EXPECT_EQ((*gpus)[1].index, 1);
   EXPECT_EQ((*gpus)[1].uuid, "GPU-bbbb");
   EXPECT_EQ((*gpus)[1].name, "NVIDIA H200");
   EXPECT_EQ((*gpus)[1].memory_bytes, 143771ull << 20);
-  absl::Status bad = ParseNvidiaSmiGpus("NVIDIA-SMI has failed\n").status();
-  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.message(), HasSubstr("NVIDIA-SMI has failed"));
+  EXPECT_EQ((*gpus)[1].memory_used_bytes, 60241ull << 20);
+  for (const char* bad_csv : {"NVIDIA-SMI has failed\n", "0, GPU-aaaa, NVIDIA H200, 143771\n",
+                              "0, GPU-aaaa, NVIDIA H200, 143771, [N/A]\n"}) {
+    absl::Status bad = ParseNvidiaSmiGpus(bad_csv).status();
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << bad_csv;
+    EXPECT_THAT(bad.message(), HasSubstr(absl::StripAsciiWhitespace(bad_csv))) << bad_csv;
+  }
+}
+
+// Plays nvidia-smi for the launcher's `n`-th launch (0-based), on its own thread: prints
+// `csv` and exits with `code`.
+std::thread AnswerNvidiaSmi(FakeProcessLauncher& launcher, int n, std::string csv, int code) {
+  return std::thread([&launcher, n, csv = std::move(csv), code] {
+    ASSERT_TRUE(launcher.WaitForLaunches(n + 1, absl::Seconds(10)));
+    std::shared_ptr<FakeProcess> child = launcher.process(n);
+    EXPECT_EQ(child->options().argv[0], "nvidia-smi");
+    for (absl::string_view line : absl::StrSplit(csv, '\n', absl::SkipEmpty())) {
+      child->EmitStdout(line);
+    }
+    child->Exit(ExitStatus::Exited(code));
+  });
+}
+
+TEST(HostResourcesTest, ProbesEachSlotsGpuMemoryInUseAtMostOncePerMaxAge) {
+  FakeProcessLauncher launcher;
+  FakeClock clock;
+  GpuMemoryProbe probe(&launcher, {"GPU-bbbb", "0", "7"}, &clock, absl::Seconds(5));
+  std::thread answer = AnswerNvidiaSmi(
+      launcher, 0, "0, GPU-aaaa, NVIDIA H200, 143771, 10\n1, GPU-bbbb, NVIDIA H200, 143771, 20\n",
+      0);
+  EXPECT_THAT(probe.UsedBytes(), ElementsAre(20ull << 20, 10ull << 20, std::nullopt));
+  answer.join();
+  clock.Advance(absl::Seconds(4));  // still fresh: no second nvidia-smi
+  EXPECT_THAT(probe.UsedBytes(), ElementsAre(20ull << 20, 10ull << 20, std::nullopt));
+  EXPECT_EQ(launcher.launch_count(), 1);
+
+  clock.Advance(absl::Seconds(1));  // failing nvidia-smi: nothing known
+  answer = AnswerNvidiaSmi(launcher, 1, "", 9);
+  EXPECT_THAT(probe.UsedBytes(), ElementsAre(std::nullopt, std::nullopt, std::nullopt));
+  answer.join();
+  clock.Advance(absl::Seconds(5));  // missing nvidia-smi likewise
+  launcher.FailNextLaunch(absl::NotFoundError("nvidia-smi: not found"));
+  EXPECT_THAT(probe.UsedBytes(), ElementsAre(std::nullopt, std::nullopt, std::nullopt));
+  clock.Advance(absl::Seconds(5));  // and back
+  answer = AnswerNvidiaSmi(launcher, 2, "0, GPU-aaaa, NVIDIA H200, 143771, 30\n", 0);
+  EXPECT_THAT(probe.UsedBytes(), ElementsAre(std::nullopt, 30ull << 20, std::nullopt));
+  answer.join();
 }
 
 TEST(HostResourcesTest, SlotsFollowCudaVisibleDevices) {

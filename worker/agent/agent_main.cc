@@ -235,8 +235,16 @@ int RunAgentCommand(int argc, char** argv, const std::string& default_trainer) {
   std::unique_ptr<HttpEndpoints> http;
   WorkerAgent* serving = nullptr;  // set once the agent exists
   if (flags->Has("metrics-listen")) {
+    AgentMetrics::DeviceMemoryUsed device_used;
+    if (options->device == v1::DEVICE_CUDA) {
+      const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");  // checked by OptionsFromFlags
+      auto probe = std::make_shared<GpuMemoryProbe>(
+          &launcher, *SlotCudaDevices(visible != nullptr ? visible : "", options->slots), &clock,
+          absl::Seconds(5));
+      device_used = [probe] { return probe->UsedBytes(); };
+    }
     metrics = std::make_shared<AgentMetrics>(options->worker_id, options->slots, options->devices,
-                                             &clock);
+                                             &clock, std::move(device_used));
     options->on_event = [metrics](const v1::Assignment& assignment, const RankReport& event) {
       metrics->Record(assignment, event);
     };

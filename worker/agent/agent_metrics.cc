@@ -32,11 +32,13 @@ double StepSeconds(const v1::StepPhases& p) {
 }  // namespace
 
 AgentMetrics::AgentMetrics(std::string worker_id, int64_t slots,
-                           std::vector<v1::DeviceInfo> devices, const Clock* clock)
+                           std::vector<v1::DeviceInfo> devices, const Clock* clock,
+                           DeviceMemoryUsed device_used)
     : worker_id_(std::move(worker_id)),
       slots_(slots),
       devices_(std::move(devices)),
-      clock_(clock) {}
+      clock_(clock),
+      device_used_(std::move(device_used)) {}
 
 void AgentMetrics::Record(const v1::Assignment& assignment, const RankReport& event) {
   absl::MutexLock lock(&mu_);
@@ -67,6 +69,9 @@ void AgentMetrics::Record(const v1::Assignment& assignment, const RankReport& ev
 }
 
 std::vector<MetricFamily> AgentMetrics::Collect() const {
+  // Asked before the lock: it may wait for nvidia-smi, and events must not.
+  const std::vector<std::optional<uint64_t>> used =
+      device_used_ ? device_used_() : std::vector<std::optional<uint64_t>>();
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   const ClientMetric::Label worker = {"worker_id", worker_id_};
@@ -94,12 +99,18 @@ std::vector<MetricFamily> AgentMetrics::Collect() const {
     AddSample(host, {{"kind", "available"}, worker}, static_cast<double>(*available));
   }
   out.push_back(std::move(host));
-  MetricFamily device =
-      MakeFamily("lathe_worker_device_memory_bytes",
-                 "Each slot's device memory as registered (a GPU's total).", MetricType::Gauge);
+  MetricFamily device = MakeFamily("lathe_worker_device_memory_bytes",
+                                   "Each slot's device memory: total as registered, and in use "
+                                   "on its GPU (nvidia-smi).",
+                                   MetricType::Gauge);
   for (const v1::DeviceInfo& d : devices_) {
-    AddSample(device, {{"slot", absl::StrCat(d.index())}, worker},
+    AddSample(device, {{"kind", "total"}, {"slot", absl::StrCat(d.index())}, worker},
               static_cast<double>(d.memory_bytes()));
+  }
+  for (size_t slot = 0; slot < used.size(); ++slot) {
+    if (!used[slot]) continue;
+    AddSample(device, {{"kind", "used"}, {"slot", absl::StrCat(slot)}, worker},
+              static_cast<double>(*used[slot]));
   }
   out.push_back(std::move(device));
 

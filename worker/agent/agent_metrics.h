@@ -1,7 +1,8 @@
 // A worker agent's Prometheus metrics (docs/observability.md, "The worker agents"), from its
 // trainers' events: every rank it runs (step, loss, learning rate, tokens/s, MFU, a step
 // time histogram, measured memory by component) and the worker itself (slots, busy slots,
-// host memory, device memory). An ended rank's series stay for the grace period, then go.
+// host memory, device memory: total, and in use on a GPU). An ended rank's series stay for the
+// grace period, then go.
 //
 // Thread-safety: thread-safe (Record from trainers' reader threads, Collect from the HTTP
 // server's).
@@ -9,6 +10,7 @@
 #define LATHE_WORKER_AGENT_AGENT_METRICS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -31,10 +33,13 @@ class AgentMetrics : public prometheus::Collectable {
   // How long an ended rank's series stay.
   static constexpr absl::Duration kEndedRankGrace = absl::Minutes(5);
 
-  // `devices`: what the agent registered (GPU memory per slot). REQUIRES: `clock` outlives
-  // this.
+  // Device memory in use per slot, when known (GpuMemoryProbe::UsedBytes).
+  using DeviceMemoryUsed = std::function<std::vector<std::optional<uint64_t>>()>;
+
+  // `devices`: what the agent registered (GPU memory per slot); `device_used`, when set,
+  // is asked on each scrape. REQUIRES: `clock` outlives this.
   AgentMetrics(std::string worker_id, int64_t slots, std::vector<v1::DeviceInfo> devices,
-               const Clock* clock);
+               const Clock* clock, DeviceMemoryUsed device_used = nullptr);
 
   // One event of the trainer running `assignment` (WorkerAgentOptions::on_event).
   void Record(const v1::Assignment& assignment, const RankReport& event);
@@ -58,6 +63,7 @@ class AgentMetrics : public prometheus::Collectable {
   const int64_t slots_;
   const std::vector<v1::DeviceInfo> devices_;
   const Clock* const clock_;
+  const DeviceMemoryUsed device_used_;
   mutable absl::Mutex mu_;
   std::map<RankKey, Rank> ranks_ ABSL_GUARDED_BY(mu_);
 };

@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
+#include "spdlog/spdlog.h"
 
 namespace lathe {
 
@@ -18,17 +19,20 @@ absl::StatusOr<std::vector<GpuInfo>> ParseNvidiaSmiGpus(absl::string_view csv) {
   for (absl::string_view line : absl::StrSplit(csv, '\n', absl::SkipWhitespace())) {
     std::vector<absl::string_view> fields = absl::StrSplit(line, ',');
     GpuInfo gpu;
-    uint64_t mib = 0;
-    if (fields.size() != 4 ||
+    uint64_t total_mib = 0;
+    uint64_t used_mib = 0;
+    if (fields.size() != 5 ||
         !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[0]), &gpu.index) ||
-        !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[3]), &mib)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("nvidia-smi: expected \"index, uuid, name, memory MiB\", got \"",
-                       absl::StripAsciiWhitespace(line), "\""));
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[3]), &total_mib) ||
+        !absl::SimpleAtoi(absl::StripAsciiWhitespace(fields[4]), &used_mib)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "nvidia-smi: expected \"index, uuid, name, memory total MiB, memory used MiB\", got \"",
+          absl::StripAsciiWhitespace(line), "\""));
     }
     gpu.uuid = std::string(absl::StripAsciiWhitespace(fields[1]));
     gpu.name = std::string(absl::StripAsciiWhitespace(fields[2]));
-    gpu.memory_bytes = mib * 1024 * 1024;
+    gpu.memory_bytes = total_mib << 20;
+    gpu.memory_used_bytes = used_mib << 20;
     gpus.push_back(std::move(gpu));
   }
   return gpus;
@@ -39,7 +43,7 @@ absl::StatusOr<std::vector<GpuInfo>> QueryGpus(ProcessLauncher& launcher) {
   std::string out;
   std::string err;
   LaunchOptions options;
-  options.argv = {"nvidia-smi", "--query-gpu=index,uuid,name,memory.total",
+  options.argv = {"nvidia-smi", "--query-gpu=index,uuid,name,memory.total,memory.used",
                   "--format=csv,noheader,nounits"};
   options.on_stdout_line = [&](absl::string_view line) {
     absl::MutexLock lock(&mu);
@@ -93,15 +97,48 @@ std::vector<v1::DeviceInfo> SlotDevices(v1::Device device, int64_t slots,
     }
     info.set_name("cuda");
     if (static_cast<size_t>(slot) >= slot_devices.size()) continue;
-    const std::string& wanted = slot_devices[static_cast<size_t>(slot)];
-    for (const GpuInfo& gpu : gpus) {
-      if (gpu.uuid == wanted || absl::StrCat(gpu.index) == wanted) {
-        info.set_name(gpu.name);
-        info.set_memory_bytes(gpu.memory_bytes);
-      }
+    if (const GpuInfo* gpu = FindGpu(gpus, slot_devices[static_cast<size_t>(slot)])) {
+      info.set_name(gpu->name);
+      info.set_memory_bytes(gpu->memory_bytes);
     }
   }
   return devices;
+}
+
+const GpuInfo* FindGpu(const std::vector<GpuInfo>& gpus, absl::string_view entry) {
+  for (const GpuInfo& gpu : gpus) {
+    if (gpu.uuid == entry || absl::StrCat(gpu.index) == entry) return &gpu;
+  }
+  return nullptr;
+}
+
+GpuMemoryProbe::GpuMemoryProbe(ProcessLauncher* launcher, std::vector<std::string> slot_devices,
+                               const Clock* clock, absl::Duration max_age)
+    : launcher_(launcher),
+      slot_devices_(std::move(slot_devices)),
+      clock_(clock),
+      max_age_(max_age),
+      used_(slot_devices_.size()) {}
+
+std::vector<std::optional<uint64_t>> GpuMemoryProbe::UsedBytes() {
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_->Now();
+  if (asked_ && now - *asked_ < max_age_) return used_;
+  asked_ = now;
+  used_.assign(slot_devices_.size(), std::nullopt);
+  absl::StatusOr<std::vector<GpuInfo>> gpus = QueryGpus(*launcher_);
+  if (!gpus.ok()) {
+    if (!failing_) spdlog::warn("device memory in use unknown: {}", gpus.status().ToString());
+    failing_ = true;
+    return used_;
+  }
+  failing_ = false;
+  for (size_t slot = 0; slot < slot_devices_.size(); ++slot) {
+    if (const GpuInfo* gpu = FindGpu(*gpus, slot_devices_[slot])) {
+      used_[slot] = gpu->memory_used_bytes;
+    }
+  }
+  return used_;
 }
 
 }  // namespace lathe

@@ -7,11 +7,16 @@
 #define LATHE_WORKER_AGENT_HOST_RESOURCES_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
 #include "common/host_memory.h"  // HostMemoryBytes, ParseMemTotalBytes
 #include "lathe/v1/coordinator.pb.h"
 #include "worker/agent/process_launcher.h"
@@ -20,18 +25,49 @@ namespace lathe {
 
 // One GPU as nvidia-smi lists it.
 struct GpuInfo {
-  int64_t index = 0;  // nvidia-smi's (physical) index
-  std::string uuid;   // "GPU-..."
-  std::string name;   // "NVIDIA H200"
-  uint64_t memory_bytes = 0;
+  int64_t index = 0;               // nvidia-smi's (physical) index
+  std::string uuid;                // "GPU-..."
+  std::string name;                // "NVIDIA H200"
+  uint64_t memory_bytes = 0;       // total
+  uint64_t memory_used_bytes = 0;  // in use by every process when asked
 };
 
-// Parses `nvidia-smi --query-gpu=index,uuid,name,memory.total --format=csv,noheader,nounits`
-// (memory in MiB). INVALID_ARGUMENT naming the line when one does not have four fields.
+// Parses `nvidia-smi --query-gpu=index,uuid,name,memory.total,memory.used
+// --format=csv,noheader,nounits` (memory in MiB). INVALID_ARGUMENT naming the line when one
+// does not have these five fields.
 absl::StatusOr<std::vector<GpuInfo>> ParseNvidiaSmiGpus(absl::string_view csv);
 
 // Runs that nvidia-smi query. NOT_FOUND when nvidia-smi is missing, UNAVAILABLE when it fails.
 absl::StatusOr<std::vector<GpuInfo>> QueryGpus(ProcessLauncher& launcher);
+
+// The GPU of `gpus` that a CUDA_VISIBLE_DEVICES entry names (its index or its UUID); null
+// when none does.
+const GpuInfo* FindGpu(const std::vector<GpuInfo>& gpus, absl::string_view entry);
+
+// The device memory in use on each slot's GPU (`slot_devices` as SlotCudaDevices gives
+// them), for the agent's metrics: nvidia-smi is asked at most once per `max_age`, so that
+// scrapes do not each start a process. A slot whose GPU nvidia-smi does not list, or every
+// slot while nvidia-smi fails (logged once until it answers again), has no value.
+//
+// Thread-safety: thread-safe; a caller waits while another asks nvidia-smi.
+class GpuMemoryProbe {
+ public:
+  // REQUIRES: `launcher` and `clock` outlive the probe.
+  GpuMemoryProbe(ProcessLauncher* launcher, std::vector<std::string> slot_devices,
+                 const Clock* clock, absl::Duration max_age);
+
+  std::vector<std::optional<uint64_t>> UsedBytes();
+
+ private:
+  ProcessLauncher* const launcher_;
+  const std::vector<std::string> slot_devices_;
+  const Clock* const clock_;
+  const absl::Duration max_age_;
+  absl::Mutex mu_;
+  std::optional<absl::Time> asked_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::optional<uint64_t>> used_ ABSL_GUARDED_BY(mu_);
+  bool failing_ ABSL_GUARDED_BY(mu_) = false;
+};
 
 // The CUDA device each slot uses, as CUDA_VISIBLE_DEVICES entries: slot i gets entry i of
 // `visible_devices` (the agent's own CUDA_VISIBLE_DEVICES, comma-separated) when that is
