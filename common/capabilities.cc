@@ -31,7 +31,10 @@ const EngineCapabilities& Engine() {
       /*methods=*/{Method::kLora, Method::kFull},
       /*model_types=*/{"llama", "mistral", "qwen2"},
       /*precisions=*/{Precision::kFp32, Precision::kBf16, Precision::kFp16},
-      /*optimizers=*/{OptimizerKind::kAdamW},
+      /*optimizers=*/
+      {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit, OptimizerKind::kAdafactor,
+       OptimizerKind::kSgd},
+      /*sharded_optimizers=*/{OptimizerKind::kAdamW},
       /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
       /*max_zero_stage=*/3,
       /*offload=*/true,
@@ -77,6 +80,15 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
         (s.offload_optimizer || s.offload_params) ? " with offload" : "",
         " on cuda is not supported by this engine yet (sharding and offload run on cpu; on "
         "cuda they wait for collectives on device memory, docs/sharding.md)"));
+  }
+  if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
+      !Contains(caps.sharded_optimizers, spec.train.optimizer)) {
+    return absl::UnimplementedError(absl::StrCat(
+        "strategy.zero_stage: ", s.zero_stage,
+        (s.offload_optimizer || s.offload_params) ? " with offload" : "", " with train.optimizer ",
+        OptimizerKindName(spec.train.optimizer),
+        " is not supported by this engine yet (it runs on a replicated model, zero_stage 0; "
+        "sharded and offloaded runs use adamw)"));
   }
   if (!caps.offload && !s.automatic) {
     for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},

@@ -410,11 +410,30 @@ absl::Status ParseSchedule(const SpecReader& r, const YAML::Node& node, Schedule
 }
 
 absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* train) {
-  LATHE_RETURN_IF_ERROR(r.ExpectMap(
-      node, "train",
-      {"steps", "epochs", "global_batch", "micro_batch", "lr", "schedule", "optimizer",
-       "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "max_grad_norm", "precision", "seed",
-       "checkpoint_every", "keep_checkpoints", "eval_every", "max_nonfinite_steps"}));
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "train",
+                                    {"steps",
+                                     "epochs",
+                                     "global_batch",
+                                     "micro_batch",
+                                     "lr",
+                                     "schedule",
+                                     "optimizer",
+                                     "adam_beta1",
+                                     "adam_beta2",
+                                     "adam_eps",
+                                     "weight_decay",
+                                     "sgd_momentum",
+                                     "sgd_nesterov",
+                                     "adafactor_beta1",
+                                     "adafactor_decay_rate",
+                                     "adafactor_clip_threshold",
+                                     "max_grad_norm",
+                                     "precision",
+                                     "seed",
+                                     "checkpoint_every",
+                                     "keep_checkpoints",
+                                     "eval_every",
+                                     "max_nonfinite_steps"}));
   if (const YAML::Node v = node["steps"]) {
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "train.steps", &train->steps));
   }
@@ -459,6 +478,23 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   }
   if (const YAML::Node v = node["weight_decay"]) {
     LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.weight_decay", &train->weight_decay));
+  }
+  if (const YAML::Node v = node["sgd_momentum"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.sgd_momentum", &train->sgd_momentum));
+  }
+  if (const YAML::Node v = node["sgd_nesterov"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "train.sgd_nesterov", &train->sgd_nesterov));
+  }
+  if (const YAML::Node v = node["adafactor_beta1"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.adafactor_beta1", &train->adafactor_beta1));
+  }
+  if (const YAML::Node v = node["adafactor_decay_rate"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDouble(v, "train.adafactor_decay_rate", &train->adafactor_decay_rate));
+  }
+  if (const YAML::Node v = node["adafactor_clip_threshold"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadDouble(v, "train.adafactor_clip_threshold", &train->adafactor_clip_threshold));
   }
   if (const YAML::Node v = node["max_grad_norm"]) {
     LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.max_grad_norm", &train->max_grad_norm));
@@ -663,6 +699,16 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.InRange("train.adam_beta2", train.adam_beta2, 0, true, 1.0));
   LATHE_RETURN_IF_ERROR(check.InRange("train.adam_eps", train.adam_eps, 0, false));
   LATHE_RETURN_IF_ERROR(check.InRange("train.weight_decay", train.weight_decay, 0, true));
+  LATHE_RETURN_IF_ERROR(check.InRange("train.sgd_momentum", train.sgd_momentum, 0, true, 1.0));
+  if (train.sgd_nesterov && train.sgd_momentum == 0.0) {
+    return r.Error("train.sgd_nesterov", "needs train.sgd_momentum > 0");
+  }
+  LATHE_RETURN_IF_ERROR(
+      check.InRange("train.adafactor_beta1", train.adafactor_beta1, 0, true, 1.0));
+  LATHE_RETURN_IF_ERROR(
+      check.InRange("train.adafactor_decay_rate", train.adafactor_decay_rate, -1, true, 0.0));
+  LATHE_RETURN_IF_ERROR(
+      check.InRange("train.adafactor_clip_threshold", train.adafactor_clip_threshold, 0, false));
   LATHE_RETURN_IF_ERROR(check.InRange("train.max_grad_norm", train.max_grad_norm, 0, true));
   LATHE_RETURN_IF_ERROR(check.AtLeast("train.checkpoint_every", train.checkpoint_every, 0));
   LATHE_RETURN_IF_ERROR(check.Between("train.keep_checkpoints", train.keep_checkpoints, 1, 1000));
@@ -845,6 +891,11 @@ std::string JobSpecToJson(const JobSpec& spec) {
         {"adam_beta2", t.adam_beta2},
         {"adam_eps", t.adam_eps},
         {"weight_decay", t.weight_decay},
+        {"sgd_momentum", t.sgd_momentum},
+        {"sgd_nesterov", t.sgd_nesterov},
+        {"adafactor_beta1", t.adafactor_beta1},
+        {"adafactor_decay_rate", t.adafactor_decay_rate},
+        {"adafactor_clip_threshold", t.adafactor_clip_threshold},
         {"max_grad_norm", t.max_grad_norm},
         {"precision", name(PrecisionName(t.precision))},
         {"seed", t.seed},

@@ -70,6 +70,14 @@ struct TrainSpec {
   double adam_beta2 = 0.999;
   double adam_eps = 1e-8;
   double weight_decay = 0.0;
+  // sgd: momentum (0 = plain SGD) and Nesterov's variant (needs momentum > 0).
+  double sgd_momentum = 0.0;
+  bool sgd_nesterov = false;
+  // adafactor: first moment (0 = none), the second moment's decay exponent (beta2 at step t
+  // is 1 - t^decay_rate) and the update clipping threshold d.
+  double adafactor_beta1 = 0.0;
+  double adafactor_decay_rate = -0.8;
+  double adafactor_clip_threshold = 1.0;
   double max_grad_norm = 1.0;  // 0 disables clipping
   Precision precision = Precision::kFp32;
   uint64_t seed = 0;

@@ -103,6 +103,11 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_adam_beta2(t.adam_beta2);
   train->set_adam_eps(t.adam_eps);
   train->set_weight_decay(t.weight_decay);
+  train->set_sgd_momentum(t.sgd_momentum);
+  train->set_sgd_nesterov(t.sgd_nesterov);
+  train->set_adafactor_beta1(t.adafactor_beta1);
+  train->set_adafactor_decay_rate(t.adafactor_decay_rate);
+  train->set_adafactor_clip_threshold(t.adafactor_clip_threshold);
   train->set_max_grad_norm(t.max_grad_norm);
   train->set_precision(ToProtoEnum(kPrecisions, t.precision));
   train->set_seed(t.seed);
@@ -178,6 +183,13 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   if (train.has_adam_beta2()) t.adam_beta2 = train.adam_beta2();
   if (train.has_adam_eps()) t.adam_eps = train.adam_eps();
   if (train.has_weight_decay()) t.weight_decay = train.weight_decay();
+  if (train.has_sgd_momentum()) t.sgd_momentum = train.sgd_momentum();
+  if (train.has_sgd_nesterov()) t.sgd_nesterov = train.sgd_nesterov();
+  if (train.has_adafactor_beta1()) t.adafactor_beta1 = train.adafactor_beta1();
+  if (train.has_adafactor_decay_rate()) t.adafactor_decay_rate = train.adafactor_decay_rate();
+  if (train.has_adafactor_clip_threshold()) {
+    t.adafactor_clip_threshold = train.adafactor_clip_threshold();
+  }
   if (train.has_max_grad_norm()) t.max_grad_norm = train.max_grad_norm();
   LATHE_ASSIGN_OR_RETURN(t.precision, FromProtoEnum(kPrecisions, train.precision(), t.precision,
                                                     source, "train.precision"));

@@ -91,7 +91,7 @@ int64_t BackwardTransientBytes(const JobShape& job, const StrategyPoint& p, cons
   return p.fused_kernels ? (13 * h + 21 * i) / 10 : (16 * h + 17 * i) / 10;
 }
 
-// The largest single trainable tensor: AdamW's step makes two temporaries of its size.
+// The largest single trainable tensor: the optimizer step's temporaries are of its size.
 // (The targets are known to be valid: UnitsOf has checked them.)
 int64_t LargestTrainableTensor(const JobShape& job) {
   const ModelShape& m = job.model;
@@ -121,6 +121,7 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   job.ranks = spec.resources.ranks;
   job.device = spec.resources.device;
   job.precision = spec.train.precision;
+  job.optimizer = OptimizerChoiceOf(spec.train);
   return job;
 }
 
@@ -134,7 +135,13 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // On the CPU, offloading moves nothing out of the memory the ranks share.
   ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
                         p.offload_params && cuda};
-  const ModelStateBytes states = ModelStates(*units, w.weight, choice);
+  ModelStateBytes states = ModelStates(*units, w.weight, choice);
+  if (p.zero_stage == 0 && job.optimizer.kind != OptimizerKind::kAdamW) {
+    absl::StatusOr<std::vector<TrainableShape>> shapes =
+        TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);
+    if (!shapes.ok()) return shapes.status();
+    states.optimizer = OptimizerStateBytes(*shapes, job.optimizer);
+  }
 
   const int64_t b = p.micro_batch, t = job.seq_len, h = m.hidden_size, layers = m.num_layers;
   const int64_t bt = b * t;
@@ -309,7 +316,8 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   Moment step = base("the optimizer step", true);
   if (p.zero_stage == 0) {
     at(step, MemoryComponent::kGradients) = made;
-    at(step, MemoryComponent::kOptimizer) += 2 * 4 * LargestTrainableTensor(job);
+    at(step, MemoryComponent::kOptimizer) +=
+        StepTemporaryBytesPerElement(job.optimizer.kind) * LargestTrainableTensor(job);
   } else if (!choice.offload_optimizer) {
     at(step, MemoryComponent::kOptimizer) +=
         2 * 4 * ((largest_unit_trainable + job.ranks - 1) / job.ranks);

@@ -18,6 +18,7 @@
 #include "common/job_spec.h"
 #include "common/plan.h"
 #include "coordinator/planner/model_shape.h"
+#include "coordinator/planner/model_states.h"
 
 namespace lathe {
 
@@ -32,6 +33,7 @@ struct JobShape {
   int64_t ranks = 1;
   DeviceKind device = DeviceKind::kCpu;
   Precision precision = Precision::kFp32;
+  OptimizerChoice optimizer;
 };
 
 // The job's shape from a spec and the model's shape.

@@ -49,6 +49,91 @@ absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Metho
   return units;
 }
 
+absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
+    const ModelShape& shape, Method method, int64_t lora_rank,
+    const std::vector<std::string>& targets) {
+  std::vector<TrainableShape> shapes;
+  if (method != Method::kFull) {
+    for (const std::string& target : targets) {
+      absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
+      if (!p.ok()) return p.status();
+      for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+        shapes.push_back({{lora_rank, p->in}});
+        shapes.push_back({{p->out, lora_rank}});
+      }
+    }
+    return shapes;
+  }
+  const int64_t h = shape.hidden_size, v = shape.vocab_size;
+  shapes.push_back({{v, h}, /*embeddings=*/true});
+  if (shape.lm_head > 0) shapes.push_back({{v, h}});
+  shapes.push_back({{h}});  // the final norm
+  const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
+  const int64_t i = shape.intermediate_size;
+  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+    const std::pair<int64_t, int64_t> projections[] = {{h, q}, {h, kv}, {h, kv}, {q, h},
+                                                       {h, i}, {h, i},  {i, h}};  // [in, out]
+    for (const auto& [in, out] : projections) shapes.push_back({{out, in}});
+    for (int64_t n = 0; n < shape.block.norms / std::max<int64_t>(1, h); ++n) {
+      shapes.push_back({{h}});
+    }
+    // Biases: q, k, v (Qwen2) and any others, as vectors of their total size.
+    if (shape.block.attention_bias > 0) shapes.push_back({{shape.block.attention_bias}});
+    if (shape.block.mlp_bias > 0) shapes.push_back({{shape.block.mlp_bias}});
+  }
+  return shapes;
+}
+
+OptimizerChoice OptimizerChoiceOf(const TrainSpec& train) {
+  OptimizerChoice choice{train.optimizer, true};
+  if (train.optimizer == OptimizerKind::kAdafactor) choice.first_moment = train.adafactor_beta1 > 0;
+  if (train.optimizer == OptimizerKind::kSgd) choice.first_moment = train.sgd_momentum > 0;
+  return choice;
+}
+
+int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
+                            const OptimizerChoice& optimizer) {
+  constexpr int64_t kMin8bit = 4096, kBlock = 2048;
+  int64_t bytes = 0;
+  for (const TrainableShape& shape : shapes) {
+    const std::vector<int64_t>& s = shape.dims;
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    switch (optimizer.kind) {
+      case OptimizerKind::kAdamW:
+        bytes += 8 * n;
+        break;
+      case OptimizerKind::kAdamW8bit: {
+        const int64_t blocks = (n + kBlock - 1) / kBlock;
+        bytes += n < kMin8bit || shape.embeddings ? 8 * n : 2 * blocks * kBlock + 8 * blocks;
+        break;
+      }
+      case OptimizerKind::kAdafactor:
+        bytes += s.size() >= 2 ? 4 * (n / s.back() + n / s[s.size() - 2]) : 4 * n;
+        if (optimizer.first_moment) bytes += 4 * n;
+        break;
+      case OptimizerKind::kSgd:
+        if (optimizer.first_moment) bytes += 4 * n;
+        break;
+    }
+  }
+  return bytes;
+}
+
+int64_t StepTemporaryBytesPerElement(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdamW:
+      return 8;
+    case OptimizerKind::kAdamW8bit:
+      return 20;
+    case OptimizerKind::kAdafactor:
+      return 12;
+    case OptimizerKind::kSgd:
+      return 8;
+  }
+  return 8;
+}
+
 ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weight_bytes,
                             const ShardingChoice& c) {
   const int64_t n = c.ranks;

@@ -45,6 +45,40 @@ absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Metho
                                                   int64_t lora_rank,
                                                   const std::vector<std::string>& targets);
 
+// One trainable tensor's shape.
+struct TrainableShape {
+  std::vector<int64_t> dims;
+  bool embeddings = false;  // the token embeddings (8-bit AdamW keeps them in float32)
+};
+
+// The shapes of the trainable tensors, in no particular order: LoRA's A [rank, in] and
+// B [out, rank] per block and target; with full fine-tuning every weight ([rows, cols]) and
+// every bias and norm weight ([n]). INVALID_ARGUMENT as UnitsOf.
+absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
+    const ModelShape& shape, Method method, int64_t lora_rank,
+    const std::vector<std::string>& targets);
+
+// The optimizer and what decides the size of its state.
+struct OptimizerChoice {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  bool first_moment = true;  // adafactor: adafactor_beta1 > 0; sgd: sgd_momentum > 0
+};
+OptimizerChoice OptimizerChoiceOf(const TrainSpec& train);
+
+// Bytes of optimizer state for tensors of `shapes` on one replicated rank (docs/training.md,
+// "Optimizers"): AdamW 8 per element; 8-bit AdamW 2 per element (padded to whole blocks of
+// 2048) and 8 per block, or 8 per element below 4096 elements and for the embeddings; Adafactor 4 x
+// (rows + cols) per matrix and 4 per vector element, plus 4 per element with a first moment; SGD 4
+// per element with momentum, else nothing.
+int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
+                            const OptimizerChoice& optimizer);
+
+// Bytes per element of the largest trainable tensor that the optimizer step's temporaries
+// take (AdamW: its denominator and a product; 8-bit AdamW: the gradient, both moments in
+// float32 and a 64-bit code index; Adafactor: the squared gradient, the factors' product and
+// the update; SGD: the decayed or Nesterov direction).
+int64_t StepTemporaryBytesPerElement(OptimizerKind kind);
+
 struct ShardingChoice {
   int64_t ranks = 1;
   int64_t zero_stage = 0;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/capabilities.h"
 #include "common/flops.h"
 #include "common/model_config.h"
 #include "coordinator/planner/calibration.h"
@@ -142,13 +143,17 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   const StrategySpec& s = spec.strategy;
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
+  // The optimizers that run on a replicated model only stay at stage 0, without offload.
+  const std::vector<OptimizerKind>& sharded = Engine().sharded_optimizers;
+  const bool shards =
+      std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end();
   std::vector<int64_t> stages = {0};
-  if (ranks > 1) {
+  if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
   }
   // On the CPU offloading saves nothing (host and device memory are one): only when fixed.
   const std::vector<bool> offload_choices =
-      options.offload && !cpu ? std::vector<bool>{false, true} : std::vector<bool>{false};
+      options.offload && !cpu && shards ? std::vector<bool>{false, true} : std::vector<bool>{false};
   std::vector<int64_t> micro_batches;
   const int64_t per_rank = spec.train.global_batch / ranks;
   if (spec.train.micro_batch > 0) {
@@ -213,7 +218,9 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
       std::vector<std::string> fixes;
       JobShape more = job;
       StrategyPoint p = smallest->point;
-      if (options.max_zero_stage >= 3 && s.ChosenByPlanner("zero_stage")) p.zero_stage = 3;
+      if (options.max_zero_stage >= 3 && shards && s.ChosenByPlanner("zero_stage")) {
+        p.zero_stage = 3;
+      }
       for (int64_t r = std::max<int64_t>(2, ranks * 2); r <= 4096; r *= 2) {
         more.ranks = r;
         absl::StatusOr<MemoryEstimate> m = EstimateMemory(more, p);

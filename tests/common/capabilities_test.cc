@@ -70,10 +70,22 @@ INSTANTIATE_TEST_SUITE_P(
         UnsupportedCase{"QLora", [](JobSpec* s) { s->method = Method::kQLora; },
                         "method: qlora is not supported by this engine yet (supported: lora, "
                         "full)"},
-        UnsupportedCase{"Adafactor",
-                        [](JobSpec* s) { s->train.optimizer = OptimizerKind::kAdafactor; },
-                        "train.optimizer: adafactor is not supported by this engine yet "
-                        "(supported: adamw)"},
+        UnsupportedCase{"ShardedAdafactor",
+                        [](JobSpec* s) {
+                          s->train.optimizer = OptimizerKind::kAdafactor;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 2;
+                        },
+                        "strategy.zero_stage: 2 with train.optimizer adafactor is not supported "
+                        "by this engine yet (it runs on a replicated model, zero_stage 0"},
+        UnsupportedCase{"Offloaded8bit",
+                        [](JobSpec* s) {
+                          s->train.optimizer = OptimizerKind::kAdamW8bit;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 3;
+                          s->strategy.offload_optimizer = true;
+                        },
+                        "strategy.zero_stage: 3 with offload with train.optimizer adamw8bit"},
         UnsupportedCase{"ZeroOnCuda",
                         [](JobSpec* s) {
                           s->resources.device = DeviceKind::kCuda;

@@ -46,6 +46,11 @@ train:
   adam_beta2: 0.95
   adam_eps: 1.0e-6
   weight_decay: 0.01
+  sgd_momentum: 0.5
+  sgd_nesterov: true
+  adafactor_beta1: 0.25
+  adafactor_decay_rate: -0.5
+  adafactor_clip_threshold: 2
   max_grad_norm: 0.5
   precision: bf16
   seed: 1234
@@ -76,7 +81,9 @@ constexpr char kFullJson[] = R"json({
 		"steps": 1000, "global_batch": 64, "micro_batch": 4, "lr": 2.0e-4,
 		"schedule": {"kind": "linear", "warmup_steps": 50},
 		"optimizer": "adamw8bit", "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1.0e-6,
-		"weight_decay": 0.01, "max_grad_norm": 0.5, "precision": "bf16", "seed": 1234,
+		"weight_decay": 0.01, "sgd_momentum": 0.5, "sgd_nesterov": true, "adafactor_beta1": 0.25,
+		"adafactor_decay_rate": -0.5, "adafactor_clip_threshold": 2,
+		"max_grad_norm": 0.5, "precision": "bf16", "seed": 1234,
 		"checkpoint_every": 100
 	},
 	"resources": {"ranks": 8, "device": "cuda", "memory_per_rank": "80GiB"},
@@ -147,6 +154,11 @@ void ExpectFullSpec(const JobSpec& spec) {
   EXPECT_EQ(spec.train.adam_beta2, 0.95);
   EXPECT_EQ(spec.train.adam_eps, 1.0e-6);
   EXPECT_EQ(spec.train.weight_decay, 0.01);
+  EXPECT_EQ(spec.train.sgd_momentum, 0.5);
+  EXPECT_TRUE(spec.train.sgd_nesterov);
+  EXPECT_EQ(spec.train.adafactor_beta1, 0.25);
+  EXPECT_EQ(spec.train.adafactor_decay_rate, -0.5);
+  EXPECT_EQ(spec.train.adafactor_clip_threshold, 2.0);
   EXPECT_EQ(spec.train.max_grad_norm, 0.5);
   EXPECT_EQ(spec.train.precision, Precision::kBf16);
   EXPECT_EQ(spec.train.seed, 1234u);
@@ -488,6 +500,17 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"train", "{steps: 10, adam_beta2: -0.5}"}},
        "job.yaml: train.adam_beta2: must be in [0, 1), got -0.5"},
       {{{"train", "{steps: 10, adam_eps: 0}"}}, "job.yaml: train.adam_eps: must be > 0, got 0"},
+      {{{"train", "{steps: 10, sgd_momentum: 1}"}},
+       "job.yaml: train.sgd_momentum: must be in [0, 1), got 1"},
+      {{{"train", "{steps: 10, optimizer: sgd, sgd_nesterov: true}"}},
+       "job.yaml: train.sgd_nesterov: needs train.sgd_momentum > 0"},
+      {{{"train", "{steps: 10, sgd_nesterov: maybe}"}}, "job.yaml: train.sgd_nesterov: "},
+      {{{"train", "{steps: 10, adafactor_beta1: -0.1}"}},
+       "job.yaml: train.adafactor_beta1: must be in [0, 1), got -0.1"},
+      {{{"train", "{steps: 10, adafactor_decay_rate: 0}"}},
+       "job.yaml: train.adafactor_decay_rate: must be in [-1, 0), got 0"},
+      {{{"train", "{steps: 10, adafactor_clip_threshold: 0}"}},
+       "job.yaml: train.adafactor_clip_threshold: must be > 0, got 0"},
       {{{"train", "{steps: 10, checkpoint_every: -1}"}},
        "job.yaml: train.checkpoint_every: must be >= 0, got -1"},
       {{{"train", "{steps: 10, keep_checkpoints: 0}"}},

@@ -111,6 +111,57 @@ TEST(MemoryModelTest, OptimizerOffloadMovesStatesToTheHostOnCuda) {
   EXPECT_LT(offloaded.device.total, on_device.device.total);
 }
 
+TEST(MemoryModelTest, EachOptimizersStateFollowsItsFormula) {
+  // Full fine-tuning of a 1B model (tied embeddings, 128256 x 2048).
+  const ModelShape shape = Shape("llama-3.2-1b");
+  absl::StatusOr<std::vector<TrainableShape>> shapes = TrainableShapes(shape, Method::kFull, 0, {});
+  ASSERT_TRUE(shapes.ok()) << shapes.status();
+  uint64_t params = 0;
+  for (const TrainableShape& t : *shapes) {
+    uint64_t n = 1;
+    for (int64_t d : t.dims) n *= static_cast<uint64_t>(d);
+    params += n;
+  }
+  EXPECT_EQ(params, static_cast<uint64_t>(shape.total_params()));
+  auto state = [&](const std::string& train) {
+    const JobSpec spec = Spec("method: full\ntrain: {steps: 10, " + train + "}\n");
+    return static_cast<uint64_t>(OptimizerStateBytes(*shapes, OptimizerChoiceOf(spec.train)));
+  };
+  const uint64_t embeddings = uint64_t{128256} * 2048;
+  const uint64_t rest = params - embeddings;
+  EXPECT_EQ(state("optimizer: adamw"), 8 * params);
+  // 8 bits: float32 moments for the embeddings, 2 bytes per element (and 8 per block of
+  // 2048, padding included) for the rest.
+  EXPECT_GT(state("optimizer: adamw8bit"), 8 * embeddings + 2 * rest);
+  EXPECT_LT(state("optimizer: adamw8bit"), 8 * embeddings + 2 * rest + rest / 100);
+  // Adafactor without a first moment: rows and columns, and the norms whole.
+  EXPECT_LT(state("optimizer: adafactor"), params / 100);
+  EXPECT_EQ(state("optimizer: adafactor, adafactor_beta1: 0.9") - state("optimizer: adafactor"),
+            4 * params);
+  EXPECT_EQ(state("optimizer: sgd"), 0u);
+  EXPECT_EQ(state("optimizer: sgd, sgd_momentum: 0.9"), 4 * params);
+}
+
+TEST(PlannerTest, OptimizersThatDoNotShardStayAtStageZero) {
+  // Full fine-tuning of a 1B model on four CPU ranks with 20 GiB each: AdamW needs ZeRO to
+  // fit; Adafactor and 8-bit AdamW fit replicated, and are never planned sharded.
+  const ModelShape shape = Shape("llama-3.2-1b");
+  for (const std::string optimizer : {"adamw", "adafactor", "adamw8bit"}) {
+    SCOPED_TRACE(optimizer);
+    const JobSpec spec = Spec(
+        "method: full\nresources: {ranks: 4}\ntrain: {steps: 10, "
+        "global_batch: 4, optimizer: " +
+        optimizer + "}\n");
+    const PlanResult plan = MustPlan(spec, shape, Options("cpu", 20 * kGiB));
+    if (optimizer == "adamw") {
+      EXPECT_GT(plan.plan.zero_stage, 0);
+      continue;
+    }
+    EXPECT_EQ(plan.plan.zero_stage, 0);
+    for (const Candidate& candidate : plan.candidates) EXPECT_EQ(candidate.point.zero_stage, 0);
+  }
+}
+
 TEST(PlannerTest, PicksTheFastestThatFitsAndSaysWhyTheOthersLost) {
   // A 1B LoRA job on one CPU rank with plenty of memory: nothing to shard, no need to
   // recompute, the largest micro-batch is fastest.

@@ -931,9 +931,12 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   qlora.set_method(v1::METHOD_QLORA);
   ExpectRefused(qlora, "spec: method: qlora is not supported by this engine yet", {},
                 absl::StatusCode::kUnimplemented);
-  v1::JobSpec sgd = spec;
-  sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
-  ExpectRefused(sgd, "spec: train.optimizer: sgd", {}, absl::StatusCode::kUnimplemented);
+  v1::JobSpec sharded_sgd = spec;
+  sharded_sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
+  sharded_sgd.mutable_strategy()->set_automatic(false);
+  sharded_sgd.mutable_strategy()->set_zero_stage(1);
+  ExpectRefused(sharded_sgd, "spec: strategy.zero_stage: 1 with train.optimizer sgd", {},
+                absl::StatusCode::kUnimplemented);
 }
 
 TEST_F(JobManagerTest, ThePlanIsMadeOnceHere) {

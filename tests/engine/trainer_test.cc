@@ -296,6 +296,28 @@ TEST_F(TrainerTest, AStoppedRunResumesBitIdentically) {
   ExpectBitIdenticalResume(spec_, dir_.Path("resumed"));
 }
 
+// Each optimizer trains the tiny LoRA job and resumes it bit for bit (its state survives
+// the checkpoint).
+TEST_F(TrainerTest, EveryOptimizerLowersTheLossAndResumesBitIdentically) {
+  for (OptimizerKind kind :
+       {OptimizerKind::kAdamW8bit, OptimizerKind::kAdafactor, OptimizerKind::kSgd}) {
+    SCOPED_TRACE(std::string(OptimizerKindName(kind)));
+    JobSpec spec = spec_;
+    spec.train.optimizer = kind;
+    spec.train.steps = 20;
+    spec.train.weight_decay = 0.01;
+    spec.train.lr = kind == OptimizerKind::kSgd ? 0.5 : 1e-2;
+    spec.train.sgd_momentum = 0.9;
+    spec.train.adafactor_beta1 = 0.9;
+    spec.output = dir_.Path(absl::StrCat(OptimizerKindName(kind), "-losses"));
+    const std::vector<double> losses = Losses(spec);
+    ASSERT_EQ(losses.size(), 20u);
+    EXPECT_LT(Mean(losses, 15, 20), Mean(losses, 0, 5));
+    spec.output = dir_.Path(absl::StrCat(OptimizerKindName(kind), "-straight"));
+    ExpectBitIdenticalResume(spec, dir_.Path(absl::StrCat(OptimizerKindName(kind), "-resumed")));
+  }
+}
+
 TEST_F(TrainerTest, AnFp16RunWithSkippedStepsResumesBitIdentically) {
   // Token 60's embedding is NaN and one document in eight holds it: the loss scale backs
   // off a few times, and the scale and the skip counters must survive the restart.
@@ -656,10 +678,18 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   }
 
   spec = spec_;
-  spec.train.optimizer = OptimizerKind::kSgd;
+  spec.method = Method::kQLora;
   status = CreateStatus(spec);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(status.message(), HasSubstr("train.optimizer: sgd is not supported"));
+  EXPECT_THAT(status.message(), HasSubstr("method: qlora is not supported"));
+
+  spec = spec_;
+  spec.train.optimizer = OptimizerKind::kSgd;
+  spec.strategy.automatic = false;
+  spec.strategy.zero_stage = 1;
+  status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(status.message(), HasSubstr("with train.optimizer sgd is not supported"));
 
   // A plan that does not fit the spec.
   spec = spec_;

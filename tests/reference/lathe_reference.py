@@ -3,9 +3,10 @@
 
 Plain eager PyTorch, written the way a user would fine-tune a model by hand ("the seed
 recipe"): hand-written LoRA layers on plain nn.Modules, a Hugging Face style
-Llama/Mistral/Qwen2 decoder, torch.optim.AdamW. It reads the same job spec, model
-directory, data file and PEFT adapters as `lathe-worker`, and reports the same step
-events, so that tests can hold the C++ engine to it within 1e-4.
+Llama/Mistral/Qwen2 decoder, torch.optim.AdamW or SGD (or the 8-bit AdamW and Adafactor
+written out here). It reads the same job spec, model directory, data file and PEFT
+adapters as `lathe-worker`, and reports the same step events, so that tests can hold the
+C++ engine to it within 1e-4.
 
 Run with Debian's interpreter (/usr/bin/python3: python3-torch, python3-numpy,
 python3-yaml). Nothing here imports transformers, peft or safetensors.
@@ -15,9 +16,11 @@ python3-yaml). Nothing here imports transformers, peft or safetensors.
   lathe_reference.py score --model DIR [--adapter DIR [--lora-alpha A] [--use-rslora]]
                            --data FILE --seq-len N [--logits-out FILE.safetensors]
                            [--output json] [--dtype float32|float64]
+  lathe_reference.py optimizer-replay --in IN.safetensors --out OUT.safetensors
 
 As a module: train(spec, ...), score(model_dir, adapter_dir, data_file, seq_len),
-lr_at(...), epoch_permutation(...), read/write_safetensors(...).
+optimizer_replay(in_path, out_path), lr_at(...), epoch_permutation(...),
+read/write_safetensors(...).
 """
 
 import argparse
@@ -40,6 +43,7 @@ IGNORE = -100
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 AUTO_MICRO_BATCH_TOKENS = 8192
+OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd")
 
 
 class ReferenceError(Exception):
@@ -50,11 +54,12 @@ class ReferenceError(Exception):
 # safetensors (read and write by hand: 8-byte LE header length, JSON header, raw LE data)
 
 _NP_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "I64": np.int64,
-              "I32": np.int32, "BF16": np.uint16}
+              "I32": np.int32, "U8": np.uint8, "BF16": np.uint16}
 
 
 def read_safetensors(path):
-    """Returns ({name: float32/float64 torch tensor}, metadata). BF16/F16 become float32."""
+    """Returns ({name: torch tensor}, metadata). BF16/F16 become float32; F32, F64, I64, I32
+    and U8 keep their type."""
     with open(path, "rb") as f:
         raw = f.read()
     if len(raw) < 8:
@@ -82,7 +87,7 @@ def read_safetensors(path):
 
 
 def write_safetensors(path, tensors, metadata=None):
-    """Writes {name: tensor} as F32 (F64 tensors stay F64 only if asked via dtype)."""
+    """Writes {name: tensor} as F32 (float64 tensors are rounded to it) or U8 (uint8)."""
     header = {}
     blobs = []
     offset = 0
@@ -90,10 +95,13 @@ def write_safetensors(path, tensors, metadata=None):
         t = tensors[name].detach().cpu()
         if t.dtype == torch.float64:
             t = t.to(torch.float32)
-        if t.dtype != torch.float32:
-            raise ValueError(f"{name}: only float32 is written, got {t.dtype}")
-        data = t.contiguous().numpy().astype("<f4").tobytes()
-        header[name] = {"dtype": "F32", "shape": list(t.shape),
+        if t.dtype == torch.float32:
+            dtype, data = "F32", t.contiguous().numpy().astype("<f4").tobytes()
+        elif t.dtype == torch.uint8:
+            dtype, data = "U8", t.contiguous().numpy().tobytes()
+        else:
+            raise ValueError(f"{name}: only float32 and uint8 are written, got {t.dtype}")
+        header[name] = {"dtype": dtype, "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(data)]}
         blobs.append(data)
         offset += len(data)
@@ -700,11 +708,7 @@ def load_spec(path_or_dict):
             "lr": float(train.get("lr", 2.0e-4)),
             "schedule": {"kind": sched.get("kind", "cosine"),
                          "warmup_steps": int(sched.get("warmup_steps", 0))},
-            "optimizer": train.get("optimizer", "adamw"),
-            "adam_beta1": float(train.get("adam_beta1", 0.9)),
-            "adam_beta2": float(train.get("adam_beta2", 0.999)),
-            "adam_eps": float(train.get("adam_eps", 1e-8)),
-            "weight_decay": float(train.get("weight_decay", 0.0)),
+            **optimizer_fields(train, source),
             "max_grad_norm": float(train.get("max_grad_norm", 1.0)),
             "precision": train.get("precision", "fp32"),
             "seed": int(train.get("seed", 0)),
@@ -723,8 +727,6 @@ def load_spec(path_or_dict):
                              f"not {spec['method']!r}")
     if t["precision"] not in STORAGE:
         raise ReferenceError(f"{source}: train.precision: unknown {t['precision']!r}")
-    if t["optimizer"] != "adamw":
-        raise ReferenceError(f"{source}: train.optimizer: the reference implements adamw only")
     if (t["steps"] > 0) == (float(t["epochs"]) > 0):
         raise ReferenceError(f"{source}: train: exactly one of steps and epochs must be > 0")
     if spec["data"]["seq_len"] < 2:
@@ -743,6 +745,36 @@ def load_spec(path_or_dict):
         raise ReferenceError(f"{source}: train.global_batch {t['global_batch']} is not "
                              f"divisible by micro_batch {t['micro_batch']}")
     return spec
+
+
+def optimizer_fields(train, source):
+    """The optimizer's fields of a `train` mapping, defaults filled in, validated."""
+    o = {"optimizer": train.get("optimizer", "adamw"),
+         "adam_beta1": float(train.get("adam_beta1", 0.9)),
+         "adam_beta2": float(train.get("adam_beta2", 0.999)),
+         "adam_eps": float(train.get("adam_eps", 1e-8)),
+         "weight_decay": float(train.get("weight_decay", 0.0)),
+         "sgd_momentum": float(train.get("sgd_momentum", 0.0)),
+         "sgd_nesterov": train.get("sgd_nesterov", False),
+         "adafactor_beta1": float(train.get("adafactor_beta1", 0.0)),
+         "adafactor_decay_rate": float(train.get("adafactor_decay_rate", -0.8)),
+         "adafactor_clip_threshold": float(train.get("adafactor_clip_threshold", 1.0))}
+    if o["optimizer"] not in OPTIMIZERS:
+        raise ReferenceError(f"{source}: train.optimizer: unknown {o['optimizer']!r} "
+                             f"(one of {', '.join(OPTIMIZERS)})")
+    if not isinstance(o["sgd_nesterov"], bool):
+        raise ReferenceError(f"{source}: train.sgd_nesterov: expected true or false")
+    for key, low, high in (("sgd_momentum", 0.0, 1.0), ("adafactor_beta1", 0.0, 1.0),
+                           ("adafactor_decay_rate", -1.0, 0.0)):
+        if not low <= o[key] < high:
+            raise ReferenceError(f"{source}: train.{key}: must be in [{low:g}, {high:g}), "
+                                 f"got {o[key]!r}")
+    if o["sgd_nesterov"] and o["sgd_momentum"] == 0:
+        raise ReferenceError(f"{source}: train.sgd_nesterov: needs train.sgd_momentum > 0")
+    if not o["adafactor_clip_threshold"] > 0:
+        raise ReferenceError(f"{source}: train.adafactor_clip_threshold: must be > 0, "
+                             f"got {o['adafactor_clip_threshold']!r}")
+    return o
 
 
 def auto_micro_batch(global_batch, seq_len):
@@ -765,25 +797,272 @@ def count_steps(spec, records):
 
 
 # --------------------------------------------------------------------------------------
+# Optimizers: adamw and sgd are torch.optim's; adamw8bit and adafactor are written out
+# here from their definitions in docs/training.md. Every in-place op below is the one the
+# C++ engine uses, in the same order (lathe-optimizer-replay is held to it bitwise for
+# adamw8bit): do not fuse or reorder them.
+
+QUANT_MIN_NUMEL = 4096  # adamw8bit: smaller tensors keep float32 moments
+QUANT_BLOCK = 2048
+
+
+def dynamic_code_map(signed):
+    """adamw8bit's dynamic map: 256 sorted float32 codes (0 and 1 among them; negative ones
+    only if `signed`) and the 255 float32 midpoints between neighbours."""
+    values = []
+    for i in range(7):
+        f = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        b = [0.1 + 0.9 * j / (f - 1) for j in range(f)]
+        scale = 10.0 ** (i - 6)
+        for j in range(f - 1):
+            mean = (b[j] + b[j + 1]) / 2
+            values.append(scale * mean)
+            if signed:
+                values.append(-scale * mean)
+    values += [0.0, 1.0]
+    code = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
+    assert code.numel() == 256
+    return code, (code[:-1] + code[1:]) / 2
+
+
+CODE_SIGNED, MIDS_SIGNED = dynamic_code_map(True)  # first moment
+CODE_UNSIGNED, MIDS_UNSIGNED = dynamic_code_map(False)  # second moment
+
+
+def dequantize(code, codes, absmax):
+    """Flat [P] values code[codes] * absmax of their block of QUANT_BLOCK."""
+    return code.index_select(0, codes.long()).view(-1, QUANT_BLOCK).mul_(
+        absmax.unsqueeze(1)).view(-1)
+
+
+def quantize(mids, x):
+    """(codes uint8 [P], absmax [B]) of a flat [P] `x`: per block the nearest code of
+    x / absmax (an all-zero block divides by 1; a value on a midpoint takes the lower code)."""
+    absmax = x.view(-1, QUANT_BLOCK).abs().amax(1)
+    safe = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
+    codes = torch.searchsorted(mids, x.view(-1, QUANT_BLOCK).div(safe.unsqueeze(1)).view(-1))
+    return codes.to(torch.uint8), absmax
+
+
+class AdamW8bit(torch.optim.Optimizer):
+    """AdamW whose moments are kept block-wise in 8 bits (state `exp_avg.codes`,
+    `exp_avg.absmax`, `exp_avg_sq.codes`, `exp_avg_sq.absmax`) for tensors of at least
+    QUANT_MIN_NUMEL elements, and smaller tensors and those of `float32_params` (the token
+    embeddings, keeps_float32_moments) exactly as torch.optim.AdamW."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, float32_params=()):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
+                                  "weight_decay": weight_decay})
+        self._float32 = {id(p) for p in float32_params}
+
+    def _quantized(self, p):
+        return p.numel() >= QUANT_MIN_NUMEL and id(p) not in self._float32
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state, n = p.grad, self.state[p], p.numel()
+                if not state:
+                    self._init_state(p, state)
+                state["step"] += 1
+                t = state["step"]
+                bc1 = 1 - b1 ** t
+                bc2_sqrt = math.sqrt(1 - b2 ** t)
+                step_size = lr / bc1
+                if not self._quantized(p):
+                    m, v = state["exp_avg"], state["exp_avg_sq"]
+                    p.mul_(1 - lr * wd)
+                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                    denom = (v.sqrt() / bc2_sqrt).add_(eps)
+                    p.addcdiv_(m, denom, value=-step_size)
+                    continue
+                # (A float64 run widens the maps; float32 ones are used as they are.)
+                code_s, code_u = CODE_SIGNED.to(g.dtype), CODE_UNSIGNED.to(g.dtype)
+                gp = g.new_zeros(state["exp_avg.codes"].numel())
+                gp[:n] = g.reshape(-1)
+                m = dequantize(code_s, state["exp_avg.codes"], state["exp_avg.absmax"])
+                v = dequantize(code_u, state["exp_avg_sq.codes"], state["exp_avg_sq.absmax"])
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                m.mul_(b1).add_(gp, alpha=1 - b1)
+                v.mul_(b2).addcmul_(gp, gp, value=1 - b2)
+                denom = (v[:n].sqrt() / bc2_sqrt).add_(eps)
+                p.view(-1).addcdiv_(m[:n], denom, value=-step_size)
+                state["exp_avg.codes"], state["exp_avg.absmax"] = quantize(
+                    MIDS_SIGNED.to(g.dtype), m)
+                state["exp_avg_sq.codes"], state["exp_avg_sq.absmax"] = quantize(
+                    MIDS_UNSIGNED.to(g.dtype), v)
+
+    def _init_state(self, p, state):
+        """Zero moments: float32 ones, or every code the map's 0 and absmax 0."""
+        state["step"] = 0
+        if not self._quantized(p):
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+            return
+        blocks = -(-p.numel() // QUANT_BLOCK)
+        for key, code in (("exp_avg", CODE_SIGNED), ("exp_avg_sq", CODE_UNSIGNED)):
+            zero = int((code == 0).nonzero())
+            state[key + ".codes"] = torch.full((blocks * QUANT_BLOCK,), zero, dtype=torch.uint8)
+            state[key + ".absmax"] = p.new_zeros(blocks)
+
+
+class Adafactor(torch.optim.Optimizer):
+    """Adafactor (Shazeer & Stern 2018) with a fixed learning rate: second moment factored
+    over the last two dims (state `exp_avg_sq_row`, `exp_avg_sq_col`) or not (`exp_avg_sq`)
+    with beta2 = 1 - t^decay_rate, update RMS clipped to clip_threshold, optional first
+    moment (`exp_avg`, when beta1 > 0), decoupled weight decay."""
+
+    def __init__(self, params, lr, beta1, decay_rate, clip_threshold, weight_decay):
+        super().__init__(params, {"lr": lr, "beta1": beta1, "decay_rate": decay_rate,
+                                  "clip_threshold": clip_threshold,
+                                  "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, wd, beta1 = group["lr"], group["weight_decay"], group["beta1"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g, state = p.grad, self.state[p]
+                if not state:
+                    state["step"] = 0
+                    if g.dim() >= 2:
+                        state["exp_avg_sq_row"] = g.new_zeros(g.shape[:-1])
+                        state["exp_avg_sq_col"] = g.new_zeros(g.shape[:-2] + g.shape[-1:])
+                    else:
+                        state["exp_avg_sq"] = torch.zeros_like(g)
+                    if beta1 > 0:
+                        state["exp_avg"] = torch.zeros_like(g)
+                state["step"] += 1
+                rho = 1.0 - state["step"] ** group["decay_rate"]
+                u2 = g.mul(g).add_(1e-30)
+                if g.dim() >= 2:
+                    row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
+                    row.mul_(rho).add_(u2.mean(-1), alpha=1 - rho)
+                    col.mul_(rho).add_(u2.mean(-2), alpha=1 - rho)
+                    r = row.div(row.mean(-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                    c = col.rsqrt().unsqueeze(-2)
+                    u = r.mul(c).mul_(g)
+                else:
+                    v = state["exp_avg_sq"]
+                    v.mul_(rho).add_(u2, alpha=1 - rho)
+                    u = v.rsqrt().mul_(g)
+                u.div_(torch.linalg.vector_norm(u, 2).div(math.sqrt(u.numel())).div_(group["clip_threshold"])
+                       .clamp_(min=1.0))
+                if beta1 > 0:
+                    u = state["exp_avg"].mul_(beta1).add_(u, alpha=1 - beta1)
+                if wd != 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr)
+
+
+def param_groups(named, weight_decay, no_decay):
+    """Param groups of (name, tensor) pairs: `weight_decay`, and none where no_decay(name)."""
+    groups = [{"params": [p for n, p in named if not no_decay(n)], "weight_decay": weight_decay},
+              {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def keeps_float32_moments(name):
+    """adamw8bit keeps float32 moments for the token embeddings whatever their size, as
+    bitsandbytes advises: rows of tokens absent from a batch get no gradient, and where such a
+    row's second moment was quantized to 0 but not its first, the update would be m / eps."""
+    return name.endswith("embed_tokens.weight")
+
+
+def make_optimizer(groups, t, lr, float32_params=()):
+    """The optimizer `t["optimizer"]` (t: optimizer_fields) over param groups;
+    `float32_params`: tensors adamw8bit keeps in float32 (keeps_float32_moments)."""
+    kind = t["optimizer"]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=t["sgd_momentum"], dampening=0,
+                               nesterov=t["sgd_nesterov"], weight_decay=t["weight_decay"],
+                               foreach=False)
+    if kind == "adafactor":
+        return Adafactor(groups, lr, t["adafactor_beta1"], t["adafactor_decay_rate"],
+                         t["adafactor_clip_threshold"], t["weight_decay"])
+    betas = (t["adam_beta1"], t["adam_beta2"])
+    if kind == "adamw8bit":
+        return AdamW8bit(groups, lr, betas, t["adam_eps"], t["weight_decay"], float32_params)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=t["adam_eps"],
+                             weight_decay=t["weight_decay"], foreach=False)
+
+
+def optimizer_state(opt, named):
+    """{name: tensor} of the optimizer state of (name, param) pairs, as the C++ checkpoint
+    names it: `<key>.<name>`, or `<key>.<name>.<part>` for a state key `<key>.<part>`
+    (adamw8bit's codes and absmax); step counts and absent buffers left out."""
+    out = {}
+    for name, p in named:
+        for key, value in opt.state[p].items():
+            if key != "step" and value is not None:
+                kind, _, part = key.partition(".")
+                out[f"{kind}.{name}" + (f".{part}" if part else "")] = value
+    return out
+
+
+def optimizer_replay(in_path, out_path):
+    """Applies the optimizer steps recorded in `in_path` (tensors `param.<name>` and
+    `grad.<k>.<name>`, k = 1..steps; metadata `steps`, `lrs`, `train` and `no_decay`, the
+    last two JSON) to the params in name order, on one thread, and writes their final
+    `param.<name>` and the optimizer state (optimizer_state) to `out_path`; returns them."""
+    torch.set_num_threads(1)
+    tensors, meta = read_safetensors(in_path)
+    try:
+        steps = int(meta["steps"])
+        lrs = [float(x) for x in json.loads(meta["lrs"])]
+        t = optimizer_fields(json.loads(meta.get("train", "{}")), in_path)
+        no_decay = set(json.loads(meta.get("no_decay", "[]")))
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise ReferenceError(f"{in_path}: __metadata__: steps, lrs, train or no_decay missing "
+                             f"or malformed ({type(e).__name__}: {e})")
+    if len(lrs) != steps:
+        raise ReferenceError(f"{in_path}: __metadata__: {len(lrs)} lrs for {steps} steps")
+    names = sorted(k[len("param."):] for k in tensors if k.startswith("param."))
+    if not no_decay <= set(names):
+        raise ReferenceError(f"{in_path}: __metadata__: no_decay: no such params "
+                             f"{sorted(no_decay - set(names))}")
+    named = [(n, nn.Parameter(tensors["param." + n].to(torch.float32).clone())) for n in names]
+    opt = make_optimizer(param_groups(named, t["weight_decay"], no_decay.__contains__), t,
+                         lrs[0] if lrs else 0.0,
+                         [p for n, p in named if keeps_float32_moments(n)])
+    for k in range(1, steps + 1):
+        for n, p in named:
+            g = tensors.get(f"grad.{k}.{n}")
+            if g is None or g.shape != p.shape:
+                raise ReferenceError(f"{in_path}: grad.{k}.{n}: missing or not shaped "
+                                     f"{list(p.shape)}")
+            p.grad = g.to(torch.float32)
+        for group in opt.param_groups:
+            group["lr"] = lrs[k - 1]
+        opt.step()
+    out = {f"param.{n}": p.detach() for n, p in named}
+    out.update(optimizer_state(opt, named))
+    write_safetensors(out_path, out, {"steps": str(steps)})
+    return out
+
+
+# --------------------------------------------------------------------------------------
 # Training
 
 
 def build_optimizer(model, spec):
     t = spec["train"]
-    named = model.named_trainable()
-    if spec["method"] == "full":
+
+    def no_decay(n):
         # As the Hugging Face Trainer: no weight decay on biases and norm weights.
-        def no_decay(n):
-            return n.endswith(".bias") or n.endswith("norm.weight")
-        decay = [p for n, p in named if not no_decay(n)]
-        plain = [p for n, p in named if no_decay(n)]
-        groups = [{"params": decay, "weight_decay": t["weight_decay"]},
-                  {"params": plain, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-    else:
-        groups = [{"params": [p for _, p in named], "weight_decay": t["weight_decay"]}]
-    return torch.optim.AdamW(groups, lr=t["lr"], betas=(t["adam_beta1"], t["adam_beta2"]),
-                             eps=t["adam_eps"], weight_decay=t["weight_decay"], foreach=False)
+        return spec["method"] == "full" and (n.endswith(".bias") or n.endswith("norm.weight"))
+    float32 = [model.embed_tokens] if model.embed_tokens.requires_grad else []
+    return make_optimizer(param_groups(model.named_trainable(), t["weight_decay"], no_decay), t,
+                          t["lr"], float32)
 
 
 STORAGE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -983,6 +1262,10 @@ def main(argv=None):
     sc.add_argument("--output", choices=("table", "json"), default="table")
     sc.add_argument("--threads", type=int, default=1)
     sc.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    rp = sub.add_parser("optimizer-replay")
+    rp.add_argument("--in", dest="in_path", required=True)
+    rp.add_argument("--out", required=True)
+    rp.set_defaults(threads=1, dtype="float32")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -1009,6 +1292,8 @@ def main(argv=None):
             else:
                 print(f"done: {done['steps']} steps, final loss {_fmt(done['final_loss'], '.6f')}"
                       f", {done['tokens_per_s']:.1f} tokens/s, {done['seconds']:.1f} s")
+        elif args.command == "optimizer-replay":
+            optimizer_replay(args.in_path, args.out)
         else:
             logits, loss, targets = score(args.model, args.adapter, args.data, args.seq_len,
                                           lora_alpha=args.lora_alpha,

@@ -11,7 +11,10 @@ Tolerances (float32 on both sides):
   - learning rates: relative 1e-9 (the same double-precision formula);
   - grad_norm: relative 1e-4 (reported, pre-clip);
   - logits: |a - b| <= 1e-4 * max(1, |b|) elementwise; scored losses: absolute 1e-4;
-  - trained LoRA tensors (entries of order 0.1): absolute 1e-5.
+  - trained LoRA tensors (entries of order 0.1): absolute 1e-5;
+  - `lathe-optimizer-replay` (the same gradients fed to both optimizers): adamw8bit
+    bitwise (codes, absmax and params: both run the same libtorch ops in the same order);
+    adamw, sgd and adafactor within relative 1e-6, absolute 1e-7.
 
 The configurations are chosen to be well-conditioned: the reference's own float32 and
 float64 runs agree to ~1e-6 on every step (LoraLlamaTest checks this). With a larger
@@ -20,9 +23,10 @@ implementations agree to 1e-4. On a mismatch the diagnostics
 add the reference's float64 series, to tell "the C++ computes something else" from "the
 configuration amplifies rounding".
 
-ReferenceSelfChecks need no binaries (they check the reference against itself and against
-finite differences). The comparison tests need lathe-synth and lathe-worker: they fail
-when LATHE_BIN_DIR is set (ctest) and a binary is missing, and are skipped otherwise.
+ReferenceSelfChecks and OptimizerSelfChecks need no binaries (they check the reference
+against itself, finite differences and torch.optim). The comparison tests need lathe-synth
+and lathe-worker (OptimizerReplayTest: lathe-optimizer-replay): they fail when
+LATHE_BIN_DIR is set (ctest) and a binary is missing, and are skipped otherwise.
 """
 
 import json
@@ -539,6 +543,283 @@ class ReferenceSelfChecks(unittest.TestCase):
 
 
 # --------------------------------------------------------------------------------------
+# Self-checks of the optimizers (no binaries needed)
+
+# The replay job: three params (one without weight decay; [3000] takes adamw8bit's float32
+# path, [64, 96] three full blocks, [50, 300] eight blocks, the last one padded), gradient
+# scales 1e-3, 1 and 10, five steps at varying learning rates.
+# The embeddings are large enough for 8 bits, but adamw8bit keeps them in float32.
+REPLAY_PARAMS = (("layers.0.norm.weight", (3000,), 1e-3), ("layers.0.proj.weight", (64, 96), 1.0),
+                 ("lm_head.weight", (50, 300), 10.0), ("model.embed_tokens.weight", (80, 64), 1.0))
+REPLAY_NO_DECAY = ["layers.0.norm.weight"]
+REPLAY_LRS = [1e-3, 5e-3, 2e-3, 1e-2, 4e-4]
+REPLAY_CONFIGS = (
+    ("adamw", {"optimizer": "adamw", "weight_decay": 0.01}),
+    ("adamw8bit", {"optimizer": "adamw8bit", "weight_decay": 0.01}),
+    ("sgd-momentum", {"optimizer": "sgd", "sgd_momentum": 0.9, "weight_decay": 0.01}),
+    ("sgd-nesterov", {"optimizer": "sgd", "sgd_momentum": 0.9, "sgd_nesterov": True,
+                      "weight_decay": 0.01}),
+    ("sgd-plain", {"optimizer": "sgd"}),
+    ("adafactor", {"optimizer": "adafactor"}),
+    ("adafactor-beta1", {"optimizer": "adafactor", "adafactor_beta1": 0.9,
+                         "weight_decay": 0.01}),
+)
+
+
+def write_replay_input(path, train, seed=0):
+    """An `optimizer-replay` input: REPLAY_PARAMS, random, and len(REPLAY_LRS) gradients."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape, scale in REPLAY_PARAMS:
+        tensors[f"param.{name}"] = torch.randn(shape, generator=g) * 0.1
+        for k in range(1, len(REPLAY_LRS) + 1):
+            tensors[f"grad.{k}.{name}"] = torch.randn(shape, generator=g) * scale
+    ref.write_safetensors(path, tensors, {"steps": str(len(REPLAY_LRS)),
+                                          "lrs": json.dumps(REPLAY_LRS),
+                                          "train": json.dumps(train),
+                                          "no_decay": json.dumps(REPLAY_NO_DECAY)})
+    return path
+
+
+def quadratic(shape, seed):
+    """A random convex quadratic: (loss, gradient) functions of p and the minimum."""
+    g = torch.Generator().manual_seed(seed)
+    curv = torch.rand(shape, generator=g) * 2 + 0.1
+    target = torch.randn(shape, generator=g)
+    return (lambda p: float((0.5 * curv * (p - target) ** 2).sum()),
+            lambda p: curv * (p - target))
+
+
+class OptimizerSelfChecks(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-opt-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _run(self, opt, params, grads):
+        """Steps `opt` with grads(step) -> [grad per param] at the lrs of REPLAY_LRS."""
+        for k, lr in enumerate(REPLAY_LRS):
+            for p, g in zip(params, grads(k)):
+                p.grad = g.clone()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+
+    def test_code_maps(self):
+        for code, mids, signed in ((ref.CODE_SIGNED, ref.MIDS_SIGNED, True),
+                                   (ref.CODE_UNSIGNED, ref.MIDS_UNSIGNED, False)):
+            self.assertEqual((code.dtype, code.numel(), mids.numel()), (torch.float32, 256, 255))
+            self.assertTrue(bool((code[1:] > code[:-1]).all()), "not sorted and unique")
+            self.assertIn(0.0, code.tolist())
+            self.assertEqual(code[-1].item(), 1.0)
+            self.assertEqual(code[0].item() < 0, signed)
+            self.assertTrue(bool(((mids > code[:-1]) & (mids < code[1:])).all()))
+        # The signed map is symmetric around 0 (apart from the 1).
+        self.assertTrue(torch.equal(ref.CODE_SIGNED[:127], -ref.CODE_SIGNED[128:255].flip(0)))
+
+    def test_quantize_round_trip(self):
+        g = torch.Generator().manual_seed(0)
+        b = ref.QUANT_BLOCK
+        x = torch.cat([torch.randn(b, generator=g),                 # a normal block
+                       torch.randn(b, generator=g) * 1e-4,          # a small one
+                       torch.randn(b, generator=g) ** 5,            # heavy tails
+                       torch.zeros(b)])                             # all zero
+        x[b + 17] = -1e-3  # a block whose extreme is negative
+        for code, mids, values in ((ref.CODE_SIGNED, ref.MIDS_SIGNED, x),
+                                   (ref.CODE_UNSIGNED, ref.MIDS_UNSIGNED, x.abs())):
+            codes, absmax = ref.quantize(mids, values)
+            self.assertEqual((codes.dtype, codes.numel(), absmax.numel()), (torch.uint8, 4 * b, 4))
+            back = ref.dequantize(code, codes, absmax)
+            self.assertTrue(torch.equal(absmax, values.view(4, b).abs().amax(1)))
+            self.assertTrue(bool((back[3 * b:] == 0).all()))
+            self.assertTrue(bool((codes[3 * b:] == code.tolist().index(0.0)).all()))
+            scale = absmax.repeat_interleave(b)[:3 * b]
+            y = values[:3 * b] / scale
+            below = y < code[0]  # only in the signed map: between -1 and its lowest code
+            self.assertTrue(torch.equal(back[:3 * b][below], (code[0] * scale)[below]))
+            i = (torch.searchsorted(code, y, right=True) - 1).clamp(0, 254)
+            gap = code[i + 1] - code[i]
+            err = (back[:3 * b] - values[:3 * b]).abs()
+            bound = (0.5 * gap + 1e-6) * scale
+            self.assertTrue(bool((err <= bound)[~below].all()),
+                            f"max excess {(err - bound)[~below].max().item():.3e}")
+        # A value exactly on a midpoint takes the lower code.
+        y = torch.zeros(b)
+        y[0], y[1], y[2] = 1.0, ref.MIDS_SIGNED[200], ref.MIDS_SIGNED[40]
+        codes, _ = ref.quantize(ref.MIDS_SIGNED, y)
+        self.assertEqual(codes[:3].tolist(), [255, 200, 40])
+
+    def test_optimizer_fields(self):
+        t = ref.optimizer_fields({}, "job")
+        self.assertEqual((t["optimizer"], t["sgd_momentum"], t["sgd_nesterov"],
+                          t["adafactor_beta1"], t["adafactor_decay_rate"],
+                          t["adafactor_clip_threshold"]), ("adamw", 0.0, False, 0.0, -0.8, 1.0))
+        for bad, field in (({"optimizer": "adam"}, "train.optimizer"),
+                           ({"sgd_momentum": 1.0}, "train.sgd_momentum"),
+                           ({"sgd_momentum": -0.1}, "train.sgd_momentum"),
+                           ({"sgd_nesterov": True}, "train.sgd_nesterov"),
+                           ({"sgd_nesterov": "yes", "sgd_momentum": 0.9}, "train.sgd_nesterov"),
+                           ({"adafactor_beta1": 1.0}, "train.adafactor_beta1"),
+                           ({"adafactor_decay_rate": 0.0}, "train.adafactor_decay_rate"),
+                           ({"adafactor_decay_rate": -1.5}, "train.adafactor_decay_rate"),
+                           ({"adafactor_clip_threshold": 0}, "train.adafactor_clip_threshold")):
+            with self.assertRaisesRegex(ref.ReferenceError, "^job: " + field + ": ",
+                                        msg=str(bad)):
+                ref.optimizer_fields(bad, "job")
+
+    def test_sgd_is_torch_sgd(self):
+        torch.manual_seed(0)
+        p0 = [torch.randn(40, 30), torch.randn(30)]
+        grads = [[torch.randn(40, 30), torch.randn(30)] for _ in REPLAY_LRS]
+        for nesterov in (False, True):
+            t = ref.optimizer_fields({"optimizer": "sgd", "sgd_momentum": 0.9,
+                                      "sgd_nesterov": nesterov, "weight_decay": 0.1}, "job")
+            ours = [torch.nn.Parameter(x.clone()) for x in p0]
+            opt = ref.make_optimizer(ref.param_groups(list(zip("ab", ours)), 0.1,
+                                                      lambda n: n == "b"), t, 1.0)
+            self.assertIsInstance(opt, torch.optim.SGD)
+            theirs = [torch.nn.Parameter(x.clone()) for x in p0]
+            sgd = torch.optim.SGD([{"params": theirs[:1]},
+                                   {"params": theirs[1:], "weight_decay": 0.0}], lr=1.0,
+                                  momentum=0.9, nesterov=nesterov, weight_decay=0.1)
+            self._run(opt, ours, lambda k: grads[k])
+            self._run(sgd, theirs, lambda k: grads[k])
+            for a, b in zip(ours, theirs):
+                self.assertTrue(torch.equal(a, b))
+
+    def test_adamw8bit_small_tensors_are_torch_adamw(self):
+        torch.manual_seed(1)
+        shapes = [(4095,), (63, 65), (7,)]
+        p0 = [torch.randn(s) for s in shapes]
+        grads = [[torch.randn(s) for s in shapes] for _ in REPLAY_LRS]
+        ours = [torch.nn.Parameter(x.clone()) for x in p0]
+        theirs = [torch.nn.Parameter(x.clone()) for x in p0]
+        t = ref.optimizer_fields({"optimizer": "adamw8bit", "weight_decay": 0.05,
+                                  "adam_beta2": 0.99}, "job")
+        opt = ref.make_optimizer(ref.param_groups(list(zip("abc", ours)), 0.05,
+                                                  lambda n: n == "c"), t, 1.0)
+        adamw = torch.optim.AdamW([{"params": theirs[:2]},
+                                   {"params": theirs[2:], "weight_decay": 0.0}],
+                                  betas=(0.9, 0.99), weight_decay=0.05, foreach=False)
+        self._run(opt, ours, lambda k: grads[k])
+        self._run(adamw, theirs, lambda k: grads[k])
+        for a, b in zip(ours, theirs):
+            self.assertTrue(torch.equal(a, b), f"max diff {(a - b).abs().max().item():.3e}")
+        self.assertEqual(sorted(opt.state[ours[0]]), ["exp_avg", "exp_avg_sq", "step"])
+
+    def test_adamw8bit_tracks_adamw(self):
+        shape = (3 * ref.QUANT_BLOCK + 100,)
+        loss, grad = quadratic(shape, 2)
+        t = ref.optimizer_fields({"optimizer": "adamw8bit", "weight_decay": 0.01}, "job")
+        ours = torch.nn.Parameter(torch.zeros(shape))
+        theirs = torch.nn.Parameter(torch.zeros(shape))
+        opt = ref.make_optimizer([{"params": [ours], "weight_decay": 0.01}], t, 0.05)
+        adamw = torch.optim.AdamW([theirs], lr=0.05, weight_decay=0.01, foreach=False)
+        start = loss(ours.detach())
+        for _ in range(100):
+            for p, o in ((ours, opt), (theirs, adamw)):
+                p.grad = grad(p.detach())
+                o.step()
+        state = opt.state[ours]
+        self.assertEqual(state["exp_avg.codes"].shape, (4 * ref.QUANT_BLOCK,))
+        self.assertEqual(state["exp_avg_sq.absmax"].shape, (4,))
+        moved = (theirs - 0).abs().max().item()
+        gap = (ours - theirs).abs().max().item()
+        self.assertLess(gap, 0.1 * moved, f"8-bit AdamW strays {gap:.3e} from AdamW "
+                        f"(which moved {moved:.3e})")
+        self.assertLess(loss(ours.detach()), 0.05 * start)
+        self.assertLess(abs(loss(ours.detach()) - loss(theirs.detach())), 0.01 * start)
+
+    def test_adafactor(self):
+        for shape in ((64, 96), (300,), (3, 20, 30)):
+            for beta1 in (0.0, 0.9):
+                with self.subTest(shape=shape, beta1=beta1):
+                    loss, grad = quadratic(shape, 3)
+                    t = ref.optimizer_fields({"optimizer": "adafactor",
+                                              "adafactor_beta1": beta1}, "job")
+                    p = torch.nn.Parameter(torch.zeros(shape))
+                    opt = ref.make_optimizer([{"params": [p], "weight_decay": 0.0}], t, 0.05)
+                    start = loss(p.detach())
+                    for _ in range(100):
+                        p.grad = grad(p.detach())
+                        opt.step()
+                    self.assertLess(loss(p.detach()), 0.1 * start)
+                    factored = len(shape) >= 2
+                    self.assertEqual(sorted(k for k in opt.state[p] if k != "step"),
+                                     (["exp_avg"] if beta1 else [])
+                                     + (["exp_avg_sq_col", "exp_avg_sq_row"] if factored
+                                        else ["exp_avg_sq"]))
+
+    def test_adafactor_first_step(self):
+        # Step 1 (rho = 0): V = g^2 (+1e-30), factored as R C^T / mean(R); the update
+        # g / sqrt(V), scaled down to RMS clip_threshold; weight decay before it.
+        g0 = torch.Generator().manual_seed(4)
+        for shape, clip in (((64, 96), 1.0), ((300,), 0.5), ((2, 8, 12), 2.0)):
+            g = torch.randn(shape, generator=g0)
+            p0 = torch.randn(shape, generator=g0)
+            p = torch.nn.Parameter(p0.clone())
+            opt = ref.Adafactor([{"params": [p], "weight_decay": 0.1}], 0.01, 0.0, -0.8, clip,
+                                0.1)
+            p.grad = g
+            opt.step()
+            gd = g.double() ** 2 + 1e-30
+            if len(shape) >= 2:
+                row, col = gd.mean(-1), gd.mean(-2)
+                v = row.unsqueeze(-1) * col.unsqueeze(-2) / row.mean(-1, keepdim=True).unsqueeze(-1)
+            else:
+                v = gd
+            u = g.double() / v.sqrt()
+            u = u / max(1.0, (u.norm() / math.sqrt(u.numel())).item() / clip)
+            want = p0.double() * (1 - 0.01 * 0.1) - 0.01 * u
+            self.assertLess((p.detach().double() - want).abs().max().item(), 1e-6, str(shape))
+
+    def test_replay_cli_and_state_names(self):
+        big = {name: -(-math.prod(shape) // ref.QUANT_BLOCK)
+               for name, shape, _ in REPLAY_PARAMS
+               if math.prod(shape) >= ref.QUANT_MIN_NUMEL and not ref.keeps_float32_moments(name)}
+        names = [name for name, _, _ in REPLAY_PARAMS]
+        for label, train in REPLAY_CONFIGS:
+            with self.subTest(config=label):
+                path = write_replay_input(os.path.join(self.tmp, f"{label}.safetensors"), train)
+                out = os.path.join(self.tmp, f"{label}-out.safetensors")
+                run([sys.executable, os.path.join(HERE, "lathe_reference.py"),
+                     "optimizer-replay", "--in", path, "--out", out], "optimizer-replay")
+                got, meta = ref.read_safetensors(out)
+                self.assertEqual(meta, {"steps": str(len(REPLAY_LRS))})
+                want = {f"param.{n}" for n in names}
+                kind = train["optimizer"]
+                for n, shape, _ in REPLAY_PARAMS:
+                    if kind == "adamw" or (kind == "adamw8bit" and n not in big):
+                        want |= {f"exp_avg.{n}", f"exp_avg_sq.{n}"}
+                    elif kind == "adamw8bit":
+                        want |= {f"{m}.{n}.{part}" for m in ("exp_avg", "exp_avg_sq")
+                                 for part in ("codes", "absmax")}
+                    elif kind == "sgd" and train.get("sgd_momentum"):
+                        want.add(f"momentum_buffer.{n}")
+                    elif kind == "adafactor":
+                        want |= ({f"exp_avg_sq_row.{n}", f"exp_avg_sq_col.{n}"} if len(shape) >= 2
+                                 else {f"exp_avg_sq.{n}"})
+                        if train.get("adafactor_beta1"):
+                            want.add(f"exp_avg.{n}")
+                self.assertEqual(sorted(got), sorted(want))
+                for n, blocks in big.items():
+                    if kind == "adamw8bit":
+                        self.assertEqual(got[f"exp_avg.{n}.codes"].dtype, torch.uint8)
+                        self.assertEqual(got[f"exp_avg_sq.{n}.codes"].shape,
+                                         (blocks * ref.QUANT_BLOCK,))
+                        self.assertEqual(got[f"exp_avg.{n}.absmax"].shape, (blocks,))
+                # The CLI matches the module function, and the params moved.
+                again = ref.optimizer_replay(path, os.path.join(self.tmp, "again.safetensors"))
+                inp, _ = ref.read_safetensors(path)
+                for name in got:
+                    self.assertTrue(torch.equal(got[name], again[name]), name)
+                for n in names:
+                    self.assertFalse(torch.equal(got[f"param.{n}"], inp[f"param.{n}"]), n)
+
+
+
+# --------------------------------------------------------------------------------------
 # Comparisons with lathe-worker
 
 
@@ -905,6 +1186,107 @@ class ScheduleTest(unittest.TestCase):
                 self.assertTrue(ok, f"{kind} warmup {warmup}:\n" + "\n".join(
                     f"  step {k + 1}: ref {w!r}  c++ {g!r}"
                     for k, (w, g) in enumerate(zip(want, got + [None] * steps))))
+
+
+def compare_tensors(test, label, ref_t, cpp_t, exact):
+    """Asserts equal names, dtypes and shapes, and values bitwise (`exact`) or within
+    relative 1e-6, absolute 1e-7; names the worst tensor on failure."""
+    test.assertEqual(sorted(cpp_t), sorted(ref_t), f"{label}: tensor names")
+    worst = (0.0, None, 0.0)
+    for name, r in ref_t.items():
+        c = cpp_t[name]
+        test.assertEqual((c.dtype, tuple(c.shape)), (r.dtype, tuple(r.shape)), f"{label}: {name}")
+        diff = (c.double() - r.double()).abs()
+        if exact:
+            bad = int((c != r).sum())
+            test.assertEqual(bad, 0, f"{label}: {name}: {bad} of {r.numel()} entries differ "
+                             f"(max |c++ - ref| {diff.max().item():.3e}), want bitwise equality")
+        elif diff.numel():
+            excess = (diff - 1e-6 * r.double().abs()).max().item()
+            if excess > worst[0]:
+                worst = (excess, name, diff.max().item())
+    test.assertLessEqual(worst[0], 1e-7, f"{label}: {worst[1]}: max |c++ - ref| "
+                         f"{worst[-1]:.3e} exceeds 1e-6 relative + 1e-7 absolute")
+
+
+class OptimizerReplayTest(unittest.TestCase):
+    """`lathe-optimizer-replay` against the reference's optimizer_replay: the same
+    parameters and gradients through each optimizer, five steps."""
+
+    def setUp(self):
+        need_binaries(self, "lathe-optimizer-replay")
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-replay-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def test_replay(self):
+        for label, train in REPLAY_CONFIGS:
+            with self.subTest(config=label):
+                path = write_replay_input(os.path.join(self.tmp, f"{label}.safetensors"), train,
+                                          seed=7)
+                ref_out = os.path.join(self.tmp, f"{label}-ref.safetensors")
+                cpp_out = os.path.join(self.tmp, f"{label}-cpp.safetensors")
+                ref.optimizer_replay(path, ref_out)
+                run([binary("lathe-optimizer-replay"), "--in", path, "--out", cpp_out],
+                    "lathe-optimizer-replay " + label)
+                ref_t, _ = ref.read_safetensors(ref_out)
+                cpp_t, cpp_meta = ref.read_safetensors(cpp_out)
+                self.assertEqual(cpp_meta.get("steps"), str(len(REPLAY_LRS)))
+                compare_tensors(self, label, ref_t, cpp_t, exact=train["optimizer"] == "adamw8bit")
+
+
+class OptimizerTrainingTest(unittest.TestCase):
+    """`lathe-worker train` with sgd, adafactor and adamw8bit, step for step against the
+    reference (the tolerances of compare_series)."""
+
+    def setUp(self):
+        need_binaries(self, "lathe-synth", "lathe-worker")
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-optim-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _compare(self, name, spec):
+        spec_path = write_spec(os.path.join(self.tmp, f"{name}.yaml"), spec)
+        cpp_steps, _ = cpp_train(spec_path)
+        ref_steps, _ = ref_train(spec_path)
+        compare_series(self, ref_steps, cpp_steps, spec_path)
+        self.assertLess(ref_steps[-1]["loss"], ref_steps[0]["loss"] - 0.01,
+                        f"{name}: the loss did not move: the test does not exercise training")
+
+    def _lora(self, name, **train):
+        model = make_tiny_model(self.tmp, "model", "--seed", 17)
+        data = make_data(self.tmp, "train.jsonl", seed=9)
+        init = make_adapter(self.tmp, model, "init-adapter", rank=8, alpha=LORA_ALPHA)
+        spec = base_spec(self.tmp, model, data, steps=10, **train)
+        spec["lora"].update(rank=8, alpha=LORA_ALPHA, init_from=init)
+        self._compare(name, spec)
+
+    def test_sgd_momentum(self):
+        self._lora("sgd", optimizer="sgd", sgd_momentum=0.9, lr=1e-2)
+
+    def test_adafactor(self):
+        self._lora("adafactor", optimizer="adafactor", adafactor_beta1=0.9, lr=1e-2)
+
+    def test_adamw8bit_full(self):
+        # LoRA matrices of the tiny model have < 4096 elements; with method full, the 8-bit
+        # path takes the LM head [256, 64], q_proj and o_proj [64, 64] (exactly 4096),
+        # gate_proj and up_proj [128, 64] and down_proj [64, 128]; k_proj and v_proj [32, 64],
+        # the norms and the embeddings (keeps_float32_moments) keep float32 moments.
+        # Untied: the embedding rows of tokens absent from a batch get no gradient, which in
+        # 8 bits would make m / eps updates decided by rounding (why the embeddings stay in
+        # float32). lr as FullQwen2Test's.
+        model = make_tiny_model(self.tmp, "model", "--seed", 18)
+        data = make_data(self.tmp, "train.jsonl", seed=10)
+        spec = base_spec(self.tmp, model, data, steps=10, lr=3e-3, optimizer="adamw8bit")
+        spec["method"] = "full"
+        del spec["lora"]
+        sizes = {n: w.numel() for n, w in ref.load_model_weights(model).items()}
+        self.assertGreater(sizes["lm_head.weight"], ref.QUANT_MIN_NUMEL)
+        self.assertEqual(sizes["model.layers.0.self_attn.q_proj.weight"], ref.QUANT_MIN_NUMEL)
+        self.assertLess(sizes["model.layers.0.self_attn.k_proj.weight"], ref.QUANT_MIN_NUMEL)
+        self._compare("adamw8bit", spec)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,12 @@
 //
 // A checkpoint is a directory <dir>/step-<8 digits>/ holding
 //   trainable.safetensors   the trainable parameters by name (LoRA A/B, or every weight)
-//   optimizer.safetensors   AdamW's moments: "exp_avg.<name>", "exp_avg_sq.<name>"
+//   optimizer.safetensors   the optimizer's state by name ("exp_avg.<name>", ...; the names of
+//                           docs/training.md, "Optimizers")
 // or, written by a sharded run (worker/shard, docs/sharding.md), instead of those two
 //   shard-<5 digits>.safetensors   each rank's slices of every unit's flat buffers
 // and
-//   state.json              step, AdamW step count, data cursor, RNG state, spec fingerprint
+//   state.json              step, optimizer step count, data cursor, RNG state, spec fingerprint
 //                           (and the sharded run's world size, the attempt that wrote it)
 //   manifest.json           size and SHA-256 of each file above; written last
 // It is assembled in a temporary directory (every file fsynced, the manifest last), renamed

@@ -18,12 +18,12 @@
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
-#include "worker/engine/adamw.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/optimizer.h"
 #include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"
 #include "worker/shard/sharded_model.h"
@@ -82,6 +82,20 @@ absl::Status CheckOutput(const std::string& output) {
   return absl::OkStatus();
 }
 
+// The hyperparameters of SGD and Adafactor (none for the AdamWs, so that their checkpoints
+// written before these optimizers existed still resume).
+std::string OptimizerFingerprint(const TrainSpec& t) {
+  switch (t.optimizer) {
+    case OptimizerKind::kSgd:
+      return absl::StrCat(",", t.sgd_momentum, ",", t.sgd_nesterov);
+    case OptimizerKind::kAdafactor:
+      return absl::StrCat(",", t.adafactor_beta1, ",", t.adafactor_decay_rate, ",",
+                          t.adafactor_clip_threshold);
+    default:
+      return "";
+  }
+}
+
 // Identifies what decides a run's trajectory, so that a checkpoint is only resumed by the
 // run it belongs to. Not included: output, ranks and micro-batch (the update is the same).
 std::string SpecFingerprint(const JobSpec& spec) {
@@ -94,7 +108,7 @@ std::string SpecFingerprint(const JobSpec& spec) {
       "|steps=", t.steps, "|epochs=", t.epochs, "|global_batch=", t.global_batch, "|lr=", t.lr,
       "|schedule=", ScheduleKindName(t.schedule.kind), ",", t.schedule.warmup_steps,
       "|optimizer=", OptimizerKindName(t.optimizer), ",", t.adam_beta1, ",", t.adam_beta2, ",",
-      t.adam_eps, ",", t.weight_decay, "|clip=", t.max_grad_norm,
+      t.adam_eps, ",", t.weight_decay, OptimizerFingerprint(t), "|clip=", t.max_grad_norm,
       "|precision=", PrecisionName(t.precision), "|seed=", t.seed));
 }
 
@@ -267,6 +281,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
   }
 
   if (plan.zero_stage > 0) {
+    if (train.optimizer != OptimizerKind::kAdamW) {  // CheckEngineSupports refuses it first
+      return absl::UnimplementedError(
+          absl::StrCat("train.optimizer: ", OptimizerKindName(train.optimizer),
+                       " runs on a replicated model only (strategy.zero_stage 0), not at stage ",
+                       plan.zero_stage));
+    }
     Communicator* comm = options.comm;
     if (comm == nullptr) {
       trainer->own_comm_ = MakeSingleRankCommunicator();
@@ -329,14 +349,12 @@ absl::StatusOr<TrainResult> Trainer::Run(
   const TrainSpec& train = spec_.train;
   SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
   MemoryTracker* tracker = MemoryTracker::Install();
-  std::optional<AdamW> optimizer;  // sharded_ holds its own
+  std::unique_ptr<Optimizer> optimizer;  // sharded_ holds its own
   if (!sharded_) {
     MemoryScope scope(MemoryComponent::kOptimizer);
-    optimizer.emplace(
-        model_->TrainableParameters(),
-        AdamWOptions{train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay});
+    optimizer = MakeOptimizer(model_->TrainableParameters(), train);
   }
-  AdamW* replicated = optimizer ? &*optimizer : nullptr;
+  Optimizer* replicated = optimizer.get();
   LossScaler scaler(/*enabled=*/train.precision == Precision::kFp16);
   NonFiniteSteps nonfinite;
   model_->set_training(true);
@@ -572,7 +590,7 @@ absl::Status Trainer::AllRanksOk(const absl::Status& status, absl::string_view w
   return absl::OkStatus();
 }
 
-absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW* optimizer,
+absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* optimizer,
                               LossScaler& scaler, StepReport& report) {
   const TrainSpec& train = spec_.train;
   int64_t targets = 0;
@@ -660,7 +678,8 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, AdamW* optimiz
   return absl::OkStatus();
 }
 
-void Trainer::CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepReport& report) const {
+void Trainer::CudaStepMemory(const Optimizer* optimizer, int64_t peak_bytes,
+                             StepReport& report) const {
   auto& at_peak = report.memory_at_peak;
   at_peak.fill(0);
   auto set = [&at_peak](MemoryComponent c, int64_t bytes) { at_peak[static_cast<int>(c)] = bytes; };
@@ -679,7 +698,7 @@ void Trainer::CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepRep
              : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype));
     set(MemoryComponent::kTrainable, trainable);
     set(MemoryComponent::kGradients, trainable);
-    set(MemoryComponent::kOptimizer, 2 * trainable);  // AdamW's moments
+    set(MemoryComponent::kOptimizer, optimizer->StateBytes());
   }
   int64_t fixed = 0;
   for (int64_t bytes : at_peak) fixed += bytes;
@@ -690,7 +709,7 @@ void Trainer::CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepRep
 
 int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0; }
 
-absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW* optimizer,
+absl::Status Trainer::SaveCheckpoint(int64_t step, const Optimizer* optimizer,
                                      const SequenceSampler& sampler, const LossScaler& scaler,
                                      const NonFiniteSteps& nonfinite, std::optional<double> loss) {
   TrainingState state;
@@ -733,7 +752,7 @@ absl::Status Trainer::SaveCheckpoint(int64_t step, const AdamW* optimizer,
   return Annotate(checkpoints_->Save(state, trainable.tensors(), moments.tensors()), what);
 }
 
-absl::Status Trainer::AllReduceGradients(AdamW& optimizer) {
+absl::Status Trainer::AllReduceGradients(Optimizer& optimizer) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const NamedParameter& p : optimizer.params()) {

@@ -37,7 +37,7 @@
 
 namespace lathe {
 
-class AdamW;
+class Optimizer;
 class CausalLm;
 class Communicator;
 class LossScaler;
@@ -169,21 +169,21 @@ class Trainer {
   // loss and the gradients are finite, clipping and the update. Fills report's loss,
   // grad_norm, loss_scale and skipped. `optimizer` is null when sharded_ holds the optimizer.
   // Throws c10::Error from libtorch.
-  absl::Status TrainOn(const std::vector<Sequence>& batch, AdamW* optimizer, LossScaler& scaler,
+  absl::Status TrainOn(const std::vector<Sequence>& batch, Optimizer* optimizer, LossScaler& scaler,
                        StepReport& report);
   // The step's memory on CUDA: the caching allocator's peak, of which weights, trainable,
   // gradients and optimizer are their tensors' sizes and the rest counts as activations.
-  void CudaStepMemory(const AdamW* optimizer, int64_t peak_bytes, StepReport& report) const;
+  void CudaStepMemory(const Optimizer* optimizer, int64_t peak_bytes, StepReport& report) const;
   // Sums every gradient across the ranks.
-  absl::Status AllReduceGradients(AdamW& optimizer);
+  absl::Status AllReduceGradients(Optimizer& optimizer);
   // Sums `*value` across the ranks (a no-op on one rank).
   absl::Status SumAcrossRanks(double* value, absl::string_view what);
   // OK when `status` is OK on every rank; else this rank's error, or ABORTED naming `what`
   // when only other ranks failed. A collective.
   absl::Status AllRanksOk(const absl::Status& status, absl::string_view what);
-  absl::Status SaveCheckpoint(int64_t step, const AdamW* optimizer, const SequenceSampler& sampler,
-                              const LossScaler& scaler, const NonFiniteSteps& nonfinite,
-                              std::optional<double> loss);
+  absl::Status SaveCheckpoint(int64_t step, const Optimizer* optimizer,
+                              const SequenceSampler& sampler, const LossScaler& scaler,
+                              const NonFiniteSteps& nonfinite, std::optional<double> loss);
   // Writes the adapter or the model of a sharded run: every rank takes part, rank 0 writes.
   absl::Status ExportSharded(TrainResult& result);
   // Whether this rank evaluates: rank 0, and every rank at ZeRO-3 (the units are gathered

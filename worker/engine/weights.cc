@@ -41,6 +41,8 @@ absl::StatusOr<DType> DTypeOf(at::ScalarType type) {
       return DType::kF16;
     case at::kBFloat16:
       return DType::kBF16;
+    case at::kByte:
+      return DType::kU8;
     default:
       return absl::InvalidArgumentError(
           absl::StrCat("cannot write tensors of type ", c10::toString(type)));
@@ -79,7 +81,7 @@ void TensorsToWrite::Add(std::string name, const at::Tensor& tensor) {
   at::Tensor cpu = tensor.detach().to(at::kCPU).contiguous();
   keep_alive_.push_back(cpu);
   absl::StatusOr<DType> dtype = DTypeOf(cpu.scalar_type());
-  // Callers only add float tensors of the three model dtypes.
+  // Callers add float tensors of the three model dtypes and 8-bit optimizer codes.
   TORCH_CHECK(dtype.ok(), std::string(dtype.status().message()));
   std::vector<int64_t> shape(cpu.sizes().begin(), cpu.sizes().end());
   tensors_.push_back({std::move(name), *dtype, std::move(shape), cpu.data_ptr(),

@@ -25,7 +25,7 @@ absl::StatusOr<at::Tensor> TensorFromFile(const SafetensorsDirectory::Entry& ent
 // Tensors prepared for WriteSafetensors. Holds contiguous CPU copies alive until destroyed.
 class TensorsToWrite {
  public:
-  // Adds `tensor` (any device; F32, BF16 or F16) under `name`.
+  // Adds `tensor` (any device; F32, BF16, F16 or U8) under `name`.
   void Add(std::string name, const at::Tensor& tensor);
   const std::vector<TensorToWrite>& tensors() const { return tensors_; }
 

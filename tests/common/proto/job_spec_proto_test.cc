@@ -48,6 +48,11 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.train.adam_beta2, expected.train.adam_beta2);
   EXPECT_EQ(actual.train.adam_eps, expected.train.adam_eps);
   EXPECT_EQ(actual.train.weight_decay, expected.train.weight_decay);
+  EXPECT_EQ(actual.train.sgd_momentum, expected.train.sgd_momentum);
+  EXPECT_EQ(actual.train.sgd_nesterov, expected.train.sgd_nesterov);
+  EXPECT_EQ(actual.train.adafactor_beta1, expected.train.adafactor_beta1);
+  EXPECT_EQ(actual.train.adafactor_decay_rate, expected.train.adafactor_decay_rate);
+  EXPECT_EQ(actual.train.adafactor_clip_threshold, expected.train.adafactor_clip_threshold);
   EXPECT_EQ(actual.train.max_grad_norm, expected.train.max_grad_norm);
   EXPECT_EQ(actual.train.precision, expected.train.precision);
   EXPECT_EQ(actual.train.seed, expected.train.seed);
@@ -97,6 +102,11 @@ JobSpec FullSpec() {
   spec.train.adam_beta2 = 0.95;
   spec.train.adam_eps = 1.0e-6;
   spec.train.weight_decay = 0.01;
+  spec.train.sgd_momentum = 0.9 / 7;
+  spec.train.sgd_nesterov = true;
+  spec.train.adafactor_beta1 = 0.5 / 3;
+  spec.train.adafactor_decay_rate = -0.5 / 3;
+  spec.train.adafactor_clip_threshold = 2.0 / 3;
   spec.train.max_grad_norm = 0.5;
   spec.train.precision = Precision::kBf16;
   spec.train.seed = UINT64_C(18446744073709551615);
