@@ -955,8 +955,8 @@ class Adafactor(torch.optim.Optimizer):
                     v = state["exp_avg_sq"]
                     v.mul_(rho).add_(u2, alpha=1 - rho)
                     u = v.rsqrt().mul_(g)
-                u.div_(torch.linalg.vector_norm(u, 2).div(math.sqrt(u.numel())).div_(group["clip_threshold"])
-                       .clamp_(min=1.0))
+                rms = torch.linalg.vector_norm(u, 2).div(math.sqrt(u.numel()))
+                u.div_(rms.div_(group["clip_threshold"]).clamp_(min=1.0))
                 if beta1 > 0:
                     u = state["exp_avg"].mul_(beta1).add_(u, alpha=1 - beta1)
                 if wd != 0:
