@@ -82,6 +82,14 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
         "cuda they wait for collectives on device memory, docs/sharding.md)"));
   }
   if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
+      spec.train.paged_optimizer) {
+    return absl::UnimplementedError(absl::StrCat(
+        "train.paged_optimizer: true with strategy.zero_stage ", s.zero_stage,
+        (s.offload_optimizer || s.offload_params) ? " and offload" : "",
+        " is not supported by this engine yet (paging runs on a replicated model; sharded runs "
+        "offload their optimizer state with strategy.offload_optimizer)"));
+  }
+  if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
       !Contains(caps.sharded_optimizers, spec.train.optimizer)) {
     return absl::UnimplementedError(absl::StrCat(
         "strategy.zero_stage: ", s.zero_stage,

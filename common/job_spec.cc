@@ -427,6 +427,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
                                      "adafactor_beta1",
                                      "adafactor_decay_rate",
                                      "adafactor_clip_threshold",
+                                     "paged_optimizer",
                                      "max_grad_norm",
                                      "precision",
                                      "seed",
@@ -495,6 +496,9 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   if (const YAML::Node v = node["adafactor_clip_threshold"]) {
     LATHE_RETURN_IF_ERROR(
         r.ReadDouble(v, "train.adafactor_clip_threshold", &train->adafactor_clip_threshold));
+  }
+  if (const YAML::Node v = node["paged_optimizer"]) {
+    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "train.paged_optimizer", &train->paged_optimizer));
   }
   if (const YAML::Node v = node["max_grad_norm"]) {
     LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "train.max_grad_norm", &train->max_grad_norm));
@@ -896,6 +900,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
         {"adafactor_beta1", t.adafactor_beta1},
         {"adafactor_decay_rate", t.adafactor_decay_rate},
         {"adafactor_clip_threshold", t.adafactor_clip_threshold},
+        {"paged_optimizer", t.paged_optimizer},
         {"max_grad_norm", t.max_grad_norm},
         {"precision", name(PrecisionName(t.precision))},
         {"seed", t.seed},

@@ -78,6 +78,9 @@ struct TrainSpec {
   double adafactor_beta1 = 0.0;
   double adafactor_decay_rate = -0.8;
   double adafactor_clip_threshold = 1.0;
+  // Optimizer state in host memory, paged to the device one tensor at a time for the step
+  // (on the CPU the same copies stay within host memory).
+  bool paged_optimizer = false;
   double max_grad_norm = 1.0;  // 0 disables clipping
   Precision precision = Precision::kFp32;
   uint64_t seed = 0;

@@ -108,6 +108,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_adafactor_beta1(t.adafactor_beta1);
   train->set_adafactor_decay_rate(t.adafactor_decay_rate);
   train->set_adafactor_clip_threshold(t.adafactor_clip_threshold);
+  train->set_paged_optimizer(t.paged_optimizer);
   train->set_max_grad_norm(t.max_grad_norm);
   train->set_precision(ToProtoEnum(kPrecisions, t.precision));
   train->set_seed(t.seed);
@@ -190,6 +191,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   if (train.has_adafactor_clip_threshold()) {
     t.adafactor_clip_threshold = train.adafactor_clip_threshold();
   }
+  t.paged_optimizer = train.paged_optimizer();
   if (train.has_max_grad_norm()) t.max_grad_norm = train.max_grad_norm();
   LATHE_ASSIGN_OR_RETURN(t.precision, FromProtoEnum(kPrecisions, train.precision(), t.precision,
                                                     source, "train.precision"));

@@ -122,6 +122,7 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   job.device = spec.resources.device;
   job.precision = spec.train.precision;
   job.optimizer = OptimizerChoiceOf(spec.train);
+  job.paged_optimizer = spec.train.paged_optimizer;
   return job;
 }
 
@@ -141,6 +142,13 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
         TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);
     if (!shapes.ok()) return shapes.status();
     states.optimizer = OptimizerStateBytes(*shapes, job.optimizer);
+  }
+  // Paged on CUDA, the state lives in host memory; one tensor's is on the device during the
+  // step (below). On the CPU host and device memory are one.
+  const bool paged = job.paged_optimizer && cuda && p.zero_stage == 0;
+  if (paged) {
+    states.host += states.optimizer;
+    states.optimizer = 0;
   }
 
   const int64_t b = p.micro_batch, t = job.seq_len, h = m.hidden_size, layers = m.num_layers;
@@ -316,8 +324,10 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   Moment step = base("the optimizer step", true);
   if (p.zero_stage == 0) {
     at(step, MemoryComponent::kGradients) = made;
+    const int64_t largest = LargestTrainableTensor(job);
     at(step, MemoryComponent::kOptimizer) +=
-        StepTemporaryBytesPerElement(job.optimizer.kind) * LargestTrainableTensor(job);
+        StepTemporaryBytesPerElement(job.optimizer.kind) * largest +
+        (paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
   } else if (!choice.offload_optimizer) {
     at(step, MemoryComponent::kOptimizer) +=
         2 * 4 * ((largest_unit_trainable + job.ranks - 1) / job.ranks);

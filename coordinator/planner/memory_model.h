@@ -34,6 +34,7 @@ struct JobShape {
   DeviceKind device = DeviceKind::kCpu;
   Precision precision = Precision::kFp32;
   OptimizerChoice optimizer;
+  bool paged_optimizer = false;
 };
 
 // The job's shape from a spec and the model's shape.

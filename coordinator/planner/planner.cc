@@ -143,10 +143,12 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   const StrategySpec& s = spec.strategy;
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
-  // The optimizers that run on a replicated model only stay at stage 0, without offload.
+  // The optimizers that run on a replicated model only, and paged optimizer state, stay at
+  // stage 0 without offload.
   const std::vector<OptimizerKind>& sharded = Engine().sharded_optimizers;
   const bool shards =
-      std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end();
+      std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end() &&
+      !spec.train.paged_optimizer;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);

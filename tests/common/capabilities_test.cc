@@ -78,6 +78,14 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         "strategy.zero_stage: 2 with train.optimizer adafactor is not supported "
                         "by this engine yet (it runs on a replicated model, zero_stage 0"},
+        UnsupportedCase{"PagedAndSharded",
+                        [](JobSpec* s) {
+                          s->train.paged_optimizer = true;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 1;
+                        },
+                        "train.paged_optimizer: true with strategy.zero_stage 1 is not supported "
+                        "by this engine yet"},
         UnsupportedCase{"Offloaded8bit",
                         [](JobSpec* s) {
                           s->train.optimizer = OptimizerKind::kAdamW8bit;

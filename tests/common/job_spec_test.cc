@@ -51,6 +51,7 @@ train:
   adafactor_beta1: 0.25
   adafactor_decay_rate: -0.5
   adafactor_clip_threshold: 2
+  paged_optimizer: true
   max_grad_norm: 0.5
   precision: bf16
   seed: 1234
@@ -82,7 +83,7 @@ constexpr char kFullJson[] = R"json({
 		"schedule": {"kind": "linear", "warmup_steps": 50},
 		"optimizer": "adamw8bit", "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1.0e-6,
 		"weight_decay": 0.01, "sgd_momentum": 0.5, "sgd_nesterov": true, "adafactor_beta1": 0.25,
-		"adafactor_decay_rate": -0.5, "adafactor_clip_threshold": 2,
+		"adafactor_decay_rate": -0.5, "adafactor_clip_threshold": 2, "paged_optimizer": true,
 		"max_grad_norm": 0.5, "precision": "bf16", "seed": 1234,
 		"checkpoint_every": 100
 	},
@@ -159,6 +160,7 @@ void ExpectFullSpec(const JobSpec& spec) {
   EXPECT_EQ(spec.train.adafactor_beta1, 0.25);
   EXPECT_EQ(spec.train.adafactor_decay_rate, -0.5);
   EXPECT_EQ(spec.train.adafactor_clip_threshold, 2.0);
+  EXPECT_TRUE(spec.train.paged_optimizer);
   EXPECT_EQ(spec.train.max_grad_norm, 0.5);
   EXPECT_EQ(spec.train.precision, Precision::kBf16);
   EXPECT_EQ(spec.train.seed, 1234u);

@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
@@ -140,6 +141,26 @@ TEST(MemoryModelTest, EachOptimizersStateFollowsItsFormula) {
             4 * params);
   EXPECT_EQ(state("optimizer: sgd"), 0u);
   EXPECT_EQ(state("optimizer: sgd, sgd_momentum: 0.9"), 4 * params);
+}
+
+TEST(MemoryModelTest, PagedOptimizerStateLivesInHostMemoryOnCuda) {
+  const ModelShape shape = Shape("llama-3.2-1b");
+  const StrategyPoint point{0, false, false, false, true, true, 1};
+  for (const char* device : {"cuda", "cpu"}) {
+    SCOPED_TRACE(device);
+    const std::string resources = absl::StrCat("resources: {device: ", device, "}\n");
+    const MemoryEstimate resident = Estimate(Job(shape, Spec("method: full\n" + resources)), point);
+    const MemoryEstimate paged = Estimate(
+        Job(shape, Spec("method: full\n" + resources +
+                        "train: {steps: 10, optimizer: adamw8bit, paged_optimizer: true}\n")),
+        point);
+    if (std::string(device) == "cuda") {
+      EXPECT_GT(paged.host, 0u);
+      EXPECT_LT(paged.device.total, resident.device.total);
+    } else {
+      EXPECT_EQ(paged.host, 0u);  // host and device memory are one
+    }
+  }
 }
 
 TEST(PlannerTest, OptimizersThatDoNotShardStayAtStageZero) {

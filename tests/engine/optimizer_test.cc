@@ -139,5 +139,36 @@ TEST(OptimizerTest, EightBitStateIsCodesAndBlockMaximaAndTracksAdamW) {
   EXPECT_THAT(names, ::testing::Contains("exp_avg.small"));
 }
 
+// Paged from host memory (here the CPU's: the same copies, within host memory), every
+// optimizer computes exactly what it computes with its state in place.
+TEST(OptimizerTest, PagedStateUpdatesBitForBitAsResidentState) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit,
+                             OptimizerKind::kAdafactor, OptimizerKind::kSgd}) {
+    SCOPED_TRACE(std::string(OptimizerKindName(kind)));
+    TrainSpec train;
+    train.optimizer = kind;
+    train.sgd_momentum = 0.9;
+    train.adafactor_beta1 = 0.9;
+    train.weight_decay = 0.01;
+    std::vector<NamedParameter> params = Params();
+    std::vector<at::Tensor> twins = Clones(params);
+    std::vector<NamedParameter> twin_params = params;
+    for (size_t i = 0; i < params.size(); ++i) twin_params[i].tensor = twins[i];
+    std::unique_ptr<Optimizer> resident = MakeOptimizer(params, train);
+    train.paged_optimizer = true;
+    std::unique_ptr<Optimizer> paged = MakeOptimizer(twin_params, train);
+    EXPECT_TRUE(paged->paged());
+    EXPECT_EQ(paged->StateBytes(), resident->StateBytes());
+    for (int step = 0; step < 3; ++step) {
+      SetGrads(params, twins, step);
+      resident->Step(1e-2);
+      paged->Step(1e-2);
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::equal(params[i].tensor, twins[i])) << params[i].name;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lathe

@@ -71,5 +71,28 @@ TEST_F(TrainerGpuTest, CheckpointingOnCudaKeepsTheLosses) {
   }
 }
 
+// Each optimizer with its state paged from pinned host memory trains exactly as with its
+// state on the device, and reports no optimizer bytes on the device.
+TEST_F(TrainerGpuTest, PagedOptimizerStateTrainsAsOnTheDevice) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit,
+                             OptimizerKind::kAdafactor, OptimizerKind::kSgd}) {
+    SCOPED_TRACE(std::string(OptimizerKindName(kind)));
+    JobSpec spec = spec_;
+    spec.resources.device = DeviceKind::kCuda;
+    spec.train.precision = Precision::kBf16;
+    spec.train.optimizer = kind;
+    spec.train.sgd_momentum = 0.9;
+    const std::string name(OptimizerKindName(kind));
+    std::vector<StepReport> resident = Reports(spec, name + "-resident");
+    spec.train.paged_optimizer = true;
+    std::vector<StepReport> paged = Reports(spec, name + "-paged");
+    ASSERT_EQ(resident.size(), paged.size());
+    for (size_t i = 0; i < paged.size(); ++i) {
+      EXPECT_EQ(*paged[i].loss, *resident[i].loss) << i + 1;
+      EXPECT_EQ(paged[i].memory_at_peak[static_cast<int>(MemoryComponent::kOptimizer)], 0);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lathe

@@ -24,8 +24,8 @@ void AdamWUpdate(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
 
 class AdamW final : public Optimizer {
  public:
-  AdamW(std::vector<NamedParameter> params, const AdamWOptions& options)
-      : Optimizer(std::move(params)), options_(options) {
+  AdamW(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged)
+      : Optimizer(std::move(params), paged), options_(options) {
     for (size_t i = 0; i < this->params().size(); ++i) {
       const NamedParameter& p = this->params()[i];
       AddState(i, "exp_avg." + p.name, at::zeros_like(p.tensor));
@@ -61,8 +61,8 @@ at::Tensor Dequantize(const at::Tensor& map, const at::Tensor& codes, const at::
 
 class AdamW8bit final : public Optimizer {
  public:
-  AdamW8bit(std::vector<NamedParameter> params, const AdamWOptions& options)
-      : Optimizer(std::move(params)), options_(options) {
+  AdamW8bit(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged)
+      : Optimizer(std::move(params), paged), options_(options) {
     const at::Device device =
         this->params().empty() ? at::Device(at::kCPU) : this->params()[0].tensor.device();
     for (bool is_signed : {true, false}) {
@@ -129,8 +129,8 @@ struct AdafactorOptions {
 
 class Adafactor final : public Optimizer {
  public:
-  Adafactor(std::vector<NamedParameter> params, const AdafactorOptions& options)
-      : Optimizer(std::move(params)), options_(options) {
+  Adafactor(std::vector<NamedParameter> params, const AdafactorOptions& options, bool paged)
+      : Optimizer(std::move(params), paged), options_(options) {
     for (size_t i = 0; i < this->params().size(); ++i) {
       const NamedParameter& p = this->params()[i];
       const at::Tensor& t = p.tensor;
@@ -188,8 +188,8 @@ struct SgdOptions {
 
 class Sgd final : public Optimizer {
  public:
-  Sgd(std::vector<NamedParameter> params, const SgdOptions& options)
-      : Optimizer(std::move(params)), options_(options) {
+  Sgd(std::vector<NamedParameter> params, const SgdOptions& options, bool paged)
+      : Optimizer(std::move(params), paged), options_(options) {
     if (options_.momentum == 0.0) return;
     for (size_t i = 0; i < this->params().size(); ++i) {
       const NamedParameter& p = this->params()[i];
@@ -248,8 +248,11 @@ at::Tensor DynamicQuantizationMap(bool is_signed) {
   return map;
 }
 
-Optimizer::Optimizer(std::vector<NamedParameter> params)
-    : params_(std::move(params)), state_(params_.size()), state_names_(params_.size()) {
+Optimizer::Optimizer(std::vector<NamedParameter> params, bool paged)
+    : params_(std::move(params)),
+      paged_(paged),
+      state_(params_.size()),
+      state_names_(params_.size()) {
   for (const NamedParameter& p : params_) {
     TORCH_CHECK(p.tensor.is_contiguous(), "trainable tensor ", p.name, " is not contiguous");
   }
@@ -257,6 +260,11 @@ Optimizer::Optimizer(std::vector<NamedParameter> params)
 
 void Optimizer::AddState(size_t param, std::string name, at::Tensor tensor) {
   state_names_[param].push_back(std::move(name));
+  if (paged_ && tensor.is_cuda()) {
+    at::Tensor host =
+        at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
+    tensor = host.copy_(tensor);
+  }
   state_[param].push_back(std::move(tensor));
 }
 
@@ -270,7 +278,21 @@ void Optimizer::Step(double lr) {
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor param = params_[i].tensor;
     const at::Tensor grad = param.grad();
-    if (grad.defined()) Update(i, param, grad, lr);
+    if (!grad.defined()) continue;
+    if (!paged_) {
+      Update(i, param, grad, lr);
+      continue;
+    }
+    // Page in, update, page out: only this parameter's state is on its device meanwhile.
+    std::vector<at::Tensor> host = std::move(state_[i]);
+    state_[i].clear();
+    for (const at::Tensor& t : host) {
+      state_[i].push_back(at::empty_like(t, t.options().device(param.device()).pinned_memory(false))
+                              .copy_(t, /*non_blocking=*/true));
+    }
+    Update(i, param, grad, lr);
+    for (size_t k = 0; k < host.size(); ++k) host[k].copy_(state_[i][k]);
+    state_[i] = std::move(host);
   }
 }
 
@@ -337,19 +359,22 @@ void Optimizer::ScaleGrads(double factor) {
 std::unique_ptr<Optimizer> MakeOptimizer(std::vector<NamedParameter> params,
                                          const TrainSpec& train) {
   const AdamWOptions adam{train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
+  const bool paged = train.paged_optimizer;
   switch (train.optimizer) {
     case OptimizerKind::kAdamW:
-      return std::make_unique<AdamW>(std::move(params), adam);
+      return std::make_unique<AdamW>(std::move(params), adam, paged);
     case OptimizerKind::kAdamW8bit:
-      return std::make_unique<AdamW8bit>(std::move(params), adam);
+      return std::make_unique<AdamW8bit>(std::move(params), adam, paged);
     case OptimizerKind::kAdafactor:
       return std::make_unique<Adafactor>(
-          std::move(params), AdafactorOptions{train.adafactor_beta1, train.adafactor_decay_rate,
-                                              train.adafactor_clip_threshold, train.weight_decay});
+          std::move(params),
+          AdafactorOptions{train.adafactor_beta1, train.adafactor_decay_rate,
+                           train.adafactor_clip_threshold, train.weight_decay},
+          paged);
     case OptimizerKind::kSgd:
       return std::make_unique<Sgd>(
-          std::move(params),
-          SgdOptions{train.sgd_momentum, train.sgd_nesterov, train.weight_decay});
+          std::move(params), SgdOptions{train.sgd_momentum, train.sgd_nesterov, train.weight_decay},
+          paged);
   }
   return nullptr;
 }

@@ -1,7 +1,9 @@
 // The optimizers the engine trains with on a replicated model (docs/training.md,
 // "Optimizers"): AdamW as torch.optim.AdamW; block-wise 8-bit AdamW; Adafactor with a
 // factored second moment; SGD with momentum as torch.optim.SGD. Each updates the trainable
-// tensors in place from their .grad(), and names its state tensors for checkpoints. The
+// tensors in place from their .grad(), and names its state tensors for checkpoints. Paged
+// (train.paged_optimizer), the state lives in host memory (pinned when the parameters are on
+// CUDA) and each parameter's is copied to its device for its update and back. The
 // updates are written as libtorch ops in a fixed order, which the Python reference
 // (tests/reference) repeats: run single-threaded, both give bitwise the same result.
 //
@@ -67,6 +69,8 @@ class Optimizer {
   int64_t steps() const { return steps_; }
   // Bytes of optimizer state held (moments, codes, block maxima, factored statistics).
   int64_t StateBytes() const;
+  // Whether the state is paged from host memory (then none of it stays on the device).
+  bool paged() const { return paged_; }
 
   // The state tensors under their checkpoint names ("exp_avg.<param>", ...).
   void AddStateTo(TensorsToWrite* out) const;
@@ -75,8 +79,9 @@ class Optimizer {
   absl::Status RestoreState(const std::shared_ptr<const SafetensorsFile>& file, int64_t steps);
 
  protected:
-  explicit Optimizer(std::vector<NamedParameter> params);
-  // Adds a state tensor of parameter `param` (zero-initialised by the caller).
+  Optimizer(std::vector<NamedParameter> params, bool paged);
+  // Adds a state tensor of parameter `param` (zero-initialised by the caller); paged, it is
+  // moved to host memory.
   void AddState(size_t param, std::string name, at::Tensor tensor);
   // The update of parameter `i` at step steps() (already counted).
   virtual void Update(size_t i, at::Tensor& param, const at::Tensor& grad, double lr) = 0;
@@ -87,6 +92,7 @@ class Optimizer {
 
  private:
   std::vector<NamedParameter> params_;
+  const bool paged_;
   std::vector<std::vector<at::Tensor>> state_;
   std::vector<std::vector<std::string>> state_names_;
   int64_t steps_ = 0;

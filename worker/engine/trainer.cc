@@ -698,7 +698,7 @@ void Trainer::CudaStepMemory(const Optimizer* optimizer, int64_t peak_bytes,
              : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype));
     set(MemoryComponent::kTrainable, trainable);
     set(MemoryComponent::kGradients, trainable);
-    set(MemoryComponent::kOptimizer, optimizer->StateBytes());
+    set(MemoryComponent::kOptimizer, optimizer->paged() ? 0 : optimizer->StateBytes());
   }
   int64_t fixed = 0;
   for (int64_t bytes : at_peak) fixed += bytes;
