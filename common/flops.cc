@@ -15,7 +15,7 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
     layer_weights += static_cast<double>(shape.in_features) * shape.out_features;
   }
   double layer_adapters = 0;
-  if (spec.method != Method::kFull) {
+  if (TrainsLora(spec)) {
     for (const std::string& module : spec.lora.targets) {
       const ProjectionShape shape = ProjectionShapeOf(config, module);
       layer_adapters +=
@@ -30,7 +30,9 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
   const double blocks_forward = layers * (2 * layer_weights + 2 * layer_adapters + attention);
   const double head_forward = 2 * head;
   double total;
-  if (spec.method == Method::kFull) {
+  if (spec.method == Method::kMezo) {
+    total = 2 * (blocks_forward + head_forward);  // two forward passes, no backward
+  } else if (spec.method == Method::kFull) {
     total = 3 * (blocks_forward + head_forward);
   } else {
     // Frozen weights: forward + input gradients. Adapters and attention: forward + input

@@ -38,6 +38,8 @@ absl::string_view MethodName(Method method) {
       return "full";
     case Method::kQLora:
       return "qlora";
+    case Method::kMezo:
+      return "mezo";
   }
   return "unknown";
 }
@@ -691,6 +693,25 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(ValidateLoraTargets(r, lora.targets));
 
   const TrainSpec& train = spec.train;
+  if (spec.method == Method::kMezo) {
+    LATHE_RETURN_IF_ERROR(check.InRange("mezo.eps", spec.mezo.eps, 0, false));
+    if (spec.mezo.trainable != Method::kLora && spec.mezo.trainable != Method::kFull) {
+      return r.Error("mezo.trainable", "must be lora or full");
+    }
+    if (train.optimizer != OptimizerKind::kAdamW) {
+      return r.Error("train.optimizer",
+                     absl::StrCat(OptimizerKindName(train.optimizer),
+                                  ": method mezo has its own update (leave train.optimizer out)"));
+    }
+    if (train.paged_optimizer) {
+      return r.Error("train.paged_optimizer", "method mezo keeps no optimizer state");
+    }
+    if (train.precision == Precision::kFp16) {
+      return r.Error("train.precision",
+                     "fp16 does not go with method mezo (no loss scaling "
+                     "without a backward pass): use fp32 or bf16");
+    }
+  }
   LATHE_RETURN_IF_ERROR(check.Between("train.steps", train.steps, 0, 1'000'000'000));
   LATHE_RETURN_IF_ERROR(check.Between("train.epochs", train.epochs, 0, 1'000'000));
   LATHE_RETURN_IF_ERROR(check.Between("train.global_batch", train.global_batch, 1, 1 << 20));
@@ -779,8 +800,8 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
   }
   LATHE_RETURN_IF_ERROR(
       r.ExpectMap(root, "",
-                  {"name", "model", "data", "method", "lora", "train", "resources", "strategy",
-                   "priority", "max_restarts", "output"}));
+                  {"name", "model", "data", "method", "lora", "mezo", "train", "resources",
+                   "strategy", "priority", "max_restarts", "output"}));
   JobSpec spec;
   if (const YAML::Node v = root["name"]) {
     LATHE_RETURN_IF_ERROR(r.ReadString(v, "name", &spec.name));
@@ -792,9 +813,24 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
     LATHE_RETURN_IF_ERROR(ParseData(r, v, &spec.data));
   }
   if (const YAML::Node v = root["method"]) {
-    LATHE_RETURN_IF_ERROR(r.ReadEnum<Method>(
-        v, "method", {{"lora", Method::kLora}, {"full", Method::kFull}, {"qlora", Method::kQLora}},
-        &spec.method));
+    LATHE_RETURN_IF_ERROR(r.ReadEnum<Method>(v, "method",
+                                             {{"lora", Method::kLora},
+                                              {"full", Method::kFull},
+                                              {"qlora", Method::kQLora},
+                                              {"mezo", Method::kMezo}},
+                                             &spec.method));
+  }
+  if (const YAML::Node v = root["mezo"]) {
+    if (spec.method != Method::kMezo) return r.Error("mezo", "is for method: mezo only");
+    LATHE_RETURN_IF_ERROR(r.ExpectMap(v, "mezo", {"trainable", "eps"}));
+    if (const YAML::Node t = v["trainable"]) {
+      LATHE_RETURN_IF_ERROR(r.ReadEnum<Method>(t, "mezo.trainable",
+                                               {{"lora", Method::kLora}, {"full", Method::kFull}},
+                                               &spec.mezo.trainable));
+    }
+    if (const YAML::Node e = v["eps"]) {
+      LATHE_RETURN_IF_ERROR(r.ReadDouble(e, "mezo.eps", &spec.mezo.eps));
+    }
   }
   if (const YAML::Node v = root["lora"]) {
     LATHE_RETURN_IF_ERROR(ParseLora(r, v, &spec.lora));
@@ -822,6 +858,16 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
 }
 
 }  // namespace
+
+bool TrainsLora(const JobSpec& spec) {
+  return spec.method == Method::kLora ||
+         (spec.method == Method::kMezo && spec.mezo.trainable == Method::kLora);
+}
+
+bool TrainsFullWeights(const JobSpec& spec) {
+  return spec.method == Method::kFull ||
+         (spec.method == Method::kMezo && spec.mezo.trainable == Method::kFull);
+}
 
 absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view source) {
   // yaml-cpp reports errors only by exception; they are caught here, at the boundary.
@@ -921,6 +967,9 @@ std::string JobSpecToJson(const JobSpec& spec) {
   };
   // init_from is a path or nothing; the schema has no empty spelling for it.
   if (!spec.lora.init_from.empty()) out["lora"]["init_from"] = spec.lora.init_from;
+  if (spec.method == Method::kMezo) {
+    out["mezo"] = {{"trainable", name(MethodName(spec.mezo.trainable))}, {"eps", spec.mezo.eps}};
+  }
   return out.dump(-1, ' ', false, Json::error_handler_t::replace);
 }
 

@@ -18,7 +18,7 @@
 
 namespace lathe {
 
-enum class Method { kLora, kFull, kQLora };
+enum class Method { kLora, kFull, kQLora, kMezo };
 enum class ScheduleKind { kCosine, kLinear, kConstant };
 enum class OptimizerKind { kAdamW, kAdamW8bit, kAdafactor, kSgd };
 enum class Precision { kFp32, kBf16, kFp16 };
@@ -51,6 +51,13 @@ struct LoraSpec {
   bool use_rslora = false;  // scaling alpha/sqrt(rank) instead of alpha/rank
   // Optional PEFT adapter directory to start from instead of the random/zero init.
   std::string init_from;
+};
+
+// method: mezo (zeroth-order training, docs/training.md "MeZO"): what it trains and the
+// perturbation's scale.
+struct MezoSpec {
+  Method trainable = Method::kLora;  // kLora (the lora: settings) or kFull
+  double eps = 1e-3;
 };
 
 struct ScheduleSpec {
@@ -123,6 +130,7 @@ struct JobSpec {
   DataSpec data;
   Method method = Method::kLora;
   LoraSpec lora;
+  MezoSpec mezo;  // method: mezo only
   TrainSpec train;
   ResourcesSpec resources;
   StrategySpec strategy;
@@ -130,6 +138,11 @@ struct JobSpec {
   int64_t max_restarts = 3;
   std::string output;  // required; directory for checkpoints and the adapter
 };
+
+// What a job trains: LoRA adapters (method lora, or mezo over lora) or every weight (method
+// full, or mezo over full).
+bool TrainsLora(const JobSpec& spec);
+bool TrainsFullWeights(const JobSpec& spec);
 
 // Parses and validates a spec in YAML or JSON. `source` names the file in messages.
 // INVALID_ARGUMENT with a one-line message "<source>: <field.path>: <problem>" for:

@@ -44,6 +44,7 @@ constexpr EnumPair<Method, v1::Method> kMethods[] = {
     {Method::kLora, v1::METHOD_LORA},
     {Method::kFull, v1::METHOD_FULL},
     {Method::kQLora, v1::METHOD_QLORA},
+    {Method::kMezo, v1::METHOD_MEZO},
 };
 constexpr EnumPair<ScheduleKind, v1::ScheduleKind> kSchedules[] = {
     {ScheduleKind::kCosine, v1::SCHEDULE_KIND_COSINE},
@@ -88,6 +89,10 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   for (const std::string& target : spec.lora.targets) lora->add_targets(target);
   lora->set_use_rslora(spec.lora.use_rslora);
   lora->set_init_from(spec.lora.init_from);
+  if (spec.method == Method::kMezo) {
+    out.mutable_mezo()->set_trainable(ToProtoEnum(kMethods, spec.mezo.trainable));
+    out.mutable_mezo()->set_eps(spec.mezo.eps);
+  }
 
   const TrainSpec& t = spec.train;
   v1::TrainSpec* train = out.mutable_train();
@@ -164,6 +169,12 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
     spec.lora.targets.assign(lora.targets().begin(), lora.targets().end());
   if (lora.has_use_rslora()) spec.lora.use_rslora = lora.use_rslora();
   spec.lora.init_from = lora.init_from();
+  if (in.has_mezo()) {
+    LATHE_ASSIGN_OR_RETURN(spec.mezo.trainable,
+                           FromProtoEnum(kMethods, in.mezo().trainable(), spec.mezo.trainable,
+                                         source, "mezo.trainable"));
+    if (in.mezo().has_eps()) spec.mezo.eps = in.mezo().eps();
+  }
 
   const v1::TrainSpec& train = in.train();
   TrainSpec& t = spec.train;

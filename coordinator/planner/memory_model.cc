@@ -113,7 +113,9 @@ int64_t WeightBytes(const JobShape& job) { return WidthsOf(job).weight; }
 JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   JobShape job;
   job.model = model;
-  job.method = spec.method;
+  // MeZO trains LoRA or every weight, without gradients or optimizer state.
+  job.method = spec.method == Method::kMezo ? spec.mezo.trainable : spec.method;
+  job.zeroth_order = spec.method == Method::kMezo;
   job.lora_rank = spec.lora.rank;
   job.lora_targets = spec.lora.targets;
   job.seq_len = spec.data.seq_len;
@@ -137,6 +139,7 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
                         p.offload_params && cuda};
   ModelStateBytes states = ModelStates(*units, w.weight, choice);
+  if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
   if (p.zero_stage == 0 && job.optimizer.kind != OptimizerKind::kAdamW) {
     absl::StatusOr<std::vector<TrainableShape>> shapes =
         TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);
@@ -161,7 +164,8 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   const int64_t transient = BackwardTransientBytes(job, p, w);
   const int64_t dy = bt * h * w.compute;  // the gradient flowing into a block
   // Checkpointing keeps each block's input (and the attention mask) instead of its insides.
-  const int64_t kept = p.activation_checkpointing
+  const int64_t kept = job.zeroth_order ? fixed + block  // inference: one block at a time
+                       : p.activation_checkpointing
                            ? fixed + t * t * w.compute + layers * bt * h * w.compute
                            : fixed + layers * block;
   const int64_t loss = LossPeakBytes(job, p, w);
@@ -195,10 +199,10 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   const int64_t accumulation =
       job.global_batch > 0 ? std::max<int64_t>(1, job.global_batch / n / p.micro_batch) : 1;
   const bool accumulating = accumulation > 1;
-  const int64_t carried = !accumulating       ? 0
-                          : p.zero_stage == 0 ? whole_grads
-                          : p.zero_stage == 1 ? sharded_grads
-                                              : all_slices;
+  const int64_t carried = !accumulating || job.zeroth_order ? 0
+                          : p.zero_stage == 0               ? whole_grads
+                          : p.zero_stage == 1               ? sharded_grads
+                                                            : all_slices;
 
   struct Moment {
     const char* phase;
@@ -216,6 +220,30 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   auto at = [](Moment& mo, MemoryComponent c) -> int64_t& { return mo.c[static_cast<int>(c)]; };
   std::vector<Moment> moments;
   const int64_t head = num_units - 1;
+  // The estimate: the moment with the most bytes.
+  auto peak_of_moments = [&]() {
+    MemoryEstimate estimate;
+    const Moment* peak = &moments.front();
+    int64_t peak_total = -1;
+    for (const Moment& mo : moments) {
+      int64_t total = 0;
+      for (int64_t v : mo.c) total += v;
+      if (total > peak_total) {
+        peak_total = total;
+        peak = &mo;
+      }
+    }
+    for (int i = 0; i < kNumMemoryComponents; ++i) {
+      estimate.device.components[i] = static_cast<uint64_t>(peak->c[i]);
+    }
+    if (cuda) {
+      estimate.device.components[static_cast<int>(MemoryComponent::kOverhead)] += kCudaRuntimeBytes;
+    }
+    for (uint64_t v : estimate.device.components) estimate.device.total += v;
+    estimate.host = static_cast<uint64_t>(states.host);
+    estimate.peak_phase = peak->phase;
+    return estimate;
+  };
 
   // The end of the forward pass: the last block done (ZeRO-3: still gathered, the head
   // prefetched), then inside the loss (the unfused loss peaks at the start of backward, with
@@ -244,6 +272,15 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   at(in_loss, MemoryComponent::kLogits) = loss;
   at(in_loss, MemoryComponent::kCommBuffers) = carried_bytes + (stage3 ? whole[head] : 0);
   moments.push_back(in_loss);
+  if (job.zeroth_order) {
+    // MeZO: forward passes only (no activations kept past their block), and between them
+    // each trainable tensor perturbed by its random direction, made one tensor at a time
+    // (with the update's direction, two of the largest).
+    Moment perturb = base("the perturbation", false);
+    at(perturb, MemoryComponent::kOptimizer) = 8 * LargestTrainableTensor(job);
+    moments.push_back(perturb);
+    return peak_of_moments();
+  }
 
   // Backward, unit by unit from the head: while block j runs backward (its insides kept or
   // recomputed, its own transient buffers, the blocks below it still kept; ZeRO-3 holds it
@@ -334,26 +371,7 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   }
   moments.push_back(step);
 
-  MemoryEstimate estimate;
-  const Moment* peak = &moments.front();
-  int64_t peak_total = -1;
-  for (const Moment& mo : moments) {
-    int64_t total = 0;
-    for (int64_t v : mo.c) total += v;
-    if (total > peak_total) {
-      peak_total = total;
-      peak = &mo;
-    }
-  }
-  for (int i = 0; i < kNumMemoryComponents; ++i) {
-    estimate.device.components[i] = static_cast<uint64_t>(peak->c[i]);
-  }
-  if (cuda)
-    estimate.device.components[static_cast<int>(MemoryComponent::kOverhead)] += kCudaRuntimeBytes;
-  for (uint64_t v : estimate.device.components) estimate.device.total += v;
-  estimate.host = static_cast<uint64_t>(states.host);
-  estimate.peak_phase = peak->phase;
-  return estimate;
+  return peak_of_moments();
 }
 
 }  // namespace lathe

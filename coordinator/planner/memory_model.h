@@ -35,6 +35,7 @@ struct JobShape {
   Precision precision = Precision::kFp32;
   OptimizerChoice optimizer;
   bool paged_optimizer = false;
+  bool zeroth_order = false;  // method mezo over `method`
 };
 
 // The job's shape from a spec and the model's shape.

@@ -133,7 +133,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                                    const PlanOptions& options) {
   const JobShape job = JobShapeOf(spec, shape);
   absl::StatusOr<std::vector<UnitElements>> units =
-      UnitsOf(shape, spec.method, spec.lora.rank, spec.lora.targets);
+      UnitsOf(shape, job.method, spec.lora.rank, spec.lora.targets);
   if (!units.ok()) return units.status();
   const Totals totals = TotalsOf(*units);
   const ModelConfig config = ConfigOf(shape);
@@ -143,12 +143,12 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   const StrategySpec& s = spec.strategy;
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
-  // The optimizers that run on a replicated model only, and paged optimizer state, stay at
-  // stage 0 without offload.
+  // The optimizers that run on a replicated model only, paged optimizer state and MeZO stay
+  // at stage 0 without offload.
   const std::vector<OptimizerKind>& sharded = Engine().sharded_optimizers;
   const bool shards =
       std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end() &&
-      !spec.train.paged_optimizer;
+      !spec.train.paged_optimizer && spec.method != Method::kMezo;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
@@ -240,7 +240,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
           break;
         }
       }
-      if (spec.method == Method::kLora) {
+      if (TrainsLora(spec)) {
         fixes.push_back(absl::StrCat(
             "QLoRA's 4-bit frozen weights (not in the engine yet) would cut weights to about ",
             FormatBytes(smallest->memory.device.components[0] /

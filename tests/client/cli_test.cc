@@ -439,13 +439,13 @@ TEST_F(CliTest, SubmitRefusedByTheCoordinator) {
 TEST_F(CliTest, SubmitOfWhatTheEngineCannotRunIsRefusedOnOneLine) {
   jobs_.SetSubmitError(grpc::Status(
       grpc::StatusCode::UNIMPLEMENTED,
-      "spec: method: qlora is not supported by this engine yet (supported: lora, full)"));
+      "spec: method: qlora is not supported by this engine yet (supported: lora, full, mezo)"));
   CliResult result = Run({"submit", WriteSpec(kRelativeSpec)});
   EXPECT_EQ(result.code, 1);
   EXPECT_EQ(result.out, "");
   EXPECT_EQ(result.err,
             "lathe: the coordinator refused the job: spec: method: qlora is not supported by "
-            "this engine yet (supported: lora, full)\n");
+            "this engine yet (supported: lora, full, mezo)\n");
 }
 
 // The retry policy: UNAVAILABLE is tried again (a submission is idempotent by its request

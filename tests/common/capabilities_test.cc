@@ -69,7 +69,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         UnsupportedCase{"QLora", [](JobSpec* s) { s->method = Method::kQLora; },
                         "method: qlora is not supported by this engine yet (supported: lora, "
-                        "full)"},
+                        "full, mezo)"},
         UnsupportedCase{"ShardedAdafactor",
                         [](JobSpec* s) {
                           s->train.optimizer = OptimizerKind::kAdafactor;
@@ -78,6 +78,14 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         "strategy.zero_stage: 2 with train.optimizer adafactor is not supported "
                         "by this engine yet (it runs on a replicated model, zero_stage 0"},
+        UnsupportedCase{"ShardedMezo",
+                        [](JobSpec* s) {
+                          s->method = Method::kMezo;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 3;
+                        },
+                        "strategy.zero_stage: 3 with method mezo is not supported by this engine "
+                        "yet"},
         UnsupportedCase{"PagedAndSharded",
                         [](JobSpec* s) {
                           s->train.paged_optimizer = true;

@@ -44,6 +44,19 @@ TEST(FlopsTest, LoraTrainsTheAdaptersAndOnlyPropagatesThroughTheBase) {
   EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(SmallConfig(), spec, 7, true), 4928 + 1440 + 2784);
 }
 
+TEST(FlopsTest, MezoIsTwoForwards) {
+  JobSpec spec;
+  spec.method = Method::kMezo;
+  spec.mezo.trainable = Method::kFull;
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(SmallConfig(), spec, 7, false), 2 * (2560 + 160));
+  // Over LoRA the adapters' forward too: layers 2 x 2 x 56 more.
+  spec.mezo.trainable = Method::kLora;
+  spec.lora.rank = 2;
+  spec.lora.targets = {"q_proj", "v_proj"};
+  EXPECT_DOUBLE_EQ(TrainingFlopsPerToken(SmallConfig(), spec, 7, false),
+                   2 * (2560 + 160 + 2 * 2 * 56));
+}
+
 TEST(FlopsTest, CudaPeaksByNameAndPrecision) {
   EXPECT_DOUBLE_EQ(*CudaPeakFlops("NVIDIA H100 80GB HBM3", Precision::kBf16), 989.4e12);
   EXPECT_DOUBLE_EQ(*CudaPeakFlops("NVIDIA H100 PCIe", Precision::kFp16), 756.0e12);

@@ -241,6 +241,27 @@ output: /out
 
 constexpr char kMinimalPrefix[] = "name: t\nmodel: {path: /m}\ndata: {train: /d}\noutput: /o\n";
 
+TEST(JobSpecTest, ParsesMezoAndItsTrainableWeights) {
+  JobSpec spec = MustParse(std::string(kMinimalPrefix) +
+                           "method: mezo\nmezo: {trainable: full, eps: 1.0e-2}\n"
+                           "train: {steps: 10}\n");
+  EXPECT_EQ(spec.method, Method::kMezo);
+  EXPECT_EQ(spec.mezo.trainable, Method::kFull);
+  EXPECT_EQ(spec.mezo.eps, 1e-2);
+  EXPECT_TRUE(TrainsFullWeights(spec));
+  EXPECT_FALSE(TrainsLora(spec));
+  // The defaults: over LoRA, eps 1e-3; and it survives the JSON form.
+  spec = MustParse(std::string(kMinimalPrefix) + "method: mezo\ntrain: {steps: 10}\n");
+  EXPECT_EQ(spec.mezo.trainable, Method::kLora);
+  EXPECT_EQ(spec.mezo.eps, 1e-3);
+  EXPECT_TRUE(TrainsLora(spec));
+  const std::string json = JobSpecToJson(spec);
+  EXPECT_THAT(json, HasSubstr(R"("mezo":{"trainable":"lora","eps":0.001})"));
+  EXPECT_EQ(MustParse(json).mezo.eps, 1e-3);
+  EXPECT_THAT(JobSpecToJson(MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\n")),
+              Not(HasSubstr("mezo")));
+}
+
 // JobSpecToJson writes every field, and ParseJobSpec reads it back to the same spec.
 TEST(JobSpecTest, JsonFormRoundTrips) {
   for (const char* text : {kFullYaml, kFullJson, kMinimalPrefix}) {
@@ -435,7 +456,7 @@ TEST(JobSpecTest, RejectsBadFields) {
        "job.yaml: resources.memory_per_rank: expected a byte size such as 80GiB, got a list"},
       // Unknown enum values.
       {{{"method", "prefix"}},
-       "job.yaml: method: unknown value \"prefix\" (expected one of: lora, full, qlora)"},
+       "job.yaml: method: unknown value \"prefix\" (expected one of: lora, full, qlora, mezo)"},
       {{{"train", "{steps: 10, schedule: {kind: step}}"}},
        "job.yaml: train.schedule.kind: unknown value \"step\" (expected one of: cosine, linear, "
        "constant)"},
@@ -502,6 +523,14 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"train", "{steps: 10, adam_beta2: -0.5}"}},
        "job.yaml: train.adam_beta2: must be in [0, 1), got -0.5"},
       {{{"train", "{steps: 10, adam_eps: 0}"}}, "job.yaml: train.adam_eps: must be > 0, got 0"},
+      {{{"method", "lora"}, {"mezo", "{eps: 1.0e-3}"}}, "job.yaml: mezo: is for method: mezo only"},
+      {{{"method", "mezo"}, {"mezo", "{eps: 0}"}}, "job.yaml: mezo.eps: must be > 0, got 0"},
+      {{{"method", "mezo"}, {"mezo", "{trainable: qlora}"}}, "job.yaml: mezo.trainable: "},
+      {{{"method", "mezo"}, {"mezo", "{eps: 1.0e-3, sigma: 2}"}}, "job.yaml: mezo.sigma: unknown field"},
+      {{{"method", "mezo"}, {"train", "{steps: 10, optimizer: sgd}"}},
+       "job.yaml: train.optimizer: sgd: method mezo has its own update"},
+      {{{"method", "mezo"}, {"train", "{steps: 10, precision: fp16}"}},
+       "job.yaml: train.precision: fp16 does not go with method mezo"},
       {{{"train", "{steps: 10, sgd_momentum: 1}"}},
        "job.yaml: train.sgd_momentum: must be in [0, 1), got 1"},
       {{{"train", "{steps: 10, optimizer: sgd, sgd_nesterov: true}"}},

@@ -163,6 +163,25 @@ TEST(MemoryModelTest, PagedOptimizerStateLivesInHostMemoryOnCuda) {
   }
 }
 
+TEST(MemoryModelTest, MezoKeepsNoGradientsNoOptimizerStateNoActivations) {
+  const ModelShape shape = Shape("llama-3.1-8b");
+  const StrategyPoint point{0, false, false, false, true, true, 1};
+  for (const char* trainable : {"lora", "full"}) {
+    SCOPED_TRACE(trainable);
+    const std::string method = std::string(trainable) == "lora" ? "" : "method: full\n";
+    const MemoryEstimate first_order = Estimate(Job(shape, Spec(method)), point);
+    const MemoryEstimate mezo = Estimate(
+        Job(shape, Spec(absl::StrCat("method: mezo\nmezo: {trainable: ", trainable, "}\n"))),
+        point);
+    EXPECT_EQ(Component(mezo, MemoryComponent::kGradients), 0u);
+    EXPECT_LT(Component(mezo, MemoryComponent::kActivations),
+              Component(first_order, MemoryComponent::kActivations));
+    EXPECT_EQ(Component(mezo, MemoryComponent::kTrainable),
+              Component(first_order, MemoryComponent::kTrainable));
+    EXPECT_LT(mezo.device.total, first_order.device.total);
+  }
+}
+
 TEST(PlannerTest, OptimizersThatDoNotShardStayAtStageZero) {
   // Full fine-tuning of a 1B model on four CPU ranks with 20 GiB each: AdamW needs ZeRO to
   // fit; Adafactor and 8-bit AdamW fit replicated, and are never planned sharded.

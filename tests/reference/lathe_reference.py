@@ -4,9 +4,9 @@
 Plain eager PyTorch, written the way a user would fine-tune a model by hand ("the seed
 recipe"): hand-written LoRA layers on plain nn.Modules, a Hugging Face style
 Llama/Mistral/Qwen2 decoder, torch.optim.AdamW or SGD (or the 8-bit AdamW and Adafactor
-written out here). It reads the same job spec, model directory, data file and PEFT
-adapters as `lathe-worker`, and reports the same step events, so that tests can hold the
-C++ engine to it within 1e-4.
+written out here), or MeZO's zeroth-order step (method: mezo, over LoRA or every weight).
+It reads the same job spec, model directory, data file and PEFT adapters as `lathe-worker`,
+and reports the same step events, so that tests can hold the C++ engine to it within 1e-4.
 
 Run with Debian's interpreter (/usr/bin/python3: python3-torch, python3-numpy,
 python3-yaml). Nothing here imports transformers, peft or safetensors.
@@ -44,6 +44,8 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 AUTO_MICRO_BATCH_TOKENS = 8192
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd")
+METHODS = ("lora", "full", "mezo")
+MEZO_TRAINABLE = ("lora", "full")
 
 
 class ReferenceError(Exception):
@@ -405,22 +407,37 @@ class CausalLM(nn.Module):
     def named_trainable(self):
         return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
 
-    def hf_state(self):
-        """Full weights under Hugging Face names (for method: full output)."""
-        out = {"model.embed_tokens.weight": self.embed_tokens.detach(),
-               "model.norm.weight": self.norm.weight.detach()}
+    def hf_params(self):
+        """{Hugging Face name: parameter} of every base weight (a tied head is the
+        embeddings, under their name only)."""
+        out = {"model.embed_tokens.weight": self.embed_tokens,
+               "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.detach()
+            out["lm_head.weight"] = self.lm_head
         for i, blk in enumerate(self.layers):
             p = f"model.layers.{i}"
-            out[f"{p}.input_layernorm.weight"] = blk.input_layernorm.weight.detach()
-            out[f"{p}.post_attention_layernorm.weight"] = \
-                blk.post_attention_layernorm.weight.detach()
+            out[f"{p}.input_layernorm.weight"] = blk.input_layernorm.weight
+            out[f"{p}.post_attention_layernorm.weight"] = blk.post_attention_layernorm.weight
             for m in LORA_TARGETS:
                 lin = self.projection(i, m)
-                out[f"{module_path(i, m)}.weight"] = lin.weight.detach()
+                out[f"{module_path(i, m)}.weight"] = lin.weight
                 if lin.bias is not None:
-                    out[f"{module_path(i, m)}.bias"] = lin.bias.detach()
+                    out[f"{module_path(i, m)}.bias"] = lin.bias
+        return out
+
+    def hf_state(self):
+        """Full weights under Hugging Face names (for method: full output)."""
+        return {n: p.detach() for n, p in self.hf_params().items()}
+
+    def adapter_params(self, targets):
+        """{PEFT adapter name: LoRA parameter} of `targets` (the names write_adapter writes)."""
+        out = {}
+        for layer in range(self.cfg["num_hidden_layers"]):
+            for m in LORA_TARGETS:
+                if m in targets:
+                    lin = self.projection(layer, m)
+                    out[peft_name(layer, m, "A")] = lin.lora_A
+                    out[peft_name(layer, m, "B")] = lin.lora_B
         return out
 
 
@@ -484,13 +501,7 @@ def load_adapter_config(adapter_dir):
 
 def write_adapter(model, out_dir, rank, alpha, use_rslora, targets, dropout, base_path):
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {}
-    for layer in range(model.cfg["num_hidden_layers"]):
-        for m in LORA_TARGETS:
-            if m in targets:
-                lin = model.projection(layer, m)
-                tensors[peft_name(layer, m, "A")] = lin.lora_A.detach()
-                tensors[peft_name(layer, m, "B")] = lin.lora_B.detach()
+    tensors = {n: p.detach() for n, p in model.adapter_params(targets).items()}
     write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors,
                       {"format": "pt"})
     config = {"base_model_name_or_path": base_path, "bias": "none", "fan_in_fan_out": False,
@@ -695,6 +706,7 @@ def load_spec(path_or_dict):
         "data": {"train": data.get("train"), "eval": data.get("eval"),
                  "seq_len": int(data.get("seq_len", 1024)), "pack": bool(data.get("pack", True))},
         "method": raw.get("method", "lora"),
+        "mezo": mezo_fields(raw, source),
         "lora": {"rank": int(lora.get("rank", 16)), "alpha": float(lora.get("alpha", 32.0)),
                  "dropout": float(lora.get("dropout", 0.0)),
                  "targets": list(lora.get("targets", LORA_TARGETS)),
@@ -722,11 +734,21 @@ def load_spec(path_or_dict):
         raise ReferenceError(f"{source}: model.path: required field is missing")
     if not spec["data"]["train"]:
         raise ReferenceError(f"{source}: data.train: required field is missing")
-    if spec["method"] not in ("lora", "full"):
-        raise ReferenceError(f"{source}: method: the reference implements lora and full, "
-                             f"not {spec['method']!r}")
+    if spec["method"] not in METHODS:
+        raise ReferenceError(f"{source}: method: the reference implements "
+                             f"{', '.join(METHODS)}, not {spec['method']!r}")
     if t["precision"] not in STORAGE:
         raise ReferenceError(f"{source}: train.precision: unknown {t['precision']!r}")
+    if spec["method"] == "mezo":
+        if t["optimizer"] != "adamw":
+            raise ReferenceError(f"{source}: train.optimizer: {t['optimizer']}: method mezo has "
+                                 "its own update (leave train.optimizer out)")
+        if train.get("paged_optimizer", False):
+            raise ReferenceError(f"{source}: train.paged_optimizer: method mezo keeps no "
+                                 "optimizer state")
+        if t["precision"] == "fp16":
+            raise ReferenceError(f"{source}: train.precision: fp16 does not go with method mezo "
+                                 "(no loss scaling without a backward pass): use fp32 or bf16")
     if (t["steps"] > 0) == (float(t["epochs"]) > 0):
         raise ReferenceError(f"{source}: train: exactly one of steps and epochs must be > 0")
     if spec["data"]["seq_len"] < 2:
@@ -745,6 +767,48 @@ def load_spec(path_or_dict):
         raise ReferenceError(f"{source}: train.global_batch {t['global_batch']} is not "
                              f"divisible by micro_batch {t['micro_batch']}")
     return spec
+
+
+def mezo_fields(raw, source):
+    """The `mezo` mapping of a spec, defaults filled in, validated: {"trainable", "eps"} with
+    method mezo, None otherwise (where the mapping must be absent)."""
+    method = raw.get("method", "lora")
+    if "mezo" in raw and method != "mezo":
+        raise ReferenceError(f"{source}: mezo: is for method: mezo only")
+    if method != "mezo":
+        return None
+    m = raw.get("mezo")
+    m = {} if m is None else m
+    if not isinstance(m, dict):
+        raise ReferenceError(f"{source}: mezo: expected a mapping")
+    for key in m:
+        if key not in ("trainable", "eps"):
+            raise ReferenceError(f"{source}: mezo.{key}: unknown field")
+    trainable = m.get("trainable", "lora")
+    if trainable not in MEZO_TRAINABLE:
+        raise ReferenceError(f"{source}: mezo.trainable: must be lora or full, got {trainable!r}")
+    eps = m.get("eps", 1.0e-3)
+    try:
+        if isinstance(eps, bool):
+            raise TypeError
+        eps = float(eps)
+    except (TypeError, ValueError):
+        raise ReferenceError(f"{source}: mezo.eps: expected a number, got {eps!r}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ReferenceError(f"{source}: mezo.eps: must be > 0 and finite, got {eps!r}")
+    return {"trainable": trainable, "eps": eps}
+
+
+def trains_lora(spec):
+    """LoRA adapters are trained: method lora, or mezo over lora."""
+    return spec["method"] == "lora" or (spec["method"] == "mezo"
+                                        and spec["mezo"]["trainable"] == "lora")
+
+
+def trains_full(spec):
+    """Every base weight is trained: method full, or mezo over full."""
+    return spec["method"] == "full" or (spec["method"] == "mezo"
+                                        and spec["mezo"]["trainable"] == "full")
 
 
 def optimizer_fields(train, source):
@@ -1051,15 +1115,92 @@ def optimizer_replay(in_path, out_path):
 
 
 # --------------------------------------------------------------------------------------
+# MeZO (method: mezo; Malladi et al. 2023, "Fine-Tuning Language Models with Just Forward
+# Passes"): a step estimates the gradient's projection on a random direction z from the losses
+# at theta + eps z and theta - eps z, and moves theta along z. z is never stored: it is drawn
+# again from a generator reseeded with the step's seed. The ops below are the C++ engine's, in
+# the same order (the step events are compared step for step): do not fuse or reorder them.
+
+
+def mezo_seed(seed, step):
+    """The perturbation seed of 1-based optimizer step `step`: (train.seed + step *
+    0x9E3779B97F4A7C15) mod 2^64. (libtorch 1.13's CPU generator, an mt19937, uses only the
+    low 32 bits of a seed; those differ from step to step too, the multiplier being odd.)"""
+    return (int(seed) + int(step) * GOLDEN) & MASK64
+
+
+def mezo_params(model, spec):
+    """[(exported name, tensor)] of what method mezo trains, ascending by name: the PEFT
+    adapter names (as write_adapter writes them) with mezo.trainable lora, the Hugging Face
+    weight names (as write_model writes them; a tied head is the embeddings) with full."""
+    named = (model.adapter_params(spec["lora"]["targets"]) if trains_lora(spec)
+             else model.hf_params())
+    return sorted(named.items())
+
+
+@torch.no_grad()
+def mezo_perturb(named, seed, scale):
+    """p += scale * z for each (name, p) of `named` in turn, z ~ N(0, 1) drawn in float32 by
+    torch.randn from a generator seeded with `seed` (then converted to p's type)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    for _, p in named:
+        z = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        p.add_(z.to(p.dtype), alpha=scale)
+
+
+@torch.no_grad()
+def mezo_loss(model, micro_batches, targets):
+    """The step's loss, forward only: summed cross-entropy of each (ids, labels) micro-batch
+    (.item() of each, summed in double), divided by the step's `targets`."""
+    total = 0.0
+    for ids, labels in micro_batches:
+        total += loss_sum(model.head(model.hidden(ids)), labels).item()
+    return total / targets
+
+
+def mezo_projected_grad(model, named, seed, eps, micro_batches, targets):
+    """(loss_plus, loss_minus, projected): the losses at theta + eps z and theta - eps z and
+    (loss_plus - loss_minus) / (2 eps). Perturbs by +eps, -2 eps, +eps: theta is left as it
+    was up to rounding."""
+    mezo_perturb(named, seed, eps)
+    plus = mezo_loss(model, micro_batches, targets)
+    mezo_perturb(named, seed, -2 * eps)
+    minus = mezo_loss(model, micro_batches, targets)
+    mezo_perturb(named, seed, eps)
+    return plus, minus, (plus - minus) / (2 * eps)
+
+
+@torch.no_grad()
+def mezo_update(named, seed, projected, lr, weight_decay, no_decay):
+    """p -= lr * (projected * z + wd * p), with the z of mezo_perturb(named, seed, .) and
+    wd = 0 for the tensors where no_decay(name)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    for name, p in named:
+        z = torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype)
+        d = z.mul_(projected)
+        wd = 0.0 if no_decay(name) else weight_decay
+        if wd != 0:
+            d.add_(p, alpha=wd)
+        p.add_(d, alpha=-lr)
+
+
+# --------------------------------------------------------------------------------------
 # Training
+
+
+def no_decay_full(spec, name):
+    """As the Hugging Face Trainer: when every weight is trained, no weight decay on biases
+    and norm weights (`name` a parameter's name, Hugging Face's or the module's)."""
+    return trains_full(spec) and (name.endswith(".bias") or name.endswith("norm.weight"))
 
 
 def build_optimizer(model, spec):
     t = spec["train"]
 
     def no_decay(n):
-        # As the Hugging Face Trainer: no weight decay on biases and norm weights.
-        return spec["method"] == "full" and (n.endswith(".bias") or n.endswith("norm.weight"))
+        return no_decay_full(spec, n)
     float32 = [model.embed_tokens] if model.embed_tokens.requires_grad else []
     return make_optimizer(param_groups(model.named_trainable(), t["weight_decay"], no_decay), t,
                           t["lr"], float32)
@@ -1072,7 +1213,7 @@ def build_model(spec, dtype):
     model_dir = spec["model"]["path"]
     cfg = load_model_config(model_dir)
     weights = load_model_weights(model_dir)
-    full = spec["method"] == "full"
+    full = trains_full(spec)
     strategy = spec["strategy"]
     checkpointing = isinstance(strategy, dict) and bool(
         strategy.get("activation_checkpointing", False))
@@ -1105,7 +1246,9 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
                              f"{model.cfg['max_position_embeddings']}")
     stream = sequences(records, seq_len, spec["data"]["pack"], t["seed"])
     params = [p for _, p in model.named_trainable()]
-    opt = build_optimizer(model, spec)
+    mezo = spec["method"] == "mezo"
+    opt = None if mezo else build_optimizer(model, spec)
+    mezo_named = mezo_params(model, spec) if mezo else None
     sched = t["schedule"]
     events = []
     total_tokens = 0
@@ -1125,7 +1268,18 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
         skipped = False
         phases = {"forward": 0.0, "loss": 0.0, "backward": 0.0, "comm": 0.0, "optimizer": 0.0}
         step_scale = scale
-        if targets > 0:
+        if targets > 0 and mezo:
+            micro_batches = [collate(batch[m * M:(m + 1) * M]) for m in range(G // M)]
+            mezo_step_seed = mezo_seed(t["seed"], k + 1)
+            t0 = time.perf_counter()
+            loss_plus, loss_minus, projected = mezo_projected_grad(
+                model, mezo_named, mezo_step_seed, spec["mezo"]["eps"], micro_batches, targets)
+            t3 = time.perf_counter()
+            phases["forward"] = t3 - t0
+            loss = (loss_plus + loss_minus) / 2
+            grad_norm = abs(projected)
+            skipped = not (math.isfinite(loss_plus) and math.isfinite(loss_minus))
+        elif targets > 0:
             for p in params:
                 p.grad = None
             total = 0.0
@@ -1166,15 +1320,20 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
                 clean += 1
                 if clean >= 2000:
                     scale, clean = scale * 2, 0
-            if t["max_grad_norm"] > 0:
-                coef = min(1.0, t["max_grad_norm"] / (norm + 1e-6))
-                if coef < 1.0:
-                    for g in grads:
-                        g.mul_(coef)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            opt.step()
-            phases["optimizer"] = time.perf_counter() - t3
+            if mezo:  # no clipping: max_grad_norm is ignored
+                mezo_update(mezo_named, mezo_step_seed, projected, lr, t["weight_decay"],
+                            lambda n: no_decay_full(spec, n))
+                phases["optimizer"] = time.perf_counter() - t3
+            else:
+                if t["max_grad_norm"] > 0:
+                    coef = min(1.0, t["max_grad_norm"] / (norm + 1e-6))
+                    if coef < 1.0:
+                        for g in grads:
+                            g.mul_(coef)
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+                phases["optimizer"] = time.perf_counter() - t3
         total_tokens += tokens
         elapsed = time.perf_counter() - step_start
         ev = {"event": "step", "step": k + 1, "steps": n_steps, "loss": loss, "lr": lr,
@@ -1191,12 +1350,12 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
     done = {"event": "done", "steps": n_steps, "final_loss": final,
             "tokens_per_s": total_tokens / seconds if seconds > 0 else 0.0, "seconds": seconds,
             "adapter": None, "model": None}
-    if adapter_out and spec["method"] == "lora":
+    if adapter_out and trains_lora(spec):
         lo = spec["lora"]
         write_adapter(model, adapter_out, lo["rank"], lo["alpha"], lo["use_rslora"],
                       lo["targets"], lo["dropout"], spec["model"]["path"])
         done["adapter"] = adapter_out
-    if model_out and spec["method"] == "full":
+    if model_out and trains_full(spec):
         write_model(model, model_out, spec["model"]["path"])
         done["model"] = model_out
     return {"steps": events, "done": done, "model": model}

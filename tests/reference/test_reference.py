@@ -9,7 +9,9 @@ Tolerances (float32 on both sides):
   - step losses: absolute 1e-4 (losses are of order 1-6); the first step's loss:
     absolute 1e-5 (nothing has been trained yet, only the forward pass differs);
   - learning rates: relative 1e-9 (the same double-precision formula);
-  - grad_norm: relative 1e-4 (reported, pre-clip);
+  - grad_norm: relative 1e-4 (reported, pre-clip); method mezo's (|projected gradient|, a
+    difference quotient of two losses): absolute FIRST_LOSS_ABS_TOL / mezo.eps, see
+    MEZO_GRAD_NORM_ABS_TOL;
   - logits: |a - b| <= 1e-4 * max(1, |b|) elementwise; scored losses: absolute 1e-4;
   - trained LoRA tensors (entries of order 0.1): absolute 1e-5;
   - `lathe-optimizer-replay` (the same gradients fed to both optimizers): adamw8bit
@@ -23,10 +25,10 @@ implementations agree to 1e-4. On a mismatch the diagnostics
 add the reference's float64 series, to tell "the C++ computes something else" from "the
 configuration amplifies rounding".
 
-ReferenceSelfChecks and OptimizerSelfChecks need no binaries (they check the reference
-against itself, finite differences and torch.optim). The comparison tests need lathe-synth
-and lathe-worker (OptimizerReplayTest: lathe-optimizer-replay): they fail when
-LATHE_BIN_DIR is set (ctest) and a binary is missing, and are skipped otherwise.
+ReferenceSelfChecks, OptimizerSelfChecks and MezoSelfChecks need no binaries (they check
+the reference against itself, finite differences and torch.optim). The comparison tests
+need lathe-synth and lathe-worker (OptimizerReplayTest: lathe-optimizer-replay): they fail
+when LATHE_BIN_DIR is set (ctest) and a binary is missing, and are skipped otherwise.
 """
 
 import json
@@ -152,9 +154,11 @@ def side_by_side(ref_steps, cpp_steps, f64_steps=None):
     return "\n".join(lines)
 
 
-def compare_series(test, ref_steps, cpp_steps, spec_path=None, check_grad_norm=True):
+def compare_series(test, ref_steps, cpp_steps, spec_path=None, check_grad_norm=True,
+                   grad_norm_abs_tol=0.0):
     """Asserts the per-step contract; prints both series side by side (plus the
-    reference's float64 series when `spec_path` is given) on any mismatch."""
+    reference's float64 series when `spec_path` is given) on any mismatch. grad_norm within
+    GRAD_NORM_REL_TOL relative plus `grad_norm_abs_tol` absolute."""
     table = side_by_side(ref_steps, cpp_steps)
     problems = []
     if len(ref_steps) != len(cpp_steps):
@@ -179,7 +183,8 @@ def compare_series(test, ref_steps, cpp_steps, spec_path=None, check_grad_norm=T
             problems.append(f"step {k}: tokens {r['tokens']} vs {c.get('tokens')}")
         if check_grad_norm and r["grad_norm"] is not None:
             cg = c.get("grad_norm")
-            if cg is None or abs(r["grad_norm"] - cg) > GRAD_NORM_REL_TOL * r["grad_norm"]:
+            if cg is None or abs(r["grad_norm"] - cg) > (GRAD_NORM_REL_TOL * r["grad_norm"]
+                                                         + grad_norm_abs_tol):
                 problems.append(f"step {k}: grad_norm {r['grad_norm']:.6f} vs {cg}")
     if problems:
         if spec_path:
@@ -820,6 +825,257 @@ class OptimizerSelfChecks(unittest.TestCase):
 
 
 # --------------------------------------------------------------------------------------
+# Self-checks of MeZO (method: mezo; no binaries needed)
+
+
+def mezo_spec(tmp, model, data, trainable="lora", eps=1e-3, **train):
+    """base_spec with method mezo over `trainable`."""
+    spec = base_spec(tmp, model, data, **train)
+    spec["method"] = "mezo"
+    spec["mezo"] = {"trainable": trainable, "eps": eps}
+    if trainable == "full":
+        del spec["lora"]
+    return spec
+
+
+def mezo_z(named, seed):
+    """{name: z} as mezo_perturb draws them (float32)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g, dtype=torch.float32) for n, p in named}
+
+
+class MezoSelfChecks(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-mezo-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _setup(self, trainable, dtype=torch.float32, tied=True):
+        """(spec, model, named) on a tiny tied Qwen2 (q/k/v biases) with LoRA loaded from an
+        adapter whose B is not zero (so that every LoRA tensor has a gradient)."""
+        model_dir = py_synth_model(os.path.join(self.tmp, f"model-{tied}"), model_type="qwen2",
+                                   tied=tied)
+        self.data = py_synth_data(os.path.join(self.tmp, "d.jsonl"), 64, 6)
+        adapter = py_synth_adapter(model_dir, os.path.join(self.tmp, f"ad-{tied}"), 4, 8, 0.05,
+                                   targets=["q_proj", "v_proj", "down_proj"])
+        spec = mezo_spec(self.tmp, model_dir, self.data, trainable, steps=1)
+        if trainable == "lora":
+            spec["lora"].update(rank=4, alpha=8, init_from=adapter,
+                                targets=["q_proj", "v_proj", "down_proj"])
+        spec = ref.load_spec(spec)
+        model = ref.build_model(spec, dtype)
+        return spec, model, ref.mezo_params(model, spec)
+
+    def test_seed(self):
+        self.assertEqual(ref.mezo_seed(0, 1), 0x9E3779B97F4A7C15)
+        self.assertEqual(ref.mezo_seed(1234, 3), (1234 + 3 * 0x9E3779B97F4A7C15) % 2 ** 64)
+        self.assertEqual(ref.mezo_seed(1234, 3), 0xDAA66D2C7DDF7911)
+        self.assertEqual(ref.mezo_seed(2 ** 64 - 1, 1), 0x9E3779B97F4A7C14)  # wraps around
+        self.assertEqual(ref.mezo_seed(5, 2 ** 64), 5)
+        # libtorch 1.13's CPU generator keeps only a seed's low 32 bits: the steps of a run
+        # still get different streams.
+        self.assertEqual(len({ref.mezo_seed(1234, k) & 0xFFFFFFFF for k in range(1, 20001)}),
+                         20000)
+
+    def test_trained_tensors_and_their_order(self):
+        # LoRA: the names of the exported adapter, ascending; full: those of the exported
+        # model (a tied head is the embeddings), ascending. The tensors are the model's own.
+        for trainable, tied in (("lora", True), ("full", True), ("full", False)):
+            with self.subTest(trainable=trainable, tied=tied):
+                spec, model, named = self._setup(trainable, tied=tied)
+                names = [n for n, _ in named]
+                self.assertEqual(names, sorted(names))
+                out = os.path.join(self.tmp, f"export-{trainable}-{tied}")
+                if trainable == "lora":
+                    lo = spec["lora"]
+                    ref.write_adapter(model, out, lo["rank"], lo["alpha"], lo["use_rslora"],
+                                      lo["targets"], lo["dropout"], spec["model"]["path"])
+                    exported, _ = ref.read_safetensors(
+                        os.path.join(out, "adapter_model.safetensors"))
+                    self.assertEqual(names[:3], [
+                        "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
+                        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight",
+                        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"])
+                    self.assertEqual(len(names), 2 * 3 * 2)
+                    lin = model.projection(1, "v_proj")
+                    self.assertIs(dict(named)[ref.peft_name(1, "v_proj", "B")], lin.lora_B)
+                else:
+                    ref.write_model(model, out, spec["model"]["path"])
+                    exported, _ = ref.read_safetensors(os.path.join(out, "model.safetensors"))
+                    self.assertEqual(names[0], "model.embed_tokens.weight" if tied
+                                     else "lm_head.weight")
+                    self.assertEqual("lm_head.weight" in names, not tied)
+                    self.assertIn("model.layers.0.self_attn.q_proj.bias", names)
+                    self.assertIs(dict(named)["model.embed_tokens.weight"], model.embed_tokens)
+                    # Every weight is trained, once.
+                    self.assertEqual(len({id(p) for _, p in named}),
+                                     len(model.named_trainable()))
+                self.assertEqual(names, sorted(exported))
+
+    def test_perturbations_restore_the_weights(self):
+        eps = 1e-3
+        seed = ref.mezo_seed(1234, 7)
+        ulp = 2.0 ** -23
+        for trainable in ("lora", "full"):
+            for dtype in (torch.float32, torch.float64):
+                with self.subTest(trainable=trainable, dtype=dtype):
+                    _, _, named = self._setup(trainable, dtype)
+                    before = {n: p.detach().clone() for n, p in named}
+                    zs = mezo_z(named, seed)
+                    ref.mezo_perturb(named, seed, eps)
+                    for n, p in named:  # moved by eps z, in float32 up to its rounding
+                        want = before[n] + eps * zs[n].to(dtype)
+                        self.assertLessEqual((p.detach() - want).abs().max().item(),
+                                             ulp * (want.abs().max().item() + eps), n)
+                    ref.mezo_perturb(named, seed, -2 * eps)
+                    ref.mezo_perturb(named, seed, eps)
+                    for n, p in named:
+                        diff = (p.detach() - before[n]).abs()
+                        if dtype == torch.float64:
+                            self.assertLessEqual(diff.max().item(), 1e-15, n)
+                        else:  # three rounded additions
+                            bound = 3 * ulp * (before[n].abs() + 2 * eps * zs[n].abs())
+                            self.assertTrue(bool((diff <= bound).all()),
+                                            f"{n}: max |p - p0| {diff.max().item():.3e}")
+
+    def test_projected_gradient_is_the_directional_derivative(self):
+        # In float64, (L(theta + eps z) - L(theta - eps z)) / (2 eps) = z . grad L + O(eps^2).
+        seed = ref.mezo_seed(1234, 1)
+        for trainable in ("lora", "full"):
+            with self.subTest(trainable=trainable):
+                _, model, named = self._setup(trainable, torch.float64)
+                records = ref.read_records(self.data, 64)
+                ids, labels = ref.collate(records[:3])
+                targets = sum(ref.count_targets(y) for _, y in records[:3])
+                (ref.loss_sum(model(ids), labels) / targets).backward()
+                zs = mezo_z(named, seed)
+                zg = sum(float((zs[n].double() * p.grad).sum()) for n, p in named)
+                errors = []
+                for eps in (1e-3, 1e-4):
+                    plus, minus, projected = ref.mezo_projected_grad(
+                        model, named, seed, eps, [(ids[:2], labels[:2]), (ids[2:], labels[2:])],
+                        targets)
+                    self.assertAlmostEqual(projected, (plus - minus) / (2 * eps), delta=1e-12)
+                    errors.append(abs(projected - zg))
+                self.assertLessEqual(errors[1], 1e-4 * max(1.0, abs(zg)),
+                                     f"projected vs z . grad = {zg}")
+                # A central difference: the error falls with eps^2.
+                self.assertTrue(30 < errors[0] / errors[1] < 300, errors)
+
+    def test_update(self):
+        # p -= lr (projected z + wd p), no weight decay where no_decay(name).
+        g = torch.Generator().manual_seed(3)
+        named = [("a.bias", torch.randn(7, generator=g)),
+                 ("b.weight", torch.randn(5, 3, generator=g))]
+        before = {n: p.clone() for n, p in named}
+        seed = ref.mezo_seed(9, 4)
+        zs = mezo_z(named, seed)
+        ref.mezo_update(named, seed, -0.75, 0.01, 0.1, lambda n: n.endswith(".bias"))
+        for n, p in named:
+            wd = 0.0 if n == "a.bias" else 0.1
+            want = before[n].double() - 0.01 * (-0.75 * zs[n].double() + wd * before[n].double())
+            self.assertLess((p.double() - want).abs().max().item(), 1e-7, n)
+
+    def test_training_lowers_the_loss(self):
+        # The learnable synthetic data, four records of 32 tokens: every step sees the same
+        # sequences, so the loss only changes with the weights. LoRA rank 8 on all targets
+        # (7.4k weights, B from zero). At lr 0 the weights stay (the perturbations undone up
+        # to rounding); the reported loss, the mean of L(theta +- eps z), then only varies by
+        # its curvature term eps^2 z^T H z / 2 (~2e-5 here).
+        model_dir = py_synth_model(os.path.join(self.tmp, "model"))
+        data = py_synth_data(os.path.join(self.tmp, "d4.jsonl"), 64, 4, min_len=32, max_len=32)
+        series = {}
+        for lr in (0.0, 0.02):
+            spec = mezo_spec(self.tmp, model_dir, data, steps=100, lr=lr, micro_batch=2,
+                             schedule={"kind": "constant", "warmup_steps": 0})
+            spec["data"]["pack"] = False
+            result = ref.train(spec)
+            steps = result["steps"]
+            self.assertEqual(len(steps), 100)
+            self.assertTrue(all(not s["skipped"] and s["grad_norm"] >= 0 for s in steps))
+            series[lr] = [s["loss"] for s in steps]
+            if lr == 0.0:
+                spec = ref.load_spec(spec)
+                start = dict(ref.mezo_params(ref.build_model(spec, torch.float32), spec))
+                for n, p in ref.mezo_params(result["model"], spec):
+                    self.assertLess((p.detach() - start[n]).abs().max().item(), 1e-6, n)
+        still = series[0.0]
+        self.assertLess(max(still) - min(still), 1e-4, "lr 0 changed the loss")
+        losses = series[0.02]
+        first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+        self.assertLess(last, first - 0.02, f"MeZO did not lower the loss: {first} -> {last}")
+
+    def test_nonfinite_steps_are_skipped(self):
+        model_dir = py_synth_model(os.path.join(self.tmp, "model"))
+        data = py_synth_data(os.path.join(self.tmp, "d.jsonl"), 64, 10)
+        # lr 1e30: the first update blows the weights up, the next losses are not finite.
+        spec = mezo_spec(self.tmp, model_dir, data, steps=3, lr=1e30,
+                         schedule={"kind": "constant", "warmup_steps": 0})
+        steps, done = ref_train(spec)
+        self.assertEqual([s["skipped"] for s in steps], [False, True, True])
+        self.assertFalse(math.isfinite(steps[1]["loss"]))
+        self.assertEqual(done["final_loss"], steps[0]["loss"])
+        spec["train"]["max_nonfinite_steps"] = 2
+        with self.assertRaisesRegex(ref.ReferenceError, "not finite in 2 consecutive steps"):
+            ref_train(spec)
+
+    def test_spec(self):
+        model_dir, data = os.path.join(self.tmp, "m"), os.path.join(self.tmp, "d.jsonl")
+
+        def load(**changes):
+            spec = mezo_spec(self.tmp, model_dir, data)
+            for key, value in changes.items():
+                if value is None:
+                    spec.pop(key, None)
+                else:
+                    spec[key] = value
+            return ref.load_spec(spec)
+
+        spec = load(mezo=None)
+        self.assertEqual(spec["mezo"], {"trainable": "lora", "eps": 1e-3})
+        self.assertTrue(ref.trains_lora(spec) and not ref.trains_full(spec))
+        spec = load(mezo={"trainable": "full"})
+        self.assertEqual(spec["mezo"], {"trainable": "full", "eps": 1e-3})
+        self.assertTrue(ref.trains_full(spec) and not ref.trains_lora(spec))
+        self.assertEqual(load(mezo={"eps": 0.01})["mezo"]["eps"], 0.01)
+        self.assertEqual(load(mezo={"eps": "2e-3"})["mezo"]["eps"], 2e-3)  # YAML 1.1's 2e-3
+        base = mezo_spec(self.tmp, model_dir, data)["train"]
+        for ok in ({"optimizer": "adamw"}, {"precision": "bf16"}, {"max_grad_norm": 0.0}):
+            self.assertEqual(load(train=dict(base, **ok))["method"], "mezo")
+        self.assertIsNone(ref.load_spec(base_spec(self.tmp, model_dir, data))["mezo"])
+        lora_with_mezo = base_spec(self.tmp, model_dir, data)
+        lora_with_mezo["mezo"] = {"trainable": "lora"}
+        full_with_mezo = dict(lora_with_mezo, method="full")
+        bad = [
+            (lora_with_mezo, "mezo"),
+            (full_with_mezo, "mezo"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"trainable": "qlora"}),
+             "mezo.trainable"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"trainable": "mezo"}),
+             "mezo.trainable"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": 0}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": -1e-3}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": float("inf")}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": float("nan")}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": "small"}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"eps": True}), "mezo.eps"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo={"epsilon": 1e-3}), "mezo.epsilon"),
+            (dict(mezo_spec(self.tmp, model_dir, data), mezo=[1]), "mezo"),
+        ]
+        for opt in ("sgd", "adafactor", "adamw8bit"):
+            bad.append((mezo_spec(self.tmp, model_dir, data, optimizer=opt), "train.optimizer"))
+        bad.append((mezo_spec(self.tmp, model_dir, data, precision="fp16"), "train.precision"))
+        bad.append((mezo_spec(self.tmp, model_dir, data, paged_optimizer=True),
+                    "train.paged_optimizer"))
+        for spec, field in bad:
+            with self.assertRaisesRegex(ref.ReferenceError, "^<spec>: " + field + ": ",
+                                        msg=str(spec.get("mezo"))):
+                ref.load_spec(spec)
+
+
+# --------------------------------------------------------------------------------------
 # Comparisons with lathe-worker
 
 
@@ -1287,6 +1543,112 @@ class OptimizerTrainingTest(unittest.TestCase):
         self.assertEqual(sizes["model.layers.0.self_attn.q_proj.weight"], ref.QUANT_MIN_NUMEL)
         self.assertLess(sizes["model.layers.0.self_attn.k_proj.weight"], ref.QUANT_MIN_NUMEL)
         self._compare("adamw8bit", spec)
+
+
+# method mezo's grad_norm is |projected| = |loss_plus - loss_minus| / (2 eps), a difference
+# quotient: absolute errors of at most delta in loss_plus and loss_minus (forward passes at
+# the same weights) give at most 2 delta / (2 eps) = delta / eps in it, whatever its size.
+# So it is held to FIRST_LOSS_ABS_TOL (the tolerance of a loss where only the forward pass
+# differs) / eps = 1e-2 absolute, not to relative 1e-4: its values range from ~0.01 to ~4,
+# and one float32 ulp of a micro-batch's summed loss (2.5e-7 of the mean loss here; the C++
+# and the reference differ by one or two on the AdamW tests) already moves it by 1.3e-4. The
+# reference's own float32 and float64 runs differ by up to ~5e-4 in it (checked below).
+MEZO_EPS = 1e-3
+MEZO_GRAD_NORM_ABS_TOL = FIRST_LOSS_ABS_TOL / MEZO_EPS
+
+
+class MezoTrainingTest(unittest.TestCase):
+    """`lathe-worker train` with method mezo (over LoRA, over every weight), step for step
+    against the reference: loss, lr (compare_series' tolerances) and grad_norm
+    (MEZO_GRAD_NORM_ABS_TOL); then the exported adapter or model, scored."""
+
+    def setUp(self):
+        need_binaries(self, "lathe-synth", "lathe-worker")
+        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-mezo-")
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _compare(self, name, spec):
+        """Checks the configuration on the reference alone, then compares. Returns the
+        reference's steps and exported directory, and the C++'s done event."""
+        spec_path = write_spec(os.path.join(self.tmp, f"{name}.yaml"), spec)
+        ref_out = os.path.join(self.tmp, f"ref-{name}")
+        result = ref.train(spec_path, adapter_out=ref_out, model_out=ref_out)
+        ref_steps = result["steps"]
+        # Well-conditioned: the reference's float32 and float64 runs agree (see the module
+        # docstring), losses as LoraLlamaTest's and grad_norm well within its tolerance.
+        f64, _ = ref_train(spec_path, dtype=torch.float64)
+        worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_steps, f64))
+        worst_g = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(ref_steps, f64))
+        self.assertLess(worst, 1e-5, f"{name}: reference float32 vs float64 losses differ by "
+                        f"{worst:.2e}: the configuration amplifies rounding\n"
+                        + side_by_side(ref_steps, f64))
+        self.assertLess(worst_g, MEZO_GRAD_NORM_ABS_TOL / 4,
+                        f"{name}: reference float32 vs float64 grad_norm differ by "
+                        f"{worst_g:.2e}\n" + side_by_side(ref_steps, f64))
+        # The updates move the loss far beyond the tolerance (against the same run at lr 0,
+        # which sees the same batches and perturbations), so the comparison checks them.
+        still, _ = ref_train(dict(spec, train=dict(spec["train"], lr=0.0)))
+        moved = max(abs(a["loss"] - b["loss"]) for a, b in zip(ref_steps, still))
+        self.assertGreater(moved, 50 * LOSS_ABS_TOL,
+                           f"{name}: the updates hardly move the loss ({moved:.2e})")
+        cpp_steps, cpp_done = cpp_train(spec_path)
+        compare_series(self, ref_steps, cpp_steps, spec_path,
+                       grad_norm_abs_tol=MEZO_GRAD_NORM_ABS_TOL)
+        self.assertFalse(any(s["skipped"] for s in ref_steps))
+        worst_cpp_g = max(abs(a["grad_norm"] - b["grad_norm"])
+                          for a, b in zip(ref_steps, cpp_steps))
+        print(f"{name}: loss moved {moved:.4f} by training; grad_norm |c++ - ref| <= "
+              f"{worst_cpp_g:.2e} (float32 vs float64 reference {worst_g:.2e})", file=sys.stderr)
+        return ref_steps, ref_out, cpp_done
+
+    def test_mezo_lora(self):
+        # As OptimizerTrainingTest's LoRA runs (cosine with warmup, weight decay 0.01, LoRA
+        # from a lathe-synth adapter), at lr 1e-2: float32 vs float64 losses ~5e-6 apart,
+        # the loss moved by ~2e-2 against lr 0. (lr 3e-2: ~3e-5 apart; 1e-1: chaotic.)
+        model = make_tiny_model(self.tmp, "model", "--seed", 17)
+        data = make_data(self.tmp, "train.jsonl", seed=9)
+        init = make_adapter(self.tmp, model, "init-adapter", rank=8, alpha=LORA_ALPHA)
+        spec = mezo_spec(self.tmp, model, data, "lora", MEZO_EPS, steps=10, lr=1e-2)
+        spec["lora"].update(rank=8, alpha=LORA_ALPHA, init_from=init)
+        self.assertEqual(spec["train"]["max_grad_norm"], 1.0)  # ignored by mezo
+        ref_steps, ref_adapter, cpp_done = self._compare("mezo-lora", spec)
+        adapter = cpp_done.get("adapter") or os.path.join(self.tmp, "out", "adapter")
+        self.assertTrue(os.path.exists(os.path.join(adapter, "adapter_model.safetensors")),
+                        f"no adapter at {adapter}")
+        cpp_t = ref.load_adapter_tensors(adapter)
+        self.assertEqual(sorted(cpp_t), sorted(ref.load_adapter_tensors(ref_adapter)))
+        _, cpp_loss, _ = ref.score(model, adapter, data, 32)
+        _, ref_loss, _ = ref.score(model, ref_adapter, data, 32)
+        _, init_loss, _ = ref.score(model, init, data, 32)
+        self.assertLessEqual(abs(cpp_loss - ref_loss), SCORE_LOSS_ABS_TOL,
+                             f"trained adapters score {cpp_loss:.8f} (c++) and {ref_loss:.8f} "
+                             f"(reference); the initial one {init_loss:.8f}")
+        self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
+
+    def test_mezo_full(self):
+        # A tied Qwen2 (q/k/v biases: no weight decay on them nor on the norms; the head is
+        # the embeddings, one tensor), weight decay 0.01, at lr 1e-3: float32 vs float64
+        # losses ~2e-6 apart, the loss moved by ~2e-2 against lr 0. (3e-3: ~2e-5 apart.)
+        model = make_tiny_model(self.tmp, "model", "--type", "qwen2", "--tied", "--heads", 4,
+                                "--kv-heads", 2, "--seed", 12)
+        self.assertIn("model.layers.0.self_attn.q_proj.bias", ref.load_model_weights(model))
+        data = make_data(self.tmp, "train.jsonl", seed=9)
+        spec = mezo_spec(self.tmp, model, data, "full", MEZO_EPS, steps=10, lr=1e-3)
+        ref_steps, ref_model, cpp_done = self._compare("mezo-full", spec)
+        out_model = cpp_done.get("model") or os.path.join(self.tmp, "out", "model")
+        self.assertTrue(os.path.exists(os.path.join(out_model, "model.safetensors")),
+                        f"no model at {out_model}")
+        self.assertEqual(sorted(ref.load_model_weights(out_model)),
+                         sorted(ref.load_model_weights(ref_model)))
+        _, cpp_loss, _ = ref.score(out_model, None, data, 32)
+        _, ref_loss, _ = ref.score(ref_model, None, data, 32)
+        _, init_loss, _ = ref.score(model, None, data, 32)
+        self.assertLessEqual(abs(cpp_loss - ref_loss), SCORE_LOSS_ABS_TOL,
+                             f"trained models score {cpp_loss:.8f} (c++) and {ref_loss:.8f} "
+                             f"(reference); the initial one {init_loss:.8f}")
+        self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
 
 
 if __name__ == "__main__":

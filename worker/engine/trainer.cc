@@ -23,6 +23,7 @@
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/mezo.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"
@@ -96,6 +97,11 @@ std::string OptimizerFingerprint(const TrainSpec& t) {
   }
 }
 
+std::string MezoFingerprint(const JobSpec& spec) {
+  if (spec.method != Method::kMezo) return "";
+  return absl::StrCat("|mezo=", MethodName(spec.mezo.trainable), ",", spec.mezo.eps);
+}
+
 // Identifies what decides a run's trajectory, so that a checkpoint is only resumed by the
 // run it belongs to. Not included: output, ranks and micro-batch (the update is the same).
 std::string SpecFingerprint(const JobSpec& spec) {
@@ -108,8 +114,8 @@ std::string SpecFingerprint(const JobSpec& spec) {
       "|steps=", t.steps, "|epochs=", t.epochs, "|global_batch=", t.global_batch, "|lr=", t.lr,
       "|schedule=", ScheduleKindName(t.schedule.kind), ",", t.schedule.warmup_steps,
       "|optimizer=", OptimizerKindName(t.optimizer), ",", t.adam_beta1, ",", t.adam_beta2, ",",
-      t.adam_eps, ",", t.weight_decay, OptimizerFingerprint(t), "|clip=", t.max_grad_norm,
-      "|precision=", PrecisionName(t.precision), "|seed=", t.seed));
+      t.adam_eps, ",", t.weight_decay, OptimizerFingerprint(t), MezoFingerprint(spec),
+      "|clip=", t.max_grad_norm, "|precision=", PrecisionName(t.precision), "|seed=", t.seed));
 }
 
 // The CPU generator that dropout draws from, as bytes, and back.
@@ -258,21 +264,21 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
   const int64_t weights_before = tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes;
   absl::StatusOr<std::unique_ptr<CausalLm>> model;
   {
-    const bool full = spec.method == Method::kFull;
+    const bool full = TrainsFullWeights(spec);
     MemoryScope scope(full ? MemoryComponent::kTrainable : MemoryComponent::kWeights);
     model = CausalLm::Load(spec.model.path, *config, /*trainable_base=*/full, model_options);
   }
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
   trainer->peak_flops_ = PeakFlopsFor(model_options.device, plan.precision, options.peak_flops);
-  if (spec.method != Method::kFull && model_options.device.is_cpu() && !model_options.keep_mapped) {
+  if (!TrainsFullWeights(spec) && model_options.device.is_cpu() && !model_options.keep_mapped) {
     const int64_t loaded =
         tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
     const int64_t stored = ParameterCount(*config) * c10::elementSize(model_options.weight_dtype);
     trainer->mapped_weight_bytes_ = std::max<int64_t>(0, stored - loaded);
   }
   MemoryScope trainable_scope(MemoryComponent::kTrainable);
-  if (spec.method == Method::kLora) {
+  if (TrainsLora(spec)) {
     if (spec.lora.init_from.empty()) {
       trainer->model_->InitLora(spec.lora, train.seed);
     } else {
@@ -350,11 +356,19 @@ absl::StatusOr<TrainResult> Trainer::Run(
   SequenceSampler sampler(&*train_data_, spec_.data.seq_len, spec_.data.pack, train.seed);
   MemoryTracker* tracker = MemoryTracker::Install();
   std::unique_ptr<Optimizer> optimizer;  // sharded_ holds its own
+  const bool mezo = spec_.method == Method::kMezo;
   if (!sharded_) {
     MemoryScope scope(MemoryComponent::kOptimizer);
-    optimizer = MakeOptimizer(model_->TrainableParameters(), train);
+    TrainSpec with = train;
+    if (mezo) {  // no optimizer state: a plain SGD stands in for the checkpoint's (empty) one
+      with.optimizer = OptimizerKind::kSgd;
+      with.sgd_momentum = 0.0;
+    }
+    optimizer = MakeOptimizer(model_->TrainableParameters(), with);
   }
   Optimizer* replicated = optimizer.get();
+  const std::vector<NamedParameter> mezo_params =
+      mezo ? MezoOrder(model_->TrainableParameters()) : std::vector<NamedParameter>();
   LossScaler scaler(/*enabled=*/train.precision == Precision::kFp16);
   NonFiniteSteps nonfinite;
   model_->set_training(true);
@@ -403,7 +417,8 @@ absl::StatusOr<TrainResult> Trainer::Run(
       report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
     }
     try {
-      LATHE_RETURN_IF_ERROR(TrainOn(batch, replicated, scaler, report));
+      LATHE_RETURN_IF_ERROR(mezo ? TrainZerothOrder(batch, mezo_params, report)
+                                 : TrainOn(batch, replicated, scaler, report));
     } catch (const c10::Error& e) {
       // A collective that failed inside forward or backward keeps its own code.
       if (sharded_ && !sharded_->error().ok()) {
@@ -493,7 +508,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
       LATHE_RETURN_IF_ERROR(ExportSharded(result));
     } else if (options_.rank != 0) {
       // rank 0 writes the output
-    } else if (spec_.method == Method::kLora) {
+    } else if (TrainsLora(spec_)) {
       result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
       LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(spec_)));
     } else {
@@ -523,7 +538,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
 
 absl::Status Trainer::ExportSharded(TrainResult& result) {
   const bool writer = options_.rank == 0;
-  if (spec_.method == Method::kLora) {
+  if (TrainsLora(spec_)) {
     // The adapter is small: gathered whole on every rank, written by rank 0.
     TensorsToWrite tensors;
     LATHE_RETURN_IF_ERROR(sharded_->ForEachTrainableUnit(
@@ -587,6 +602,64 @@ absl::Status Trainer::AllRanksOk(const absl::Status& status, absl::string_view w
     return absl::AbortedError(
         absl::StrCat(static_cast<int64_t>(failed), " other rank(s) failed ", what));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
+                                       const std::vector<NamedParameter>& params,
+                                       StepReport& report) {
+  const TrainSpec& train = spec_.train;
+  int64_t targets = 0;
+  for (const Sequence& s : batch) targets += CountTargets(s);
+  if (targets == 0) return absl::OkStatus();  // nothing to learn from: no update
+  const at::Device device = model_->options().device;
+  const int64_t per_rank = train.global_batch / options_.world_size;
+  const int64_t begin = options_.rank * per_rank;
+  PhaseSeconds& phases = report.phases;
+  auto lap = [clock = std::chrono::steady_clock::now()]() mutable {
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - clock).count();
+    clock = now;
+    return seconds;
+  };
+  // The step's loss at the perturbed weights, summed over every rank's sequences.
+  auto loss_here = [&]() -> absl::StatusOr<double> {
+    at::NoGradGuard no_grad;
+    MemoryScope scope(MemoryComponent::kActivations);
+    double sum = 0.0;
+    for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
+      std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
+      auto [ids, labels] = Collate(micro);
+      at::Tensor hidden = model_->Hidden(ids.to(device));
+      sum += model_->SumLossOfHidden(hidden, labels.to(device)).item<double>();
+    }
+    phases.forward += lap();
+    LATHE_RETURN_IF_ERROR(SumAcrossRanks(&sum, "summing the loss across ranks"));
+    phases.comm += lap();
+    return sum / static_cast<double>(targets);
+  };
+  const uint64_t seed = MezoSeed(train.seed, report.step);
+  const double eps = spec_.mezo.eps;
+  auto perturb = [&](double scale) {
+    MemoryScope scope(MemoryComponent::kOptimizer);
+    MezoPerturb(params, seed, scale);
+    phases.optimizer += lap();
+  };
+  perturb(eps);
+  LATHE_ASSIGN_OR_RETURN(const double plus, loss_here());
+  perturb(-2 * eps);
+  LATHE_ASSIGN_OR_RETURN(const double minus, loss_here());
+  perturb(eps);
+  const double projected = (plus - minus) / (2 * eps);
+  report.loss = (plus + minus) / 2;
+  report.grad_norm = std::abs(projected);
+  if (!std::isfinite(plus) || !std::isfinite(minus)) {
+    report.skipped = true;
+    return absl::OkStatus();
+  }
+  MemoryScope scope(MemoryComponent::kOptimizer);
+  MezoUpdate(params, seed, projected, report.lr, train.weight_decay);
+  phases.optimizer += lap();
   return absl::OkStatus();
 }
 
@@ -692,7 +765,7 @@ void Trainer::CudaStepMemory(const Optimizer* optimizer, int64_t peak_bytes,
   } else {
     int64_t trainable = 0;
     for (const NamedParameter& p : optimizer->params()) trainable += p.tensor.nbytes();
-    const bool full = spec_.method == Method::kFull;
+    const bool full = TrainsFullWeights(spec_);
     set(MemoryComponent::kWeights,
         full ? 0
              : ParameterCount(model_config_) * c10::elementSize(model_->options().weight_dtype));

@@ -42,6 +42,7 @@ class CausalLm;
 class Communicator;
 class LossScaler;
 class ShardedModel;
+struct NamedParameter;
 
 struct TrainerOptions {
   int threads = 0;         // intra-op threads; 0 = every core
@@ -169,6 +170,10 @@ class Trainer {
   // loss and the gradients are finite, clipping and the update. Fills report's loss,
   // grad_norm, loss_scale and skipped. `optimizer` is null when sharded_ holds the optimizer.
   // Throws c10::Error from libtorch.
+  // One MeZO step (method mezo) on `batch`: two forward passes, the update along the step's
+  // direction (worker/engine/mezo.h). `params` in MeZO's order.
+  absl::Status TrainZerothOrder(const std::vector<Sequence>& batch,
+                                const std::vector<NamedParameter>& params, StepReport& report);
   absl::Status TrainOn(const std::vector<Sequence>& batch, Optimizer* optimizer, LossScaler& scaler,
                        StepReport& report);
   // The step's memory on CUDA: the caching allocator's peak, of which weights, trainable,

@@ -155,6 +155,21 @@ TEST(JobSpecProtoTest, FullSpecRoundTripsThroughProtoAndJson) {
   ExpectSameSpec(*parsed, spec);
 }
 
+TEST(JobSpecProtoTest, MezoRoundTrips) {
+  JobSpec spec = FullSpec();
+  spec.method = Method::kMezo;
+  spec.mezo.trainable = Method::kFull;
+  spec.mezo.eps = 1e-2 / 3;
+  spec.train.optimizer = OptimizerKind::kAdamW;
+  spec.train.paged_optimizer = false;
+  spec.train.precision = Precision::kBf16;
+  absl::StatusOr<JobSpec> converted = JobSpecFromProto(JobSpecToProto(spec), "spec");
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_EQ(converted->method, Method::kMezo);
+  EXPECT_EQ(converted->mezo.trainable, Method::kFull);
+  EXPECT_EQ(converted->mezo.eps, spec.mezo.eps);
+}
+
 TEST(JobSpecProtoTest, AutoSpecRoundTrips) {
   JobSpec spec;
   spec.name = "auto";
