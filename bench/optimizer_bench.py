@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The optimizers side by side on full fine-tuning, where optimizer state matters: peak
 memory, the optimizer's own bytes, step time and loss after N steps for AdamW, 8-bit AdamW,
-Adafactor and SGD with momentum, on the same model, data, precision and strategy (only
-train.optimizer changes), with the notes' table (../shared/seeds, genai-cookbook) beside it.
+Adafactor, SGD with momentum and MeZO (zeroth order, no optimizer state, no gradients), on the
+same model, data, precision and strategy (only train.optimizer or the method changes), with the
+notes' table (../shared/seeds, genai-cookbook) beside it.
 
   /usr/bin/python3 bench/optimizer_bench.py [--bin-dir build/bin] [--steps 30] [--threads 2]
                                             [--size tiny|small|medium] [--keep DIR]
@@ -25,13 +26,16 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_bench import SIZES, cpu_busy, cpu_model, measure, run_quiet  # noqa: E402
 
-# name -> train.* fields besides the job's own.
+# name -> (train.* fields besides the job's own, top-level spec fields besides method full).
 OPTIMIZERS = {
-    "adamw": {"optimizer": "adamw"},
-    "adamw8bit": {"optimizer": "adamw8bit"},
-    "adafactor": {"optimizer": "adafactor"},
-    "adafactor + beta1 0.9": {"optimizer": "adafactor", "adafactor_beta1": 0.9},
-    "sgd + momentum 0.9": {"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-2},
+    "adamw": ({"optimizer": "adamw"}, {}),
+    "adamw8bit": ({"optimizer": "adamw8bit"}, {}),
+    "adamw8bit, paged": ({"optimizer": "adamw8bit", "paged_optimizer": True}, {}),
+    "adafactor": ({"optimizer": "adafactor"}, {}),
+    "adafactor + beta1 0.9": ({"optimizer": "adafactor", "adafactor_beta1": 0.9}, {}),
+    "sgd + momentum 0.9": ({"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-2}, {}),
+    "mezo (zeroth order)": ({"lr": 1e-5}, {"method": "mezo",
+                                          "mezo": {"trainable": "full", "eps": 1e-3}}),
 }
 # The notes' table (genai-cookbook, a GPU, fp16 and gradient checkpointing for all but
 # AdamW): peak GPU MB, train time s, train loss.
@@ -74,7 +78,7 @@ def main():
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[var] = str(args.threads)
-        for name, fields in OPTIMIZERS.items():
+        for name, (fields, top) in OPTIMIZERS.items():
             out_dir = os.path.join(work, "out")
             shutil.rmtree(out_dir, ignore_errors=True)
             train = {"steps": args.steps, "global_batch": size["global_batch"],
@@ -87,6 +91,7 @@ def main():
                     "method": "full", "train": train,
                     "resources": {"ranks": 1, "device": "cpu"},
                     "strategy": {"zero_stage": 0}, "output": out_dir}
+            spec.update(top)
             spec_path = os.path.join(work, "job.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
@@ -114,7 +119,7 @@ def main():
         return sum(r["phases"].values())
     for name, r in results.items():
         seed = SEED.get(name)
-        ratio = (f"{r['memory']['optimizer'] / base['memory']['optimizer']:.2f}, "
+        ratio = (f"{r['memory']['optimizer'] / max(1, base['memory']['optimizer']):.2f}, "
                  f"{r['peak_rss'] / base['peak_rss']:.2f}, "
                  f"{step_seconds(r) / step_seconds(base):.2f}")
         seed_text = (f"{seed[0]}, {seed[1]}, {seed[2]} (x{seed[0] / SEED['adamw'][0]:.2f} "

@@ -28,7 +28,7 @@ absl::Status Unsupported(absl::string_view field, const T& value, const std::vec
 
 const EngineCapabilities& Engine() {
   static const EngineCapabilities* const kEngine = new EngineCapabilities{
-      /*methods=*/{Method::kLora, Method::kFull, Method::kMezo},
+      /*methods=*/{Method::kLora, Method::kFull, Method::kQLora, Method::kMezo},
       /*model_types=*/{"llama", "mistral", "qwen2"},
       /*precisions=*/{Precision::kFp32, Precision::kBf16, Precision::kFp16},
       /*optimizers=*/
@@ -82,12 +82,16 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
         "cuda they wait for collectives on device memory, docs/sharding.md)"));
   }
   if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
-      spec.method == Method::kMezo) {
+      (spec.method == Method::kMezo || spec.method == Method::kQLora)) {
     return absl::UnimplementedError(absl::StrCat(
         "strategy.zero_stage: ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " with offload" : "",
-        " with method mezo is not supported by this engine yet (MeZO runs on a replicated "
-        "model, zero_stage 0: it keeps no gradients or optimizer state to shard)"));
+        (s.offload_optimizer || s.offload_params) ? " with offload" : "", " with method ",
+        MethodName(spec.method),
+        spec.method == Method::kMezo
+            ? " is not supported by this engine yet (MeZO runs on a replicated model, "
+              "zero_stage 0: it keeps no gradients or optimizer state to shard)"
+            : " is not supported by this engine yet (QLoRA runs on a replicated model, "
+              "zero_stage 0; its NF4 weights are not sharded yet)"));
   }
   if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
       spec.train.paged_optimizer) {

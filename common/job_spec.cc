@@ -860,7 +860,7 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
 }  // namespace
 
 bool TrainsLora(const JobSpec& spec) {
-  return spec.method == Method::kLora ||
+  return spec.method == Method::kLora || spec.method == Method::kQLora ||
          (spec.method == Method::kMezo && spec.mezo.trainable == Method::kLora);
 }
 

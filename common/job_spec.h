@@ -139,8 +139,8 @@ struct JobSpec {
   std::string output;  // required; directory for checkpoints and the adapter
 };
 
-// What a job trains: LoRA adapters (method lora, or mezo over lora) or every weight (method
-// full, or mezo over full).
+// What a job trains: LoRA adapters (method lora or qlora, or mezo over lora) or every weight
+// (method full, or mezo over full).
 bool TrainsLora(const JobSpec& spec);
 bool TrainsFullWeights(const JobSpec& spec);
 

@@ -110,6 +110,11 @@ int64_t LargestTrainableTensor(const JobShape& job) {
 
 int64_t WeightBytes(const JobShape& job) { return WidthsOf(job).weight; }
 
+int64_t Nf4Bytes(int64_t elements) {
+  const int64_t blocks = (elements + 63) / 64;
+  return blocks * 32 + blocks + 4 * ((blocks + 255) / 256);
+}
+
 JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   JobShape job;
   job.model = model;
@@ -140,6 +145,12 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
                         p.offload_params && cuda};
   ModelStateBytes states = ModelStates(*units, w.weight, choice);
   if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
+  if (job.method == Method::kQLora) {
+    // The projections' frozen weights in NF4: half a byte per weight, a byte per block of
+    // 64, four bytes per 256 blocks (docs/kernels.md "NF4").
+    const int64_t projections = m.num_layers * (m.block.attention + m.block.mlp);
+    states.weights += Nf4Bytes(projections) - projections * w.weight;
+  }
   if (p.zero_stage == 0 && job.optimizer.kind != OptimizerKind::kAdamW) {
     absl::StatusOr<std::vector<TrainableShape>> shapes =
         TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);

@@ -45,6 +45,9 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model);
 // masters), 2 under bf16 and fp16.
 int64_t WeightBytes(const JobShape& job);
 
+// Bytes of `elements` frozen weights in NF4 with double-quantized block maxima (method qlora).
+int64_t Nf4Bytes(int64_t elements);
+
 // One point of the strategy space.
 struct StrategyPoint {
   int64_t zero_stage = 0;

@@ -148,7 +148,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
   const std::vector<OptimizerKind>& sharded = Engine().sharded_optimizers;
   const bool shards =
       std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end() &&
-      !spec.train.paged_optimizer && spec.method != Method::kMezo;
+      !spec.train.paged_optimizer && spec.method != Method::kMezo && spec.method != Method::kQLora;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
@@ -240,11 +240,17 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
           break;
         }
       }
-      if (TrainsLora(spec)) {
-        fixes.push_back(absl::StrCat(
-            "QLoRA's 4-bit frozen weights (not in the engine yet) would cut weights to about ",
-            FormatBytes(smallest->memory.device.components[0] /
-                        (job.precision == Precision::kFp32 ? 8 : 4))));
+      if (TrainsLora(spec) && spec.method != Method::kQLora && spec.method != Method::kMezo &&
+          smallest->point.zero_stage == 0) {
+        JobShape quantized = job;
+        quantized.method = Method::kQLora;
+        absl::StatusOr<MemoryEstimate> m = EstimateMemory(quantized, smallest->point);
+        if (m.ok()) {
+          fixes.push_back(absl::StrCat("method qlora (4-bit NF4 frozen projections: weights ",
+                                       FormatBytes(smallest->memory.device.components[0]), " -> ",
+                                       FormatBytes(m->device.components[0]), ", peak ",
+                                       FormatBytes(Corrected(*m, smallest->correction)), ")"));
+        }
       }
       suggestions = absl::StrCat("; it would fit with ", absl::StrJoin(fixes, ", or "));
     }

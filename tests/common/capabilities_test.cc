@@ -67,9 +67,14 @@ TEST_P(UnsupportedTest, IsUnimplementedNamingTheField) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, UnsupportedTest,
     ::testing::Values(
-        UnsupportedCase{"QLora", [](JobSpec* s) { s->method = Method::kQLora; },
-                        "method: qlora is not supported by this engine yet (supported: lora, "
-                        "full, mezo)"},
+        UnsupportedCase{"ShardedQLora",
+                        [](JobSpec* s) {
+                          s->method = Method::kQLora;
+                          s->strategy.automatic = false;
+                          s->strategy.zero_stage = 3;
+                        },
+                        "strategy.zero_stage: 3 with method qlora is not supported by this engine "
+                        "yet (QLoRA runs on a replicated model"},
         UnsupportedCase{"ShardedAdafactor",
                         [](JobSpec* s) {
                           s->train.optimizer = OptimizerKind::kAdafactor;

@@ -929,7 +929,9 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   const v1::JobSpec spec = JobSpecToProto(spec_);
   v1::JobSpec qlora = spec;
   qlora.set_method(v1::METHOD_QLORA);
-  ExpectRefused(qlora, "spec: method: qlora is not supported by this engine yet", {},
+  qlora.mutable_strategy()->set_automatic(false);
+  qlora.mutable_strategy()->set_zero_stage(3);
+  ExpectRefused(qlora, "spec: strategy.zero_stage: 3 with method qlora is not supported", {},
                 absl::StatusCode::kUnimplemented);
   v1::JobSpec sharded_sgd = spec;
   sharded_sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);

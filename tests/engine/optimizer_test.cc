@@ -8,6 +8,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/ops/nf4_linear.h"
 #include "torch/optim/adamw.h"
 #include "torch/optim/sgd.h"
 
@@ -16,7 +17,7 @@ namespace {
 
 TEST(OptimizerTest, TheDynamicMapsHave256SortedValuesFromZeroToOne) {
   for (bool is_signed : {true, false}) {
-    at::Tensor map = DynamicQuantizationMap(is_signed);
+    at::Tensor map = kernels::DynamicQuantizationMap(is_signed);
     ASSERT_EQ(map.numel(), 256);
     EXPECT_TRUE(at::all(map.narrow(0, 1, 255) > map.narrow(0, 0, 255)).item<bool>());
     EXPECT_EQ(map[255].item<float>(), 1.0f);

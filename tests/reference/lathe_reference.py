@@ -4,7 +4,9 @@
 Plain eager PyTorch, written the way a user would fine-tune a model by hand ("the seed
 recipe"): hand-written LoRA layers on plain nn.Modules, a Hugging Face style
 Llama/Mistral/Qwen2 decoder, torch.optim.AdamW or SGD (or the 8-bit AdamW and Adafactor
-written out here), or MeZO's zeroth-order step (method: mezo, over LoRA or every weight).
+written out here), or MeZO's zeroth-order step (method: mezo, over LoRA or every weight);
+QLoRA (method: qlora) is LoRA over projections whose frozen weights are replaced by their
+NF4 (4-bit NormalFloat, double-quantized) round trip, written out here.
 It reads the same job spec, model directory, data file and PEFT adapters as `lathe-worker`,
 and reports the same step events, so that tests can hold the C++ engine to it within 1e-4.
 
@@ -17,9 +19,11 @@ python3-yaml). Nothing here imports transformers, peft or safetensors.
                            --data FILE --seq-len N [--logits-out FILE.safetensors]
                            [--output json] [--dtype float32|float64]
   lathe_reference.py optimizer-replay --in IN.safetensors --out OUT.safetensors
+  lathe_reference.py nf4-quantize --in IN.safetensors --out OUT.safetensors
 
 As a module: train(spec, ...), score(model_dir, adapter_dir, data_file, seq_len),
-optimizer_replay(in_path, out_path), lr_at(...), epoch_permutation(...),
+optimizer_replay(in_path, out_path), nf4_quantize(w), nf4_dequantize(q, shape),
+nf4_quantize_file(in_path, out_path), lr_at(...), epoch_permutation(...),
 read/write_safetensors(...).
 """
 
@@ -44,7 +48,7 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 AUTO_MICRO_BATCH_TOKENS = 8192
 OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "sgd")
-METHODS = ("lora", "full", "mezo")
+METHODS = ("lora", "qlora", "full", "mezo")
 MEZO_TRAINABLE = ("lora", "full")
 
 
@@ -800,9 +804,9 @@ def mezo_fields(raw, source):
 
 
 def trains_lora(spec):
-    """LoRA adapters are trained: method lora, or mezo over lora."""
-    return spec["method"] == "lora" or (spec["method"] == "mezo"
-                                        and spec["mezo"]["trainable"] == "lora")
+    """LoRA adapters are trained: method lora or qlora, or mezo over lora."""
+    return spec["method"] in ("lora", "qlora") or (spec["method"] == "mezo"
+                                                   and spec["mezo"]["trainable"] == "lora")
 
 
 def trains_full(spec):
@@ -1115,6 +1119,163 @@ def optimizer_replay(in_path, out_path):
 
 
 # --------------------------------------------------------------------------------------
+# NF4 with double quantization (method: qlora; Dettmers et al. 2023, "QLoRA: Efficient
+# Finetuning of Quantized LLMs"): the frozen weight of each of the seven projections is kept
+# as 4-bit NormalFloat codes, one per entry, in blocks of NF4_BLOCK entries with the block's
+# absmax; the absmaxes themselves are kept as 8-bit codes of the signed dynamic map (the one
+# of adamw8bit's first moment) in blocks of NF4_ABSMAX_BLOCK around their float32 mean. The
+# representation (codes, absmax codes, absmax2, offset) is the C++ engine's bit for bit
+# (lathe-nf4-quantize is held to nf4_quantize), and so is the dequantized weight: each float32
+# op of nf4_dequantize is one rounding, as in the engine; do not fuse or reorder them.
+
+NF4_BLOCK = 64  # entries per absmax
+NF4_ABSMAX_BLOCK = 256  # absmaxes per absmax2
+NF4_QUANTILE_OFFSET = 0.9677083  # bitsandbytes' create_normal_map(offset)
+# The 16 levels as published (bitsandbytes, the QLoRA paper's appendix), float64; computed
+# there from float32 linspace points, so nf4_levels_from_quantiles (float64 throughout)
+# agrees within ~1e-7.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634,
+              0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+NF4_ZERO_CODE = 7  # the 0.0 level: every code of a block whose absmax is 0
+NF4_MIDS = np.array([(a + b) / 2 for a, b in zip(NF4_LEVELS[:-1], NF4_LEVELS[1:])],
+                    dtype=np.float64)
+NF4_LEVELS_F32 = np.array(NF4_LEVELS, dtype=np.float64).astype(np.float32)
+# Level 2: the signed dynamic map (float32 values) and float64 midpoints between them (not
+# MIDS_SIGNED, adamw8bit's float32 ones).
+NF4_ABSMAX_MAP = CODE_SIGNED.numpy().copy()
+NF4_ABSMAX_MIDS = (NF4_ABSMAX_MAP[:-1].astype(np.float64)
+                   + NF4_ABSMAX_MAP[1:].astype(np.float64)) / 2
+NF4_ABSMAX_ZERO_CODE = int(np.flatnonzero(NF4_ABSMAX_MAP == 0.0)[0])
+
+
+def nf4_levels_from_quantiles(offset=NF4_QUANTILE_OFFSET):
+    """The NF4 levels by the paper's construction, in float64: N(0, 1) quantiles at 8 points
+    linspace(offset, 0.5, 9)[:-1] (positive) and 7 points linspace(offset, 0.5, 8)[:-1]
+    (negated), and 0; divided by the largest; sorted."""
+    f64 = torch.float64
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=f64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=f64)[:-1])
+    v = torch.cat([pos, torch.zeros(1, dtype=f64), neg])
+    return sorted((v / v.max()).tolist())
+
+
+def _block_absmax(values, block):
+    """float32 [ceil(len / block)]: max |v| over each block of `block` (the last partial)."""
+    blocks = -(-values.size // block)
+    padded = np.zeros(blocks * block, dtype=np.float32)
+    padded[:values.size] = np.abs(values)
+    return padded.reshape(blocks, block).max(1)
+
+
+def _block_codes(values, absmax, block, mids, zero_code):
+    """uint8 code of each float32 value: the number of float64 `mids` strictly below
+    float(v) / float(absmax of its block) (the nearest level, a tie taking the lower code),
+    or `zero_code` in a block whose absmax is 0."""
+    scale = np.repeat(absmax.astype(np.float64), block)[:values.size]
+    zero = scale == 0
+    y = values.astype(np.float64) / np.where(zero, 1.0, scale)
+    codes = np.searchsorted(mids, y, side="left")
+    codes[zero] = zero_code
+    return codes.astype(np.uint8)
+
+
+def nf4_quantize(w):
+    """The NF4 representation of a float32 tensor `w` of n entries (flattened row-major), as
+    uint8/float32 tensors: `codes` [ceil(n/2)], entry 2i's 4-bit code in the low nibble of
+    byte i and entry 2i+1's in the high one (0 past the end); `absmax_codes` [B] (B =
+    ceil(n/64)), `absmax2` [ceil(B/256)] and `offset` [1], the double-quantized block
+    maxima."""
+    if w.dtype != torch.float32:
+        raise ReferenceError(f"nf4: float32 weights only, got {w.dtype}")
+    x = w.detach().reshape(-1).contiguous().numpy()
+    n = x.size
+    if n == 0 or not np.isfinite(x).all():
+        raise ReferenceError("nf4: weights must be non-empty and finite")
+    # Level 1: a 4-bit code per entry, against its block's absmax.
+    absmax = _block_absmax(x, NF4_BLOCK)
+    codes = _block_codes(x, absmax, NF4_BLOCK, NF4_MIDS, NF4_ZERO_CODE).astype(np.int64)
+    if n % 2:
+        codes = np.append(codes, 0)
+    packed = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    # Level 2: the absmaxes less their mean (summed in float64 in index order, divided in
+    # float64, rounded to float32; the subtraction in float32), an 8-bit code each.
+    total = 0.0
+    for c in absmax.tolist():
+        total += c
+    offset = np.float32(total / absmax.size)
+    centred = absmax - offset  # float32
+    absmax2 = _block_absmax(centred, NF4_ABSMAX_BLOCK)
+    absmax_codes = _block_codes(centred, absmax2, NF4_ABSMAX_BLOCK, NF4_ABSMAX_MIDS,
+                                NF4_ABSMAX_ZERO_CODE)
+    return {"codes": torch.from_numpy(packed), "absmax_codes": torch.from_numpy(absmax_codes),
+            "absmax2": torch.from_numpy(absmax2),
+            "offset": torch.from_numpy(np.array([offset], dtype=np.float32))}
+
+
+def nf4_absmax(q):
+    """The dequantized block maxima, float32 [B]: float32(map[q_j] * absmax2 of its block)
+    + offset, each op rounded to float32."""
+    codes = q["absmax_codes"].numpy().astype(np.int64)
+    absmax2 = np.repeat(q["absmax2"].numpy(), NF4_ABSMAX_BLOCK)[:codes.size]
+    scaled = NF4_ABSMAX_MAP[codes] * absmax2  # float32 * float32: one rounding
+    return scaled + q["offset"].numpy()[0]  # float32 + float32: one rounding
+
+
+def nf4_dequantize(q, shape):
+    """The float32 weight of shape `shape` that nf4_quantize's `q` stands for:
+    float32(NF4[code_i] (rounded to float32) * dequantized absmax of its block)."""
+    n = math.prod(shape)
+    packed = q["codes"].numpy()
+    codes = np.empty(2 * packed.size, dtype=np.int64)
+    codes[0::2] = packed & 0x0F
+    codes[1::2] = packed >> 4
+    absmax = np.repeat(nf4_absmax(q), NF4_BLOCK)[:n]
+    w = NF4_LEVELS_F32[codes[:n]] * absmax  # float32 * float32: one rounding
+    return torch.from_numpy(w.reshape(shape))
+
+
+def nf4_round_trip(w):
+    """w as method qlora computes with it: nf4_dequantize(nf4_quantize(w)), float32."""
+    return nf4_dequantize(nf4_quantize(w), tuple(w.shape))
+
+
+def nf4_quantize_file(in_path, out_path):
+    """Quantizes each float32 2-D tensor `<t>` of `in_path` and writes `<t>.codes`,
+    `<t>.absmax_codes`, `<t>.absmax2`, `<t>.offset` (nf4_quantize) and `<t>.dequantized`
+    (nf4_dequantize, the input's shape) to `out_path`; returns them."""
+    tensors, _ = read_safetensors(in_path)
+    out = {}
+    for name in sorted(tensors):
+        w = tensors[name]
+        if w.dtype != torch.float32 or w.dim() != 2:
+            raise ReferenceError(f"{in_path}: {name}: expected a 2-D float32 tensor, got "
+                                 f"{w.dtype} {list(w.shape)}")
+        try:
+            q = nf4_quantize(w)
+        except ReferenceError as e:
+            raise ReferenceError(f"{in_path}: {name}: {e}")
+        out.update({f"{name}.{part}": t for part, t in q.items()})
+        out[f"{name}.dequantized"] = nf4_dequantize(q, tuple(w.shape))
+    write_safetensors(out_path, out)
+    return out
+
+
+@torch.no_grad()
+def quantize_projections(model, weights):
+    """method qlora: every projection's frozen weight (the seven of every layer, whatever
+    lora.targets; not their biases) becomes nf4_round_trip of `weights`' (float32) value,
+    kept in float32 whatever train.precision (widened in a float64 run)."""
+    for layer in range(model.cfg["num_hidden_layers"]):
+        for m in LORA_TARGETS:
+            lin = model.projection(layer, m)
+            w = weights[f"{module_path(layer, m)}.weight"].to(torch.float32)
+            lin.weight = nn.Parameter(nf4_round_trip(w).to(model.dtype), requires_grad=False)
+
+
+# --------------------------------------------------------------------------------------
 # MeZO (method: mezo; Malladi et al. 2023, "Fine-Tuning Language Models with Just Forward
 # Passes"): a step estimates the gradient's projection on a random direction z from the losses
 # at theta + eps z and theta - eps z, and moves theta along z. z is never stored: it is drawn
@@ -1222,6 +1383,12 @@ def build_model(spec, dtype):
     storage = STORAGE[spec["train"]["precision"]] if dtype == torch.float32 else None
     model = CausalLM(cfg, weights, dtype=dtype, train_base=full, storage=storage,
                      checkpointing=checkpointing)
+    if spec["method"] == "qlora":
+        # The projections compute with the NF4 round trip (float32) of their weights in the
+        # storage precision (the 16-bit base under bf16/fp16, as the C++ engine loads it);
+        # embeddings, norms, biases and the LM head as for method lora.
+        quantize_projections(model, {k: v.to(storage).float() for k, v in weights.items()}
+                             if storage is not None else weights)
     del weights
     if not full:
         lo = spec["lora"]
@@ -1425,6 +1592,10 @@ def main(argv=None):
     rp.add_argument("--in", dest="in_path", required=True)
     rp.add_argument("--out", required=True)
     rp.set_defaults(threads=1, dtype="float32")
+    nq = sub.add_parser("nf4-quantize")
+    nq.add_argument("--in", dest="in_path", required=True)
+    nq.add_argument("--out", required=True)
+    nq.set_defaults(threads=1, dtype="float32")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
@@ -1453,6 +1624,8 @@ def main(argv=None):
                       f", {done['tokens_per_s']:.1f} tokens/s, {done['seconds']:.1f} s")
         elif args.command == "optimizer-replay":
             optimizer_replay(args.in_path, args.out)
+        elif args.command == "nf4-quantize":
+            nf4_quantize_file(args.in_path, args.out)
         else:
             logits, loss, targets = score(args.model, args.adapter, args.data, args.seq_len,
                                           lora_alpha=args.lora_alpha,

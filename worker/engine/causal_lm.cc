@@ -122,6 +122,16 @@ double LoraScale(const LoraSpec& spec) {
 
 at::Tensor Projection::Forward(const at::Tensor& x, double lora_dropout, bool training,
                                bool fused) const {
+  if (nf4.defined()) {
+    // The base product tile by tile; the adapter as the ATen composition.
+    at::Tensor y = kernels::Nf4Linear(x.to(at::kFloat), nf4).to(x.scalar_type());
+    if (bias.defined()) y = y + bias.to(x.scalar_type());
+    if (!lora_a.defined()) return y;
+    const at::Tensor in = training && lora_dropout > 0 ? at::dropout(x, lora_dropout, true) : x;
+    return y + at::matmul(at::matmul(in, lora_a.to(x.scalar_type()).t()),
+                          lora_b.to(x.scalar_type()).t()) *
+                   lora_scale;
+  }
   return fused ? kernels::LoraLinear(x, weight, bias, lora_a, lora_b, lora_scale, lora_dropout,
                                      training)
                : kernels::unfused::LoraLinear(x, weight, bias, lora_a, lora_b, lora_scale,
@@ -268,6 +278,21 @@ void CausalLm::InitLora(const LoraSpec& spec, uint64_t seed) {
       p.lora_scale = LoraScale(spec);
     }
   }
+}
+
+int64_t CausalLm::QuantizeProjections() {
+  at::NoGradGuard no_grad;
+  int64_t bytes = 0;
+  for (DecoderLayer& layer : layers_) {
+    for (const std::string& module : LoraTargetModules()) {
+      Projection& p = layer.projection(module);
+      TORCH_CHECK(!p.weight.requires_grad(), "QuantizeProjections: ", module, " is trainable");
+      p.nf4 = kernels::QuantizeNf4(p.weight, p.weight.device());
+      p.weight = at::Tensor();
+      bytes += p.nf4.nbytes();
+    }
+  }
+  return bytes;
 }
 
 absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {

@@ -16,6 +16,7 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/peft.h"
+#include "kernels/ops/nf4_linear.h"
 #include "kernels/ops/torch_compat.h"
 
 namespace lathe {
@@ -69,10 +70,11 @@ struct UnitTensor {
 // A linear projection y = x W^T + b, plus s * dropout(x) A^T B^T when it carries LoRA.
 // Computes in x's type; a weight of another type is converted as it is used.
 struct Projection {
-  at::Tensor weight;  // [out, in]
-  at::Tensor bias;    // [out]; undefined when the model has none here
-  at::Tensor lora_a;  // [r, in]; undefined without LoRA
-  at::Tensor lora_b;  // [out, r]
+  at::Tensor weight;       // [out, in]; undefined when quantized
+  kernels::Nf4Weight nf4;  // the frozen weight in NF4 (method qlora), multiplied tile by tile
+  at::Tensor bias;         // [out]; undefined when the model has none here
+  at::Tensor lora_a;       // [r, in]; undefined without LoRA
+  at::Tensor lora_b;       // [out, r]
   double lora_scale = 0.0;
 
   // `fused`: one kernels::LoraLinear node; otherwise the ATen composition.
@@ -120,6 +122,11 @@ class CausalLm {
   // (scaling from `spec`). INVALID_ARGUMENT naming "lora.init_from", the tensor and the
   // file when the adapter lacks a targeted tensor or has another rank or shape.
   absl::Status LoadLora(const LoraSpec& spec, const std::string& dir);
+
+  // Replaces every projection's frozen weight with its NF4 form (method qlora; docs/kernels.md
+  // "NF4") and releases the dense one; returns the bytes the NF4 forms hold. REQUIRES: the
+  // projections are frozen.
+  int64_t QuantizeProjections();
 
   // Final-normalised hidden states [batch, seq, hidden] of token ids [batch, seq]. With unit
   // hooks, the head unit stays entered: SumLossOfHidden leaves it.

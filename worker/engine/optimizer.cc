@@ -6,6 +6,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/ops/nf4_linear.h"
 
 namespace lathe {
 namespace {
@@ -66,7 +67,7 @@ class AdamW8bit final : public Optimizer {
     const at::Device device =
         this->params().empty() ? at::Device(at::kCPU) : this->params()[0].tensor.device();
     for (bool is_signed : {true, false}) {
-      at::Tensor map = DynamicQuantizationMap(is_signed).to(device);
+      at::Tensor map = kernels::DynamicQuantizationMap(is_signed).to(device);
       mids_[is_signed] = (map.narrow(0, 0, 255) + map.narrow(0, 1, 255)) / 2;
       maps_[is_signed] = std::move(map);
     }
@@ -222,30 +223,6 @@ class Sgd final : public Optimizer {
 
 bool KeepsFloat32Moments(absl::string_view name) {
   return absl::EndsWith(name, "embed_tokens.weight");
-}
-
-at::Tensor DynamicQuantizationMap(bool is_signed) {
-  std::vector<double> values;
-  for (int i = 0; i < 7; ++i) {
-    const int64_t fractions = is_signed ? (int64_t{1} << i) + 1 : (int64_t{1} << (i + 1)) + 1;
-    std::vector<double> bounds;
-    for (int64_t j = 0; j < fractions; ++j) {
-      bounds.push_back(0.1 + 0.9 * static_cast<double>(j) / static_cast<double>(fractions - 1));
-    }
-    const double scale = std::pow(10.0, i - 6);
-    for (int64_t j = 0; j + 1 < fractions; ++j) {
-      const double mean = (bounds[j] + bounds[j + 1]) / 2;
-      values.push_back(scale * mean);
-      if (is_signed) values.push_back(-scale * mean);
-    }
-  }
-  values.push_back(0.0);
-  values.push_back(1.0);
-  std::sort(values.begin(), values.end());
-  TORCH_CHECK(values.size() == 256, "the dynamic map has ", values.size(), " values");
-  at::Tensor map = at::empty({256}, at::kFloat);
-  for (int64_t k = 0; k < 256; ++k) map[k] = static_cast<float>(values[k]);
-  return map;
 }
 
 Optimizer::Optimizer(std::vector<NamedParameter> params, bool paged)

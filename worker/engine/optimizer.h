@@ -45,10 +45,6 @@ inline constexpr int64_t kBlock8bit = 2048;
 // update would be m / eps, hundreds of times the learning rate).
 bool KeepsFloat32Moments(absl::string_view name);
 
-// The 256 values (ascending, float32) of the dynamic quantization map of 8-bit AdamW:
-// signed for the first moment, unsigned for the second (docs/training.md).
-at::Tensor DynamicQuantizationMap(bool is_signed);
-
 class Optimizer {
  public:
   virtual ~Optimizer() = default;

@@ -277,6 +277,27 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, co
     const int64_t stored = ParameterCount(*config) * c10::elementSize(model_options.weight_dtype);
     trainer->mapped_weight_bytes_ = std::max<int64_t>(0, stored - loaded);
   }
+  if (spec.method == Method::kQLora) {
+    // The projections' frozen weights become NF4; the dense ones are released.
+    int64_t nf4_bytes = 0;
+    {
+      MemoryScope scope(MemoryComponent::kWeights);
+      nf4_bytes = trainer->model_->QuantizeProjections();
+    }
+    if (model_options.device.is_cpu() && !model_options.keep_mapped) {
+      // What stays mapped: the weights left dense, less what of them was copied.
+      int64_t projections = 0;
+      for (const std::string& module : LoraTargetModules()) {
+        const ProjectionShape shape = ProjectionShapeOf(*config, module);
+        projections += config->num_hidden_layers * shape.in_features * shape.out_features;
+      }
+      const int64_t dense = (ParameterCount(*config) - projections) *
+                            static_cast<int64_t>(c10::elementSize(model_options.weight_dtype));
+      const int64_t loaded = tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes -
+                             weights_before - nf4_bytes;
+      trainer->mapped_weight_bytes_ = std::max<int64_t>(0, dense - loaded);
+    }
+  }
   MemoryScope trainable_scope(MemoryComponent::kTrainable);
   if (TrainsLora(spec)) {
     if (spec.lora.init_from.empty()) {
