@@ -163,6 +163,30 @@ TEST(MemoryModelTest, PagedOptimizerStateLivesInHostMemoryOnCuda) {
   }
 }
 
+TEST(MemoryModelTest, QLoraStoresTheProjectionsInHalfAByte) {
+  const ModelShape shape = Shape("llama-3.1-8b");
+  const StrategyPoint point{0, false, false, false, true, true, 1};
+  const MemoryEstimate lora =
+      Estimate(Job(shape, Spec("train: {steps: 10, precision: bf16}\n")), point);
+  const MemoryEstimate qlora =
+      Estimate(Job(shape, Spec("method: qlora\ntrain: {steps: 10, precision: bf16}\n")), point);
+  const int64_t projections = shape.num_layers * (shape.block.attention + shape.block.mlp);
+  EXPECT_EQ(
+      Component(lora, MemoryComponent::kWeights) - Component(qlora, MemoryComponent::kWeights),
+      static_cast<uint64_t>(2 * projections - Nf4Bytes(projections)));
+  EXPECT_EQ(Component(qlora, MemoryComponent::kTrainable),
+            Component(lora, MemoryComponent::kTrainable));
+}
+
+TEST(PlannerTest, ALoraJobThatDoesNotFitHearsOfQLora) {
+  // 8B LoRA in bf16 on a 16 GiB GPU: the weights alone (16 GB) do not fit.
+  const JobSpec spec = Spec("resources: {device: cuda}\ntrain: {steps: 10, precision: bf16}\n");
+  absl::StatusOr<PlanResult> plan =
+      PlanJob(spec, Shape("llama-3.1-8b"), Options("cuda", 16 * kGiB));
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(plan.status().message(), HasSubstr("method qlora (4-bit NF4 frozen projections"));
+}
+
 TEST(MemoryModelTest, MezoKeepsNoGradientsNoOptimizerStateNoActivations) {
   const ModelShape shape = Shape("llama-3.1-8b");
   const StrategyPoint point{0, false, false, false, true, true, 1};
