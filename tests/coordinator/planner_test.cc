@@ -182,7 +182,7 @@ TEST(PlannerTest, ALoraJobThatDoesNotFitHearsOfQLora) {
   // 8B LoRA in bf16 on a 16 GiB GPU: the weights alone (16 GB) do not fit.
   const JobSpec spec = Spec("resources: {device: cuda}\ntrain: {steps: 10, precision: bf16}\n");
   absl::StatusOr<PlanResult> plan =
-      PlanJob(spec, Shape("llama-3.1-8b"), Options("cuda", 16 * kGiB));
+      PlanJob(spec, Shape("llama-3.1-8b"), Options("h100", 16 * kGiB));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(plan.status().message(), HasSubstr("method qlora (4-bit NF4 frozen projections"));
 }
