@@ -3,7 +3,7 @@
 memory, the optimizer's own bytes, step time and loss after N steps for AdamW, 8-bit AdamW,
 Adafactor, SGD with momentum and MeZO (zeroth order, no optimizer state, no gradients), on the
 same model, data, precision and strategy (only train.optimizer or the method changes), with the
-notes' table (../shared/seeds, genai-cookbook) beside it.
+notes' table (../shared/seeds, genai-cookbook) beside it; then LoRA, QLoRA and MeZO over LoRA.
 
   /usr/bin/python3 bench/optimizer_bench.py [--bin-dir build/bin] [--steps 30] [--threads 2]
                                             [--size tiny|small|medium] [--keep DIR]
@@ -36,6 +36,11 @@ OPTIMIZERS = {
     "sgd + momentum 0.9": ({"optimizer": "sgd", "sgd_momentum": 0.9, "lr": 1e-2}, {}),
     "mezo (zeroth order)": ({"lr": 1e-5}, {"method": "mezo",
                                           "mezo": {"trainable": "full", "eps": 1e-3}}),
+    # The methods, over LoRA r16 on all seven projections (AdamW).
+    "lora r16": ({"lr": 1e-3}, {"method": "lora", "lora": {"rank": 16, "alpha": 32}}),
+    "qlora r16": ({"lr": 1e-3}, {"method": "qlora", "lora": {"rank": 16, "alpha": 32}}),
+    "mezo over lora r16": ({"lr": 1e-3}, {"method": "mezo", "lora": {"rank": 16, "alpha": 32},
+                                          "mezo": {"trainable": "lora", "eps": 1e-3}}),
 }
 # The notes' table (genai-cookbook, a GPU, fp16 and gradient checkpointing for all but
 # AdamW): peak GPU MB, train time s, train loss.
@@ -109,7 +114,7 @@ def main():
           f"(SGD 1e-2), {args.threads} threads")
     print(f"\n{platform.node()}, {cpu_model()}, {os.cpu_count()} cores, {platform.platform()}, "
           f"{datetime.date.today().isoformat()}, cores {busy:.0%} busy before the run\n")
-    print("| optimizer | optimizer state MiB | step peak MiB | peak RSS MiB | step s | "
+    print("| optimizer | optimizer at peak MiB | step peak MiB | peak RSS MiB | step s | "
           "optimizer phase s | loss after N | vs AdamW: state, peak RSS, step | notes: peak GPU "
           "MB, time s, loss |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
@@ -127,6 +132,9 @@ def main():
         print(f"| {name} | {r['memory']['optimizer'] / mib:.1f} | {r['memory']['total'] / mib:.1f} "
               f"| {r['peak_rss'] / mib:.0f} | {step_seconds(r):.3f} | "
               f"{r['phases']['optimizer']:.3f} | {r['final_loss']:.4f} | {ratio} | {seed_text} |")
+    print("\nweights at the step's peak MiB: " + ", ".join(
+        f"{name} {r['memory']['weights'] / mib:.1f}" for name, r in results.items()
+        if "lora" in name))
 
 
 if __name__ == "__main__":
