@@ -24,7 +24,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_bench import SIZES, cpu_busy, cpu_model, measure, run_quiet  # noqa: E402
+from train_bench import SIZES, cpu_busy, cpu_model, measure, synthesize, thread_env  # noqa: E402
 
 # name -> (train.* fields besides the job's own, top-level spec fields besides method full).
 OPTIMIZERS = {
@@ -67,22 +67,8 @@ def main():
     os.makedirs(work, exist_ok=True)
     results = {}
     try:
-        model = os.path.join(work, "model")
-        data = os.path.join(work, "train.jsonl")
-        if not os.path.exists(os.path.join(model, "config.json")):
-            run_quiet([synth, "model", "--out", model, "--type", "llama",
-                       "--vocab", str(size["vocab"]), "--hidden", str(size["hidden"]),
-                       "--layers", str(size["layers"]), "--heads", str(size["heads"]),
-                       "--kv-heads", str(size["kv_heads"]),
-                       "--intermediate", str(size["intermediate"]),
-                       "--max-pos", str(max(512, size["seq_len"])), "--seed", "1"])
-        if not os.path.exists(data):
-            run_quiet([synth, "data", "--out", data, "--vocab", str(size["vocab"]),
-                       "--records", str(size["records"]), "--min-len", str(size["min_len"]),
-                       "--max-len", str(size["max_len"]), "--seed", "2"])
-        env = dict(os.environ)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[var] = str(args.threads)
+        model, data = synthesize(synth, work, size)
+        env = thread_env(args.threads)
         for name, (fields, top) in OPTIMIZERS.items():
             out_dir = os.path.join(work, "out")
             shutil.rmtree(out_dir, ignore_errors=True)

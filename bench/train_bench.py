@@ -96,6 +96,31 @@ def cpu_model():
     return f"{model} ({' '.join(wanted) or 'no AVX2'})"
 
 
+def synthesize(synth, work, size):
+    """The model and data set of `size` under `work` (kept when already there): their paths."""
+    model = os.path.join(work, "model")
+    data = os.path.join(work, "train.jsonl")
+    if not os.path.exists(os.path.join(model, "config.json")):
+        run_quiet([synth, "model", "--out", model, "--type", "llama",
+                   "--vocab", str(size["vocab"]), "--hidden", str(size["hidden"]),
+                   "--layers", str(size["layers"]), "--heads", str(size["heads"]),
+                   "--kv-heads", str(size["kv_heads"]), "--intermediate", str(size["intermediate"]),
+                   "--max-pos", str(max(512, size["seq_len"])), "--seed", "1"])
+    if not os.path.exists(data):
+        run_quiet([synth, "data", "--out", data, "--vocab", str(size["vocab"]),
+                   "--records", str(size["records"]), "--min-len", str(size["min_len"]),
+                   "--max-len", str(size["max_len"]), "--seed", "2"])
+    return model, data
+
+
+def thread_env(threads):
+    """This environment with every BLAS/OpenMP thread count set to `threads`."""
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env[var] = str(threads)
+    return env
+
+
 def measure(name, cmd, env):
     """Runs `cmd`, returning its JSON events, wall seconds and peak RSS in bytes."""
     stderr = tempfile.TemporaryFile(mode="w+")
@@ -161,22 +186,8 @@ def main():
     work = args.keep or tempfile.mkdtemp(prefix="lathe-train-bench-")
     os.makedirs(work, exist_ok=True)
     try:
-        model = os.path.join(work, "model")
-        data = os.path.join(work, "train.jsonl")
-        if not os.path.exists(os.path.join(model, "config.json")):
-            run_quiet([synth, "model", "--out", model, "--type", "llama",
-                       "--vocab", str(size["vocab"]), "--hidden", str(size["hidden"]),
-                       "--layers", str(size["layers"]), "--heads", str(size["heads"]),
-                       "--kv-heads", str(size["kv_heads"]),
-                       "--intermediate", str(size["intermediate"]),
-                       "--max-pos", str(max(512, size["seq_len"])), "--seed", "1"])
-        if not os.path.exists(data):
-            run_quiet([synth, "data", "--out", data, "--vocab", str(size["vocab"]),
-                       "--records", str(size["records"]), "--min-len", str(size["min_len"]),
-                       "--max-len", str(size["max_len"]), "--seed", "2"])
-        env = dict(os.environ)
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            env[var] = str(args.threads)
+        model, data = synthesize(synth, work, size)
+        env = thread_env(args.threads)
         results = {}
         for config in args.configs.split(","):
             precision, checkpointing = CONFIGS[config]

@@ -97,6 +97,16 @@ std::string OptimizerFingerprint(const TrainSpec& t) {
   }
 }
 
+// A function returning the seconds since its previous call (since its creation at first).
+auto Laps() {
+  return [clock = std::chrono::steady_clock::now()]() mutable {
+    const auto now = std::chrono::steady_clock::now();
+    const double seconds = std::chrono::duration<double>(now - clock).count();
+    clock = now;
+    return seconds;
+  };
+}
+
 std::string MezoFingerprint(const JobSpec& spec) {
   if (spec.method != Method::kMezo) return "";
   return absl::StrCat("|mezo=", MethodName(spec.mezo.trainable), ",", spec.mezo.eps);
@@ -637,12 +647,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
-  auto lap = [clock = std::chrono::steady_clock::now()]() mutable {
-    const auto now = std::chrono::steady_clock::now();
-    const double seconds = std::chrono::duration<double>(now - clock).count();
-    clock = now;
-    return seconds;
-  };
+  auto lap = Laps();
   // The step's loss at the perturbed weights, summed over every rank's sequences.
   auto loss_here = [&]() -> absl::StatusOr<double> {
     at::NoGradGuard no_grad;
@@ -696,13 +701,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
-  // Seconds since the previous lap.
-  auto lap = [clock = std::chrono::steady_clock::now()]() mutable {
-    const auto now = std::chrono::steady_clock::now();
-    const double seconds = std::chrono::duration<double>(now - clock).count();
-    clock = now;
-    return seconds;
-  };
+  auto lap = Laps();
   for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
     std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
     auto [ids, labels] = Collate(micro);
