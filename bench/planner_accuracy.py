@@ -26,7 +26,8 @@ MIB = 1 << 20
 FULL = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, seq=128)
 QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=704, seq=64)
 
-# (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels[, accumulation])
+# (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels[, accumulation
+#  [, more train fields, more top-level fields]])
 CONFIGS = [
     ("lora", "lora", 1, 0, False, 1, True),
     ("lora-mb4", "lora", 1, 0, False, 4, True),
@@ -49,6 +50,13 @@ CONFIGS = [
     ("full-z1-r2-acc2", "full", 2, 1, False, 2, True, 2),
     ("full-z2-r2-acc4", "full", 2, 2, False, 1, True, 4),
     ("lora-z3-r2-acc2", "lora", 2, 3, True, 2, True, 2),
+    # The optimizers and methods of #15 (replicated runs).
+    ("full-adamw8bit", "full", 1, 0, False, 1, True, 1, "optimizer: adamw8bit"),
+    ("full-adafactor", "full", 1, 0, False, 1, True, 1, "optimizer: adafactor"),
+    ("full-sgd-momentum", "full", 1, 0, False, 1, True, 1, "optimizer: sgd, sgd_momentum: 0.9"),
+    ("qlora", "qlora", 1, 0, False, 1, True),
+    ("mezo-full", "mezo", 1, 0, False, 1, True, 1, "", "{trainable: full}"),
+    ("mezo-lora-mb4", "mezo", 1, 0, False, 4, True),
 ]
 
 
@@ -74,19 +82,22 @@ def main():
     errors = []
     for name, method, ranks, stage, ckpt, micro, fused, *rest in CONFIGS:
         accumulation = rest[0] if rest else 1
+        more_train = f", {rest[1]}" if len(rest) > 1 and rest[1] else ""
         fields = {
             "name": name, "model": f"{{path: {work}/model}}",
             "data": f"{{train: {work}/train.jsonl, seq_len: {m['seq']}}}",
             "method": method,
             "train": f"{{steps: 2, global_batch: {micro * ranks * accumulation}, "
                      f"micro_batch: {micro}, "
-                     "lr: 1.0e-4}",
+                     f"lr: 1.0e-4{more_train}}}",
             "resources": f"{{ranks: {ranks}, device: cpu}}",
             "strategy": f"{{zero_stage: {stage}, activation_checkpointing: "
                         f"{str(ckpt).lower()}, fused_kernels: {str(fused).lower()}}}",
             "output": f"{work}/out/{name}"}
-        if method == "lora":
+        if method in ("lora", "qlora", "mezo"):
             fields["lora"] = "{rank: 8, alpha: 16}"
+        if len(rest) > 2:
+            fields["mezo"] = rest[2]
         shutil.rmtree(f"{work}/out/{name}", ignore_errors=True)
         spec = launcher.write_spec(f"{work}/{name}.yaml", fields)
         plan = json.loads(subprocess.run(

@@ -33,7 +33,9 @@ Widths WidthsOf(const JobShape& job) {
 int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t n = p.micro_batch * (job.seq_len - 1);  // every position a target: the worst
-  const int64_t rows = 2 * n * m.hidden_size * w.compute + n * 4 + 2 * n * 8;
+  // MeZO's forward passes make no gradient: the target rows alone.
+  const bool grad = !job.zeroth_order;
+  const int64_t rows = (grad ? 2 : 1) * n * m.hidden_size * w.compute + n * 4 + 2 * n * 8;
   if (!p.chunked_loss) {
     const int64_t logits = n * m.vocab_size;
     // The log-softmax kept for backward, and at the start of backward the gradients of the
@@ -47,7 +49,7 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
   problem.dtype = w.compute == 4 ? kernels::LinearCrossEntropyDtype::kFloat32
                                  : kernels::LinearCrossEntropyDtype::kBFloat16;
   constexpr int64_t kBudget = kernels::kDefaultLinearCrossEntropyBudgetBytes;
-  if (job.method == Method::kFull && w.compute == 4) {
+  if (job.method == Method::kFull && w.compute == 4 && grad) {
     // A trained float32 head: one pass for both gradients when enough tokens fit.
     const int64_t chunk = kernels::cpu::LinearCrossEntropySinglePassTokenChunk(problem, kBudget);
     if (chunk > 0) {
@@ -56,7 +58,7 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
     }
   }
   auto bytes = [&](const kernels::LinearCrossEntropyChunks& c) {
-    return kernels::cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, true);
+    return kernels::cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, grad);
   };
   return rows + bytes(kernels::ChooseLinearCrossEntropyChunks(problem, kBudget, bytes));
 }
@@ -93,10 +95,11 @@ int64_t BackwardTransientBytes(const JobShape& job, const StrategyPoint& p, cons
 
 // The largest single trainable tensor: the optimizer step's temporaries are of its size.
 // (The targets are known to be valid: UnitsOf has checked them.)
-int64_t LargestTrainableTensor(const JobShape& job) {
+int64_t LargestTrainableTensor(const JobShape& job, bool with_embeddings = true) {
   const ModelShape& m = job.model;
   if (job.method == Method::kFull) {
-    return std::max({m.vocab_size, m.num_heads * m.head_dim, m.intermediate_size}) * m.hidden_size;
+    const int64_t head = with_embeddings || m.lm_head > 0 ? m.vocab_size : 0;
+    return std::max({head, m.num_heads * m.head_dim, m.intermediate_size}) * m.hidden_size;
   }
   int64_t largest = 0;
   for (const std::string& t : job.lora_targets) {
@@ -175,7 +178,9 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   const int64_t transient = BackwardTransientBytes(job, p, w);
   const int64_t dy = bt * h * w.compute;  // the gradient flowing into a block
   // Checkpointing keeps each block's input (and the attention mask) instead of its insides.
-  const int64_t kept = job.zeroth_order ? fixed + block  // inference: one block at a time
+  // MeZO's forward passes keep nothing past each op; the loss's peak (below) is above any
+  // block's transients.
+  const int64_t kept = job.zeroth_order ? fixed
                        : p.activation_checkpointing
                            ? fixed + t * t * w.compute + layers * bt * h * w.compute
                            : fixed + layers * block;
@@ -286,9 +291,9 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   if (job.zeroth_order) {
     // MeZO: forward passes only (no activations kept past their block), and between them
     // each trainable tensor perturbed by its random direction, made one tensor at a time
-    // (with the update's direction, two of the largest).
+    // (the update scales it in place).
     Moment perturb = base("the perturbation", false);
-    at(perturb, MemoryComponent::kOptimizer) = 8 * LargestTrainableTensor(job);
+    at(perturb, MemoryComponent::kOptimizer) = 4 * LargestTrainableTensor(job);
     moments.push_back(perturb);
     return peak_of_moments();
   }
@@ -373,9 +378,15 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   if (p.zero_stage == 0) {
     at(step, MemoryComponent::kGradients) = made;
     const int64_t largest = LargestTrainableTensor(job);
+    // 8-bit AdamW takes AdamW's path for the embeddings (float32 moments), its own for the
+    // rest.
+    const int64_t temporaries =
+        job.optimizer.kind == OptimizerKind::kAdamW8bit
+            ? std::max(8 * largest, StepTemporaryBytesPerElement(job.optimizer) *
+                                        LargestTrainableTensor(job, /*with_embeddings=*/false))
+            : StepTemporaryBytesPerElement(job.optimizer) * largest;
     at(step, MemoryComponent::kOptimizer) +=
-        StepTemporaryBytesPerElement(job.optimizer.kind) * largest +
-        (paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
+        temporaries + (paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
   } else if (!choice.offload_optimizer) {
     at(step, MemoryComponent::kOptimizer) +=
         2 * 4 * ((largest_unit_trainable + job.ranks - 1) / job.ranks);

@@ -88,6 +88,8 @@ OptimizerChoice OptimizerChoiceOf(const TrainSpec& train) {
   OptimizerChoice choice{train.optimizer, true};
   if (train.optimizer == OptimizerKind::kAdafactor) choice.first_moment = train.adafactor_beta1 > 0;
   if (train.optimizer == OptimizerKind::kSgd) choice.first_moment = train.sgd_momentum > 0;
+  choice.weight_decay = train.weight_decay > 0;
+  choice.nesterov = train.sgd_nesterov;
   return choice;
 }
 
@@ -120,16 +122,16 @@ int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
   return bytes;
 }
 
-int64_t StepTemporaryBytesPerElement(OptimizerKind kind) {
-  switch (kind) {
+int64_t StepTemporaryBytesPerElement(const OptimizerChoice& optimizer) {
+  switch (optimizer.kind) {
     case OptimizerKind::kAdamW:
       return 8;
     case OptimizerKind::kAdamW8bit:
-      return 20;
+      return 21;
     case OptimizerKind::kAdafactor:
-      return 12;
-    case OptimizerKind::kSgd:
       return 8;
+    case OptimizerKind::kSgd:
+      return 4 * ((optimizer.weight_decay ? 1 : 0) + (optimizer.nesterov ? 1 : 0));
   }
   return 8;
 }

@@ -61,7 +61,9 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
 // The optimizer and what decides the size of its state.
 struct OptimizerChoice {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  bool first_moment = true;  // adafactor: adafactor_beta1 > 0; sgd: sgd_momentum > 0
+  bool first_moment = true;   // adafactor: adafactor_beta1 > 0; sgd: sgd_momentum > 0
+  bool weight_decay = false;  // train.weight_decay > 0
+  bool nesterov = false;      // sgd: sgd_nesterov
 };
 OptimizerChoice OptimizerChoiceOf(const TrainSpec& train);
 
@@ -74,10 +76,11 @@ int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
                             const OptimizerChoice& optimizer);
 
 // Bytes per element of the largest trainable tensor that the optimizer step's temporaries
-// take (AdamW: its denominator and a product; 8-bit AdamW: the gradient, both moments in
-// float32 and a 64-bit code index; Adafactor: the squared gradient, the factors' product and
-// the update; SGD: the decayed or Nesterov direction).
-int64_t StepTemporaryBytesPerElement(OptimizerKind kind);
+// take, as bench/planner_accuracy.py measured them (AdamW: its denominator and a quotient;
+// 8-bit AdamW: both moments in float32 and, while quantizing one, its scaled copy, the
+// 64-bit code index and the codes; Adafactor: the squared gradient and the update; SGD: the
+// decayed gradient and the Nesterov direction, each when asked for).
+int64_t StepTemporaryBytesPerElement(const OptimizerChoice& optimizer);
 
 struct ShardingChoice {
   int64_t ranks = 1;

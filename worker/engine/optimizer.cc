@@ -103,16 +103,18 @@ class AdamW8bit final : public Optimizer {
     }
     at::Tensor &m_codes = s[0], &m_absmax = s[1], &v_codes = s[2], &v_absmax = s[3];
     const int64_t n = param.numel();
-    at::Tensor g = at::zeros({m_codes.numel()}, grad.options());
-    g.narrow(0, 0, n).copy_(grad.reshape({-1}));
     at::Tensor m = Dequantize(maps_[true], m_codes, m_absmax);
     at::Tensor v = Dequantize(maps_[false], v_codes, v_absmax);
-    const double bias_correction1 = 1.0 - std::pow(options_.beta1, steps());
-    const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(options_.beta2, steps()));
-    m.mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
-    v.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
-    at::Tensor denom = (v.narrow(0, 0, n).sqrt() / bias_correction2_sqrt).add_(options_.eps);
-    param.view({-1}).addcdiv_(m.narrow(0, 0, n), denom, -lr / bias_correction1);
+    {  // (scoped: the padded gradient and the denominator go before the quantization)
+      at::Tensor g = at::zeros({m_codes.numel()}, grad.options());
+      g.narrow(0, 0, n).copy_(grad.reshape({-1}));
+      const double bias_correction1 = 1.0 - std::pow(options_.beta1, steps());
+      const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(options_.beta2, steps()));
+      m.mul_(options_.beta1).add_(g, 1.0 - options_.beta1);
+      v.mul_(options_.beta2).addcmul_(g, g, 1.0 - options_.beta2);
+      at::Tensor denom = (v.narrow(0, 0, n).sqrt() / bias_correction2_sqrt).add_(options_.eps);
+      param.view({-1}).addcdiv_(m.narrow(0, 0, n), denom, -lr / bias_correction1);
+    }
     Quantize(m, mids_[true], m_codes, m_absmax);
     Quantize(v, mids_[false], v_codes, v_absmax);
   }
