@@ -44,10 +44,32 @@ Plan PlanFromSpec(const JobSpec& spec) {
   return plan;
 }
 
+JobSpec WithPlannedTechniques(const JobSpec& spec, const Plan& plan) {
+  JobSpec out = spec;
+  if (plan.method) out.method = *plan.method;
+  if (plan.optimizer) out.train.optimizer = *plan.optimizer;
+  return out;
+}
+
 absl::Status CheckPlanRunsSpec(const JobSpec& spec, const Plan& plan, absl::string_view source) {
   auto error = [source](absl::string_view field, const auto&... problem) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": plan.", field, ": ", problem...));
   };
+  if (plan.method && *plan.method != spec.method &&
+      !(spec.strategy.automatic && spec.method == Method::kLora &&
+        *plan.method == Method::kQLora)) {
+    return error("method", MethodName(*plan.method), " but the spec's method is ",
+                 MethodName(spec.method),
+                 " (a plan may only choose qlora for lora, under "
+                 "strategy: auto)");
+  }
+  if (plan.optimizer && *plan.optimizer != spec.train.optimizer &&
+      !(spec.strategy.automatic && spec.train.optimizer == OptimizerKind::kAdamW &&
+        *plan.optimizer == OptimizerKind::kAdamW8bit)) {
+    return error("optimizer", OptimizerKindName(*plan.optimizer),
+                 " but the spec's train.optimizer is ", OptimizerKindName(spec.train.optimizer),
+                 " (a plan may only choose adamw8bit for adamw, under strategy: auto)");
+  }
   if (plan.ranks != spec.resources.ranks) {
     return error("ranks", plan.ranks, " but the spec's resources.ranks is ", spec.resources.ranks);
   }

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -45,6 +46,11 @@ struct Plan {
   int64_t gradient_accumulation = 1;  // micro-batches per rank per optimizer step
   int64_t total_steps = 0;            // train.steps; 0: counted from train.epochs by the trainer
   Precision precision = Precision::kFp32;
+  // A memory technique the planner chose under `strategy: auto` when nothing fitted with the
+  // spec's own method and optimizer (docs/planner.md, "Memory techniques"): method lora ->
+  // qlora, optimizer adamw -> adamw8bit. Absent: the spec's.
+  std::optional<Method> method;
+  std::optional<OptimizerKind> optimizer;
   MemoryBytes predicted_memory;  // the memory model's; zero until the planner predicts
   // What the planner multiplied predicted_memory.total by, learned from the measured peaks
   // of earlier attempts under calibration_key (coordinator/planner/calibration.h).
@@ -55,6 +61,9 @@ struct Plan {
 
 // The plan for a valid spec (ValidateJobSpec), as the file comment says.
 Plan PlanFromSpec(const JobSpec& spec);
+
+// The spec as it runs under `plan`: its method and optimizer replaced by the plan's choices.
+JobSpec WithPlannedTechniques(const JobSpec& spec, const Plan& plan);
 
 // The micro-batch for `micro_batch: auto`: the largest divisor of `per_rank_batch` with
 // micro_batch * seq_len <= 8192 tokens, at least 1.

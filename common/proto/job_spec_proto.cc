@@ -264,6 +264,8 @@ v1::Plan PlanToProto(const Plan& plan) {
   out.set_memory_correction(plan.memory_correction);
   out.set_calibration_key(plan.calibration_key);
   out.set_explanation(plan.explanation);
+  if (plan.method) out.set_method(ToProtoEnum(kMethods, *plan.method));
+  if (plan.optimizer) out.set_optimizer(ToProtoEnum(kOptimizers, *plan.optimizer));
   return out;
 }
 
@@ -297,6 +299,15 @@ absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source)
         ComponentBytes(in.predicted_memory(), c);
   }
   plan.predicted_memory.total = in.predicted_memory().total();
+  if (in.method() != v1::METHOD_UNSPECIFIED) {
+    LATHE_ASSIGN_OR_RETURN(
+        plan.method, FromProtoEnum(kMethods, in.method(), Method::kLora, source, "plan.method"));
+  }
+  if (in.optimizer() != v1::OPTIMIZER_UNSPECIFIED) {
+    LATHE_ASSIGN_OR_RETURN(plan.optimizer,
+                           FromProtoEnum(kOptimizers, in.optimizer(), OptimizerKind::kAdamW, source,
+                                         "plan.optimizer"));
+  }
   plan.memory_correction = EffectiveCorrection(in.memory_correction());
   plan.calibration_key = in.calibration_key();
   plan.explanation = in.explanation();

@@ -127,10 +127,9 @@ void Time(const JobSpec& spec, const JobShape& job, const Totals& totals,
 
 std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
 
-}  // namespace
-
-absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
-                                   const PlanOptions& options) {
+// PlanJob for the spec's own method and optimizer.
+absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& shape,
+                                       const PlanOptions& options) {
   const JobShape job = JobShapeOf(spec, shape);
   absl::StatusOr<std::vector<UnitElements>> units =
       UnitsOf(shape, job.method, spec.lora.rank, spec.lora.targets);
@@ -309,6 +308,51 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                       result.tokens_per_second));
   result.candidates = std::move(candidates);
   return result;
+}
+
+}  // namespace
+
+absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
+                                   const PlanOptions& options) {
+  absl::StatusOr<PlanResult> given = PlanAsGiven(spec, shape, options);
+  if (given.ok() || given.status().code() != absl::StatusCode::kResourceExhausted ||
+      !spec.strategy.automatic) {
+    return given;
+  }
+  // Nothing fits as asked: under strategy auto, the memory techniques that change the
+  // numerics a little, the lightest first (docs/planner.md, "Memory techniques").
+  const bool adamw = spec.train.optimizer == OptimizerKind::kAdamW &&
+                     spec.method != Method::kMezo && !spec.train.paged_optimizer;
+  const bool lora = spec.method == Method::kLora;
+  struct Technique {
+    bool applies;
+    std::optional<Method> method;
+    std::optional<OptimizerKind> optimizer;
+    const char* why;
+  };
+  const Technique techniques[] = {
+      {adamw, std::nullopt, OptimizerKind::kAdamW8bit, "8-bit AdamW state"},
+      {lora, Method::kQLora, std::nullopt, "QLoRA's 4-bit frozen projections"},
+      {adamw && lora, Method::kQLora, OptimizerKind::kAdamW8bit,
+       "QLoRA's 4-bit frozen projections and 8-bit AdamW state"},
+  };
+  for (const Technique& t : techniques) {
+    if (!t.applies) continue;
+    JobSpec changed = spec;
+    if (t.method) changed.method = *t.method;
+    if (t.optimizer) changed.train.optimizer = *t.optimizer;
+    absl::StatusOr<PlanResult> result = PlanAsGiven(changed, shape, options);
+    if (!result.ok()) continue;
+    result->plan.method = t.method;
+    result->plan.optimizer = t.optimizer;
+    result->plan.explanation =
+        absl::StrCat("nothing fits with the spec's method ", MethodName(spec.method),
+                     " and optimizer ", OptimizerKindName(spec.train.optimizer), "; with ", t.why,
+                     " it does (strategy auto chooses them then; an explicit strategy does not): ",
+                     result->plan.explanation);
+    return result;
+  }
+  return given;
 }
 
 }  // namespace lathe

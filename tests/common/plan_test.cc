@@ -87,6 +87,23 @@ struct BadPlanCase {
 
 class CheckPlanRunsSpecTest : public ::testing::TestWithParam<BadPlanCase> {};
 
+// Under strategy auto the planner may choose QLoRA for LoRA and 8-bit AdamW for AdamW; the
+// spec then runs with them. An explicit strategy gets neither.
+TEST(CheckPlanRunsSpecTest, AutoMayChooseQLoraAndEightBitState) {
+  JobSpec spec = Spec();
+  Plan plan = PlanFromSpec(spec);
+  plan.method = Method::kQLora;
+  plan.optimizer = OptimizerKind::kAdamW8bit;
+  EXPECT_TRUE(CheckPlanRunsSpec(spec, plan, "task.json").ok());
+  const JobSpec runs = WithPlannedTechniques(spec, plan);
+  EXPECT_EQ(runs.method, Method::kQLora);
+  EXPECT_EQ(runs.train.optimizer, OptimizerKind::kAdamW8bit);
+  EXPECT_EQ(WithPlannedTechniques(spec, PlanFromSpec(spec)).method, Method::kLora);
+  spec.strategy.automatic = false;
+  EXPECT_THAT(std::string(CheckPlanRunsSpec(spec, plan, "task.json").message()),
+              HasSubstr("plan.method: qlora but the spec's method is lora"));
+}
+
 TEST_P(CheckPlanRunsSpecTest, IsInvalidArgumentNamingThePlanField) {
   const JobSpec spec = Spec();
   Plan plan = PlanFromSpec(spec);
@@ -115,7 +132,11 @@ INSTANTIATE_TEST_SUITE_P(
                     "plan.total_steps: 11 but the spec's train.steps is 10"},
         BadPlanCase{"ZeroStage", [](Plan* p) { p->zero_stage = 4; }, "plan.zero_stage: must be"},
         BadPlanCase{"OffloadParams", [](Plan* p) { p->offload_params = true; },
-                    "plan.offload_params: requires zero_stage 3"}),
+                    "plan.offload_params: requires zero_stage 3"},
+        BadPlanCase{"Method", [](Plan* p) { p->method = Method::kFull; },
+                    "plan.method: full but the spec's method is lora"},
+        BadPlanCase{"Optimizer", [](Plan* p) { p->optimizer = OptimizerKind::kSgd; },
+                    "plan.optimizer: sgd but the spec's train.optimizer is adamw"}),
     [](const ::testing::TestParamInfo<BadPlanCase>& param) { return param.param.name; });
 
 }  // namespace

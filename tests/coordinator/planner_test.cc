@@ -178,9 +178,37 @@ TEST(MemoryModelTest, QLoraStoresTheProjectionsInHalfAByte) {
             Component(lora, MemoryComponent::kTrainable));
 }
 
+TEST(PlannerTest, WhenNothingFitsAutoChoosesEightBitStateThenQLoraAndSaysWhy) {
+  // Full fine-tuning of 1B on one 20 GiB GPU: AdamW's float32 state does not fit, 8-bit
+  // AdamW's does.
+  const ModelShape shape = Shape("llama-3.2-1b");
+  PlanResult plan = MustPlan(Spec("method: full\nresources: {device: cuda}\n"
+                                  "train: {steps: 10, global_batch: 1, precision: bf16}\n"),
+                             shape, Options("h100", 20 * kGiB));
+  EXPECT_EQ(plan.plan.optimizer, OptimizerKind::kAdamW8bit);
+  EXPECT_EQ(plan.plan.method, std::nullopt);
+  EXPECT_THAT(plan.plan.explanation,
+              HasSubstr("nothing fits with the spec's method full and optimizer adamw; with "
+                        "8-bit AdamW state it does"));
+  // LoRA on 8B in 12 GiB: 16 GB of bf16 weights never fit; QLoRA's do.
+  plan = MustPlan(
+      Spec("resources: {device: cuda}\ntrain: {steps: 10, global_batch: 1, precision: bf16}\n"),
+      Shape("llama-3.1-8b"), Options("h100", 12 * kGiB));
+  EXPECT_EQ(plan.plan.method, Method::kQLora);
+  EXPECT_THAT(plan.plan.explanation, HasSubstr("with QLoRA's 4-bit frozen projections it does"));
+  // An explicit strategy is what it says: nothing is chosen for it.
+  absl::StatusOr<PlanResult> fixed = PlanJob(
+      Spec("resources: {device: cuda}\ntrain: {steps: 10, global_batch: 1, precision: bf16}\n"
+           "strategy: {zero_stage: 0}\n"),
+      Shape("llama-3.1-8b"), Options("h100", 12 * kGiB));
+  EXPECT_EQ(fixed.status().code(), absl::StatusCode::kResourceExhausted);
+}
+
 TEST(PlannerTest, ALoraJobThatDoesNotFitHearsOfQLora) {
-  // 8B LoRA in bf16 on a 16 GiB GPU: the weights alone (16 GB) do not fit.
-  const JobSpec spec = Spec("resources: {device: cuda}\ntrain: {steps: 10, precision: bf16}\n");
+  // 8B LoRA in bf16 on a 16 GiB GPU, its strategy fixed: the weights alone (16 GB) do not fit.
+  const JobSpec spec = Spec(
+      "resources: {device: cuda}\ntrain: {steps: 10, precision: bf16}\nstrategy: "
+      "{zero_stage: 0}\n");
   absl::StatusOr<PlanResult> plan =
       PlanJob(spec, Shape("llama-3.1-8b"), Options("h100", 16 * kGiB));
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted);

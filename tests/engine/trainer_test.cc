@@ -432,6 +432,28 @@ TEST_F(TrainerTest, QLoraTracksLoraInAFifthOfTheWeightMemory) {
   ExpectBitIdenticalResume(spec, dir.Path("qlora-resumed"));
 }
 
+// A plan that chose QLoRA for a LoRA spec (strategy auto, nothing else fitted) runs QLoRA.
+TEST_F(TrainerTest, ThePlansChoiceOfQLoraRuns) {
+  spec_.train.steps = 1;
+  auto weights_of = [&](const Plan& plan, const std::string& output) {
+    JobSpec spec = spec_;
+    spec.output = dir_.Path(output);
+    int64_t weights = 0;
+    auto trainer = *Trainer::Create(spec, plan, {1});
+    EXPECT_TRUE(trainer
+                    ->Run([&](const StepReport& r) {
+                      weights = r.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)];
+                    })
+                    .ok());
+    return weights;
+  };
+  Plan plan = PlanFromSpec(spec_);
+  const int64_t lora = weights_of(plan, "as-given");
+  plan.method = Method::kQLora;
+  const int64_t qlora = weights_of(plan, "qlora");
+  EXPECT_LT(qlora, lora);
+}
+
 TEST_F(TrainerTest, MezoResumesBitIdenticallyOverLoraAndFullWeights) {
   for (Method trainable : {Method::kLora, Method::kFull}) {
     SCOPED_TRACE(std::string(MethodName(trainable)));

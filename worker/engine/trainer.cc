@@ -230,9 +230,11 @@ int64_t CountTargets(const Sequence& s) {
 
 Trainer::~Trainer() = default;
 
-absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& spec, const Plan& plan,
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, const Plan& plan,
                                                          const TrainerOptions& options) {
-  LATHE_RETURN_IF_ERROR(CheckSupported(spec, plan, options));
+  LATHE_RETURN_IF_ERROR(CheckSupported(given, plan, options));
+  // The method and optimizer the planner chose, when it chose them (strategy: auto).
+  const JobSpec spec = WithPlannedTechniques(given, plan);
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Trainer> trainer(new Trainer());

@@ -391,6 +391,14 @@ TEST(PlanProtoTest, RoundTrips) {
   EXPECT_EQ(back->predicted_memory.total, plan.predicted_memory.total);
   EXPECT_EQ(back->explanation, plan.explanation);
   EXPECT_EQ(PlanToProto(plan).predicted_memory().activations(), 5u << 20);
+  EXPECT_EQ(back->method, std::nullopt);  // the spec's
+  EXPECT_EQ(back->optimizer, std::nullopt);
+  plan.method = Method::kQLora;
+  plan.optimizer = OptimizerKind::kAdamW8bit;
+  back = PlanFromProto(PlanToProto(plan), "task");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->method, Method::kQLora);
+  EXPECT_EQ(back->optimizer, OptimizerKind::kAdamW8bit);
 }
 
 TEST(PlanProtoTest, AnUnknownDeviceIsRefusedNamingTheField) {
