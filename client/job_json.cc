@@ -56,6 +56,12 @@ Json PhasesJson(const v1::StepPhases& phases) {
 }
 
 Json PlanJson(const v1::Plan& plan) {
+  // The memory techniques the planner chose (null: the spec's), in the spec's words.
+  Json method = nullptr, optimizer = nullptr;
+  if (absl::StatusOr<Plan> typed = PlanFromProto(plan, "plan"); typed.ok()) {
+    if (typed->method) method = std::string(MethodName(*typed->method));
+    if (typed->optimizer) optimizer = std::string(OptimizerKindName(*typed->optimizer));
+  }
   return Json{{"ranks", plan.ranks()},
               {"device", DeviceWord(plan.device())},
               {"zero_stage", plan.zero_stage()},
@@ -71,6 +77,8 @@ Json PlanJson(const v1::Plan& plan) {
               {"predicted_memory", MemoryJson(plan.predicted_memory())},
               {"memory_correction", EffectiveCorrection(plan.memory_correction())},
               {"calibration_key", plan.calibration_key()},
+              {"method", std::move(method)},
+              {"optimizer", std::move(optimizer)},
               {"explanation", plan.explanation()}};
 }
 

@@ -854,7 +854,8 @@ constexpr char kJsonSchema[] = R"({
       "activation_checkpointing": "boolean", "chunked_loss": "boolean",
       "fused_kernels": "boolean", "micro_batch": "integer", "gradient_accumulation": "integer",
       "total_steps": "integer", "precision": "string", "predicted_memory": "$memory",
-      "memory_correction": "number", "calibration_key": "string", "explanation": "string"
+      "memory_correction": "number", "calibration_key": "string", "method": "string|null",
+      "optimizer": "string|null", "explanation": "string"
     },
     "attempts": [{
       "generation": "integer", "state": "string",
@@ -986,6 +987,8 @@ v1::JobStatus FullJob(const std::string& id) {
   plan->set_explanation("ZeRO-3: the weights do not fit one rank");
   plan->set_memory_correction(1.05);
   plan->set_calibration_key("llama h64 | lora | fp32 | ZeRO-3 | 2 x h100");
+  plan->set_method(v1::METHOD_QLORA);  // as the planner's choice under strategy auto
+  plan->set_optimizer(v1::OPTIMIZER_ADAMW_8BIT);
   v1::MemoryBreakdown* predicted = plan->mutable_predicted_memory();
   for (auto setter : {&v1::MemoryBreakdown::set_weights, &v1::MemoryBreakdown::set_trainable,
                       &v1::MemoryBreakdown::set_gradients, &v1::MemoryBreakdown::set_optimizer,
@@ -1150,14 +1153,16 @@ TEST_F(CliTest, JsonSchemaOfStatus) {
   ASSERT_EQ(json["attempts"].size(), 2u);
   EXPECT_EQ(json["attempts"][0]["placements"].size(), 2u);
   EXPECT_EQ(json["eta_seconds"], 15.0);  // 60 steps of 0.25 s
+  EXPECT_EQ(json["plan"]["method"], "qlora");
+  EXPECT_EQ(json["plan"]["optimizer"], "adamw8bit");
 
   result = Run({"status", "job-empty", "--output", "json"});
   ASSERT_EQ(result.code, 0) << result.err;
   json = nlohmann::json::parse(result.out);
   check = CheckAgainst(json, "job");
   EXPECT_THAT(check.errors, IsEmpty()) << result.out;
-  EXPECT_THAT(check.nulls,
-              UnorderedElementsAre(".spec", ".progress", ".eta_seconds", ".final_loss"))
+  EXPECT_THAT(check.nulls, UnorderedElementsAre(".spec", ".progress", ".eta_seconds", ".final_loss",
+                                                ".plan.method", ".plan.optimizer"))
       << result.out;
   EXPECT_EQ(json["state"], "unknown");
   EXPECT_EQ(json["plan"]["device"], "cpu");
