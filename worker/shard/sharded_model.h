@@ -36,9 +36,9 @@
 #include "absl/status/statusor.h"
 #include "common/flat_layout.h"
 #include "worker/comm/communicator.h"
-#include "worker/engine/optimizer.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/checkpoint.h"
+#include "worker/engine/optimizer.h"
 #include "worker/engine/weights.h"
 
 namespace lathe {
