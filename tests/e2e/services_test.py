@@ -235,23 +235,22 @@ class ServicesTest(ClusterTest):
 
     def train_until(self, job_id, generation, step, deadline):
         """Waits until attempt `generation` of a one-rank job runs and reported `step`, and
-        returns the job's attempts. A step takes a few milliseconds, less than one `lathe
-        status`: the attempt's trainer runs only in short bursts between two looks, or it
-        could run to the job's end first on a fast machine or after a slow look."""
+        returns the job's attempts with its trainer stopped (SIGSTOP): the caller does what
+        it came for, then continues it (SIGCONT) if it still lives. A step takes a few
+        milliseconds, less than one `lathe status`: the trainer runs only in short bursts
+        between two looks, and stays stopped until the caller acts, or it could run to the
+        job's end first on a fast machine or after a slow look."""
         trainer = f"/{job_id}-g{generation}-r0/"
-        try:
-            while True:
-                self.signal_processes(trainer, signal.SIGSTOP)
-                attempts = self.status(job_id)["attempts"]
-                progress = attempts[-1]["progress"] if attempts else None
-                if len(attempts) == generation and attempts[-1]["state"] == "running" and \
-                        progress and progress["step"] >= step:
-                    return attempts
-                self.assertLess(time.time(), deadline, attempts)
-                self.signal_processes(trainer, signal.SIGCONT)
-                time.sleep(0.02)
-        finally:
+        while True:
+            self.signal_processes(trainer, signal.SIGSTOP)
+            attempts = self.status(job_id)["attempts"]
+            progress = attempts[-1]["progress"] if attempts else None
+            if len(attempts) == generation and attempts[-1]["state"] == "running" and \
+                    progress and progress["step"] >= step:
+                return attempts
             self.signal_processes(trainer, signal.SIGCONT)
+            self.assertLess(time.time(), deadline, attempts)
+            time.sleep(0.02)
 
     def signal_processes(self, pattern, signum):
         """Sends `signum` to every process whose command line contains `pattern`."""
@@ -505,12 +504,15 @@ class ServicesTest(ClusterTest):
         for kill in range(10):
             target = 20 * (kill + 1) + rng.randrange(20)
             attempts = self.train_until(job_id, kill + 1, target, deadline)
+            trainer = f"/{job_id}-g{kill + 1}-r0/"
             if kill % 2 == 0:
-                self.signal_processes(f"/{job_id}-g{kill + 1}-r0/", signal.SIGKILL)
+                self.signal_processes(trainer, signal.SIGKILL)  # stopped or not
             else:
                 worker = attempts[-1]["placements"][0]["worker_id"]
                 self.cluster.workers[worker].kill()
                 self.cluster.workers[worker].wait()
+                # The trainer finds its agent gone at its next step (or was killed with it).
+                self.signal_processes(trainer, signal.SIGCONT)
                 self.cluster.start_worker(worker)
         for one in (reference, job_id):
             watch = self.cluster.lathe("watch", one, timeout=4 * TIMEOUT)
