@@ -390,6 +390,7 @@ TEST_F(TrainerTest, QLoraTracksLoraInAFifthOfTheWeightMemory) {
   JobSpec spec = testing::TinyLoraJob(dir, config);
   spec.train.steps = 50;
   spec.lora.rank = 8;
+  spec.train.lr = 3e-3;  // (at 1e-2 both runs are chaotic: their losses spread 11% apart)
   spec.train.schedule.kind = ScheduleKind::kConstant;
   auto run = [&](Method method, Precision precision, const std::string& output) {
     JobSpec s = spec;
@@ -405,19 +406,20 @@ TEST_F(TrainerTest, QLoraTracksLoraInAFifthOfTheWeightMemory) {
   const std::vector<StepReport> qlora = run(Method::kQLora, Precision::kFp32, "qlora");
   ASSERT_EQ(lora.size(), 50u);
   ASSERT_EQ(qlora.size(), 50u);
-  // The base differs by NF4's rounding of every projection: the first step's loss within 3%
-  // (measured 1.9%), and both fall alike, the last ten steps' means within 6% (measured 4.3%:
-  // at lr 1e-2 the two runs' batches of losses spread apart; the reference tracks QLoRA against
-  // LoRA step for step on the tiny model, test_reference.py's QLoraSelfChecks).
+  // The base differs by NF4's rounding of every projection: every step's loss within 5% of
+  // LoRA's (measured: at most 2.9%, 1.9% at the first step), the last ten steps' means within
+  // 1% (measured 0.04%), and both fall alike (measured 1.06 and 1.08).
   auto mean_loss = [](const std::vector<StepReport>& r, size_t begin, size_t end) {
     double sum = 0;
     for (size_t i = begin; i < end; ++i) sum += *r[i].loss;
     return sum / static_cast<double>(end - begin);
   };
-  EXPECT_NEAR(*qlora[0].loss, *lora[0].loss, 0.03 * *lora[0].loss);
-  EXPECT_NEAR(mean_loss(qlora, 40, 50), mean_loss(lora, 40, 50), 0.06 * mean_loss(lora, 40, 50));
-  EXPECT_LT(mean_loss(qlora, 40, 50), mean_loss(qlora, 0, 10) - 0.2);
-  EXPECT_LT(mean_loss(lora, 40, 50), mean_loss(lora, 0, 10) - 0.2);
+  for (size_t i = 0; i < 50; ++i) {
+    EXPECT_NEAR(*qlora[i].loss, *lora[i].loss, 0.05 * *lora[i].loss) << "step " << i + 1;
+  }
+  EXPECT_NEAR(mean_loss(qlora, 40, 50), mean_loss(lora, 40, 50), 0.01 * mean_loss(lora, 40, 50));
+  EXPECT_LT(mean_loss(qlora, 40, 50), mean_loss(qlora, 0, 10) - 0.5);
+  EXPECT_LT(mean_loss(lora, 40, 50), mean_loss(lora, 0, 10) - 0.5);
   const auto weights = [](const StepReport& r) {
     return r.memory_at_peak[static_cast<int>(MemoryComponent::kWeights)];
   };
