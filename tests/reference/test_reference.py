@@ -311,13 +311,22 @@ def base_spec(tmp, model, data, **train):
 # Self-checks of the reference (no binaries needed)
 
 
-class ReferenceSelfChecks(unittest.TestCase):
+class TempDirTest(unittest.TestCase):
+    """A test case with a fresh temporary directory `self.tmp` (prefix PREFIX), removed after
+    each test; the binaries named by BINARIES are needed (need_binaries) first."""
+    PREFIX = "lathe-ref-"
+    BINARIES = ()
+
     def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-")
+        if self.BINARIES:
+            need_binaries(self, *self.BINARIES)
+        self.tmp = tempfile.mkdtemp(prefix=self.PREFIX)
 
     def tearDown(self):
         shutil.rmtree(self.tmp, ignore_errors=True)
 
+
+class ReferenceSelfChecks(TempDirTest):
     def test_splitmix64_vectors(self):
         # Seed 0, epoch 0 starts SplitMix64 at state 0x9E37...15, i.e. the second output of
         # the canonical SplitMix64 sequence seeded with 0.
@@ -601,12 +610,8 @@ def quadratic(shape, seed):
             lambda p: curv * (p - target))
 
 
-class OptimizerSelfChecks(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-opt-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class OptimizerSelfChecks(TempDirTest):
+    PREFIX = "lathe-ref-opt-"
 
     def _run(self, opt, params, grads):
         """Steps `opt` with grads(step) -> [grad per param] at the lrs of REPLAY_LRS."""
@@ -851,12 +856,8 @@ def mezo_z(named, seed):
     return {n: torch.randn(p.shape, generator=g, dtype=torch.float32) for n, p in named}
 
 
-class MezoSelfChecks(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-mezo-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class MezoSelfChecks(TempDirTest):
+    PREFIX = "lathe-ref-mezo-"
 
     def _setup(self, trainable, dtype=torch.float32, tied=True):
         """(spec, model, named) on a tiny tied Qwen2 (q/k/v biases) with LoRA loaded from an
@@ -1174,12 +1175,8 @@ def naive_nf4(w):
     return packed, acodes, absmax2, offset, deq
 
 
-class Nf4SelfChecks(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-nf4-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class Nf4SelfChecks(TempDirTest):
+    PREFIX = "lathe-ref-nf4-"
 
     def test_code_book(self):
         # The published levels are the paper's construction (float32 linspace points there,
@@ -1357,12 +1354,8 @@ QLORA_TRACKS_LORA_ABS_TOL = 0.03
 QLORA_TRACKS_LORA_END_ABS_TOL = 0.01
 
 
-class QLoraSelfChecks(unittest.TestCase):
-    def setUp(self):
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-qlora-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+class QLoraSelfChecks(TempDirTest):
+    PREFIX = "lathe-ref-qlora-"
 
     def test_spec(self):
         model_dir, data = os.path.join(self.tmp, "m"), os.path.join(self.tmp, "d.jsonl")
@@ -1628,15 +1621,11 @@ LORA_ALPHA = 14
 LORA_LR = 1e-2
 
 
-class FullQwen2Test(unittest.TestCase):
+class FullQwen2Test(TempDirTest):
     """(b) full fine-tuning of a tied Qwen2 (q/k/v biases), linear schedule."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-full-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-full-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_b_full_qwen2_tied(self):
         model = make_tiny_model(self.tmp, "model", "--type", "qwen2", "--tied", "--heads", 4,
@@ -1661,16 +1650,12 @@ class FullQwen2Test(unittest.TestCase):
             self.assertLess(loss, ref_steps[0]["loss"])
 
 
-class PrecisionTest(unittest.TestCase):
+class PrecisionTest(TempDirTest):
     """bf16 (with activation checkpointing) and fp16 (with loss scaling): frozen weights
     stored in 16 bits, computed in float32 on the CPU, by both implementations."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-precision-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-precision-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_f_low_precision(self):
         model = make_tiny_model(self.tmp, "model", "--seed", 16)
@@ -1690,15 +1675,11 @@ class PrecisionTest(unittest.TestCase):
                                     for s in cpp_steps), f"{precision}: {cpp_steps[:2]}")
 
 
-class UnpackedMistralTest(unittest.TestCase):
+class UnpackedMistralTest(TempDirTest):
     """(c) pack: false, prompt-masked labels, Mistral with sliding_window < seq_len."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-unpacked-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-unpacked-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_c_unpacked_sliding_window(self):
         model = make_tiny_model(self.tmp, "model", "--type", "mistral", "--heads", 4,
@@ -1722,16 +1703,12 @@ class UnpackedMistralTest(unittest.TestCase):
         self.assertTrue(any(s["tokens"] < 4 * 32 for s in ref_steps))
 
 
-class EdgeCasesTest(unittest.TestCase):
+class EdgeCasesTest(TempDirTest):
     """train.epochs instead of steps, and steps without any target (skipped, loss null,
     no optimizer update), packed and unpacked."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-edge-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-edge-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_epochs_and_steps_without_targets(self):
         model = make_tiny_model(self.tmp, "model", "--seed", 15)
@@ -1762,16 +1739,12 @@ class EdgeCasesTest(unittest.TestCase):
                 compare_series(self, ref_steps, cpp_steps, spec_path)
 
 
-class ScoreVariantsTest(unittest.TestCase):
+class ScoreVariantsTest(TempDirTest):
     """Forward-only variants through `lathe-worker score`: BF16 shards, head_dim !=
     hidden/heads, rope_theta, linear and llama3 RoPE scaling, an rsLoRA adapter."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-score-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-score-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_score_variants(self):
         data = make_data(self.tmp, "data.jsonl", records=6, max_len=48, seed=8,
@@ -1807,15 +1780,11 @@ class ScoreVariantsTest(unittest.TestCase):
                                          f"{name}: loss c++ {cpp['loss']} ref {loss}")
 
 
-class ScheduleTest(unittest.TestCase):
+class ScheduleTest(TempDirTest):
     """(e) the learning rate of every step, for each schedule kind."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-sched-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-sched-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def test_e_schedules(self):
         model = make_tiny_model(self.tmp, "model", "--layers", 1, "--seed", 14)
@@ -1860,16 +1829,12 @@ def compare_tensors(test, label, ref_t, cpp_t, exact):
                          f"{worst[-1]:.3e} exceeds 1e-6 relative + 1e-7 absolute")
 
 
-class OptimizerReplayTest(unittest.TestCase):
+class OptimizerReplayTest(TempDirTest):
     """`lathe-optimizer-replay` against the reference's optimizer_replay: the same
     parameters and gradients through each optimizer, five steps."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-optimizer-replay")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-replay-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-replay-"
+    BINARIES = ("lathe-optimizer-replay",)
 
     def test_replay(self):
         for label, train in REPLAY_CONFIGS:
@@ -1887,16 +1852,12 @@ class OptimizerReplayTest(unittest.TestCase):
                 compare_tensors(self, label, ref_t, cpp_t, exact=train["optimizer"] == "adamw8bit")
 
 
-class OptimizerTrainingTest(unittest.TestCase):
+class OptimizerTrainingTest(TempDirTest):
     """`lathe-worker train` with sgd, adafactor and adamw8bit, step for step against the
     reference (the tolerances of compare_series)."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-optim-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-optim-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def _compare(self, name, spec):
         spec_path = write_spec(os.path.join(self.tmp, f"{name}.yaml"), spec)
@@ -1952,17 +1913,13 @@ MEZO_EPS = 1e-3
 MEZO_GRAD_NORM_ABS_TOL = FIRST_LOSS_ABS_TOL / MEZO_EPS
 
 
-class MezoTrainingTest(unittest.TestCase):
+class MezoTrainingTest(TempDirTest):
     """`lathe-worker train` with method mezo (over LoRA, over every weight), step for step
     against the reference: loss, lr (compare_series' tolerances) and grad_norm
     (MEZO_GRAD_NORM_ABS_TOL); then the exported adapter or model, scored."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-mezo-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-mezo-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def _compare(self, name, spec):
         """Checks the configuration on the reference alone, then compares. Returns the
@@ -2046,17 +2003,13 @@ class MezoTrainingTest(unittest.TestCase):
         self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
 
 
-class Nf4QuantizeTest(unittest.TestCase):
+class Nf4QuantizeTest(TempDirTest):
     """`lathe-nf4-quantize` against the reference's nf4_quantize_file: the NF4
     representation (codes, absmax codes, absmax2, offset) and the dequantized weights, bit for
     bit, on nf4_test_weights."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-nf4-quantize")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-nf4q-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-nf4q-"
+    BINARIES = ("lathe-nf4-quantize",)
 
     def test_nf4_quantize(self):
         path = os.path.join(self.tmp, "in.safetensors")
@@ -2070,17 +2023,13 @@ class Nf4QuantizeTest(unittest.TestCase):
         compare_tensors(self, "nf4", ref_t, cpp_t, exact=True)
 
 
-class QLoraTrainingTest(unittest.TestCase):
+class QLoraTrainingTest(TempDirTest):
     """`lathe-worker train` with method qlora (LoRA over NF4 projections) step for step
     against the reference, the tolerances of compare_series; then the exported adapter's
     tensors (ADAPTER_ABS_TOL)."""
 
-    def setUp(self):
-        need_binaries(self, "lathe-synth", "lathe-worker")
-        self.tmp = tempfile.mkdtemp(prefix="lathe-ref-qlora-")
-
-    def tearDown(self):
-        shutil.rmtree(self.tmp, ignore_errors=True)
+    PREFIX = "lathe-ref-qlora-"
+    BINARIES = ("lathe-synth", "lathe-worker")
 
     def _spec(self, **train):
         """OptimizerTrainingTest's LoRA configuration (lathe-synth's weights, ~0.13 in the
