@@ -6,6 +6,11 @@
 #include <vector>
 
 #include "kernels/cpu/nf4.h"
+#include "kernels/ops/kernel_dispatch.h"
+
+#ifdef LATHE_TORCH_CUDA
+#include "kernels/cuda/nf4.h"
+#endif
 
 namespace lathe::kernels {
 namespace {
@@ -136,37 +141,30 @@ Nf4Weight QuantizeNf4(const at::Tensor& weight, at::Device device) {
 at::Tensor DequantizeNf4(const Nf4Weight& weight, int64_t begin, int64_t end) {
   TORCH_CHECK(0 <= begin && begin <= end && end <= weight.rows * weight.cols,
               "DequantizeNf4: range [", begin, ", ", end, ") of ", weight.rows * weight.cols);
-  if (weight.codes.device().is_cpu()) {
-    static const at::Tensor map = DynamicQuantizationMap(true);
-    at::Tensor out = at::empty({end - begin}, at::kFloat);
-    cpu::DequantizeNf4(weight.codes.data_ptr<uint8_t>(), weight.absmax_codes.data_ptr<uint8_t>(),
-                       weight.absmax2.data_ptr<float>(), static_cast<float>(weight.offset),
-                       map.data_ptr<float>(), begin, end, out.data_ptr<float>());
+  const at::Device device = weight.codes.device();
+  TORCH_CHECK(weight.absmax_codes.device() == device && weight.absmax2.device() == device,
+              "DequantizeNf4: codes on ", device, ", absmax_codes on ",
+              weight.absmax_codes.device(), ", absmax2 on ", weight.absmax2.device());
+  static const at::Tensor map = DynamicQuantizationMap(true);
+#ifdef LATHE_TORCH_CUDA
+  if (device.is_cuda()) {
+    static const cuda::Nf4Tables tables = cuda::Nf4TablesFor(map.data_ptr<float>());
+    at::Tensor out = at::empty({end - begin}, at::TensorOptions(device).dtype(at::kFloat));
+    const c10::cuda::CUDAGuard device_guard(device);
+    C10_CUDA_CHECK(cuda::DequantizeNf4(
+        weight.codes.data_ptr<uint8_t>(), weight.absmax_codes.data_ptr<uint8_t>(),
+        weight.absmax2.data_ptr<float>(), static_cast<float>(weight.offset), tables, begin, end,
+        out.data_ptr<float>(), CurrentStream(device)));
     return out;
   }
-  // Other devices: the same arithmetic in ATen ops, on whole blocks, then cut to the range.
-  const at::TensorOptions options = weight.absmax2.options();
-  const int64_t b0 = begin / cpu::kNf4Block;
-  const int64_t b1 = (end + cpu::kNf4Block - 1) / cpu::kNf4Block;
-  const at::Tensor map = DynamicQuantizationMap(true).to(options.device());
-  at::Tensor levels = at::empty({16}, at::kFloat);
-  for (int k = 0; k < 16; ++k) levels[k] = static_cast<float>(cpu::kNf4Levels[k]);
-  levels = levels.to(options.device());
-  const at::Tensor groups =
-      at::arange(b0, b1, options.dtype(at::kLong)).div(cpu::kNf4AbsmaxBlock, "floor");
-  const at::Tensor absmax =
-      map.index_select(0, weight.absmax_codes.narrow(0, b0, b1 - b0).to(at::kLong))
-          .mul(weight.absmax2.index_select(0, groups))
-          .add(weight.offset);
-  const at::Tensor packed =
-      weight.codes.narrow(0, b0 * cpu::kNf4Block / 2, (b1 - b0) * cpu::kNf4Block / 2);
-  const at::Tensor codes =
-      at::stack({packed.bitwise_and(0xF), packed.bitwise_right_shift(4)}, 1).view({-1});
-  return levels.index_select(0, codes.to(at::kLong))
-      .view({-1, cpu::kNf4Block})
-      .mul_(absmax.unsqueeze(1))
-      .view({-1})
-      .narrow(0, begin - b0 * cpu::kNf4Block, end - begin);
+#endif
+  TORCH_CHECK(device.is_cpu(), "DequantizeNf4: a weight on ", device,
+              " (CPU, or CUDA when libtorch has CUDA)");
+  at::Tensor out = at::empty({end - begin}, at::kFloat);
+  cpu::DequantizeNf4(weight.codes.data_ptr<uint8_t>(), weight.absmax_codes.data_ptr<uint8_t>(),
+                     weight.absmax2.data_ptr<float>(), static_cast<float>(weight.offset),
+                     map.data_ptr<float>(), begin, end, out.data_ptr<float>());
+  return out;
 }
 
 at::Tensor Nf4Linear(const at::Tensor& x, const Nf4Weight& weight) {

@@ -37,7 +37,9 @@ struct Nf4Weight {
 // (quantization runs on the CPU).
 Nf4Weight QuantizeNf4(const at::Tensor& weight, at::Device device);
 
-// Elements [begin, end) of the flattened weight, dequantized: float32, on its device.
+// Elements [begin, end) of the flattened weight, dequantized: float32, on its device (the CPU
+// loop, or on CUDA kernels/cuda/nf4.h's kernel, bit for bit the same values).
+// REQUIRES: the weight on the CPU, or on a CUDA device when libtorch has CUDA.
 at::Tensor DequantizeNf4(const Nf4Weight& weight, int64_t begin, int64_t end);
 
 // y = x W^T for x [..., cols] (float32), W the NF4 weight dequantized a tile of rows at a
