@@ -5,7 +5,7 @@ ranks, bench/ranks.py) and the tracking allocator measures the peak of the last 
 rank. Prints a markdown table for bench/RESULTS.md and checks issue #11's bar: every
 configuration within 5% and the median within 2%.
 
-  python3 bench/planner_accuracy.py [--bin-dir build/bin] [--quick] [--keep DIR]
+  python3 bench/planner_accuracy.py [--bin-dir build/bin] [--quick] [--keep DIR] [--only NAME]
 
 --quick runs the smaller model (what the `planner_accuracy` test runs in CI).
 Exit status 1 when the bar is missed."""
@@ -41,6 +41,7 @@ CONFIGS = [
     ("lora-z2-r2-mb4", "lora", 2, 2, False, 4, True),
     ("lora-z3-r2", "lora", 2, 3, False, 1, True),
     ("lora-z3-r4-ckpt", "lora", 4, 3, True, 1, True),
+    ("full-z1-r2", "full", 2, 1, False, 1, True),
     ("full-z2-r2", "full", 2, 2, False, 1, True),
     ("full-z3-r4-mb4", "full", 4, 3, False, 4, True),
     # Found by bench/plan_quality.py: the flat all-reduce copy of stage 0 on several ranks,
@@ -54,6 +55,11 @@ CONFIGS = [
     ("full-adamw8bit", "full", 1, 0, False, 1, True, 1, "optimizer: adamw8bit"),
     ("full-adafactor", "full", 1, 0, False, 1, True, 1, "optimizer: adafactor"),
     ("full-sgd-momentum", "full", 1, 0, False, 1, True, 1, "optimizer: sgd, sgd_momentum: 0.9"),
+    # ... and sharded: each rank's pieces of the tensors.
+    ("full-adamw8bit-z1-r2", "full", 2, 1, False, 1, True, 1, "optimizer: adamw8bit"),
+    ("full-adafactor-z3-r2", "full", 2, 3, False, 1, True, 1,
+     "optimizer: adafactor, adafactor_beta1: 0.9"),
+    ("full-sgd-z2-r2", "full", 2, 2, False, 1, True, 1, "optimizer: sgd, sgd_momentum: 0.9"),
     ("qlora", "qlora", 1, 0, False, 1, True),
     ("mezo-full", "mezo", 1, 0, False, 1, True, 1, "", "{trainable: full}"),
     ("mezo-lora-mb4", "mezo", 1, 0, False, 4, True),
@@ -66,6 +72,8 @@ def main():
                                                            "build", "bin"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--keep", help="keep the work directory here")
+    parser.add_argument("--only", help="run only the configurations whose name contains one "
+                                       "of these (comma-separated)")
     args = parser.parse_args()
     m = QUICK if args.quick else FULL
     work = args.keep or tempfile.mkdtemp(prefix="lathe-planner-accuracy-")
@@ -81,6 +89,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
     for name, method, ranks, stage, ckpt, micro, fused, *rest in CONFIGS:
+        if args.only and not any(part in name for part in args.only.split(",")):
+            continue
         accumulation = rest[0] if rest else 1
         more_train = f", {rest[1]}" if len(rest) > 1 and rest[1] else ""
         fields = {

@@ -34,7 +34,6 @@ const EngineCapabilities& Engine() {
       /*optimizers=*/
       {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit, OptimizerKind::kAdafactor,
        OptimizerKind::kSgd},
-      /*sharded_optimizers=*/{OptimizerKind::kAdamW},
       /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
       /*max_zero_stage=*/3,
       /*offload=*/true,
@@ -92,23 +91,6 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
               "zero_stage 0: it keeps no gradients or optimizer state to shard)"
             : " is not supported by this engine yet (QLoRA runs on a replicated model, "
               "zero_stage 0; its NF4 weights are not sharded yet)"));
-  }
-  if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
-      spec.train.paged_optimizer) {
-    return absl::UnimplementedError(absl::StrCat(
-        "train.paged_optimizer: true with strategy.zero_stage ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " and offload" : "",
-        " is not supported by this engine yet (paging runs on a replicated model; sharded runs "
-        "offload their optimizer state with strategy.offload_optimizer)"));
-  }
-  if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
-      !Contains(caps.sharded_optimizers, spec.train.optimizer)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "strategy.zero_stage: ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " with offload" : "", " with train.optimizer ",
-        OptimizerKindName(spec.train.optimizer),
-        " is not supported by this engine yet (it runs on a replicated model, zero_stage 0; "
-        "sharded and offloaded runs use adamw)"));
   }
   if (!caps.offload && !s.automatic) {
     for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},

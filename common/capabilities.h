@@ -25,9 +25,6 @@ struct EngineCapabilities {
   std::vector<std::string> model_types;  // config.json's model_type
   std::vector<Precision> precisions;
   std::vector<OptimizerKind> optimizers;
-  // The optimizers that also run sharded (ZeRO stages 1-3) and offloaded; the others run on
-  // a replicated model (stage 0, data parallel) only.
-  std::vector<OptimizerKind> sharded_optimizers;
   std::vector<DeviceKind> devices;
   int64_t max_zero_stage = 0;
   bool offload = false;        // offload_optimizer, offload_params

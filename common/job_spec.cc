@@ -429,6 +429,7 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
                                      "adafactor_beta1",
                                      "adafactor_decay_rate",
                                      "adafactor_clip_threshold",
+                                     "adafactor_relative_step",
                                      "paged_optimizer",
                                      "max_grad_norm",
                                      "precision",
@@ -498,6 +499,10 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   if (const YAML::Node v = node["adafactor_clip_threshold"]) {
     LATHE_RETURN_IF_ERROR(
         r.ReadDouble(v, "train.adafactor_clip_threshold", &train->adafactor_clip_threshold));
+  }
+  if (const YAML::Node v = node["adafactor_relative_step"]) {
+    LATHE_RETURN_IF_ERROR(
+        r.ReadBool(v, "train.adafactor_relative_step", &train->adafactor_relative_step));
   }
   if (const YAML::Node v = node["paged_optimizer"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "train.paged_optimizer", &train->paged_optimizer));
@@ -946,6 +951,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
         {"adafactor_beta1", t.adafactor_beta1},
         {"adafactor_decay_rate", t.adafactor_decay_rate},
         {"adafactor_clip_threshold", t.adafactor_clip_threshold},
+        {"adafactor_relative_step", t.adafactor_relative_step},
         {"paged_optimizer", t.paged_optimizer},
         {"max_grad_norm", t.max_grad_norm},
         {"precision", name(PrecisionName(t.precision))},

@@ -85,6 +85,9 @@ struct TrainSpec {
   double adafactor_beta1 = 0.0;
   double adafactor_decay_rate = -0.8;
   double adafactor_clip_threshold = 1.0;
+  // adafactor: the paper's relative step size instead of the schedule's lr: at step t,
+  // max(1e-3, RMS(parameter)) * min(1e-2, 1 / sqrt(t)).
+  bool adafactor_relative_step = false;
   // Optimizer state in host memory, paged to the device one tensor at a time for the step
   // (on the CPU the same copies stay within host memory).
   bool paged_optimizer = false;

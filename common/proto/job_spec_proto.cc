@@ -113,6 +113,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_adafactor_beta1(t.adafactor_beta1);
   train->set_adafactor_decay_rate(t.adafactor_decay_rate);
   train->set_adafactor_clip_threshold(t.adafactor_clip_threshold);
+  train->set_adafactor_relative_step(t.adafactor_relative_step);
   train->set_paged_optimizer(t.paged_optimizer);
   train->set_max_grad_norm(t.max_grad_norm);
   train->set_precision(ToProtoEnum(kPrecisions, t.precision));
@@ -202,6 +203,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   if (train.has_adafactor_clip_threshold()) {
     t.adafactor_clip_threshold = train.adafactor_clip_threshold();
   }
+  t.adafactor_relative_step = train.adafactor_relative_step();
   t.paged_optimizer = train.paged_optimizer();
   if (train.has_max_grad_norm()) t.max_grad_norm = train.max_grad_norm();
   LATHE_ASSIGN_OR_RETURN(t.precision, FromProtoEnum(kPrecisions, train.precision(), t.precision,

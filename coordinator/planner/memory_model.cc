@@ -1,6 +1,7 @@
 #include "coordinator/planner/memory_model.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "common/flat_layout.h"
@@ -154,11 +155,20 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
     const int64_t projections = m.num_layers * (m.block.attention + m.block.mlp);
     states.weights += Nf4Bytes(projections) - projections * w.weight;
   }
-  if (p.zero_stage == 0 && job.optimizer.kind != OptimizerKind::kAdamW) {
+  if (job.optimizer.kind != OptimizerKind::kAdamW) {
     absl::StatusOr<std::vector<TrainableShape>> shapes =
         TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);
     if (!shapes.ok()) return shapes.status();
-    states.optimizer = OptimizerStateBytes(*shapes, job.optimizer);
+    const int64_t state =
+        OptimizerStateBytes(*shapes, job.optimizer, p.zero_stage > 0 ? job.ranks : 1);
+    if (choice.offload_optimizer) {
+      // ModelStates counted AdamW's two moments in host memory: this optimizer's instead.
+      int64_t slices = 0;
+      for (const UnitElements& u : *units) slices += ShardNumel(u.trainable, job.ranks);
+      states.host += state - 8 * slices;
+    } else {
+      states.optimizer = state;
+    }
   }
   // Paged on CUDA, the state lives in host memory; one tensor's is on the device during the
   // step (below). On the CPU host and device memory are one.
@@ -375,21 +385,27 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // The optimizer step: every gradient, and two temporaries of the largest tensor (of the
   // largest unit's slice when sharded); offloaded, the step runs in host memory.
   Moment step = base("the optimizer step", true);
+  // Sharded, the optimizer steps each tensor's piece of this rank's slice: at most the
+  // largest unit's slice.
+  const int64_t cap = p.zero_stage == 0 ? std::numeric_limits<int64_t>::max()
+                                        : ShardNumel(largest_unit_trainable, job.ranks);
+  const int64_t largest = std::min(LargestTrainableTensor(job), cap);
+  // 8-bit AdamW takes AdamW's path for the embeddings (float32 moments), its own for the
+  // rest.
+  const int64_t temporaries =
+      job.optimizer.kind == OptimizerKind::kAdamW8bit
+          ? std::max(8 * largest,
+                     StepTemporaryBytesPerElement(job.optimizer) *
+                         std::min(LargestTrainableTensor(job, /*with_embeddings=*/false), cap))
+          : StepTemporaryBytesPerElement(job.optimizer) * largest;
   if (p.zero_stage == 0) {
     at(step, MemoryComponent::kGradients) = made;
-    const int64_t largest = LargestTrainableTensor(job);
-    // 8-bit AdamW takes AdamW's path for the embeddings (float32 moments), its own for the
-    // rest.
-    const int64_t temporaries =
-        job.optimizer.kind == OptimizerKind::kAdamW8bit
-            ? std::max(8 * largest, StepTemporaryBytesPerElement(job.optimizer) *
-                                        LargestTrainableTensor(job, /*with_embeddings=*/false))
-            : StepTemporaryBytesPerElement(job.optimizer) * largest;
     at(step, MemoryComponent::kOptimizer) +=
         temporaries + (paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
-  } else if (!choice.offload_optimizer) {
-    at(step, MemoryComponent::kOptimizer) +=
-        2 * 4 * ((largest_unit_trainable + job.ranks - 1) / job.ranks);
+  } else {
+    // Stage 1's whole gradients were reduced into slices before the step.
+    at(step, MemoryComponent::kGradients) = all_slices;
+    if (!choice.offload_optimizer) at(step, MemoryComponent::kOptimizer) += temporaries;
   }
   moments.push_back(step);
 

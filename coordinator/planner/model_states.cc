@@ -94,24 +94,25 @@ OptimizerChoice OptimizerChoiceOf(const TrainSpec& train) {
 }
 
 int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
-                            const OptimizerChoice& optimizer) {
+                            const OptimizerChoice& optimizer, int64_t ranks) {
   constexpr int64_t kMin8bit = 4096, kBlock = 2048;
   int64_t bytes = 0;
   for (const TrainableShape& shape : shapes) {
     const std::vector<int64_t>& s = shape.dims;
-    int64_t n = 1;
-    for (int64_t d : s) n *= d;
+    int64_t whole = 1;
+    for (int64_t d : s) whole *= d;
+    const int64_t n = (whole + ranks - 1) / ranks;  // this rank's piece
     switch (optimizer.kind) {
       case OptimizerKind::kAdamW:
         bytes += 8 * n;
         break;
       case OptimizerKind::kAdamW8bit: {
         const int64_t blocks = (n + kBlock - 1) / kBlock;
-        bytes += n < kMin8bit || shape.embeddings ? 8 * n : 2 * blocks * kBlock + 8 * blocks;
+        bytes += whole < kMin8bit || shape.embeddings ? 8 * n : 2 * blocks * kBlock + 8 * blocks;
         break;
       }
-      case OptimizerKind::kAdafactor:
-        bytes += s.size() >= 2 ? 4 * (n / s.back() + n / s[s.size() - 2]) : 4 * n;
+      case OptimizerKind::kAdafactor:  // the factored statistics whole on every rank
+        bytes += s.size() >= 2 ? 4 * (whole / s.back() + whole / s[s.size() - 2]) : 4 * n;
         if (optimizer.first_moment) bytes += 4 * n;
         break;
       case OptimizerKind::kSgd:

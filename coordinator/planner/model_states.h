@@ -67,13 +67,15 @@ struct OptimizerChoice {
 };
 OptimizerChoice OptimizerChoiceOf(const TrainSpec& train);
 
-// Bytes of optimizer state for tensors of `shapes` on one replicated rank (docs/training.md,
+// Bytes of optimizer state for tensors of `shapes` on one rank (docs/training.md,
 // "Optimizers"): AdamW 8 per element; 8-bit AdamW 2 per element (padded to whole blocks of
-// 2048) and 8 per block, or 8 per element below 4096 elements and for the embeddings; Adafactor 4 x
-// (rows + cols) per matrix and 4 per vector element, plus 4 per element with a first moment; SGD 4
-// per element with momentum, else nothing.
+// 2048) and 8 per block, or 8 per element below 4096 elements and for the embeddings;
+// Adafactor 4 x (rows + cols) per matrix and 4 per vector element, plus 4 per element with a
+// first moment; SGD 4 per element with momentum, else nothing. Sharded over `ranks` (ZeRO
+// 1-3), the per-element state of a rank's 1/ranks of each tensor (8-bit blocks of that
+// piece) and Adafactor's factored statistics whole.
 int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
-                            const OptimizerChoice& optimizer);
+                            const OptimizerChoice& optimizer, int64_t ranks = 1);
 
 // Bytes per element of the largest trainable tensor that the optimizer step's temporaries
 // take, as bench/planner_accuracy.py measured them (AdamW: its denominator and a quotient;

@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "common/capabilities.h"
 #include "common/flops.h"
 #include "common/model_config.h"
 #include "coordinator/planner/calibration.h"
@@ -142,12 +141,9 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
   const StrategySpec& s = spec.strategy;
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
-  // The optimizers that run on a replicated model only, paged optimizer state and MeZO stay
-  // at stage 0 without offload.
-  const std::vector<OptimizerKind>& sharded = Engine().sharded_optimizers;
-  const bool shards =
-      std::find(sharded.begin(), sharded.end(), spec.train.optimizer) != sharded.end() &&
-      !spec.train.paged_optimizer && spec.method != Method::kMezo && spec.method != Method::kQLora;
+  // MeZO (nothing to shard) and QLoRA (NF4 weights are not sharded) stay at stage 0
+  // without offload.
+  const bool shards = spec.method != Method::kMezo && spec.method != Method::kQLora;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);

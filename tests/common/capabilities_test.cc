@@ -34,12 +34,19 @@ TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
   spec.strategy.activation_checkpointing = true;
   spec.strategy.chunked_loss = true;
   EXPECT_TRUE(CheckEngineSupports(spec).ok());
-  for (int64_t stage : {1, 2, 3}) {  // ZeRO and offload on the CPU
+  for (int64_t stage : {1, 2, 3}) {  // ZeRO and offload on the CPU, with every optimizer
     spec.strategy.zero_stage = stage;
     spec.strategy.offload_optimizer = true;
     spec.strategy.offload_params = stage == 3;
-    EXPECT_TRUE(CheckEngineSupports(spec).ok()) << stage;
+    for (OptimizerKind optimizer : {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit,
+                                    OptimizerKind::kAdafactor, OptimizerKind::kSgd}) {
+      spec.train.optimizer = optimizer;
+      spec.train.paged_optimizer = optimizer == OptimizerKind::kAdamW8bit;
+      EXPECT_TRUE(CheckEngineSupports(spec).ok()) << stage << " " << OptimizerKindName(optimizer);
+    }
   }
+  spec.train.optimizer = OptimizerKind::kAdamW;
+  spec.train.paged_optimizer = false;
   spec.strategy.zero_stage = 0;
   spec.strategy.offload_optimizer = spec.strategy.offload_params = false;
   spec.resources.device = DeviceKind::kCuda;
@@ -75,14 +82,6 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         "strategy.zero_stage: 3 with method qlora is not supported by this engine "
                         "yet (QLoRA runs on a replicated model"},
-        UnsupportedCase{"ShardedAdafactor",
-                        [](JobSpec* s) {
-                          s->train.optimizer = OptimizerKind::kAdafactor;
-                          s->strategy.automatic = false;
-                          s->strategy.zero_stage = 2;
-                        },
-                        "strategy.zero_stage: 2 with train.optimizer adafactor is not supported "
-                        "by this engine yet (it runs on a replicated model, zero_stage 0"},
         UnsupportedCase{"ShardedMezo",
                         [](JobSpec* s) {
                           s->method = Method::kMezo;
@@ -91,22 +90,6 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         "strategy.zero_stage: 3 with method mezo is not supported by this engine "
                         "yet"},
-        UnsupportedCase{"PagedAndSharded",
-                        [](JobSpec* s) {
-                          s->train.paged_optimizer = true;
-                          s->strategy.automatic = false;
-                          s->strategy.zero_stage = 1;
-                        },
-                        "train.paged_optimizer: true with strategy.zero_stage 1 is not supported "
-                        "by this engine yet"},
-        UnsupportedCase{"Offloaded8bit",
-                        [](JobSpec* s) {
-                          s->train.optimizer = OptimizerKind::kAdamW8bit;
-                          s->strategy.automatic = false;
-                          s->strategy.zero_stage = 3;
-                          s->strategy.offload_optimizer = true;
-                        },
-                        "strategy.zero_stage: 3 with offload with train.optimizer adamw8bit"},
         UnsupportedCase{"ZeroOnCuda",
                         [](JobSpec* s) {
                           s->resources.device = DeviceKind::kCuda;

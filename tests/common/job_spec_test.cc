@@ -51,6 +51,7 @@ train:
   adafactor_beta1: 0.25
   adafactor_decay_rate: -0.5
   adafactor_clip_threshold: 2
+  adafactor_relative_step: true
   paged_optimizer: true
   max_grad_norm: 0.5
   precision: bf16
@@ -83,7 +84,7 @@ constexpr char kFullJson[] = R"json({
 		"schedule": {"kind": "linear", "warmup_steps": 50},
 		"optimizer": "adamw8bit", "adam_beta1": 0.8, "adam_beta2": 0.95, "adam_eps": 1.0e-6,
 		"weight_decay": 0.01, "sgd_momentum": 0.5, "sgd_nesterov": true, "adafactor_beta1": 0.25,
-		"adafactor_decay_rate": -0.5, "adafactor_clip_threshold": 2, "paged_optimizer": true,
+		"adafactor_decay_rate": -0.5, "adafactor_clip_threshold": 2, "adafactor_relative_step": true, "paged_optimizer": true,
 		"max_grad_norm": 0.5, "precision": "bf16", "seed": 1234,
 		"checkpoint_every": 100
 	},
@@ -160,6 +161,7 @@ void ExpectFullSpec(const JobSpec& spec) {
   EXPECT_EQ(spec.train.adafactor_beta1, 0.25);
   EXPECT_EQ(spec.train.adafactor_decay_rate, -0.5);
   EXPECT_EQ(spec.train.adafactor_clip_threshold, 2.0);
+  EXPECT_TRUE(spec.train.adafactor_relative_step);
   EXPECT_TRUE(spec.train.paged_optimizer);
   EXPECT_EQ(spec.train.max_grad_norm, 0.5);
   EXPECT_EQ(spec.train.precision, Precision::kBf16);
@@ -537,6 +539,8 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"train", "{steps: 10, optimizer: sgd, sgd_nesterov: true}"}},
        "job.yaml: train.sgd_nesterov: needs train.sgd_momentum > 0"},
       {{{"train", "{steps: 10, sgd_nesterov: maybe}"}}, "job.yaml: train.sgd_nesterov: "},
+      {{{"train", "{steps: 10, adafactor_relative_step: 2}"}},
+       "job.yaml: train.adafactor_relative_step: "},
       {{{"train", "{steps: 10, adafactor_beta1: -0.1}"}},
        "job.yaml: train.adafactor_beta1: must be in [0, 1), got -0.1"},
       {{{"train", "{steps: 10, adafactor_decay_rate: 0}"}},

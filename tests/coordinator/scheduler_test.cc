@@ -933,11 +933,11 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   qlora.mutable_strategy()->set_zero_stage(3);
   ExpectRefused(qlora, "spec: strategy.zero_stage: 3 with method qlora is not supported", {},
                 absl::StatusCode::kUnimplemented);
-  v1::JobSpec sharded_sgd = spec;
-  sharded_sgd.mutable_train()->set_optimizer(v1::OPTIMIZER_SGD);
-  sharded_sgd.mutable_strategy()->set_automatic(false);
-  sharded_sgd.mutable_strategy()->set_zero_stage(1);
-  ExpectRefused(sharded_sgd, "spec: strategy.zero_stage: 1 with train.optimizer sgd", {},
+  v1::JobSpec sharded_mezo = spec;
+  sharded_mezo.set_method(v1::METHOD_MEZO);
+  sharded_mezo.mutable_strategy()->set_automatic(false);
+  sharded_mezo.mutable_strategy()->set_zero_stage(1);
+  ExpectRefused(sharded_mezo, "spec: strategy.zero_stage: 1 with method mezo", {},
                 absl::StatusCode::kUnimplemented);
 }
 

@@ -839,12 +839,12 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   EXPECT_THAT(status.message(), HasSubstr("with method qlora is not supported"));
 
   spec = spec_;
-  spec.train.optimizer = OptimizerKind::kSgd;
+  spec.method = Method::kMezo;
   spec.strategy.automatic = false;
   spec.strategy.zero_stage = 1;
   status = CreateStatus(spec);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(status.message(), HasSubstr("with train.optimizer sgd is not supported"));
+  EXPECT_THAT(status.message(), HasSubstr("with method mezo is not supported"));
 
   // A plan that does not fit the spec.
   spec = spec_;

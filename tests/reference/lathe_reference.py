@@ -826,12 +826,14 @@ def optimizer_fields(train, source):
          "sgd_nesterov": train.get("sgd_nesterov", False),
          "adafactor_beta1": float(train.get("adafactor_beta1", 0.0)),
          "adafactor_decay_rate": float(train.get("adafactor_decay_rate", -0.8)),
-         "adafactor_clip_threshold": float(train.get("adafactor_clip_threshold", 1.0))}
+         "adafactor_clip_threshold": float(train.get("adafactor_clip_threshold", 1.0)),
+         "adafactor_relative_step": train.get("adafactor_relative_step", False)}
     if o["optimizer"] not in OPTIMIZERS:
         raise ReferenceError(f"{source}: train.optimizer: unknown {o['optimizer']!r} "
                              f"(one of {', '.join(OPTIMIZERS)})")
-    if not isinstance(o["sgd_nesterov"], bool):
-        raise ReferenceError(f"{source}: train.sgd_nesterov: expected true or false")
+    for key in ("sgd_nesterov", "adafactor_relative_step"):
+        if not isinstance(o[key], bool):
+            raise ReferenceError(f"{source}: train.{key}: expected true or false")
     for key, low, high in (("sgd_momentum", 0.0, 1.0), ("adafactor_beta1", 0.0, 1.0),
                            ("adafactor_decay_rate", -1.0, 0.0)):
         if not low <= o[key] < high:
@@ -985,12 +987,15 @@ class Adafactor(torch.optim.Optimizer):
     """Adafactor (Shazeer & Stern 2018) with a fixed learning rate: second moment factored
     over the last two dims (state `exp_avg_sq_row`, `exp_avg_sq_col`) or not (`exp_avg_sq`)
     with beta2 = 1 - t^decay_rate, update RMS clipped to clip_threshold, optional first
-    moment (`exp_avg`, when beta1 > 0), decoupled weight decay."""
+    moment (`exp_avg`, when beta1 > 0), decoupled weight decay. With relative_step the
+    step size replaces lr: max(1e-3, RMS(p)) * min(1e-2, 1 / sqrt(t)), p before the step."""
 
-    def __init__(self, params, lr, beta1, decay_rate, clip_threshold, weight_decay):
+    def __init__(self, params, lr, beta1, decay_rate, clip_threshold, weight_decay,
+                 relative_step=False):
         super().__init__(params, {"lr": lr, "beta1": beta1, "decay_rate": decay_rate,
                                   "clip_threshold": clip_threshold,
-                                  "weight_decay": weight_decay})
+                                  "weight_decay": weight_decay,
+                                  "relative_step": relative_step})
 
     @torch.no_grad()
     def step(self):
@@ -1010,6 +1015,9 @@ class Adafactor(torch.optim.Optimizer):
                     if beta1 > 0:
                         state["exp_avg"] = torch.zeros_like(g)
                 state["step"] += 1
+                if group["relative_step"]:
+                    rms_p = torch.linalg.vector_norm(p, 2).div(math.sqrt(p.numel())).item()
+                    lr = max(1e-3, rms_p) * min(1e-2, 1.0 / math.sqrt(state["step"]))
                 rho = 1.0 - state["step"] ** group["decay_rate"]
                 u2 = g.mul(g).add_(1e-30)
                 if g.dim() >= 2:
@@ -1056,7 +1064,8 @@ def make_optimizer(groups, t, lr, float32_params=()):
                                foreach=False)
     if kind == "adafactor":
         return Adafactor(groups, lr, t["adafactor_beta1"], t["adafactor_decay_rate"],
-                         t["adafactor_clip_threshold"], t["weight_decay"])
+                         t["adafactor_clip_threshold"], t["weight_decay"],
+                         t["adafactor_relative_step"])
     betas = (t["adam_beta1"], t["adam_beta2"])
     if kind == "adamw8bit":
         return AdamW8bit(groups, lr, betas, t["adam_eps"], t["weight_decay"], float32_params)

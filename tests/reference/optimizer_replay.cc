@@ -42,6 +42,7 @@ absl::StatusOr<TrainSpec> TrainFrom(const nlohmann::json& train) {
   t.adafactor_beta1 = train.value("adafactor_beta1", t.adafactor_beta1);
   t.adafactor_decay_rate = train.value("adafactor_decay_rate", t.adafactor_decay_rate);
   t.adafactor_clip_threshold = train.value("adafactor_clip_threshold", t.adafactor_clip_threshold);
+  t.adafactor_relative_step = train.value("adafactor_relative_step", t.adafactor_relative_step);
   return t;
 }
 

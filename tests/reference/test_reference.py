@@ -583,6 +583,8 @@ REPLAY_CONFIGS = (
     ("adafactor", {"optimizer": "adafactor"}),
     ("adafactor-beta1", {"optimizer": "adafactor", "adafactor_beta1": 0.9,
                          "weight_decay": 0.01}),
+    ("adafactor-relative", {"optimizer": "adafactor", "adafactor_relative_step": True,
+                            "weight_decay": 0.01}),
 )
 
 
@@ -670,7 +672,8 @@ class OptimizerSelfChecks(TempDirTest):
         t = ref.optimizer_fields({}, "job")
         self.assertEqual((t["optimizer"], t["sgd_momentum"], t["sgd_nesterov"],
                           t["adafactor_beta1"], t["adafactor_decay_rate"],
-                          t["adafactor_clip_threshold"]), ("adamw", 0.0, False, 0.0, -0.8, 1.0))
+                          t["adafactor_clip_threshold"], t["adafactor_relative_step"]),
+                         ("adamw", 0.0, False, 0.0, -0.8, 1.0, False))
         for bad, field in (({"optimizer": "adam"}, "train.optimizer"),
                            ({"sgd_momentum": 1.0}, "train.sgd_momentum"),
                            ({"sgd_momentum": -0.1}, "train.sgd_momentum"),
@@ -679,7 +682,8 @@ class OptimizerSelfChecks(TempDirTest):
                            ({"adafactor_beta1": 1.0}, "train.adafactor_beta1"),
                            ({"adafactor_decay_rate": 0.0}, "train.adafactor_decay_rate"),
                            ({"adafactor_decay_rate": -1.5}, "train.adafactor_decay_rate"),
-                           ({"adafactor_clip_threshold": 0}, "train.adafactor_clip_threshold")):
+                           ({"adafactor_clip_threshold": 0}, "train.adafactor_clip_threshold"),
+                           ({"adafactor_relative_step": 1}, "train.adafactor_relative_step")):
             with self.assertRaisesRegex(ref.ReferenceError, "^job: " + field + ": ",
                                         msg=str(bad)):
                 ref.optimizer_fields(bad, "job")
@@ -789,6 +793,26 @@ class OptimizerSelfChecks(TempDirTest):
             u = u / max(1.0, (u.norm() / math.sqrt(u.numel())).item() / clip)
             want = p0.double() * (1 - 0.01 * 0.1) - 0.01 * u
             self.assertLess((p.detach().double() - want).abs().max().item(), 1e-6, str(shape))
+
+    def test_adafactor_relative_step(self):
+        # The step size is max(1e-3, RMS(p)) * min(1e-2, 1 / sqrt(t)), whatever lr says:
+        # with clipping at 1 and a constant gradient, each factored update has RMS 1, so the
+        # parameter moves by exactly that size (times its update) each step.
+        g0 = torch.Generator().manual_seed(5)
+        for scale in (1e-4, 2.0):  # RMS below and above 1e-3
+            p0 = torch.randn(16, 24, generator=g0) * scale
+            g = torch.randn(16, 24, generator=g0)
+            p = torch.nn.Parameter(p0.clone())
+            opt = ref.Adafactor([{"params": [p], "weight_decay": 0.0}], 123.0, 0.0, -0.8, 1.0,
+                                0.0, relative_step=True)
+            for t in range(1, 4):
+                before = p.detach().clone()
+                rms = (before.norm() / math.sqrt(before.numel())).item()
+                p.grad = g
+                opt.step()
+                size = max(1e-3, rms) * min(1e-2, 1 / math.sqrt(t))
+                moved = ((before - p.detach()).norm() / math.sqrt(p.numel())).item()
+                self.assertAlmostEqual(moved / size, 1.0, places=4, msg=f"scale {scale} t {t}")
 
     def test_replay_cli_and_state_names(self):
         big = {name: -(-math.prod(shape) // ref.QUANT_BLOCK)

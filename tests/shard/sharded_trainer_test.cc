@@ -274,6 +274,85 @@ TEST_F(ShardedTrainerTest, CheckpointsResumeOnAnotherNumberOfRanks) {
   }
 }
 
+// Each optimizer on the pieces of tensors a rank owns: SGD and Adafactor (whose factored
+// statistics are summed over the ranks) give the single process's losses; 8-bit AdamW
+// quantizes each rank's piece in blocks of its own, so it follows them closely. Full
+// fine-tuning, with matrices split mid-row between ranks, vectors and 8-bit-sized tensors.
+TEST_F(ShardedTrainerTest, EveryOptimizerOnTheRanksPiecesGivesTheSingleProcessLosses) {
+  config_.vocab_size = 128;
+  config_.intermediate_size = 128;  // [128, 32] projections and head: 8-bit moments
+  spec_ = testing::TinyLoraJob(dir_, config_);
+  spec_.method = Method::kFull;
+  spec_.train.lr = 1e-3;
+  spec_.train.global_batch = 6;
+  spec_.train.micro_batch = 1;
+  spec_.train.steps = 4;
+  spec_.train.weight_decay = 0.01;
+  spec_.train.max_grad_norm = 0.5;
+  struct Case {
+    const char* name;
+    OptimizerKind optimizer;
+    double relative;
+  };
+  for (const Case& c :
+       {Case{"sgd", OptimizerKind::kSgd, 1e-5}, Case{"adafactor", OptimizerKind::kAdafactor, 1e-5},
+        Case{"adafactor-relative", OptimizerKind::kAdafactor, 1e-5},
+        Case{"adamw8bit", OptimizerKind::kAdamW8bit, 1e-4}}) {
+    JobSpec spec = spec_;
+    spec.train.optimizer = c.optimizer;
+    spec.train.sgd_momentum = 0.9;
+    spec.train.sgd_nesterov = true;
+    spec.train.adafactor_beta1 = 0.9;
+    spec.train.lr = c.optimizer == OptimizerKind::kSgd ? 0.05 : 1e-3;
+    spec.train.adafactor_relative_step = std::string(c.name) == "adafactor-relative";
+    const std::vector<double> want = Reference(spec, absl::StrCat("single-", c.name));
+    for (int64_t stage : {1, 3}) {
+      ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(c.name, "-s", stage)), want, c.relative);
+    }
+    JobSpec paged = Sharded(spec, 2, 2, absl::StrCat(c.name, "-paged-offloaded"));
+    paged.train.paged_optimizer = true;
+    paged.strategy.offload_optimizer = true;
+    ExpectMatches(paged, want, c.relative);
+  }
+}
+
+TEST_F(ShardedTrainerTest, EveryOptimizersStateResumes) {
+  config_.intermediate_size = 128;
+  spec_ = testing::TinyLoraJob(dir_, config_);
+  spec_.method = Method::kFull;
+  spec_.train.lr = 1e-3;
+  spec_.train.global_batch = 6;
+  spec_.train.micro_batch = 1;
+  spec_.train.steps = 6;
+  for (OptimizerKind optimizer :
+       {OptimizerKind::kSgd, OptimizerKind::kAdafactor, OptimizerKind::kAdamW8bit}) {
+    JobSpec spec = spec_;
+    spec.train.optimizer = optimizer;
+    spec.train.sgd_momentum = 0.9;
+    spec.train.adafactor_beta1 = 0.9;
+    const std::string name(OptimizerKindName(optimizer));
+    // Stopped after step 3 on 3 ranks, resumed on 2 (8-bit: on 3, its blocks are the
+    // writer's pieces), against the uninterrupted run.
+    const bool eight_bit = optimizer == OptimizerKind::kAdamW8bit;
+    const int64_t to = eight_bit ? 3 : 2;
+    const RankRun straight = RunRanks(Sharded(spec, to, 3, name + "-straight"));
+    ASSERT_TRUE(straight.statuses[0].ok()) << straight.statuses[0];
+    RankRun stopped = RunRanks(Sharded(spec, 3, 3, name), 3, 2);
+    ASSERT_EQ(stopped.losses[0].size(), 3u) << name;
+    if (eight_bit) {
+      RankRun refused = RunRanks(Sharded(spec, 2, 3, name));
+      EXPECT_EQ(refused.statuses[0].code(), absl::StatusCode::kFailedPrecondition) << name;
+      EXPECT_THAT(refused.statuses[0].message(),
+                  HasSubstr("its 8-bit optimizer state was written on 3 ranks"));
+    }
+    RankRun resumed = RunRanks(Sharded(spec, to, 3, name));
+    for (const absl::Status& s : resumed.statuses) ASSERT_TRUE(s.ok()) << name << ": " << s;
+    std::vector<double> losses = stopped.losses[0];
+    losses.insert(losses.end(), resumed.losses[0].begin(), resumed.losses[0].end());
+    ExpectLossesNear(losses, straight.losses[0], eight_bit ? 0 : 1e-5, name);
+  }
+}
+
 TEST_F(ShardedTrainerTest, AStageZeroRunRefusesASharedCheckpointClearly) {
   JobSpec spec = Sharded(spec_, 2, 3, "mixed");
   spec.train.steps = 6;

@@ -25,12 +25,13 @@ void AdamWUpdate(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
 
 class AdamW final : public Optimizer {
  public:
-  AdamW(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged)
-      : Optimizer(std::move(params), paged), options_(options) {
+  AdamW(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged,
+        const OptimizerSharding* sharding)
+      : Optimizer(std::move(params), paged, sharding), options_(options) {
     for (size_t i = 0; i < this->params().size(); ++i) {
       const NamedParameter& p = this->params()[i];
-      AddState(i, "exp_avg." + p.name, at::zeros_like(p.tensor));
-      AddState(i, "exp_avg_sq." + p.name, at::zeros_like(p.tensor));
+      AddState(i, "exp_avg", at::zeros_like(p.tensor));
+      AddState(i, "exp_avg_sq", at::zeros_like(p.tensor));
     }
   }
 
@@ -62,8 +63,9 @@ at::Tensor Dequantize(const at::Tensor& map, const at::Tensor& codes, const at::
 
 class AdamW8bit final : public Optimizer {
  public:
-  AdamW8bit(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged)
-      : Optimizer(std::move(params), paged), options_(options) {
+  AdamW8bit(std::vector<NamedParameter> params, const AdamWOptions& options, bool paged,
+            const OptimizerSharding* sharding)
+      : Optimizer(std::move(params), paged, sharding), options_(options) {
     const at::Device device =
         this->params().empty() ? at::Device(at::kCPU) : this->params()[0].tensor.device();
     for (bool is_signed : {true, false}) {
@@ -73,22 +75,23 @@ class AdamW8bit final : public Optimizer {
     }
     for (size_t i = 0; i < this->params().size(); ++i) {
       const NamedParameter& p = this->params()[i];
-      const int64_t n = p.tensor.numel();
-      if (n < kMin8bitElements || KeepsFloat32Moments(p.name)) {
-        AddState(i, "exp_avg." + p.name, at::zeros_like(p.tensor));
-        AddState(i, "exp_avg_sq." + p.name, at::zeros_like(p.tensor));
+      // Decided by the whole tensor, so that a rank's small piece of a large one is 8-bit too.
+      if (WholeNumel(i) < kMin8bitElements || KeepsFloat32Moments(p.name)) {
+        AddState(i, "exp_avg", at::zeros_like(p.tensor));
+        AddState(i, "exp_avg_sq", at::zeros_like(p.tensor));
         continue;
       }
+      const int64_t n = p.tensor.numel();
       const int64_t blocks = (n + kBlock8bit - 1) / kBlock8bit;
       const at::TensorOptions f32 = p.tensor.options().dtype(at::kFloat);
       // The first moment on the signed map, the second on the unsigned one.
       for (auto [moment, is_signed] :
-           {std::pair{"exp_avg.", true}, std::pair{"exp_avg_sq.", false}}) {
+           {std::pair{"exp_avg", true}, std::pair{"exp_avg_sq", false}}) {
         at::Tensor codes = at::empty({blocks * kBlock8bit}, f32.dtype(at::kByte));
         at::Tensor absmax = at::empty({blocks}, f32);
         Quantize(at::zeros({blocks * kBlock8bit}, f32), mids_[is_signed], codes, absmax);
-        AddState(i, absl::StrCat(moment, p.name, ".codes"), std::move(codes));
-        AddState(i, absl::StrCat(moment, p.name, ".absmax"), std::move(absmax));
+        AddState(i, moment, std::move(codes), StateLayout::kBlocks, ".codes");
+        AddState(i, moment, std::move(absmax), StateLayout::kBlocks, ".absmax");
       }
     }
   }
@@ -96,6 +99,7 @@ class AdamW8bit final : public Optimizer {
  private:
   void Update(size_t i, at::Tensor& param, const at::Tensor& grad, double lr) override {
     std::vector<at::Tensor>& s = state(i);
+    if (param.numel() == 0) return;  // a rank's empty piece
     DecoupledDecay(i, param, lr, options_.weight_decay);
     if (s.size() == 2) {
       AdamWUpdate(param, grad, s[0], s[1], options_, steps(), lr);
@@ -128,31 +132,49 @@ struct AdafactorOptions {
   double decay_rate = -0.8;
   double clip_threshold = 1.0;
   double weight_decay = 0.0;
+  bool relative_step = false;
 };
+
+// Adafactor's relative step size at step `step` for a parameter of RMS `param_rms`.
+double RelativeStep(double param_rms, int64_t step) {
+  return std::max(1e-3, param_rms) * std::min(1e-2, 1.0 / std::sqrt(static_cast<double>(step)));
+}
 
 class Adafactor final : public Optimizer {
  public:
-  Adafactor(std::vector<NamedParameter> params, const AdafactorOptions& options, bool paged)
-      : Optimizer(std::move(params), paged), options_(options) {
+  Adafactor(std::vector<NamedParameter> params, const AdafactorOptions& options, bool paged,
+            const OptimizerSharding* sharding)
+      : Optimizer(std::move(params), paged, sharding), options_(options) {
     for (size_t i = 0; i < this->params().size(); ++i) {
-      const NamedParameter& p = this->params()[i];
-      const at::Tensor& t = p.tensor;
-      if (t.dim() >= 2) {  // factored over the last two dimensions
-        std::vector<int64_t> row(t.sizes().begin(), t.sizes().end() - 1);
-        std::vector<int64_t> col(t.sizes().begin(), t.sizes().end() - 2);
-        col.push_back(t.size(-1));
-        AddState(i, "exp_avg_sq_row." + p.name, at::zeros(row, t.options()));
-        AddState(i, "exp_avg_sq_col." + p.name, at::zeros(col, t.options()));
+      const at::Tensor& t = this->params()[i].tensor;
+      const std::vector<int64_t> shape =
+          piece(i) ? piece(i)->shape : std::vector<int64_t>(t.sizes().begin(), t.sizes().end());
+      if (shape.size() >= 2) {  // factored over the last two dimensions
+        std::vector<int64_t> row(shape.begin(), shape.end() - 1);
+        std::vector<int64_t> col(shape.begin(), shape.end() - 2);
+        col.push_back(shape.back());
+        AddState(i, "exp_avg_sq_row", at::zeros(row, t.options()), StateLayout::kWholeTensor);
+        AddState(i, "exp_avg_sq_col", at::zeros(col, t.options()), StateLayout::kWholeTensor);
       } else {
-        AddState(i, "exp_avg_sq." + p.name, at::zeros_like(t));
+        AddState(i, "exp_avg_sq", at::zeros_like(t));
       }
-      if (options_.beta1 > 0) AddState(i, "exp_avg." + p.name, at::zeros_like(t));
+      if (options_.beta1 > 0) AddState(i, "exp_avg", at::zeros_like(t));
     }
   }
 
  private:
   void Update(size_t i, at::Tensor& param, const at::Tensor& grad, double lr) override {
+    if (piece(i) != nullptr) {
+      ShardedUpdate(i, *piece(i), param, grad, lr);
+      return;
+    }
     std::vector<at::Tensor>& s = state(i);
+    if (options_.relative_step) {
+      lr = RelativeStep(at::linalg_vector_norm(param, 2)
+                            .div(std::sqrt(static_cast<double>(param.numel())))
+                            .item<double>(),
+                        steps());
+    }
     const double rho = 1.0 - std::pow(static_cast<double>(steps()), options_.decay_rate);
     at::Tensor squared = grad.mul(grad).add_(1e-30);
     at::Tensor update;
@@ -180,6 +202,83 @@ class Adafactor final : public Optimizer {
     param.add_(update, -lr);
   }
 
+  // The same update for a rank's piece of a tensor (1-D, any element range, possibly empty):
+  // the row and column sums of the squared gradient and the update's sum of squares are
+  // summed over the ranks, so every rank's statistics are the whole tensor's.
+  void ShardedUpdate(size_t i, const OptimizerSharding::Piece& piece, at::Tensor& param,
+                     const at::Tensor& grad, double lr) {
+    std::vector<at::Tensor>& s = state(i);
+    if (options_.relative_step) {
+      at::Tensor sum_squares = param.square().sum().reshape({1});
+      SumOverRanks(sum_squares);
+      lr = RelativeStep(std::sqrt(sum_squares.item<double>() / static_cast<double>(WholeNumel(i))),
+                        steps());
+    }
+    const double rho = 1.0 - std::pow(static_cast<double>(steps()), options_.decay_rate);
+    const int64_t n = grad.numel();
+    at::Tensor squared = grad.mul(grad).add_(1e-30);
+    at::Tensor update;
+    if (piece.shape.size() >= 2) {
+      // The tensor as `matrices` stacked [rows, cols] matrices; the piece touches the stacked
+      // rows [r0, r1), and starts `lead` elements into row r0.
+      const int64_t cols = piece.shape.back(), rows = piece.shape[piece.shape.size() - 2];
+      const int64_t matrices = WholeNumel(i) / (rows * cols);
+      const int64_t r0 = piece.offset / cols, r1 = (piece.offset + n + cols - 1) / cols;
+      const int64_t lead = piece.offset - r0 * cols;
+      auto as_rows = [&](const at::Tensor& x) {  // the piece, padded with zeros to whole rows
+        at::Tensor out = at::zeros({(r1 - r0) * cols}, x.options());
+        out.narrow(0, lead, n).copy_(x);
+        return out.view({r1 - r0, cols});
+      };
+      // [row sums of every matrix, then column sums of every matrix].
+      at::Tensor sums = at::zeros({matrices * (rows + cols)}, grad.options());
+      if (n > 0) {
+        at::Tensor sq = as_rows(squared);
+        sums.narrow(0, r0, r1 - r0).copy_(sq.sum(1));
+        for (int64_t m = r0 / rows; m * rows < r1; ++m) {
+          const int64_t a = std::max(r0, m * rows), b = std::min(r1, (m + 1) * rows);
+          sums.narrow(0, matrices * rows + m * cols, cols).add_(sq.narrow(0, a - r0, b - a).sum(0));
+        }
+      }
+      SumOverRanks(sums);
+      at::Tensor &row = s[0], &col = s[1];
+      row.mul_(rho).add_(sums.narrow(0, 0, matrices * rows).view(row.sizes()), (1.0 - rho) / cols);
+      col.mul_(rho).add_(sums.narrow(0, matrices * rows, matrices * cols).view(col.sizes()),
+                         (1.0 - rho) / rows);
+      if (n > 0) {
+        at::Tensor r = row.div(row.mean(-1, /*keepdim=*/true))
+                           .rsqrt_()
+                           .reshape({-1})
+                           .narrow(0, r0, r1 - r0)
+                           .unsqueeze(1);
+        at::Tensor c = col.rsqrt().reshape({matrices, cols});
+        if (matrices > 1) {
+          c = c.index_select(
+              0, at::arange(r0, r1, grad.options().dtype(at::kLong)).div(rows, "floor"));
+        }
+        update = r.mul(c).view({-1}).narrow(0, lead, n).mul(grad);
+      } else {
+        update = at::zeros_like(grad);
+      }
+    } else {
+      s[0].mul_(rho).add_(squared, 1.0 - rho);
+      update = s[0].rsqrt().mul_(grad);
+    }
+    at::Tensor sum_squares = update.square().sum().reshape({1});
+    SumOverRanks(sum_squares);
+    update.div_(sum_squares.div_(static_cast<double>(WholeNumel(i)))
+                    .sqrt_()
+                    .div_(options_.clip_threshold)
+                    .clamp_(1.0));
+    if (options_.beta1 > 0) {
+      at::Tensor& exp_avg = s.back();
+      exp_avg.mul_(options_.beta1).add_(update, 1.0 - options_.beta1);
+      update = exp_avg;
+    }
+    DecoupledDecay(i, param, lr, options_.weight_decay);
+    param.add_(update, -lr);
+  }
+
   const AdafactorOptions options_;
 };
 
@@ -191,12 +290,12 @@ struct SgdOptions {
 
 class Sgd final : public Optimizer {
  public:
-  Sgd(std::vector<NamedParameter> params, const SgdOptions& options, bool paged)
-      : Optimizer(std::move(params), paged), options_(options) {
+  Sgd(std::vector<NamedParameter> params, const SgdOptions& options, bool paged,
+      const OptimizerSharding* sharding)
+      : Optimizer(std::move(params), paged, sharding), options_(options) {
     if (options_.momentum == 0.0) return;
     for (size_t i = 0; i < this->params().size(); ++i) {
-      const NamedParameter& p = this->params()[i];
-      AddState(i, "momentum_buffer." + p.name, at::zeros_like(p.tensor));
+      AddState(i, "momentum_buffer", at::zeros_like(this->params()[i].tensor));
     }
   }
 
@@ -227,18 +326,30 @@ bool KeepsFloat32Moments(absl::string_view name) {
   return absl::EndsWith(name, "embed_tokens.weight");
 }
 
-Optimizer::Optimizer(std::vector<NamedParameter> params, bool paged)
+Optimizer::Optimizer(std::vector<NamedParameter> params, bool paged,
+                     const OptimizerSharding* sharding)
     : params_(std::move(params)),
       paged_(paged),
+      sharding_(sharding ? *sharding : OptimizerSharding{}),
       state_(params_.size()),
-      state_names_(params_.size()) {
+      state_info_(params_.size()) {
   for (const NamedParameter& p : params_) {
     TORCH_CHECK(p.tensor.is_contiguous(), "trainable tensor ", p.name, " is not contiguous");
   }
+  TORCH_CHECK(sharding_.pieces.empty() || sharding_.pieces.size() == params_.size(),
+              "a sharded optimizer needs a piece for every parameter");
 }
 
-void Optimizer::AddState(size_t param, std::string name, at::Tensor tensor) {
-  state_names_[param].push_back(std::move(name));
+int64_t Optimizer::WholeNumel(size_t i) const {
+  if (sharding_.pieces.empty()) return params_[i].tensor.numel();
+  int64_t n = 1;
+  for (int64_t d : sharding_.pieces[i].shape) n *= d;
+  return n;
+}
+
+void Optimizer::AddState(size_t param, std::string kind, at::Tensor tensor, StateLayout layout,
+                         std::string suffix) {
+  state_info_[param].push_back({std::move(kind), std::move(suffix), layout});
   if (paged_ && tensor.is_cuda()) {
     at::Tensor host =
         at::empty(tensor.sizes(), tensor.options().device(at::kCPU).pinned_memory(true));
@@ -252,11 +363,17 @@ void Optimizer::DecoupledDecay(size_t i, at::Tensor& param, double lr, double we
 }
 
 void Optimizer::Step(double lr) {
+  std::vector<at::Tensor> grads;
+  for (const NamedParameter& p : params_) grads.push_back(p.tensor.grad());
+  Step(lr, grads);
+}
+
+void Optimizer::Step(double lr, const std::vector<at::Tensor>& grads) {
   at::NoGradGuard no_grad;
   ++steps_;
   for (size_t i = 0; i < params_.size(); ++i) {
     at::Tensor param = params_[i].tensor;
-    const at::Tensor grad = param.grad();
+    const at::Tensor& grad = grads[i];
     if (!grad.defined()) continue;
     if (!paged_) {
       Update(i, param, grad, lr);
@@ -285,7 +402,10 @@ int64_t Optimizer::StateBytes() const {
 
 void Optimizer::AddStateTo(TensorsToWrite* out) const {
   for (size_t i = 0; i < params_.size(); ++i) {
-    for (size_t k = 0; k < state_[i].size(); ++k) out->Add(state_names_[i][k], state_[i][k]);
+    for (size_t k = 0; k < state_[i].size(); ++k) {
+      const StateInfo& info = state_info_[i][k];
+      out->Add(absl::StrCat(info.kind, ".", params_[i].name, info.suffix), state_[i][k]);
+    }
   }
 }
 
@@ -294,7 +414,8 @@ absl::Status Optimizer::RestoreState(const std::shared_ptr<const SafetensorsFile
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) {
     for (size_t k = 0; k < state_[i].size(); ++k) {
-      const std::string& name = state_names_[i][k];
+      const StateInfo& info = state_info_[i][k];
+      const std::string name = absl::StrCat(info.kind, ".", params_[i].name, info.suffix);
       at::Tensor& target = state_[i][k];
       const TensorView* view = file->Find(name);
       if (view == nullptr ||
@@ -335,25 +456,26 @@ void Optimizer::ScaleGrads(double factor) {
   }
 }
 
-std::unique_ptr<Optimizer> MakeOptimizer(std::vector<NamedParameter> params,
-                                         const TrainSpec& train) {
+std::unique_ptr<Optimizer> MakeOptimizer(std::vector<NamedParameter> params, const TrainSpec& train,
+                                         const OptimizerSharding* sharding) {
   const AdamWOptions adam{train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
   const bool paged = train.paged_optimizer;
   switch (train.optimizer) {
     case OptimizerKind::kAdamW:
-      return std::make_unique<AdamW>(std::move(params), adam, paged);
+      return std::make_unique<AdamW>(std::move(params), adam, paged, sharding);
     case OptimizerKind::kAdamW8bit:
-      return std::make_unique<AdamW8bit>(std::move(params), adam, paged);
+      return std::make_unique<AdamW8bit>(std::move(params), adam, paged, sharding);
     case OptimizerKind::kAdafactor:
       return std::make_unique<Adafactor>(
           std::move(params),
           AdafactorOptions{train.adafactor_beta1, train.adafactor_decay_rate,
-                           train.adafactor_clip_threshold, train.weight_decay},
-          paged);
+                           train.adafactor_clip_threshold, train.weight_decay,
+                           train.adafactor_relative_step},
+          paged, sharding);
     case OptimizerKind::kSgd:
       return std::make_unique<Sgd>(
           std::move(params), SgdOptions{train.sgd_momentum, train.sgd_nesterov, train.weight_decay},
-          paged);
+          paged, sharding);
   }
   return nullptr;
 }

@@ -91,7 +91,7 @@ std::string OptimizerFingerprint(const TrainSpec& t) {
       return absl::StrCat(",", t.sgd_momentum, ",", t.sgd_nesterov);
     case OptimizerKind::kAdafactor:
       return absl::StrCat(",", t.adafactor_beta1, ",", t.adafactor_decay_rate, ",",
-                          t.adafactor_clip_threshold);
+                          t.adafactor_clip_threshold, t.adafactor_relative_step ? ",relative" : "");
     default:
       return "";
   }
@@ -320,12 +320,6 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   }
 
   if (plan.zero_stage > 0) {
-    if (train.optimizer != OptimizerKind::kAdamW) {  // CheckEngineSupports refuses it first
-      return absl::UnimplementedError(
-          absl::StrCat("train.optimizer: ", OptimizerKindName(train.optimizer),
-                       " runs on a replicated model only (strategy.zero_stage 0), not at stage ",
-                       plan.zero_stage));
-    }
     Communicator* comm = options.comm;
     if (comm == nullptr) {
       trainer->own_comm_ = MakeSingleRankCommunicator();
@@ -336,7 +330,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
     shard.offload_optimizer = plan.offload_optimizer;
     shard.offload_params = plan.offload_params;
     shard.prefetch = options.prefetch;
-    shard.adam = {train.adam_beta1, train.adam_beta2, train.adam_eps, train.weight_decay};
+    shard.train = train;
     LATHE_ASSIGN_OR_RETURN(trainer->sharded_,
                            ShardedModel::Create(trainer->model_.get(), comm, shard));
   }

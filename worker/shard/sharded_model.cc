@@ -203,23 +203,33 @@ absl::Status ShardedModel::Init() {
     u.master = options_.offload_optimizer
                    ? u.param_slice.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
                    : u.param_slice;
-    u.exp_avg = at::zeros_like(u.master);
-    u.exp_avg_sq = at::zeros_like(u.master);
     const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
     const int64_t base_t = rank_ * u.trainable_shard;
+    std::vector<NamedParameter> params;
+    OptimizerSharding sharding;
     for (const FlatEntry& e : u.trainable.entries) {
-      if (!e.weight_decay) continue;
-      const FlatRange part = Intersect(e.range(), owned_t);
-      if (part.size() == 0) continue;
-      const FlatRange local = {part.begin - base_t, part.end - base_t};
-      if (!u.decay_ranges.empty() && u.decay_ranges.back().end == local.begin) {
-        u.decay_ranges.back().end = local.end;
-      } else {
-        u.decay_ranges.push_back(local);
-      }
+      FlatRange part = Intersect(e.range(), owned_t);
+      if (part.size() == 0) part = {owned_t.begin, owned_t.begin};
+      u.pieces.push_back({part.begin - base_t, part.end - base_t});
+      params.push_back(
+          {e.name, u.master.slice(0, u.pieces.back().begin, u.pieces.back().end), e.weight_decay});
+      sharding.pieces.push_back({e.shape, part.size() == 0 ? 0 : part.begin - e.offset});
     }
+    sharding.sum_over_ranks = [this](at::Tensor& t) { SumOverRanks(t); };
+    u.optimizer = MakeOptimizer(std::move(params), options_.train, &sharding);
   }
   return absl::OkStatus();
+}
+
+void ShardedModel::SumOverRanks(at::Tensor& t) {
+  // The communicator's buffers live on the model's device (NCCL reads device memory).
+  at::Tensor buffer = t.device() == device() ? t : t.to(device());
+  Check(Annotate(Timed([&] {
+                   return comm_->AllReduceSum(
+                       buffer.data_ptr(), static_cast<size_t>(buffer.numel()), CommDType::kFloat32);
+                 }),
+                 "summing optimizer statistics across ranks"));
+  if (!buffer.is_same(t)) t.copy_(buffer);
 }
 
 absl::Status ShardedModel::Timed(const std::function<absl::Status()>& wait) {
@@ -490,27 +500,23 @@ void ShardedModel::ZeroGrad() {
 absl::Status ShardedModel::Step(double lr) {
   at::NoGradGuard no_grad;
   ++optimizer_steps_;
-  const AdamWOptions& o = options_.adam;
-  // As AdamW::Step, element for element.
-  const double bias_correction1 = 1.0 - std::pow(o.beta1, optimizer_steps_);
-  const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, optimizer_steps_));
-  const double step_size = lr / bias_correction1;
   try {
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
-      if (!u.grad_slice.defined()) continue;
+      if (u.pieces.empty()) continue;
+      // Every unit's optimizer steps, so that the step counts agree (a unit without a
+      // gradient, which never happens in a whole model, would skip its tensors).
       const bool offloaded = !u.master.is_same(u.param_slice);
-      const at::Tensor grad =
-          offloaded ? u.grad_slice.to(u.master.device(), false, /*copy=*/true) : u.grad_slice;
-      if (o.weight_decay != 0.0) {
-        for (const FlatRange& r : u.decay_ranges) {
-          u.master.slice(0, r.begin, r.end).mul_(1.0 - lr * o.weight_decay);
+      std::vector<at::Tensor> grads(u.pieces.size());
+      if (u.grad_slice.defined()) {
+        const at::Tensor grad =
+            offloaded ? u.grad_slice.to(u.master.device(), false, /*copy=*/true) : u.grad_slice;
+        for (size_t i = 0; i < u.pieces.size(); ++i) {
+          grads[i] = grad.slice(0, u.pieces[i].begin, u.pieces[i].end);
         }
       }
-      u.exp_avg.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
-      u.exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
-      at::Tensor denom = (u.exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
-      u.master.addcdiv_(u.exp_avg, denom, -step_size);
+      u.optimizer->Step(lr, grads);
+      if (!u.grad_slice.defined()) continue;
       if (offloaded) u.param_slice.copy_(u.master);
       if (options_.stage < 3) {
         // Every rank's updated slice into every rank's whole parameters (in place).
@@ -524,7 +530,7 @@ absl::Status ShardedModel::Step(double lr) {
       }
     }
   } catch (const c10::Error& e) {
-    return StatusFromTorchError(e, "the optimizer step");
+    return error_.ok() ? StatusFromTorchError(e, "the optimizer step") : error_;
   }
   ZeroGrad();
   return absl::OkStatus();
@@ -534,10 +540,16 @@ void ShardedModel::AddShardTo(TensorsToWrite* out) const {
   for (int64_t index = 0; index < num_units(); ++index) {
     const Unit& u = units_[index];
     const int64_t owned = OwnedRange(u.trainable.numel, rank_, world_).size();
-    if (owned == 0) continue;
-    out->Add(absl::StrCat("unit.", index, ".param"), u.master.slice(0, 0, owned));
-    out->Add(absl::StrCat("unit.", index, ".exp_avg"), u.exp_avg.slice(0, 0, owned));
-    out->Add(absl::StrCat("unit.", index, ".exp_avg_sq"), u.exp_avg_sq.slice(0, 0, owned));
+    if (owned > 0) out->Add(absl::StrCat("unit.", index, ".param"), u.master.slice(0, 0, owned));
+    for (size_t i = 0; i < u.pieces.size(); ++i) {
+      const std::vector<Optimizer::StateInfo>& info = u.optimizer->state_info(i);
+      for (size_t k = 0; k < info.size(); ++k) {
+        const at::Tensor& t = u.optimizer->state_tensor(i, k);
+        // Whole-tensor statistics are the same on every rank: rank 0 writes them.
+        if (info[k].layout == StateLayout::kWholeTensor ? rank_ != 0 : t.numel() == 0) continue;
+        out->Add(absl::StrCat(info[k].kind, ".", u.trainable.entries[i].name, info[k].suffix), t);
+      }
+    }
   }
 }
 
@@ -548,20 +560,17 @@ class FlatReader {
  public:
   FlatReader(const LoadedCheckpoint& checkpoint) : checkpoint_(checkpoint) {}
 
-  // Copies elements [range) of `kind` ("param", "exp_avg", "exp_avg_sq") of unit `unit`
-  // (laid out as `layout`) into out[0, range.size()).
-  absl::Status Read(int64_t unit, const FlatLayout& layout, const std::string& kind,
-                    const FlatRange& range, at::Tensor out) const {
+  // Copies elements [range) of the parameters of unit `unit` (laid out as `layout`) into
+  // out[0, range.size()).
+  absl::Status ReadParams(int64_t unit, const FlatLayout& layout, const FlatRange& range,
+                          at::Tensor out) const {
+    const std::string kind = "param";
     const int64_t world = checkpoint_.state.shard_world;
     if (world == 0) {  // named tensors of a stage-0 run
       for (const FlatEntry& e : layout.entries) {
         const FlatRange part = Intersect(e.range(), range);
         if (part.size() == 0) continue;
-        const bool param = kind == "param";
-        const std::shared_ptr<const SafetensorsFile>& file =
-            param ? checkpoint_.trainable : checkpoint_.optimizer;
-        const std::string name = param ? e.name : absl::StrCat(kind, ".", e.name);
-        LATHE_ASSIGN_OR_RETURN(at::Tensor t, Tensor(file, name, e.numel));
+        LATHE_ASSIGN_OR_RETURN(at::Tensor t, Tensor(checkpoint_.trainable, e.name, e.numel));
         out.slice(0, part.begin - range.begin, part.end - range.begin)
             .copy_(t.slice(0, part.begin - e.offset, part.end - e.offset));
       }
@@ -571,21 +580,66 @@ class FlatReader {
       const FlatRange theirs = OwnedRange(layout.numel, r, world);
       const FlatRange part = Intersect(theirs, range);
       if (part.size() == 0) continue;
-      auto file = checkpoint_.files.find(ShardFileName(r));
-      if (file == checkpoint_.files.end()) {
-        return absl::DataLossError(
-            absl::StrCat(checkpoint_.dir, ": ", ShardFileName(r), " is missing"));
-      }
-      LATHE_ASSIGN_OR_RETURN(
-          at::Tensor t,
-          Tensor(file->second, absl::StrCat("unit.", unit, ".", kind), theirs.size()));
+      LATHE_ASSIGN_OR_RETURN(const std::shared_ptr<const SafetensorsFile>* file, ShardFile(r));
+      LATHE_ASSIGN_OR_RETURN(at::Tensor t,
+                             Tensor(*file, absl::StrCat("unit.", unit, ".", kind), theirs.size()));
       out.slice(0, part.begin - range.begin, part.end - range.begin)
           .copy_(t.slice(0, part.begin - theirs.begin, part.end - theirs.begin));
     }
     return absl::OkStatus();
   }
 
+  // Copies elements [range) (unit coordinates, inside entry `e`) of the element-wise state
+  // tensor `name` (a stage-0 run's, or the pieces each rank of a sharded run wrote) into
+  // out[0, range.size()).
+  absl::Status ReadPiece(const FlatLayout& layout, const FlatEntry& e, const std::string& name,
+                         const FlatRange& range, at::Tensor out) const {
+    const int64_t world = checkpoint_.state.shard_world;
+    if (world == 0) {
+      LATHE_ASSIGN_OR_RETURN(at::Tensor t, Tensor(checkpoint_.optimizer, name, e.numel));
+      out.copy_(t.slice(0, range.begin - e.offset, range.end - e.offset));
+      return absl::OkStatus();
+    }
+    for (int64_t r = 0; r < world; ++r) {
+      const FlatRange theirs = Intersect(e.range(), OwnedRange(layout.numel, r, world));
+      const FlatRange part = Intersect(theirs, range);
+      if (part.size() == 0) continue;
+      LATHE_ASSIGN_OR_RETURN(const std::shared_ptr<const SafetensorsFile>* file, ShardFile(r));
+      LATHE_ASSIGN_OR_RETURN(at::Tensor t, Tensor(*file, name, theirs.size()));
+      out.slice(0, part.begin - range.begin, part.end - range.begin)
+          .copy_(t.slice(0, part.begin - theirs.begin, part.end - theirs.begin));
+    }
+    return absl::OkStatus();
+  }
+
+  // The state tensor `name` exactly as written (shape and type of `out`): from the optimizer
+  // file of a stage-0 run, or from rank `rank`'s file of a sharded one.
+  absl::Status ReadExact(const std::string& name, int64_t rank, at::Tensor out) const {
+    const std::shared_ptr<const SafetensorsFile>* file = &checkpoint_.optimizer;
+    if (checkpoint_.state.shard_world > 0) {
+      LATHE_ASSIGN_OR_RETURN(file, ShardFile(rank));
+    }
+    const TensorView* view = *file ? (*file)->Find(name) : nullptr;
+    if (view == nullptr ||
+        view->shape != std::vector<int64_t>(out.sizes().begin(), out.sizes().end())) {
+      return absl::DataLossError(absl::StrCat(*file ? (*file)->path() : "checkpoint", ": tensor \"",
+                                              name, "\" is missing or has another shape"));
+    }
+    LATHE_ASSIGN_OR_RETURN(at::Tensor t, TensorFromFile({view, *file}, out.scalar_type(), false));
+    out.copy_(t);
+    return absl::OkStatus();
+  }
+
  private:
+  absl::StatusOr<const std::shared_ptr<const SafetensorsFile>*> ShardFile(int64_t rank) const {
+    auto file = checkpoint_.files.find(ShardFileName(rank));
+    if (file == checkpoint_.files.end()) {
+      return absl::DataLossError(
+          absl::StrCat(checkpoint_.dir, ": ", ShardFileName(rank), " is missing"));
+    }
+    return &file->second;
+  }
+
   static absl::StatusOr<at::Tensor> Tensor(const std::shared_ptr<const SafetensorsFile>& file,
                                            const std::string& name, int64_t numel) {
     const TensorView* view = file ? file->Find(name) : nullptr;
@@ -616,13 +670,38 @@ absl::Status ShardedModel::Restore(const LoadedCheckpoint& checkpoint) {
       if (options_.stage < 3) {
         // Every rank holds the whole parameters: read them all, no collective needed.
         LATHE_RETURN_IF_ERROR(
-            reader.Read(index, u.trainable, "param", {0, u.trainable.numel}, u.trainable_whole));
+            reader.ReadParams(index, u.trainable, {0, u.trainable.numel}, u.trainable_whole));
       } else {
-        LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "param", owned, u.param_slice));
+        LATHE_RETURN_IF_ERROR(reader.ReadParams(index, u.trainable, owned, u.param_slice));
       }
       if (!u.master.is_same(u.param_slice)) u.master.copy_(u.param_slice);
-      LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "exp_avg", owned, u.exp_avg));
-      LATHE_RETURN_IF_ERROR(reader.Read(index, u.trainable, "exp_avg_sq", owned, u.exp_avg_sq));
+      const int64_t base = rank_ * u.trainable_shard;
+      for (size_t i = 0; i < u.pieces.size(); ++i) {
+        const FlatEntry& e = u.trainable.entries[i];
+        const FlatRange mine = {base + u.pieces[i].begin, base + u.pieces[i].end};
+        const std::vector<Optimizer::StateInfo>& info = u.optimizer->state_info(i);
+        for (size_t k = 0; k < info.size(); ++k) {
+          const std::string name = absl::StrCat(info[k].kind, ".", e.name, info[k].suffix);
+          at::Tensor& t = u.optimizer->state_tensor(i, k);
+          if (info[k].layout == StateLayout::kWholeTensor) {
+            LATHE_RETURN_IF_ERROR(reader.ReadExact(name, 0, t));
+          } else if (mine.size() == 0) {
+            continue;
+          } else if (info[k].layout == StateLayout::kElementwise) {
+            LATHE_RETURN_IF_ERROR(reader.ReadPiece(u.trainable, e, name, mine, t));
+          } else if (checkpoint.state.shard_world == world_) {
+            LATHE_RETURN_IF_ERROR(reader.ReadExact(name, rank_, t));
+          } else {
+            return absl::FailedPreconditionError(absl::StrCat(
+                checkpoint.dir, ": its 8-bit optimizer state was written ",
+                checkpoint.state.shard_world == 0
+                    ? std::string("without ZeRO")
+                    : absl::StrCat("on ", checkpoint.state.shard_world, " ranks"),
+                ", in blocks of each rank's part of a tensor; resume it on as many ranks"));
+          }
+        }
+      }
+      u.optimizer->set_steps(checkpoint.state.optimizer_steps);
     }
   } catch (const c10::Error& e) {
     return StatusFromTorchError(e, absl::StrCat("restoring ", checkpoint.dir));
@@ -673,7 +752,7 @@ ShardBytes ShardedModel::bytes() const {
       b.trainable += bytes_of(u.trainable_whole);
     }
     b.gradients += (options_.stage == 1 ? world_ : 1) * u.trainable_shard * 4;
-    b.optimizer += bytes_of(u.exp_avg) + bytes_of(u.exp_avg_sq) +
+    b.optimizer += (u.optimizer ? u.optimizer->StateBytes() : 0) +
                    (u.master.is_same(u.param_slice) ? 0 : bytes_of(u.master));
   }
   return b;

@@ -1,6 +1,7 @@
 // ZeRO stages 1-3 over a CausalLm (docs/sharding.md): FSDP-style units with flat buffers,
 // each rank owning a contiguous 1/N slice of every unit, the optimizer on the slices, and
-// optional CPU offload of the optimizer and (stage 3) of the parameter slices.
+// optional CPU offload of the optimizer and (stage 3) of the parameter slices. The optimizer
+// is any of worker/engine/optimizer.h's, over the pieces of tensors each rank owns.
 //
 //   stage 1  every rank holds the whole model and accumulates whole gradients over the
 //            step's micro-batches; at the end of the step they are reduce-scattered unit by
@@ -45,8 +46,8 @@ namespace lathe {
 
 struct ShardOptions {
   int64_t stage = 1;  // 1, 2 or 3
-  // Optimizer state and the AdamW step in host memory; the gradient slice is copied there
-  // and the updated parameters copied back.
+  // Optimizer state and the optimizer step in host memory; the gradient slice is copied
+  // there and the updated parameters copied back.
   bool offload_optimizer = false;
   // Stage 3: parameter slices in host memory, copied to the device as a unit is gathered.
   // The optimizer step then runs where they are (the host).
@@ -54,7 +55,8 @@ struct ShardOptions {
   // Stage 3: start gathering the next unit (forward) or the previous one (backward) while
   // the current one computes.
   bool prefetch = true;
-  AdamWOptions adam;
+  // The optimizer and its hyperparameters (optimizer, adam_*, weight_decay, ...).
+  TrainSpec train;
 };
 
 // Bytes this rank holds, by what they are (for the memory report on CUDA and the docs'
@@ -63,7 +65,7 @@ struct ShardBytes {
   int64_t frozen = 0;        // frozen weights: whole (stages 1-2) or the slices (stage 3)
   int64_t trainable = 0;     // trainable parameters: whole (stages 1-2) or the slices
   int64_t gradients = 0;     // whole (stage 1) or the slices
-  int64_t optimizer = 0;     // moments (and the master slice when offloaded)
+  int64_t optimizer = 0;     // optimizer state (and the master slice when offloaded)
   int64_t largest_unit = 0;  // the largest gathered unit (stage 3), frozen and trainable
 };
 
@@ -88,20 +90,22 @@ class ShardedModel final : public UnitHooks {
   // The L2 norm of the whole gradient (a collective; the same on every rank).
   absl::StatusOr<double> GradNorm();
   void ScaleGrads(double factor);
-  // AdamW on this rank's slices with learning rate `lr`, then (stages 1-2) the updated slices
-  // all-gathered into every rank's whole parameters. Frees the gradients.
+  // The optimizer on this rank's slices with learning rate `lr`, then (stages 1-2) the
+  // updated slices all-gathered into every rank's whole parameters. Frees the gradients.
   absl::Status Step(double lr);
   // Frees the gradients without an update (a skipped step).
   void ZeroGrad();
   int64_t optimizer_steps() const { return optimizer_steps_; }
 
-  // This rank's slices for a checkpoint: "unit.<u>.param", "unit.<u>.exp_avg",
-  // "unit.<u>.exp_avg_sq" (the logical elements this rank owns, padding excluded).
+  // This rank's slices for a checkpoint: "unit.<u>.param" (the logical elements this rank
+  // owns, padding excluded) and the optimizer state of its piece of each tensor under the
+  // stage-0 names ("exp_avg.<tensor>", ...; the whole-tensor statistics from rank 0 only).
   void AddShardTo(TensorsToWrite* out) const;
-  // Restores the trainable parameters and the moments from `checkpoint`, written by a run
-  // of any stage on any number of ranks (named tensors of a stage-0 run, or the slices of
-  // AddShardTo with their world size in the state). DATA_LOSS naming the file and tensor
-  // when one is missing or has another size.
+  // Restores the trainable parameters and the optimizer state from `checkpoint`, written by
+  // a run of any stage on any number of ranks (named tensors of a stage-0 run, or the slices
+  // of AddShardTo with their world size in the state). DATA_LOSS naming the file and tensor
+  // when one is missing or has another size; FAILED_PRECONDITION for 8-bit moments written
+  // on another number of ranks (their blocks are the writer's pieces).
   absl::Status Restore(const LoadedCheckpoint& checkpoint);
 
   // Calls `fn` on every rank with each unit's whole trainable tensors by name (float32,
@@ -143,10 +147,12 @@ class ShardedModel final : public UnitHooks {
     std::vector<at::Tensor> gather_inputs;           // kept alive until it is waited for
     // Gradients: the summed slice, and (stage 1) the whole gradient summed over the step.
     at::Tensor grad_slice, grad_whole;
-    // Optimizer: the master slice (the device slice itself unless offloaded) and AdamW's
-    // moments; decay_ranges are the parts of the slice AdamW decays.
-    at::Tensor param_slice, master, exp_avg, exp_avg_sq;
-    std::vector<FlatRange> decay_ranges;
+    // Optimizer: the master slice (the device slice itself unless offloaded) and the
+    // optimizer over its pieces, one per trainable tensor (pieces[i]: where tensor i's owned
+    // elements lie in the slice; empty when this rank owns none).
+    at::Tensor param_slice, master;
+    std::vector<FlatRange> pieces;
+    std::unique_ptr<Optimizer> optimizer;
   };
   // One forward pass through a unit (with the head's tied embeddings, two units): released
   // when its backward events (the input's gradient, the parameters' gradients) are done.
@@ -162,6 +168,9 @@ class ShardedModel final : public UnitHooks {
 
   ShardedModel(CausalLm* model, Communicator* comm, const ShardOptions& options);
   absl::Status Init();
+  // Sums `t` (float32) over the ranks in place; throws c10::Error when it fails (the
+  // sharded optimizer's sum_over_ranks).
+  void SumOverRanks(at::Tensor& t);
   // Throws c10::Error after keeping `status` in error_.
   [[noreturn]] void Fail(const absl::Status& status);
   // Runs `wait` (a collective, or waiting for one) and adds its time to comm_seconds_.

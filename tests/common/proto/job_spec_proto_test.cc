@@ -53,6 +53,7 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.train.adafactor_beta1, expected.train.adafactor_beta1);
   EXPECT_EQ(actual.train.adafactor_decay_rate, expected.train.adafactor_decay_rate);
   EXPECT_EQ(actual.train.adafactor_clip_threshold, expected.train.adafactor_clip_threshold);
+  EXPECT_EQ(actual.train.adafactor_relative_step, expected.train.adafactor_relative_step);
   EXPECT_EQ(actual.train.paged_optimizer, expected.train.paged_optimizer);
   EXPECT_EQ(actual.train.max_grad_norm, expected.train.max_grad_norm);
   EXPECT_EQ(actual.train.precision, expected.train.precision);
@@ -108,6 +109,7 @@ JobSpec FullSpec() {
   spec.train.adafactor_beta1 = 0.5 / 3;
   spec.train.adafactor_decay_rate = -0.5 / 3;
   spec.train.adafactor_clip_threshold = 2.0 / 3;
+  spec.train.adafactor_relative_step = true;
   spec.train.paged_optimizer = true;
   spec.train.max_grad_norm = 0.5;
   spec.train.precision = Precision::kBf16;
