@@ -61,6 +61,7 @@ CONFIGS = [
      "optimizer: adafactor, adafactor_beta1: 0.9"),
     ("full-sgd-z2-r2", "full", 2, 2, False, 1, True, 1, "optimizer: sgd, sgd_momentum: 0.9"),
     ("qlora", "qlora", 1, 0, False, 1, True),
+    ("qlora-z3-r2", "qlora", 2, 3, False, 1, True),
     ("mezo-full", "mezo", 1, 0, False, 1, True, 1, "", "{trainable: full}"),
     ("mezo-lora-mb4", "mezo", 1, 0, False, 4, True),
 ]

@@ -81,16 +81,12 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
         "cuda they wait for collectives on device memory, docs/sharding.md)"));
   }
   if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
-      (spec.method == Method::kMezo || spec.method == Method::kQLora)) {
+      spec.method == Method::kMezo) {
     return absl::UnimplementedError(absl::StrCat(
         "strategy.zero_stage: ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " with offload" : "", " with method ",
-        MethodName(spec.method),
-        spec.method == Method::kMezo
-            ? " is not supported by this engine yet (MeZO runs on a replicated model, "
-              "zero_stage 0: it keeps no gradients or optimizer state to shard)"
-            : " is not supported by this engine yet (QLoRA runs on a replicated model, "
-              "zero_stage 0; its NF4 weights are not sharded yet)"));
+        (s.offload_optimizer || s.offload_params) ? " with offload" : "",
+        " with method mezo is not supported by this engine yet (MeZO runs on a replicated "
+        "model, zero_stage 0: it keeps no gradients or optimizer state to shard)"));
   }
   if (!caps.offload && !s.automatic) {
     for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},

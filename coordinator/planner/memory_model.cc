@@ -149,11 +149,32 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
                         p.offload_params && cuda};
   ModelStateBytes states = ModelStates(*units, w.weight, choice);
   if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
-  if (job.method == Method::kQLora) {
-    // The projections' frozen weights in NF4: half a byte per weight, a byte per block of
-    // 64, four bytes per 256 blocks (docs/kernels.md "NF4").
-    const int64_t projections = m.num_layers * (m.block.attention + m.block.mlp);
+  // QLoRA: the projections' frozen weights in NF4, half a byte per weight, a byte per block
+  // of 64, four bytes per 256 blocks (docs/kernels.md "NF4"). ZeRO-3 slices each block's
+  // dense frozen weights and, apart, its NF4 bytes.
+  const bool qlora = job.method == Method::kQLora;
+  const int64_t n = job.ranks, last = static_cast<int64_t>(units->size()) - 1;
+  const int64_t per_block = m.block.attention + m.block.mlp;
+  // The bytes of unit u's frozen slice at stage 3.
+  auto frozen_slice_bytes = [&](int64_t u) {
+    const bool nf4 = qlora && u > 0 && u < last;
+    return w.weight * ShardNumel((*units)[u].frozen - (nf4 ? per_block : 0), n) +
+           (nf4 ? ShardNumel(Nf4Bytes(per_block), n) : 0);
+  };
+  if (qlora && p.zero_stage < 3) {
+    const int64_t projections = m.num_layers * per_block;
     states.weights += Nf4Bytes(projections) - projections * w.weight;
+  } else if (qlora) {
+    int64_t before = 0, after = 0;
+    states.gathered_unit = 0;
+    for (int64_t u = 0; u <= last; ++u) {
+      before += w.weight * ShardNumel((*units)[u].frozen, n);
+      after += frozen_slice_bytes(u);
+      states.gathered_unit =
+          std::max(states.gathered_unit,
+                   n * (frozen_slice_bytes(u) + 4 * ShardNumel((*units)[u].trainable, n)));
+    }
+    (choice.offload_params ? states.host : states.weights) += after - before;
   }
   if (job.optimizer.kind != OptimizerKind::kAdamW) {
     absl::StatusOr<std::vector<TrainableShape>> shapes =
@@ -199,7 +220,6 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
   // Per unit, in the engine's order: the bytes of its whole
   // gradient bucket with the slice it reduces into (ZeRO-2/3), and of the unit gathered
   // whole (ZeRO-3).
-  const int64_t n = job.ranks;
   const int64_t num_units = static_cast<int64_t>(units->size());
   std::vector<int64_t> bucket(num_units), whole(num_units);
   int64_t largest_unit_trainable = 0;
@@ -207,7 +227,7 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
     const UnitElements& e = (*units)[u];
     largest_unit_trainable = std::max(largest_unit_trainable, e.trainable);
     bucket[u] = 4 * (n + 1) * ShardNumel(e.trainable, n);
-    whole[u] = n * (w.weight * ShardNumel(e.frozen, n) + 4 * ShardNumel(e.trainable, n));
+    whole[u] = n * (frozen_slice_bytes(u) + 4 * ShardNumel(e.trainable, n));
   }
   // Stage 0 makes whole gradients as backward goes, stage 1 whole flat ones, stages 2 and 3
   // slices as their reductions finish; all are dropped after the step.

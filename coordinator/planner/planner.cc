@@ -141,9 +141,8 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
   const StrategySpec& s = spec.strategy;
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
-  // MeZO (nothing to shard) and QLoRA (NF4 weights are not sharded) stay at stage 0
-  // without offload.
-  const bool shards = spec.method != Method::kMezo && spec.method != Method::kQLora;
+  // MeZO (nothing to shard) stays at stage 0 without offload.
+  const bool shards = spec.method != Method::kMezo;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
     for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
@@ -235,8 +234,7 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
           break;
         }
       }
-      if (TrainsLora(spec) && spec.method != Method::kQLora && spec.method != Method::kMezo &&
-          smallest->point.zero_stage == 0) {
+      if (TrainsLora(spec) && spec.method != Method::kQLora && spec.method != Method::kMezo) {
         JobShape quantized = job;
         quantized.method = Method::kQLora;
         absl::StatusOr<MemoryEstimate> m = EstimateMemory(quantized, smallest->point);

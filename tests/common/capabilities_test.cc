@@ -74,14 +74,6 @@ TEST_P(UnsupportedTest, IsUnimplementedNamingTheField) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, UnsupportedTest,
     ::testing::Values(
-        UnsupportedCase{"ShardedQLora",
-                        [](JobSpec* s) {
-                          s->method = Method::kQLora;
-                          s->strategy.automatic = false;
-                          s->strategy.zero_stage = 3;
-                        },
-                        "strategy.zero_stage: 3 with method qlora is not supported by this engine "
-                        "yet (QLoRA runs on a replicated model"},
         UnsupportedCase{"ShardedMezo",
                         [](JobSpec* s) {
                           s->method = Method::kMezo;

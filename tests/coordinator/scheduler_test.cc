@@ -927,12 +927,6 @@ TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
 
 TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   const v1::JobSpec spec = JobSpecToProto(spec_);
-  v1::JobSpec qlora = spec;
-  qlora.set_method(v1::METHOD_QLORA);
-  qlora.mutable_strategy()->set_automatic(false);
-  qlora.mutable_strategy()->set_zero_stage(3);
-  ExpectRefused(qlora, "spec: strategy.zero_stage: 3 with method qlora is not supported", {},
-                absl::StatusCode::kUnimplemented);
   v1::JobSpec sharded_mezo = spec;
   sharded_mezo.set_method(v1::METHOD_MEZO);
   sharded_mezo.mutable_strategy()->set_automatic(false);

@@ -831,14 +831,6 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
   }
 
   spec = spec_;
-  spec.method = Method::kQLora;
-  spec.strategy.automatic = false;
-  spec.strategy.zero_stage = 3;
-  status = CreateStatus(spec);
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
-  EXPECT_THAT(status.message(), HasSubstr("with method qlora is not supported"));
-
-  spec = spec_;
   spec.method = Method::kMezo;
   spec.strategy.automatic = false;
   spec.strategy.zero_stage = 1;

@@ -16,6 +16,7 @@
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/trainer.h"
+#include "worker/shard/sharded_model.h"
 #include "worker/tools/synthetic.h"
 
 namespace lathe {
@@ -350,6 +351,57 @@ TEST_F(ShardedTrainerTest, EveryOptimizersStateResumes) {
     std::vector<double> losses = stopped.losses[0];
     losses.insert(losses.end(), resumed.losses[0].begin(), resumed.losses[0].end());
     ExpectLossesNear(losses, straight.losses[0], eight_bit ? 0 : 1e-5, name);
+  }
+}
+
+// QLoRA: at stages 1-2 the NF4 weights stay whole on every rank; at stage 3 they are sliced
+// as bytes beside the other frozen weights and gathered with their unit.
+TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
+  spec_.method = Method::kQLora;
+  spec_.output = dir_.Path("single-qlora");
+  const RankRun single = RunRanks(spec_);
+  ASSERT_TRUE(single.statuses[0].ok()) << single.statuses[0];
+  for (int64_t stage : {1, 2, 3}) {
+    ExpectMatches(Sharded(spec_, 3, stage, absl::StrCat("qlora-s", stage)), single.losses[0],
+                  1e-5);
+  }
+  JobSpec offloaded = Sharded(spec_, 2, 3, "qlora-offloaded");
+  offloaded.strategy.offload_params = offloaded.strategy.offload_optimizer = true;
+  ExpectMatches(offloaded, single.losses[0], 1e-5);
+  // The adapter is a plain PEFT adapter, the single process's up to summation order.
+  ExpectSameTensors(dir_.Path("single-qlora/adapter/adapter_model.safetensors"),
+                    dir_.Path("qlora-s3/adapter/adapter_model.safetensors"), 1e-4);
+  // Each of 4 ranks holds a quarter of the frozen weights, NF4 bytes included (the ranks'
+  // threads share one memory tracker, so this asks the ZeRO layer itself).
+  int64_t nf4 = 0;
+  auto frozen_bytes = [&](int world, int rank, bool quantize = true) {
+    ModelOptions options;
+    options.keep_mapped = true;
+    absl::StatusOr<std::unique_ptr<CausalLm>> model =
+        CausalLm::Load(spec_.model.path, config_, false, options);
+    EXPECT_TRUE(model.ok()) << model.status();
+    (*model)->InitLora(spec_.lora, 1);
+    if (quantize) nf4 = (*model)->QuantizeProjections();
+    std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(world);
+    ShardOptions shard;
+    shard.stage = 3;
+    absl::StatusOr<std::unique_ptr<ShardedModel>> sharded =
+        ShardedModel::Create(model->get(), group[rank].get(), shard);
+    EXPECT_TRUE(sharded.ok()) << sharded.status();
+    return (*sharded)->bytes().frozen;
+  };
+  const int64_t whole = frozen_bytes(1, 0);
+  // The NF4 bytes (each tensor padded to 4 bytes) take the projections' place.
+  int64_t projections = 0;
+  for (const std::string& module : LoraTargetModules()) {
+    const ProjectionShape p = ProjectionShapeOf(config_, module);
+    projections += config_.num_hidden_layers * p.in_features * p.out_features * 4;
+  }
+  const int64_t dense = frozen_bytes(1, 0, false) - projections;
+  EXPECT_GE(whole - dense, nf4);
+  EXPECT_LE(whole - dense, nf4 + 9 * 7 * config_.num_hidden_layers);
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_LE(frozen_bytes(4, rank), whole / 4 + 64) << "rank " << rank;
   }
 }
 

@@ -500,6 +500,19 @@ std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
   return tensors;
 }
 
+std::vector<std::pair<std::string, kernels::Nf4Weight*>> CausalLm::UnitNf4Weights(int64_t unit) {
+  TORCH_CHECK(unit >= 0 && unit < num_units(), "no unit ", unit);
+  std::vector<std::pair<std::string, kernels::Nf4Weight*>> weights;
+  if (unit == 0 || unit == num_units() - 1) return weights;
+  for (const std::string& module : LoraTargetModules()) {
+    Projection& p = layers_[unit - 1].projection(module);
+    if (p.nf4.defined()) {
+      weights.emplace_back(absl::StrCat("model.layers.", unit - 1, ".", module), &p.nf4);
+    }
+  }
+  return weights;
+}
+
 std::vector<NamedParameter> CausalLm::TrainableParameters() {
   std::vector<NamedParameter> params;
   if (lora_rank_ > 0) {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -156,6 +157,9 @@ class CausalLm {
   // trainable. The head unit of a model with tied embeddings has only the final norm.
   int64_t num_units() const { return config_.num_hidden_layers + 2; }
   std::vector<UnitTensor> UnitTensors(int64_t unit);
+  // The NF4 weights of `unit`'s projections (method qlora, after QuantizeProjections), by
+  // name, in a fixed order; none for other units or before quantization.
+  std::vector<std::pair<std::string, kernels::Nf4Weight*>> UnitNf4Weights(int64_t unit);
   // Calls `hooks` around every unit from now on (nullptr: none). Not owned.
   void set_unit_hooks(UnitHooks* hooks) { hooks_ = hooks; }
 

@@ -19,6 +19,7 @@ constexpr int kMaxReducesInFlight = 2;
 // Frees a tensor's storage but keeps the tensor (and every view of it, such as those saved
 // for backward), so that AllocateStorage can give the same views their data back.
 void FreeStorage(const at::Tensor& t) {
+  if (!t.defined()) return;
   c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
   storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
   storage->set_nbytes(0);
@@ -174,13 +175,41 @@ absl::Status ShardedModel::Init() {
                                 MemoryComponent::kWeights);
       u.trainable_slice = slice_of(u.trainable, u.trainable_slots, u.trainable_shard, at::kFloat,
                                    MemoryComponent::kTrainable);
+      // QLoRA's NF4 weights as bytes, each tensor padded to 4 bytes (absmax2 is read back as
+      // float32 from its place in the gathered buffer).
+      std::vector<at::Tensor> nf4_bytes;
+      for (auto& [name, weight] : model_->UnitNf4Weights(index)) {
+        u.nf4_slots.push_back(weight);
+        u.nf4_sizes.push_back(
+            {weight->codes.numel(), weight->absmax_codes.numel(), weight->absmax2.numel()});
+        for (auto [part, t] : {std::pair{".codes", &weight->codes},
+                               std::pair{".absmax_codes", &weight->absmax_codes},
+                               std::pair{".absmax2", &weight->absmax2}}) {
+          const int64_t bytes = static_cast<int64_t>(t->nbytes());
+          at::Tensor padded = at::zeros({(bytes + 3) / 4 * 4}, at::kByte);
+          padded.narrow(0, 0, bytes).copy_(t->contiguous().view(at::kByte).reshape({-1}).cpu());
+          u.nf4.Add(name + part, {padded.numel()}, false);
+          nf4_bytes.push_back(std::move(padded));
+          *t = at::Tensor();
+        }
+      }
+      if (!u.nf4_slots.empty()) {
+        std::vector<at::Tensor*> slots;
+        for (at::Tensor& t : nf4_bytes) slots.push_back(&t);
+        u.nf4_shard = ShardNumel(u.nf4.numel, world_);
+        u.nf4_slice = slice_of(u.nf4, slots, u.nf4_shard, at::kByte, MemoryComponent::kWeights);
+      }
       MemoryScope scope(MemoryComponent::kCommBuffers);
       u.frozen_whole =
           at::empty({world_ * u.frozen_shard}, at::TensorOptions(weight_dtype).device(device()));
       u.trainable_whole =
           at::empty({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
-      FreeStorage(u.frozen_whole);
-      FreeStorage(u.trainable_whole);
+      if (!u.nf4_slots.empty()) {
+        u.nf4_whole =
+            at::empty({world_ * u.nf4_shard}, at::TensorOptions(at::kByte).device(device()));
+        BindNf4(u);
+      }
+      FreeUnit(u);
       u.param_slice = u.trainable_slice;
     } else {
       {
@@ -262,8 +291,9 @@ void ShardedModel::StartGather(int64_t unit) {
   if (u.gathered || !u.gathers.empty()) return;
   MemoryScope scope(MemoryComponent::kCommBuffers);
   for (auto [slice, whole] : {std::pair{&u.frozen_slice, &u.frozen_whole},
-                              std::pair{&u.trainable_slice, &u.trainable_whole}}) {
-    if (whole->numel() == 0) continue;
+                              std::pair{&u.trainable_slice, &u.trainable_whole},
+                              std::pair{&u.nf4_slice, &u.nf4_whole}}) {
+    if (!whole->defined() || whole->numel() == 0) continue;
     AllocateStorage(*whole);
     // Offloaded slices travel to the device first: the same path on a CPU job, a copy.
     at::Tensor in = options_.offload_params
@@ -295,9 +325,25 @@ void ShardedModel::Release(int64_t unit) {
   // (the tied embeddings are released by the head while unit 0's backward gather may have
   // started), so keep the unit.
   if (!u.gathers.empty()) return;
+  FreeUnit(u);
+}
+
+void ShardedModel::FreeUnit(Unit& u) {
   FreeStorage(u.frozen_whole);
   FreeStorage(u.trainable_whole);
+  FreeStorage(u.nf4_whole);
   u.gathered = false;
+}
+
+void ShardedModel::BindNf4(Unit& u) {
+  for (size_t i = 0; i < u.nf4_slots.size(); ++i) {
+    kernels::Nf4Weight& w = *u.nf4_slots[i];
+    const FlatEntry* e = &u.nf4.entries[3 * i];
+    w.codes = u.nf4_whole.slice(0, e[0].offset, e[0].offset + u.nf4_sizes[i][0]);
+    w.absmax_codes = u.nf4_whole.slice(0, e[1].offset, e[1].offset + u.nf4_sizes[i][1]);
+    w.absmax2 =
+        u.nf4_whole.slice(0, e[2].offset, e[2].offset + 4 * u.nf4_sizes[i][2]).view(at::kFloat);
+  }
 }
 
 void ShardedModel::Bind(int64_t unit, int64_t use) {
@@ -447,11 +493,7 @@ absl::Status ShardedModel::FinishBackward() {
       }
       u.gathers.clear();
       u.gather_inputs.clear();
-      if (options_.stage == 3 && u.refs == 0 && u.gathered) {
-        FreeStorage(u.frozen_whole);
-        FreeStorage(u.trainable_whole);
-        u.gathered = false;
-      }
+      if (options_.stage == 3 && u.refs == 0 && u.gathered) FreeUnit(u);
       awaits_backward_[index] = false;
     }
   } catch (const c10::Error& e) {
@@ -743,10 +785,11 @@ ShardBytes ShardedModel::bytes() const {
   ShardBytes b;
   for (const Unit& u : units_) {
     if (options_.stage == 3) {
-      b.frozen += bytes_of(u.frozen_slice);
+      b.frozen += bytes_of(u.frozen_slice) + bytes_of(u.nf4_slice);
       b.trainable += bytes_of(u.trainable_slice);
       b.largest_unit =
-          std::max(b.largest_unit, bytes_of(u.frozen_whole) + bytes_of(u.trainable_whole));
+          std::max(b.largest_unit, bytes_of(u.frozen_whole) + bytes_of(u.trainable_whole) +
+                                       bytes_of(u.nf4_whole));
     } else {
       for (const at::Tensor* slot : u.frozen_slots) b.frozen += bytes_of(*slot);
       b.trainable += bytes_of(u.trainable_whole);

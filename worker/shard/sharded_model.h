@@ -8,10 +8,10 @@
 //            unit, each rank updates its slice and the slices are all-gathered back.
 //   stage 2  as 1, but each unit's gradient is reduce-scattered during backward, as soon as
 //            the unit's backward is done (every micro-batch), and the whole gradient freed.
-//   stage 3  as 2, and every unit's parameters (frozen base included) are sharded too: a
-//            unit is all-gathered just before its forward, freed after it, gathered again
-//            just before its backward and freed after; with prefetch the next unit's gather
-//            runs while the current one computes.
+//   stage 3  as 2, and every unit's parameters (frozen base included, QLoRA's NF4 weights
+//            as bytes) are sharded too: a unit is all-gathered just before its forward,
+//            freed after it, gathered again just before its backward and freed after; with
+//            prefetch the next unit's gather runs while the current one computes.
 //
 // The model calls the ShardedModel around every unit (CausalLm::set_unit_hooks); gradients
 // arrive through autograd. The trainer then calls FinishBackward, GradNorm, ScaleGrads and
@@ -25,6 +25,7 @@
 #ifndef LATHE_WORKER_SHARD_SHARDED_MODEL_H_
 #define LATHE_WORKER_SHARD_SHARDED_MODEL_H_
 
+#include <array>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -136,11 +137,18 @@ class ShardedModel final : public UnitHooks {
     std::vector<at::Tensor*> frozen_slots, trainable_slots;
     FlatLayout frozen, trainable;
     int64_t frozen_shard = 0, trainable_shard = 0;  // elements per rank (S)
+    // Stage 3 with QLoRA: the unit's NF4 weights (codes, block codes, second-level maxima,
+    // each at a multiple of 4 bytes) as one flat byte buffer, sharded like the frozen
+    // weights; nf4_sizes: the element counts of each weight's three tensors.
+    std::vector<kernels::Nf4Weight*> nf4_slots;
+    std::vector<std::array<int64_t, 3>> nf4_sizes;
+    FlatLayout nf4;
+    int64_t nf4_shard = 0;
     // Stage 3: this rank's slices (host memory with offload_params).
-    at::Tensor frozen_slice, trainable_slice;
-    // The whole unit, [world * S]: stages 1-2 keep the trainable one; stage 3 gathers both
+    at::Tensor frozen_slice, trainable_slice, nf4_slice;
+    // The whole unit, [world * S]: stages 1-2 keep the trainable one; stage 3 gathers all
     // and frees their storage when the unit is released.
-    at::Tensor frozen_whole, trainable_whole;
+    at::Tensor frozen_whole, trainable_whole, nf4_whole;
     int refs = 0;
     bool gathered = false;
     std::vector<std::unique_ptr<CommWork>> gathers;  // a gather in flight (prefetch)
@@ -179,6 +187,11 @@ class ShardedModel final : public UnitHooks {
     if (!status.ok()) Fail(status);
   }
   void StartGather(int64_t unit);
+  // Frees the storage of a unit's gathered buffers (their views stay, AllocateStorage gives
+  // them data again).
+  void FreeUnit(Unit& u);
+  // Points the model's NF4 weights of `u` at their places in u.nf4_whole.
+  void BindNf4(Unit& u);
   void Acquire(int64_t unit);
   void Release(int64_t unit);
   void Bind(int64_t unit, int64_t use);
