@@ -559,8 +559,8 @@ class ServicesTest(ClusterTest):
         self.assertIn("method", result.stderr)
         # What the engine cannot run is refused at submit: one line naming the field, no job.
         before = set(self.list_jobs())
-        for name, extra, field in (("qlora-zero3", "method: qlora\nstrategy: {zero_stage: 3}\n",
-                                    "strategy.zero_stage: 3 with method qlora"),):
+        for name, extra, field in (("mezo-zero1", "method: mezo\nstrategy: {zero_stage: 1}\n",
+                                    "strategy.zero_stage: 1 with method mezo"),):
             result = self.cluster.lathe("submit", self.spec(name, extra=extra))
             self.assertEqual(result.returncode, 1, result.stdout)
             self.assertEqual(result.stdout, "")
