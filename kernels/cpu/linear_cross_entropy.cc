@@ -1,13 +1,12 @@
 #include "kernels/cpu/linear_cross_entropy.h"
 
-#include <cblas.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/matmul.h"
 #include "kernels/cpu/vector_math.h"
 #include "kernels/linear_cross_entropy_workspace.h"
 
@@ -125,10 +124,16 @@ void GradientRow(float* __restrict row, int64_t n, float lse, float factor, floa
 // trans_a), B is [k, n] (or its transpose is, with trans_b).
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-              trans_b ? CblasTrans : CblasNoTrans, static_cast<int>(m), static_cast<int>(n),
-              static_cast<int>(k), 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb), beta,
-              c, static_cast<int>(ldc));
+  MatmulProblem p;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.trans_a = trans_a;
+  p.trans_b = trans_b;
+  p.lda = lda;
+  p.ldb = ldb;
+  p.ldc = ldc;
+  Matmul(p, a, b, c, 1.0f, beta);
 }
 
 // Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.

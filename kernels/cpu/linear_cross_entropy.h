@@ -4,9 +4,10 @@
 // The [N, V] logits and their gradient never exist; the extra memory is the workspace, whose
 // size the *WorkspaceBytes functions report and ChooseLinearCrossEntropyChunks bounds.
 //
-// Raw pointers, no libtorch. Chunk products go to BLAS (cblas_sgemm, multi-threaded by the
-// BLAS itself); the per-row work (soft-cap, max, exp, sums, softmax gradient, bfloat16
-// conversion) runs through the caller's ParallelFor, so ops/ can use libtorch's thread pool.
+// Raw pointers, no libtorch. Chunk products go to oneDNN (kernels/cpu/matmul.h,
+// multi-threaded by oneDNN itself); the per-row work (soft-cap, max, exp, sums, softmax gradient,
+// bfloat16 conversion) runs through the caller's ParallelFor, so ops/ can use libtorch's thread
+// pool.
 //
 // All arrays are dense and row-major; hidden, weight, grad_hidden and grad_weight have the
 // problem's dtype; workspace must be aligned to 64 bytes and is overwritten.

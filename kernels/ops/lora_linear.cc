@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "kernels/ops/dropout.h"
+#include "kernels/ops/matmul.h"
 
 namespace lathe::kernels {
 namespace {
@@ -67,16 +68,17 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor y = math == type ? result.view({-1, out})
                                 : at::empty({x2.size(0), out}, x.options().dtype(math));
     if (bias.defined()) {
-      at::addmm_out(y, As(bias, math), xm, w.t());
+      y.copy_(As(bias, math).expand_as(y));
+      MatmulOut(y, xm, w.t(), 1.0, 1.0);
     } else {
-      at::mm_out(y, xm, w.t());
+      MatmulOut(y, xm, w.t());
     }
     at::Tensor xa;  // dropout(x) A^T: [tokens, r], in the math type
     if (lora) {
       const at::Tensor xd =
           dropout_p > 0 ? ApplyDropoutMask(xm, dropout_p, static_cast<uint64_t>(seed)) : xm;
-      xa = at::mm(xd, As(lora_a, math).t());
-      y.addmm_(xa, As(lora_b, math).t(), /*beta=*/1, /*alpha=*/scale);
+      xa = Matmul(xd, As(lora_a, math).t());
+      MatmulOut(y, xa, As(lora_b, math).t(), /*alpha=*/scale, /*beta=*/1.0);
     }
     if (math != type) result.view({-1, out}).copy_(y);
     ctx->save_for_backward({x2, weight, bias, lora_a, lora_b, xa});
@@ -113,22 +115,22 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     if (weight_grad || (lora_a.defined() && a_grad)) xm = As(x2, math);
 
     at::Tensor dx, dweight, dbias, da, db;
-    if (ctx->saved_data["x_grad"].toBool()) dx = at::mm(dy, As(weight, math));
-    if (weight_grad) dweight = GradFor(at::mm(dy.t(), xm), weight);
+    if (ctx->saved_data["x_grad"].toBool()) dx = Matmul(dy, As(weight, math));
+    if (weight_grad) dweight = GradFor(Matmul(dy.t(), xm), weight);
     if (ctx->saved_data["bias_grad"].toBool()) dbias = GradFor(dy.sum(0), bias);
     if (lora_a.defined()) {
       const at::Tensor a = As(lora_a, math);
-      const at::Tensor dxa = at::mm(dy, As(lora_b, math)).mul_(scale);  // d(x A^T): [tokens, r]
-      if (ctx->saved_data["b_grad"].toBool()) db = GradFor(at::mm(dy.t(), xa).mul_(scale), lora_b);
+      const at::Tensor dxa = Matmul(dy, As(lora_b, math)).mul_(scale);  // d(x A^T): [tokens, r]
+      if (ctx->saved_data["b_grad"].toBool()) db = GradFor(Matmul(dy.t(), xa).mul_(scale), lora_b);
       if (a_grad) {
         const at::Tensor xd = dropout_p > 0 ? ApplyDropoutMask(xm, dropout_p, seed) : xm;
-        da = GradFor(at::mm(dxa.t(), xd), lora_a);
+        da = GradFor(Matmul(dxa.t(), xd), lora_a);
       }
       if (dx.defined()) {
         if (dropout_p > 0) {
-          dx.add_(ApplyDropoutMask(at::mm(dxa, a), dropout_p, seed));
+          dx.add_(ApplyDropoutMask(Matmul(dxa, a), dropout_p, seed));
         } else {
-          dx.addmm_(dxa, a);
+          MatmulOut(dx, dxa, a, 1.0, 1.0);
         }
       }
     }

@@ -7,6 +7,7 @@
 
 #include "kernels/cpu/nf4.h"
 #include "kernels/ops/kernel_dispatch.h"
+#include "kernels/ops/matmul.h"
 
 #ifdef LATHE_TORCH_CUDA
 #include "kernels/cuda/nf4.h"
@@ -55,7 +56,7 @@ class Nf4LinearFunction : public torch::autograd::Function<Nf4LinearFunction> {
     sizes.back() = rows;
     at::Tensor y = at::empty({x2.size(0), rows}, x.options());
     ForEachTile(w, [&](int64_t first, const at::Tensor& tile) {
-      y.narrow(1, first, tile.size(0)).copy_(at::mm(x2, tile.t()));
+      MatmulOut(y.narrow(1, first, tile.size(0)), x2, tile.t());
     });
     ctx->save_for_backward({codes, absmax_codes, absmax2});
     ctx->saved_data["offset"] = offset;
@@ -73,7 +74,7 @@ class Nf4LinearFunction : public torch::autograd::Function<Nf4LinearFunction> {
     const at::Tensor g = grads[0].reshape({-1, rows});
     at::Tensor dx = at::zeros({g.size(0), cols}, g.options());
     ForEachTile(w, [&](int64_t first, const at::Tensor& tile) {
-      dx.addmm_(g.narrow(1, first, tile.size(0)), tile);
+      MatmulOut(dx, g.narrow(1, first, tile.size(0)), tile, 1.0, 1.0);
     });
     std::vector<int64_t> sizes = grads[0].sizes().vec();
     sizes.back() = cols;

@@ -61,7 +61,10 @@ TEST(Nf4LinearTest, MatchesDequantizeThenMatmulForwardAndBackward) {
     const at::Tensor g = at::randn(y.sizes());
     y.backward(g);
     y_ref.backward(g);
-    EXPECT_TRUE(at::allclose(x.grad(), x_ref.grad(), 1e-5, 1e-6));
+    // Summed tile by tile over 3000 rows, in another order than one product: normwise
+    // (measured 4.4e-7 with oneDNN's products).
+    EXPECT_LE((x.grad() - x_ref.grad()).abs().max().item<float>(),
+              2e-6 * x_ref.grad().abs().max().item<float>());
   }
 }
 

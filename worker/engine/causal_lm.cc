@@ -15,6 +15,7 @@
 #include "common/status_macros.h"
 #include "kernels/ops/linear_cross_entropy.h"
 #include "kernels/ops/lora_linear.h"
+#include "kernels/ops/matmul.h"
 #include "kernels/ops/rms_norm.h"
 #include "kernels/ops/rope.h"
 #include "kernels/ops/swiglu.h"
@@ -378,8 +379,13 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
                                                     /*is_causal=*/!mask.defined());
 #else
-  at::Tensor scores = at::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(head_dim)));
-  at::Tensor out = at::matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
+  // The fused path's products go through the engine's (oneDNN on the CPU); the unfused one
+  // stays ATen's, the baseline.
+  auto matmul = [fused](const at::Tensor& a, const at::Tensor& b) {
+    return fused ? kernels::BatchedMatmul(a, b) : at::matmul(a, b);
+  };
+  at::Tensor scores = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(head_dim)));
+  at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
 #endif
   out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
   return layer.o_proj.Forward(out, lora_dropout_, training_, fused);

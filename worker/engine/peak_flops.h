@@ -16,9 +16,10 @@ namespace lathe {
 double PeakFlopsFor(const at::Device& device, Precision precision, double configured);
 
 // The best float32 matrix-product rate of this CPU over three 2048 x 2048 x 2048 products
-// (after one to warm up) on the current intra-op threads (the trainer's): the CPU computes
-// in float32 whatever the weights' precision (docs/training.md), and no data sheet says what
-// BLAS reaches here. Takes some 0.3 s on a 2-core machine, once per process and thread count
+// (after one to warm up) through the engine's own products (kernels/ops/matmul.h, oneDNN) on
+// the current intra-op threads (the trainer's): the CPU computes in float32 whatever the
+// weights' precision (docs/training.md), and no data sheet says what the library reaches
+// here. Takes some 0.3 s on a 2-core machine, once per process and thread count
 // (the result is kept).
 double MeasureCpuMatmulFlops();
 

@@ -1,0 +1,137 @@
+#include "kernels/ops/matmul.h"
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "kernels/cpu/matmul.h"
+
+namespace lathe::kernels {
+namespace {
+
+// How the CPU kernel reads a 2-D tensor: as rows `ld` elements apart, or (transposed) as
+// the rows of its transpose. False when neither way reads it.
+bool Layout(const at::Tensor& t, bool* transposed, int64_t* ld) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  if (t.stride(1) == 1 || cols == 1) {
+    *transposed = false;
+    *ld = rows == 1 ? cols : t.stride(0);
+    return *ld >= cols;
+  }
+  if (t.stride(0) == 1 || rows == 1) {
+    *transposed = true;
+    *ld = cols == 1 ? rows : t.stride(1);
+    return *ld >= rows;
+  }
+  return false;
+}
+
+// Below this many multiply-adds a product stays with ATen: oneDNN's fixed cost per call
+// (about 4 us: the primitive's lookup, memory objects, the scratchpad) exceeds OpenBLAS's
+// whole product under about 64^3.
+constexpr int64_t kMinKernelProduct = int64_t{1} << 18;
+
+// Whether the CPU kernel multiplies tensors of `type`.
+bool KernelMultiplies(at::ScalarType type) {
+  return type == at::kFloat || (type == at::kBFloat16 && cpu::NativeBFloat16Products());
+}
+
+}  // namespace
+
+void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double alpha,
+               double beta) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
+                  out.size(0) == a.size(0) && out.size(1) == b.size(1),
+              "MatmulOut: ", out.sizes(), " = ", a.sizes(), " x ", b.sizes());
+  cpu::MatmulProblem p;
+  p.m = a.size(0);
+  p.k = a.size(1);
+  p.n = b.size(1);
+  bool out_transposed = false;
+  const bool kernel = p.m * p.n * p.k >= kMinKernelProduct && a.device().is_cpu() &&
+                      b.device().is_cpu() && out.device().is_cpu() &&
+                      a.scalar_type() == b.scalar_type() && KernelMultiplies(a.scalar_type()) &&
+                      out.scalar_type() == at::kFloat && Layout(a, &p.trans_a, &p.lda) &&
+                      Layout(b, &p.trans_b, &p.ldb) && Layout(out, &out_transposed, &p.ldc) &&
+                      !out_transposed;
+  if (!kernel) {
+    if (beta == 0.0) {
+      at::mm_out(out, a, b);
+      if (alpha != 1.0) out.mul_(alpha);
+    } else {
+      out.addmm_(a, b, beta, alpha);
+    }
+    return;
+  }
+  p.input =
+      a.scalar_type() == at::kBFloat16 ? cpu::MatmulInput::kBFloat16 : cpu::MatmulInput::kFloat32;
+  cpu::Matmul(p, a.data_ptr(), b.data_ptr(), out.data_ptr<float>(), static_cast<float>(alpha),
+              static_cast<float>(beta));
+}
+
+namespace {
+
+// Calls fn(i) with the index of every matrix of a [..., rows, cols] tensor's leading
+// dimensions, by `select`: fn gets the 2-D views.
+void ForEachMatrix(const std::vector<at::Tensor>& tensors,
+                   const std::function<void(const std::vector<at::Tensor>&)>& fn) {
+  if (tensors[0].dim() == 2) {
+    fn(tensors);
+    return;
+  }
+  for (int64_t i = 0; i < tensors[0].size(0); ++i) {
+    std::vector<at::Tensor> selected;
+    for (const at::Tensor& t : tensors) selected.push_back(t.select(0, i));
+    ForEachMatrix(selected, fn);
+  }
+}
+
+class BatchedMatmulFunction : public torch::autograd::Function<BatchedMatmulFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a,
+                            const at::Tensor& b) {
+    std::vector<int64_t> sizes = a.sizes().vec();
+    sizes.back() = b.size(-1);
+    at::Tensor out = at::empty(sizes, a.options());
+    ForEachMatrix({out, a, b},
+                  [](const std::vector<at::Tensor>& m) { MatmulOut(m[0], m[1], m[2]); });
+    ctx->save_for_backward({a, b});
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const torch::autograd::variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &a = saved[0], &b = saved[1], &g = grads[0];
+    at::Tensor da, db;
+    if (a.requires_grad()) da = at::empty(a.sizes(), g.options());
+    if (b.requires_grad()) db = at::empty(b.sizes(), g.options());
+    ForEachMatrix({g, a, b, da.defined() ? da : g, db.defined() ? db : g},
+                  [&](const std::vector<at::Tensor>& m) {
+                    if (da.defined()) MatmulOut(m[3], m[0], m[2].t());
+                    if (db.defined()) MatmulOut(m[4], m[1].t(), m[0]);
+                  });
+    return {da, db};
+  }
+};
+
+}  // namespace
+
+at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(a.dim() >= 2 && a.dim() == b.dim() && a.size(-1) == b.size(-2) &&
+                  a.sizes().slice(0, a.dim() - 2) == b.sizes().slice(0, b.dim() - 2),
+              "BatchedMatmul: ", a.sizes(), " x ", b.sizes());
+  if (!a.device().is_cpu() || a.scalar_type() != at::kFloat || b.scalar_type() != at::kFloat) {
+    return at::matmul(a, b);
+  }
+  return BatchedMatmulFunction::apply(a, b);
+}
+
+at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.device().is_cpu() || a.scalar_type() != at::kFloat) return at::mm(a, b);
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  MatmulOut(out, a, b);
+  return out;
+}
+
+}  // namespace lathe::kernels

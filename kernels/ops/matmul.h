@@ -1,0 +1,30 @@
+// Matrix products of 2-D tensors for the ops and the engine: float32 (and, where the CPU
+// multiplies it natively, bfloat16) CPU tensors go through kernels/cpu/matmul.h (oneDNN),
+// small products (under 64^3 multiply-adds) and everything else through ATen
+// (docs/kernels.md, "Matrix products").
+//
+// Thread-safety: as any ATen op.
+#ifndef LATHE_KERNELS_OPS_MATMUL_H_
+#define LATHE_KERNELS_OPS_MATMUL_H_
+
+#include "kernels/ops/torch_compat.h"
+
+namespace lathe::kernels {
+
+// out = alpha * a b + beta * out. a: [m, k], b: [k, n], out: [m, n], all of one dtype; beta
+// 0 ignores out's old contents.
+void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double alpha = 1.0,
+               double beta = 0.0);
+
+// a b as a new tensor of a's dtype (a: [m, k], b: [k, n]).
+at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);
+
+// The batched product of attention, a b for a: [..., m, k] and b: [..., k, n] with the same
+// leading dimensions (no broadcasting), as an autograd node: one MatmulOut per matrix, in
+// forward and in backward (da = g b^T, db = a^T g). Views are read in place (a transposed
+// key, a head's slice of the projections). Saves a and b.
+at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace lathe::kernels
+
+#endif  // LATHE_KERNELS_OPS_MATMUL_H_
