@@ -117,6 +117,17 @@ class ShardedTrainerTest : public ::testing::Test {
     spec_.train.max_grad_norm = 0.5;  // clipping by the norm across shards
   }
 
+  // Full fine-tuning of `config`'s tiny model: 4 steps of 6 sequences, one per micro-batch.
+  void FullFineTuning(const ModelConfig& config) {
+    config_ = config;
+    spec_ = testing::TinyLoraJob(dir_, config_);
+    spec_.method = Method::kFull;
+    spec_.train.lr = 1e-3;
+    spec_.train.global_batch = 6;
+    spec_.train.micro_batch = 1;
+    spec_.train.steps = 4;
+  }
+
   JobSpec Sharded(JobSpec spec, int64_t ranks, int64_t stage, const std::string& name) {
     spec.resources.ranks = ranks;
     spec.strategy.automatic = false;
@@ -200,12 +211,7 @@ TEST_F(ShardedTrainerTest, FullFineTuningOnEveryStage) {
 TEST_F(ShardedTrainerTest, TiedEmbeddingsAndEvaluationOnZero3) {
   // The head borrows the embeddings' unit: gathered twice per step, trained by both uses.
   config_.tie_word_embeddings = true;
-  spec_ = testing::TinyLoraJob(dir_, config_);
-  spec_.method = Method::kFull;
-  spec_.train.lr = 1e-3;
-  spec_.train.global_batch = 6;
-  spec_.train.micro_batch = 1;
-  spec_.train.steps = 4;
+  FullFineTuning(config_);
   SyntheticDataOptions eval_data;
   eval_data.vocab = config_.vocab_size;
   eval_data.records = 6;
@@ -282,12 +288,7 @@ TEST_F(ShardedTrainerTest, CheckpointsResumeOnAnotherNumberOfRanks) {
 TEST_F(ShardedTrainerTest, EveryOptimizerOnTheRanksPiecesGivesTheSingleProcessLosses) {
   config_.vocab_size = 128;
   config_.intermediate_size = 128;  // [128, 32] projections and head: 8-bit moments
-  spec_ = testing::TinyLoraJob(dir_, config_);
-  spec_.method = Method::kFull;
-  spec_.train.lr = 1e-3;
-  spec_.train.global_batch = 6;
-  spec_.train.micro_batch = 1;
-  spec_.train.steps = 4;
+  FullFineTuning(config_);
   spec_.train.weight_decay = 0.01;
   spec_.train.max_grad_norm = 0.5;
   struct Case {
@@ -319,11 +320,7 @@ TEST_F(ShardedTrainerTest, EveryOptimizerOnTheRanksPiecesGivesTheSingleProcessLo
 
 TEST_F(ShardedTrainerTest, EveryOptimizersStateResumes) {
   config_.intermediate_size = 128;
-  spec_ = testing::TinyLoraJob(dir_, config_);
-  spec_.method = Method::kFull;
-  spec_.train.lr = 1e-3;
-  spec_.train.global_batch = 6;
-  spec_.train.micro_batch = 1;
+  FullFineTuning(config_);
   spec_.train.steps = 6;
   for (OptimizerKind optimizer :
        {OptimizerKind::kSgd, OptimizerKind::kAdafactor, OptimizerKind::kAdamW8bit}) {
@@ -362,8 +359,7 @@ TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
   const RankRun single = RunRanks(spec_);
   ASSERT_TRUE(single.statuses[0].ok()) << single.statuses[0];
   for (int64_t stage : {1, 2, 3}) {
-    ExpectMatches(Sharded(spec_, 3, stage, absl::StrCat("qlora-s", stage)), single.losses[0],
-                  1e-5);
+    ExpectMatches(Sharded(spec_, 3, stage, absl::StrCat("qlora-s", stage)), single.losses[0], 1e-5);
   }
   JobSpec offloaded = Sharded(spec_, 2, 3, "qlora-offloaded");
   offloaded.strategy.offload_params = offloaded.strategy.offload_optimizer = true;

@@ -193,13 +193,7 @@ class Adafactor final : public Optimizer {
                     .div(std::sqrt(static_cast<double>(update.numel())))
                     .div_(options_.clip_threshold)
                     .clamp_(1.0));
-    if (options_.beta1 > 0) {
-      at::Tensor& exp_avg = s.back();
-      exp_avg.mul_(options_.beta1).add_(update, 1.0 - options_.beta1);
-      update = exp_avg;
-    }
-    DecoupledDecay(i, param, lr, options_.weight_decay);
-    param.add_(update, -lr);
+    Apply(i, param, update, lr);
   }
 
   // The same update for a rank's piece of a tensor (1-D, any element range, possibly empty):
@@ -270,8 +264,14 @@ class Adafactor final : public Optimizer {
                     .sqrt_()
                     .div_(options_.clip_threshold)
                     .clamp_(1.0));
+    Apply(i, param, update, lr);
+  }
+
+  // The clipped update u of parameter i: through the first moment when there is one, then
+  // the decoupled weight decay and p -= lr u.
+  void Apply(size_t i, at::Tensor& param, at::Tensor update, double lr) {
     if (options_.beta1 > 0) {
-      at::Tensor& exp_avg = s.back();
+      at::Tensor& exp_avg = state(i).back();
       exp_avg.mul_(options_.beta1).add_(update, 1.0 - options_.beta1);
       update = exp_avg;
     }
