@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/cpu/linear_cross_entropy_layout.h"
 #include "kernels/cpu/matmul.h"
 #include "kernels/cpu/vector_math.h"
 #include "kernels/linear_cross_entropy_workspace.h"
@@ -137,55 +138,6 @@ void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const flo
 }
 
 // Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.
-using WorkspaceLayout = LinearCrossEntropyWorkspaceLayout<64>;
-using Sizes = LinearCrossEntropySizes;
-
-struct ForwardWorkspace {
-  float* tile;
-  float* row_max;
-  float* row_sum;
-  float* row_target;
-  float* hidden_stage;  // bfloat16 only
-  float* weight_stage;  // bfloat16 only
-  float* grad_hidden;   // bfloat16 with the hidden gradient only: its float32 sums, [N, H]
-};
-
-ForwardWorkspace CarveForward(const Sizes& s, bool grad_hidden, WorkspaceLayout& layout) {
-  ForwardWorkspace w;
-  w.tile = layout.Take<float>(s.tn * s.tv);
-  w.row_max = layout.Take<float>(s.n);
-  w.row_sum = layout.Take<float>(s.n);
-  w.row_target = layout.Take<float>(s.n);
-  w.hidden_stage = s.bf16 ? layout.Take<float>(s.tn * s.h) : nullptr;
-  w.weight_stage = s.bf16 ? layout.Take<float>(s.tv * s.h) : nullptr;
-  w.grad_hidden = s.bf16 && grad_hidden ? layout.Take<float>(s.n * s.h) : nullptr;
-  return w;
-}
-
-struct BackwardWorkspace {
-  float* tile;
-  float* hidden_stage;  // bfloat16 only
-  float* weight_stage;  // bfloat16 only
-  LinearCrossEntropyGradientSums sums;
-};
-
-BackwardWorkspace CarveBackward(const Sizes& s, bool grad_hidden, bool grad_weight,
-                                WorkspaceLayout& layout) {
-  BackwardWorkspace w{};
-  w.tile = layout.Take<float>(s.tn * s.tv);
-  if (s.bf16) {
-    w.hidden_stage = layout.Take<float>(s.tn * s.h);
-    w.weight_stage = layout.Take<float>(s.tv * s.h);
-  }
-  w.sums = TakeGradientSums(s, grad_hidden, grad_weight, layout);
-  return w;
-}
-
-// The single pass: one [tn, V] tile (float32 only).
-float* CarveSinglePass(const Sizes& s, WorkspaceLayout& layout) {
-  return layout.Take<float>(s.tn * s.v);
-}
-
 // Chunk c of the tokens holds at least one non-ignored target.
 std::vector<char> ChunksWithTargets(const Sizes& s, const int64_t* targets, int64_t ignore_index) {
   std::vector<char> any((s.n + s.tn - 1) / s.tn, 0);
@@ -258,40 +210,6 @@ void StoreRows(const float* src, BFloat16* dst, int64_t rows, int64_t cols,
 
 void SerialFor(int64_t n, const std::function<void(int64_t begin, int64_t end)>& body) {
   if (n > 0) body(0, n);
-}
-
-int64_t LinearCrossEntropyForwardWorkspaceBytes(const LinearCrossEntropyProblem& problem,
-                                                const LinearCrossEntropyChunks& chunks,
-                                                bool grad_hidden) {
-  WorkspaceLayout layout(nullptr);
-  CarveForward(Sizes(problem, chunks), grad_hidden, layout);
-  return layout.bytes();
-}
-
-int64_t LinearCrossEntropyBackwardWorkspaceBytes(const LinearCrossEntropyProblem& problem,
-                                                 const LinearCrossEntropyChunks& chunks,
-                                                 bool grad_hidden, bool grad_weight) {
-  WorkspaceLayout layout(nullptr);
-  CarveBackward(Sizes(problem, chunks), grad_hidden, grad_weight, layout);
-  return layout.bytes();
-}
-
-int64_t LinearCrossEntropySinglePassWorkspaceBytes(const LinearCrossEntropyProblem& problem,
-                                                   int64_t token_chunk) {
-  WorkspaceLayout layout(nullptr);
-  CarveSinglePass(Sizes(problem, {token_chunk, problem.vocab}), layout);
-  return layout.bytes();
-}
-
-int64_t LinearCrossEntropySinglePassTokenChunk(const LinearCrossEntropyProblem& problem,
-                                               int64_t budget_bytes) {
-  constexpr int64_t kMinTokens = 128;
-  const int64_t row_bytes = LinearCrossEntropySinglePassWorkspaceBytes(problem, 1);
-  int64_t chunk = std::min(problem.tokens, budget_bytes / row_bytes);
-  while (chunk > 0 && LinearCrossEntropySinglePassWorkspaceBytes(problem, chunk) > budget_bytes) {
-    --chunk;
-  }
-  return chunk >= std::min(problem.tokens, kMinTokens) ? chunk : 0;
 }
 
 double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,

@@ -26,6 +26,17 @@ at::ScalarType MathType(const at::Tensor& x) {
   return half && x.device().is_cpu() ? at::kFloat : type;
 }
 
+// Whether the base product x W^T (and dy W) runs bfloat16 x bfloat16 with float32
+// accumulation: a frozen bfloat16 W with float32 x (x2: [tokens, in]) on a CPU that
+// multiplies bfloat16 natively, in a product large enough for the kernel
+// (kernels/ops/matmul.h). x (dy) is rounded to bfloat16 for that product, as CUDA autocast
+// does; otherwise W is widened to float32.
+bool NativeBFloat16Base(const at::Tensor& x2, const at::Tensor& weight) {
+  return x2.device().is_cpu() && x2.scalar_type() == at::kFloat &&
+         weight.scalar_type() == at::kBFloat16 && !weight.requires_grad() &&
+         NativeBFloat16Product(x2.size(0), weight.size(0), weight.size(1));
+}
+
 // Gradient `g` in the dtype of the tensor it belongs to.
 at::Tensor GradFor(const at::Tensor& g, const at::Tensor& of) { return As(g, of.scalar_type()); }
 
@@ -61,7 +72,10 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const at::ScalarType math = MathType(x);
     const at::Tensor x2 = x.reshape({-1, in});  // a view of x when x is contiguous
     const at::Tensor xm = As(x2, math);         // a temporary when math != type
-    const at::Tensor w = As(weight, math);
+    const bool native = NativeBFloat16Base(x2, weight);
+    // The base product's operands: x and W in the math type, or both bfloat16.
+    const at::Tensor xw = native ? x2.to(at::kBFloat16) : xm;
+    const at::Tensor w = native ? weight : As(weight, math);
     std::vector<int64_t> out_sizes = x.sizes().vec();
     out_sizes.back() = out;
     at::Tensor result = at::empty(out_sizes, x.options());
@@ -69,9 +83,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
                                 : at::empty({x2.size(0), out}, x.options().dtype(math));
     if (bias.defined()) {
       y.copy_(As(bias, math).expand_as(y));
-      MatmulOut(y, xm, w.t(), 1.0, 1.0);
+      MatmulOut(y, xw, w.t(), 1.0, 1.0);
     } else {
-      MatmulOut(y, xm, w.t());
+      MatmulOut(y, xw, w.t());
     }
     at::Tensor xa;  // dropout(x) A^T: [tokens, r], in the math type
     if (lora) {
@@ -115,7 +129,14 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     if (weight_grad || (lora_a.defined() && a_grad)) xm = As(x2, math);
 
     at::Tensor dx, dweight, dbias, da, db;
-    if (ctx->saved_data["x_grad"].toBool()) dx = Matmul(dy, As(weight, math));
+    if (ctx->saved_data["x_grad"].toBool()) {
+      if (NativeBFloat16Base(dy, weight)) {
+        dx = at::empty({dy.size(0), weight.size(1)}, dy.options());
+        MatmulOut(dx, dy.to(at::kBFloat16), weight);
+      } else {
+        dx = Matmul(dy, As(weight, math));
+      }
+    }
     if (weight_grad) dweight = GradFor(Matmul(dy.t(), xm), weight);
     if (ctx->saved_data["bias_grad"].toBool()) dbias = GradFor(dy.sum(0), bias);
     if (lora_a.defined()) {

@@ -19,8 +19,12 @@ namespace lathe::kernels {
 // masters with bfloat16 x) are converted as they are used, in forward and again in backward;
 // no converted copy is kept. The products run in x's dtype, except for bfloat16/float16 x on
 // the CPU, where they run in float32 (libtorch's CPU bfloat16 product accumulates in
-// bfloat16) and y is rounded once. Gradients: x, A, B, and W and b when they require grad (full
-// fine-tuning), each in its own dtype.
+// bfloat16) and y is rounded once. A frozen bfloat16 W with float32 x on a CPU that
+// multiplies bfloat16 natively (AVX512-BF16 or AMX, unless LATHE_CPU_BF16=0) is not widened:
+// the base products x W^T and dy W run bfloat16 x bfloat16 with float32 accumulation, x and
+// dy rounded to bfloat16 for them (as CUDA autocast does); the LoRA products stay float32.
+// Gradients: x, A, B, and W and b when they require grad (full fine-tuning), each in its own
+// dtype.
 //
 // Dropout (only when training && dropout_p > 0 && LoRA): the mask of kernels/dropout_mask.h
 // with a seed drawn from `generator` (DrawDropoutSeed: libtorch's default CPU generator when

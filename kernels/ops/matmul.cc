@@ -55,11 +55,15 @@ void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double 
                       Layout(b, &p.trans_b, &p.ldb) && Layout(out, &out_transposed, &p.ldc) &&
                       !out_transposed;
   if (!kernel) {
+    // bfloat16 inputs into a float32 output (a small product of the bf16 path) multiply
+    // widened.
+    const at::Tensor aw = a.scalar_type() == out.scalar_type() ? a : a.to(out.scalar_type());
+    const at::Tensor bw = b.scalar_type() == out.scalar_type() ? b : b.to(out.scalar_type());
     if (beta == 0.0) {
-      at::mm_out(out, a, b);
+      at::mm_out(out, aw, bw);
       if (alpha != 1.0) out.mul_(alpha);
     } else {
-      out.addmm_(a, b, beta, alpha);
+      out.addmm_(aw, bw, beta, alpha);
     }
     return;
   }
@@ -125,6 +129,10 @@ at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b) {
     return at::matmul(a, b);
   }
   return BatchedMatmulFunction::apply(a, b);
+}
+
+bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k) {
+  return m * n * k >= kMinKernelProduct && cpu::NativeBFloat16Products();
 }
 
 at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) {

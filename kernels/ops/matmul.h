@@ -11,10 +11,16 @@
 
 namespace lathe::kernels {
 
-// out = alpha * a b + beta * out. a: [m, k], b: [k, n], out: [m, n], all of one dtype; beta
-// 0 ignores out's old contents.
+// out = alpha * a b + beta * out. a: [m, k], b: [k, n], out: [m, n], all of one dtype, or a
+// and b bfloat16 into a float32 out (float32 accumulation); beta 0 ignores out's old
+// contents.
 void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double alpha = 1.0,
                double beta = 0.0);
+
+// Whether a product of m x k by k x n in bfloat16 runs natively (bf16 x bf16, float32
+// accumulation): the CPU multiplies bfloat16 (kernels/cpu/matmul.h) and the product is large
+// enough for the kernel.
+bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k);
 
 // a b as a new tensor of a's dtype (a: [m, k], b: [k, n]).
 at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);

@@ -4,6 +4,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/dropout.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/ops/dropout.h"
 #include "kernels/ops/unfused.h"
 #include "tests/kernels/kernel_test_util.h"
@@ -82,8 +83,13 @@ TEST_P(LoraLinearTest, ForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
   y64.backward(dy.to(at::kDouble));
 
   const double tol = Tolerance(c.x_type);
-  EXPECT_LT(RelErr(y, y64), tol);
-  EXPECT_LT(RelErr(x.grad(), x64.grad()), tol);
+  // A CPU that multiplies bfloat16 rounds x and dy to bfloat16 for the base product of a
+  // bfloat16 W (NativeBFloat16BaseProducts below checks that exactly).
+  const bool native = c.x_type == at::kFloat && c.weight_type == at::kBFloat16 &&
+                      kernels::cpu::NativeBFloat16Products();
+  const double base_tol = native ? Tolerance(at::kBFloat16) : tol;
+  EXPECT_LT(RelErr(y, y64), base_tol);
+  EXPECT_LT(RelErr(x.grad(), x64.grad()), base_tol);
   if (lora) {
     EXPECT_EQ(a.grad().scalar_type(), at::kFloat);
     EXPECT_LT(RelErr(a.grad(), a64.grad()), tol);
@@ -113,6 +119,36 @@ INSTANTIATE_TEST_SUITE_P(
         LoraCase{{1, 65}, 33, 0, at::kFloat, at::kFloat, false, 0.0},
         LoraCase{{7, 65}, 33, 0, at::kBFloat16, at::kFloat, true, 0.0}),
     [](const ::testing::TestParamInfo<LoraCase>& case_info) { return Name(case_info.param); });
+
+// On a CPU that multiplies bfloat16, a frozen bfloat16 W with float32 x: y = bf16(x) W^T + b
+// + s x A^T B^T and dx = bf16(dy) W + s (dy B) A, with float32 sums (checked in float64 from
+// the bf16-rounded operands); with LATHE_CPU_BF16=0 or on other CPUs W is widened instead
+// (the test above).
+TEST(LoraLinearOpTest, NativeBFloat16BaseProducts) {
+  if (!kernels::cpu::NativeBFloat16Products()) {
+    GTEST_SKIP() << "no native bfloat16 products here: " << kernels::cpu::MatmulBackend();
+  }
+  at::Generator gen = testing::Generator(3);
+  const int64_t tokens = 96, in = 80, out = 72, rank = 4;  // above the kernel's 64^3
+  const double scale = 2.0;
+  const at::Tensor x = Randn({tokens, in}, at::kFloat, gen).requires_grad_(true);
+  const at::Tensor weight = Randn({out, in}, at::kBFloat16, gen, 0.2);
+  const at::Tensor bias = Randn({out}, at::kBFloat16, gen);
+  const at::Tensor a = Randn({rank, in}, at::kFloat, gen, 0.2).requires_grad_(true);
+  const at::Tensor b = Randn({out, rank}, at::kFloat, gen, 0.2).requires_grad_(true);
+  const at::Tensor y = kernels::LoraLinearWithSeed(x, weight, bias, a, b, scale, 0.0, 1);
+  const at::Tensor dy = Randn({tokens, out}, at::kFloat, gen);
+  y.backward(dy);
+
+  auto d = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
+  auto bf16 = [&](const at::Tensor& t) { return d(t.to(at::kBFloat16)); };
+  const at::Tensor want_y = at::matmul(bf16(x), d(weight).t()) + d(bias) +
+                            at::matmul(at::matmul(d(x), d(a).t()), d(b).t()) * scale;
+  const at::Tensor want_dx =
+      at::matmul(bf16(dy), d(weight)) + at::matmul(at::matmul(d(dy), d(b)), d(a)) * scale;
+  EXPECT_LT(RelErr(y, want_y), 1e-5);
+  EXPECT_LT(RelErr(x.grad(), want_dx), 1e-5);
+}
 
 TEST(LoraLinearOpTest, TrainingDrawsOneMaskPerCallAndEvalNone) {
   at::Generator data = testing::Generator(FreshSeed());

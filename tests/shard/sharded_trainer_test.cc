@@ -10,6 +10,7 @@
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/matmul.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
@@ -240,7 +241,12 @@ TEST_F(ShardedTrainerTest, LowPrecisionOnZero3) {
     spec.train.precision = precision;
     const std::vector<double> want =
         Reference(spec, absl::StrCat("single-", PrecisionName(precision)));
-    ExpectMatches(Sharded(spec, 2, 3, absl::StrCat("z3-", PrecisionName(precision))), want, 1e-5);
+    // With native bf16 products the activations are rounded to bf16 for each base product:
+    // the gradient sums' other order moves an activation across a rounding boundary now and
+    // then, which later steps carry (measured 5e-5 relative at step 4).
+    const bool rounded = precision == Precision::kBf16 && kernels::cpu::NativeBFloat16Products();
+    ExpectMatches(Sharded(spec, 2, 3, absl::StrCat("z3-", PrecisionName(precision))), want,
+                  rounded ? 5e-4 : 1e-5);
   }
 }
 
