@@ -1,6 +1,5 @@
 #include "kernels/ops/matmul.h"
 
-#include <algorithm>
 #include <functional>
 #include <vector>
 
@@ -75,8 +74,8 @@ void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double 
 
 namespace {
 
-// Calls fn(i) with the index of every matrix of a [..., rows, cols] tensor's leading
-// dimensions, by `select`: fn gets the 2-D views.
+// Calls fn once per matrix of tensors [..., rows, cols] that share their leading dimensions,
+// with the 2-D views (`select` along each leading dimension) of every tensor.
 void ForEachMatrix(const std::vector<at::Tensor>& tensors,
                    const std::function<void(const std::vector<at::Tensor>&)>& fn) {
   if (tensors[0].dim() == 2) {
