@@ -1,6 +1,8 @@
-// Matrix products on the CPU through oneDNN (docs/kernels.md, "Matrix products"): Debian's
-// OpenBLAS predates full-width AVX-512 and AVX512-BF16, and oneDNN's brgemm kernels run this
-// project's products 1.8x faster in float32 and about 4x in bfloat16 (bench/roofline_bench).
+// Matrix products on the CPU through oneDNN (docs/kernels.md, "Matrix products"): its brgemm
+// kernels multiply bfloat16 natively on AVX512-BF16/AMX (about 2x float32, which Debian's
+// OpenBLAS cannot), thread small-N products (LoRA's) that OpenBLAS leaves on one core, and
+// match OpenBLAS's float32 elsewhere (1.0-1.15x on the development machine;
+// bench/roofline_bench).
 //
 //   C = alpha * op(A) op(B) + beta * C
 //

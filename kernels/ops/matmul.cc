@@ -1,6 +1,8 @@
 #include "kernels/ops/matmul.h"
 
+#include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "kernels/cpu/matmul.h"
@@ -30,9 +32,16 @@ bool Layout(const at::Tensor& t, bool* transposed, int64_t* ld) {
 // whole product under about 64^3.
 constexpr int64_t kMinKernelProduct = int64_t{1} << 18;
 
-// Whether the CPU kernel multiplies tensors of `type`.
+// Whether the CPU kernel multiplies tensors of `type`. LATHE_CPU_ONEDNN=0 sends every product
+// to ATen instead (a diagnostic: the same step with OpenBLAS's products, for comparisons in
+// one script).
 bool KernelMultiplies(at::ScalarType type) {
-  return type == at::kFloat || (type == at::kBFloat16 && cpu::NativeBFloat16Products());
+  static const bool disabled = [] {
+    const char* env = std::getenv("LATHE_CPU_ONEDNN");
+    return env != nullptr && std::string(env) == "0";
+  }();
+  return !disabled &&
+         (type == at::kFloat || (type == at::kBFloat16 && cpu::NativeBFloat16Products()));
 }
 
 }  // namespace
@@ -131,7 +140,7 @@ at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b) {
 }
 
 bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k) {
-  return m * n * k >= kMinKernelProduct && cpu::NativeBFloat16Products();
+  return m * n * k >= kMinKernelProduct && KernelMultiplies(at::kBFloat16);
 }
 
 at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b) {
