@@ -290,9 +290,9 @@ void ShardedModel::StartGather(int64_t unit) {
   Unit& u = units_[unit];
   if (u.gathered || !u.gathers.empty()) return;
   MemoryScope scope(MemoryComponent::kCommBuffers);
-  for (auto [slice, whole] : {std::pair{&u.frozen_slice, &u.frozen_whole},
-                              std::pair{&u.trainable_slice, &u.trainable_whole},
-                              std::pair{&u.nf4_slice, &u.nf4_whole}}) {
+  for (auto [slice, whole] :
+       {std::pair{&u.frozen_slice, &u.frozen_whole},
+        std::pair{&u.trainable_slice, &u.trainable_whole}, std::pair{&u.nf4_slice, &u.nf4_whole}}) {
     if (!whole->defined() || whole->numel() == 0) continue;
     AllocateStorage(*whole);
     // Offloaded slices travel to the device first: the same path on a CPU job, a copy.
@@ -788,8 +788,8 @@ ShardBytes ShardedModel::bytes() const {
       b.frozen += bytes_of(u.frozen_slice) + bytes_of(u.nf4_slice);
       b.trainable += bytes_of(u.trainable_slice);
       b.largest_unit =
-          std::max(b.largest_unit, bytes_of(u.frozen_whole) + bytes_of(u.trainable_whole) +
-                                       bytes_of(u.nf4_whole));
+          std::max(b.largest_unit,
+                   bytes_of(u.frozen_whole) + bytes_of(u.trainable_whole) + bytes_of(u.nf4_whole));
     } else {
       for (const at::Tensor* slot : u.frozen_slots) b.frozen += bytes_of(*slot);
       b.trainable += bytes_of(u.trainable_whole);
