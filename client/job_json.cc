@@ -132,6 +132,7 @@ Json ProgressJson(const v1::Progress& progress) {
       {"grad_norm", Number(progress.grad_norm())},
       {"tokens_per_second", Number(progress.tokens_per_second())},
       {"mfu", Number(progress.mfu())},
+      {"products", progress.products()},
       {"skipped_steps", progress.skipped_steps()},
       {"loss_scale", Number(progress.loss_scale())},
       {"step_seconds", Number(progress.step_seconds())},

@@ -127,6 +127,7 @@ std::string ProgressText(const v1::JobStatus& status, const v1::Progress& p, abs
     parts.push_back(absl::StrFormat("tokens/s %.0f", p.tokens_per_second()));
   }
   if (p.mfu() > 0) parts.push_back(absl::StrFormat("MFU %.1f%%", 100 * p.mfu()));
+  if (!p.products().empty()) parts.push_back(absl::StrCat("products ", p.products()));
   std::string text = absl::StrJoin(parts, "  ");
   if (p.updated_unix_ms() > 0)
     absl::StrAppend(&text, "  (updated ", Ago(p.updated_unix_ms(), now), ")");

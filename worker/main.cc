@@ -198,6 +198,7 @@ v1::TrainerEvent StepEvent(const StepReport& r) {
   p->set_grad_norm(r.grad_norm);  // protobuf JSON writes a non-finite one as "NaN"
   p->set_tokens_per_second(r.seconds > 0 ? r.tokens / r.seconds : 0.0);
   p->set_mfu(r.mfu);
+  p->set_products(r.products);
   if (r.eval_loss) p->set_eval_loss(*r.eval_loss);
   for (MemoryComponent c : kMemoryComponents) {
     SetComponentBytes(p->mutable_memory(), c,

@@ -139,6 +139,10 @@ at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b) {
   return BatchedMatmulFunction::apply(a, b);
 }
 
+std::string ProductsBackend(const at::Device& device) {
+  return device.is_cpu() && KernelMultiplies(at::kFloat) ? cpu::MatmulBackend() : "aten";
+}
+
 bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k) {
   return m * n * k >= kMinKernelProduct && KernelMultiplies(at::kBFloat16);
 }

@@ -7,6 +7,9 @@
 #ifndef LATHE_KERNELS_OPS_MATMUL_H_
 #define LATHE_KERNELS_OPS_MATMUL_H_
 
+#include <cstdint>
+#include <string>
+
 #include "kernels/ops/torch_compat.h"
 
 namespace lathe::kernels {
@@ -21,6 +24,10 @@ void MatmulOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, double 
 // accumulation): the CPU multiplies bfloat16 (kernels/cpu/matmul.h) and the product is large
 // enough for the kernel.
 bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k);
+
+// What runs the products on `device`, for reports: kernels/cpu/matmul.h's MatmulBackend() on
+// the CPU, "aten" elsewhere or with LATHE_CPU_ONEDNN=0.
+std::string ProductsBackend(const at::Device& device);
 
 // a b as a new tensor of a's dtype (a: [m, k], b: [k, n]).
 at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);

@@ -607,6 +607,7 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   placement->set_slot(1);
   second.mutable_progress()->mutable_memory()->set_weights(1100ull << 20);
   second.mutable_progress()->mutable_memory()->set_activations(64ull << 20);
+  second.mutable_progress()->set_products("onednn f32 brg:avx512_core, bf16 widened to f32");
   plan->set_memory_correction(1.1);
   job.clear_attempts();
   *job.add_attempts() = first;
@@ -627,7 +628,8 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   EXPECT_THAT(out, HasSubstr("RuntimeError: boom"));
   EXPECT_THAT(out, HasSubstr("#2 RUNNING  rank 0 on w-a slot 1"));
   EXPECT_THAT(out, HasSubstr("resumed from step 30"));
-  EXPECT_THAT(out, HasSubstr("step 40/100  loss 3.2110  tokens/s 1234"));
+  EXPECT_THAT(out, HasSubstr("step 40/100  loss 3.2110  tokens/s 1234  products onednn f32 "
+                             "brg:avx512_core, bf16 widened to f32"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*weights +1.00 GiB +1.07 GiB\n(.|\n)*"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*activations +- +64.0 MiB\n(.|\n)*"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*total +1.50 GiB +-\n(.|\n)*"));
@@ -837,7 +839,7 @@ constexpr char kJsonSchema[] = R"({
   "progress": {
     "step": "integer", "total_steps": "integer", "loss": "number|null",
     "eval_loss": "number|null", "lr": "number", "grad_norm": "number",
-    "tokens_per_second": "number", "mfu": "number", "skipped_steps": "integer",
+    "tokens_per_second": "number", "mfu": "number", "products": "string", "skipped_steps": "integer",
     "loss_scale": "number", "step_seconds": "number",
     "phases": {"forward": "number", "loss": "number", "backward": "number", "comm": "number",
                "optimizer": "number"},
@@ -1015,6 +1017,7 @@ v1::JobStatus FullJob(const std::string& id) {
   p->set_lr(2e-4);
   p->set_grad_norm(0.5);
   p->set_mfu(0.4);
+  p->set_products("onednn f32 brg:avx512_core, bf16 widened to f32");
   p->set_skipped_steps(1);
   p->set_loss_scale(65536);
   p->set_step_seconds(0.25);

@@ -119,6 +119,9 @@ TEST_F(TrainerTest, ReportsMfuAgainstThePeak) {
     ASSERT_GT(r.seconds, 0);
     EXPECT_NEAR(r.mfu, per_token * r.tokens / r.seconds / 1e9, 1e-12 + 1e-9 * r.mfu);
     EXPECT_GT(r.mean_step_seconds, 0);
+    // The products' backend, chosen once: oneDNN on the CPU.
+    EXPECT_EQ(r.products, reports.front().products);
+    EXPECT_EQ(r.products.rfind("onednn f32 ", 0), 0u) << r.products;
   }
 }
 

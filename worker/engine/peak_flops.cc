@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
@@ -12,12 +13,14 @@
 namespace lathe {
 namespace {
 
-double Measure() {
-  constexpr int64_t kSize = 2048;
+constexpr int64_t kSize = 2048;
+
+double Measure(bool bf16) {
   constexpr int kRuns = 4;  // the first warms the threads and the caches up
   at::NoGradGuard no_grad;
-  const at::Tensor a = at::rand({kSize, kSize}, at::kFloat);
-  const at::Tensor b = at::rand({kSize, kSize}, at::kFloat);
+  const at::ScalarType type = bf16 ? at::kBFloat16 : at::kFloat;
+  const at::Tensor a = at::rand({kSize, kSize}, at::kFloat).to(type);
+  const at::Tensor b = at::rand({kSize, kSize}, at::kFloat).to(type);
   at::Tensor c = at::empty({kSize, kSize}, at::kFloat);
   double best = 0.0;
   for (int run = 0; run < kRuns; ++run) {
@@ -32,12 +35,12 @@ double Measure() {
 
 }  // namespace
 
-double MeasureCpuMatmulFlops() {
+double MeasureCpuMatmulFlops(bool bf16) {
   static absl::Mutex mu(absl::kConstInit);
-  static auto* measured ABSL_GUARDED_BY(mu) = new std::map<int, double>();
+  static auto* measured ABSL_GUARDED_BY(mu) = new std::map<std::pair<int, bool>, double>();
   absl::MutexLock lock(&mu);
-  double& peak = (*measured)[at::get_num_threads()];
-  if (peak <= 0) peak = Measure();
+  double& peak = (*measured)[{at::get_num_threads(), bf16}];
+  if (peak <= 0) peak = Measure(bf16);
   return peak;
 }
 
@@ -47,7 +50,10 @@ double PeakFlopsFor(const at::Device& device, Precision precision, double config
     return CudaPeakFlops(CudaDeviceName(device.has_index() ? device.index() : 0), precision)
         .value_or(0.0);
   }
-  return MeasureCpuMatmulFlops();
+  // bf16 jobs multiply bf16 natively where the CPU can (kernels/ops/matmul.h): their peak is
+  // that product's.
+  return MeasureCpuMatmulFlops(precision == Precision::kBf16 &&
+                               kernels::NativeBFloat16Product(kSize, kSize, kSize));
 }
 
 }  // namespace lathe

@@ -16,6 +16,7 @@
 #include "common/flops.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/ops/matmul.h"
 #include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
 #include "worker/engine/causal_lm.h"
@@ -498,6 +499,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
     report.mfu =
         Mfu(model_flops_per_token_, report.seconds > 0 ? report.tokens / report.seconds : 0,
             peak_flops_, options_.world_size);
+    report.products = kernels::ProductsBackend(model_->options().device);
     on_step(report);
     // A stop asked of one rank stops them all, after the same step.
     double stops = stop_requested_.load() ? 1.0 : 0.0;

@@ -97,6 +97,8 @@ struct StepReport {
   // Model FLOPs utilisation of this step (common/flops.h): tokens / seconds x model FLOPs
   // per token over world_size x peak_flops(); 0 when the peak is unknown.
   double mfu = 0.0;
+  // What runs the matrix products (kernels/ops/matmul.h, ProductsBackend).
+  std::string products;
   PhaseSeconds phases;
   // Memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
   // components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped
