@@ -125,16 +125,7 @@ void GradientRow(float* __restrict row, int64_t n, float lse, float factor, floa
 // trans_a), B is [k, n] (or its transpose is, with trans_b).
 void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  MatmulProblem p;
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.trans_a = trans_a;
-  p.trans_b = trans_b;
-  p.lda = lda;
-  p.ldb = ldb;
-  p.ldc = ldc;
-  Matmul(p, a, b, c, 1.0f, beta);
+  Matmul({m, n, k, trans_a, trans_b, lda, ldb, ldc}, a, b, c, 1.0f, beta);
 }
 
 // Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.

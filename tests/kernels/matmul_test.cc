@@ -97,13 +97,7 @@ TEST(MatmulTest, BFloat16InputsAccumulateInFloat32) {
 }
 
 TEST(MatmulTest, EmptySumsAndEmptyResults) {
-  MatmulProblem p;
-  p.m = 2;
-  p.n = 3;
-  p.k = 0;
-  p.lda = 1;
-  p.ldb = 3;
-  p.ldc = 3;
+  MatmulProblem p{/*m=*/2, /*n=*/3, /*k=*/0, false, false, /*lda=*/1, /*ldb=*/3, /*ldc=*/3};
   float c[6] = {1, 2, 3, 4, 5, std::numeric_limits<float>::quiet_NaN()};
   Matmul(p, nullptr, nullptr, c, 1.0f, 0.5f);
   EXPECT_EQ(c[0], 0.5f);
@@ -118,13 +112,8 @@ TEST(MatmulTest, TheSameProblemGivesTheSameBits) {
   at::Generator gen = Generator(7);
   const at::Tensor a = at::randn({128, 96}, gen);
   const at::Tensor b = at::randn({96, 80}, gen);
-  MatmulProblem p;
-  p.m = 128;
-  p.n = 80;
-  p.k = 96;
-  p.lda = 96;
-  p.ldb = 80;
-  p.ldc = 80;
+  const MatmulProblem p{/*m=*/128, /*n=*/80, /*k=*/96, false, false, /*lda=*/96, /*ldb=*/80,
+                        /*ldc=*/80};
   at::Tensor first = at::empty({128, 80});
   at::Tensor second = at::empty({128, 80});
   Matmul(p, a.data_ptr(), b.data_ptr(), first.data_ptr<float>());

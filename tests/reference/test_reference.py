@@ -1984,6 +1984,16 @@ class MezoTrainingTest(TempDirTest):
               f"{worst_cpp_g:.2e} (float32 vs float64 reference {worst_g:.2e})", file=sys.stderr)
         return ref_steps, ref_out, cpp_done
 
+    def _expect_scores_alike(self, data, what, cpp, reference, initial):
+        """cpp, reference, initial: (model, adapter or None), scored on `data`: the two trained
+        results alike, and both moved away from the initial one."""
+        cpp_loss, ref_loss, init_loss = (ref.score(model, adapter, data, 32)[1]
+                                         for model, adapter in (cpp, reference, initial))
+        self.assertLessEqual(abs(cpp_loss - ref_loss), SCORE_LOSS_ABS_TOL,
+                             f"trained {what} score {cpp_loss:.8f} (c++) and {ref_loss:.8f} "
+                             f"(reference); the initial one {init_loss:.8f}")
+        self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
+
     def test_mezo_lora(self):
         # As OptimizerTrainingTest's LoRA runs (cosine with warmup, weight decay 0.01, LoRA
         # from a lathe-synth adapter), at lr 1e-2: float32 vs float64 losses ~5e-6 apart,
@@ -2000,13 +2010,8 @@ class MezoTrainingTest(TempDirTest):
                         f"no adapter at {adapter}")
         cpp_t = ref.load_adapter_tensors(adapter)
         self.assertEqual(sorted(cpp_t), sorted(ref.load_adapter_tensors(ref_adapter)))
-        _, cpp_loss, _ = ref.score(model, adapter, data, 32)
-        _, ref_loss, _ = ref.score(model, ref_adapter, data, 32)
-        _, init_loss, _ = ref.score(model, init, data, 32)
-        self.assertLessEqual(abs(cpp_loss - ref_loss), SCORE_LOSS_ABS_TOL,
-                             f"trained adapters score {cpp_loss:.8f} (c++) and {ref_loss:.8f} "
-                             f"(reference); the initial one {init_loss:.8f}")
-        self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
+        self._expect_scores_alike(data, "adapters", (model, adapter), (model, ref_adapter),
+                                  (model, init))
 
     def test_mezo_full(self):
         # A tied Qwen2 (q/k/v biases: no weight decay on them nor on the norms; the head is
@@ -2023,13 +2028,8 @@ class MezoTrainingTest(TempDirTest):
                         f"no model at {out_model}")
         self.assertEqual(sorted(ref.load_model_weights(out_model)),
                          sorted(ref.load_model_weights(ref_model)))
-        _, cpp_loss, _ = ref.score(out_model, None, data, 32)
-        _, ref_loss, _ = ref.score(ref_model, None, data, 32)
-        _, init_loss, _ = ref.score(model, None, data, 32)
-        self.assertLessEqual(abs(cpp_loss - ref_loss), SCORE_LOSS_ABS_TOL,
-                             f"trained models score {cpp_loss:.8f} (c++) and {ref_loss:.8f} "
-                             f"(reference); the initial one {init_loss:.8f}")
-        self.assertGreater(abs(init_loss - ref_loss), 10 * SCORE_LOSS_ABS_TOL)
+        self._expect_scores_alike(data, "models", (out_model, None), (ref_model, None),
+                                  (model, None))
 
 
 class Nf4QuantizeTest(TempDirTest):

@@ -198,7 +198,9 @@ class Adafactor final : public Optimizer {
 
   // The same update for a rank's piece of a tensor (1-D, any element range, possibly empty):
   // the row and column sums of the squared gradient and the update's sum of squares are
-  // summed over the ranks, so every rank's statistics are the whole tensor's.
+  // summed over the ranks, so every rank's statistics are the whole tensor's. A path of its
+  // own because its sums round differently from Update's means and norm, which the Python
+  // reference repeats bit for bit.
   void ShardedUpdate(size_t i, const OptimizerSharding::Piece& piece, at::Tensor& param,
                      const at::Tensor& grad, double lr) {
     std::vector<at::Tensor>& s = state(i);

@@ -284,6 +284,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   if (!model.ok()) return Annotate(model.status(), "model.path");
   trainer->model_ = *std::move(model);
   trainer->peak_flops_ = PeakFlopsFor(model_options.device, plan.precision, options.peak_flops);
+  trainer->products_ = kernels::ProductsBackend(model_options.device);
   if (!TrainsFullWeights(spec) && model_options.device.is_cpu() && !model_options.keep_mapped) {
     const int64_t loaded =
         tracker->Snapshot().of(MemoryComponent::kWeights).current_bytes - weights_before;
@@ -499,7 +500,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
     report.mfu =
         Mfu(model_flops_per_token_, report.seconds > 0 ? report.tokens / report.seconds : 0,
             peak_flops_, options_.world_size);
-    report.products = kernels::ProductsBackend(model_->options().device);
+    report.products = products_;
     on_step(report);
     // A stop asked of one rank stops them all, after the same step.
     double stops = stop_requested_.load() ? 1.0 : 0.0;

@@ -206,6 +206,7 @@ class Trainer {
   std::optional<TokenDataset> eval_data_;
   double model_flops_per_token_ = 0.0;
   double peak_flops_ = 0.0;
+  std::string products_;  // what runs the matrix products (StepReport::products)
   // Frozen weights read in place from the mapped model file: resident, but not allocated.
   int64_t mapped_weight_bytes_ = 0;
   std::string spec_fingerprint_;
