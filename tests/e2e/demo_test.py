@@ -27,6 +27,8 @@ class DemoTest(unittest.TestCase):
             self.assertRegex(out, r"plan +1 rank on cpu, ZeRO-0")
             self.assertRegex(out, r"considered +ZERO +OFFLOAD .*\n +0 .* chosen")
             self.assertRegex(out, r"progress +step 60/60 .*MFU \d+\.\d%")
+            # What runs the step's products, chosen once by the trainer (oneDNN on the CPU).
+            self.assertRegex(out, r"progress +step 60/60 .*  products onednn f32 \S+")
             # `lathe plan --history`: the job's predicted peak against its measured one.
             self.assertRegex(out, r"\ndemo-lora-\w+ +#1 +SUCCEEDED +\S+ \S+ +\S+ \S+ +\S+ \S+ +[-+]")
             self.assertIn("corrections later plans apply", out)
