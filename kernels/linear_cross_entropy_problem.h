@@ -19,10 +19,18 @@
 
 namespace lathe::kernels {
 
-// Element type of hidden, weight and of their gradients. bfloat16 is stored as its 16 bits
-// (the layout of c10::BFloat16 and __nv_bfloat16); every kernel computes in float32.
-enum class LinearCrossEntropyDtype { kFloat32, kBFloat16 };
+// Element types of hidden, weight and of their gradients. bfloat16 is stored as its 16 bits
+// (the layout of c10::BFloat16 and __nv_bfloat16); every kernel sums in float32.
+enum class LinearCrossEntropyDtype {
+  kFloat32,   // hidden and weight float32
+  kBFloat16,  // hidden and weight bfloat16
+  // hidden (and its gradient) float32, weight bfloat16 and frozen (no weight gradient): a
+  // bfloat16 job's float32 activations on the CPU against its frozen LM head. CPU only.
+  kFloat32HiddenBFloat16Weight,
+};
 
+// Bytes of one element of hidden and of weight alike.
+// REQUIRES: dtype is kFloat32 or kBFloat16.
 inline int64_t ElementBytes(LinearCrossEntropyDtype dtype) {
   return dtype == LinearCrossEntropyDtype::kFloat32 ? 4 : 2;
 }

@@ -25,12 +25,14 @@ struct LinearCrossEntropySizes {
         tn(std::clamp<int64_t>(chunks.tokens, 1, std::max<int64_t>(n, 1))),
         tv(std::clamp<int64_t>(chunks.vocab, 1, std::max<int64_t>(v, 1))),
         bf16(problem.dtype == LinearCrossEntropyDtype::kBFloat16),
+        bf16_weight_only(problem.dtype == LinearCrossEntropyDtype::kFloat32HiddenBFloat16Weight),
         element_bytes(ElementBytes(problem.dtype)) {}
   int64_t n, h, v, tn, tv;
-  bool bf16;
-  int64_t element_bytes;
+  bool bf16;              // hidden and weight bfloat16
+  bool bf16_weight_only;  // float32 hidden, bfloat16 weight
+  int64_t element_bytes;  // of a one-dtype problem
   int64_t vocab_chunks() const { return (v + tv - 1) / tv; }
-  // Row `row` of a [rows, h] matrix of the problem's dtype.
+  // Row `row` of a [rows, h] matrix of a one-dtype problem's dtype.
   const void* Row(const void* base, int64_t row) const {
     return static_cast<const char*>(base) + row * h * element_bytes;
   }

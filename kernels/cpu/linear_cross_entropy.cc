@@ -121,11 +121,12 @@ void GradientRow(float* __restrict row, int64_t n, float lse, float factor, floa
   }
 }
 
-// C = A B + beta C for row-major float matrices; A is [m, k] (or its transpose is, with
-// trans_a), B is [k, n] (or its transpose is, with trans_b).
-void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
-  Matmul({m, n, k, trans_a, trans_b, lda, ldb, ldc}, a, b, c, 1.0f, beta);
+// C = A B + beta C for row-major matrices, A and B of type `input`, C float; A is [m, k] (or
+// its transpose is, with trans_a), B is [k, n] (or its transpose is, with trans_b).
+void Gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const void* a, int64_t lda,
+          const void* b, int64_t ldb, float beta, float* c, int64_t ldc,
+          MatmulInput input = MatmulInput::kFloat32) {
+  Matmul({m, n, k, trans_a, trans_b, lda, ldb, ldc, input}, a, b, c, 1.0f, beta);
 }
 
 // Each array starts on a 64-byte boundary of the (64-byte aligned) workspace: a cache line.
@@ -138,40 +139,70 @@ std::vector<char> ChunksWithTargets(const Sizes& s, const int64_t* targets, int6
   return any;
 }
 
-// Float views of hidden rows [n0, n0 + tn) and weight rows [v0, v0 + tv): the inputs
-// themselves in float32, converted into the stages in bfloat16 (hidden only when the stage
-// does not already hold these rows).
-class FloatInputs {
+// The chunk products' operands: hidden rows [n0, n0 + tn), weight rows [v0, v0 + tv) and the
+// gradient tile, all of type input():
+//  - float32: the inputs themselves;
+//  - bfloat16: float32 copies in the stages (hidden only when the stage does not already hold
+//    these rows);
+//  - float32 hidden with a bfloat16 weight, where the CPU multiplies bfloat16 natively: the
+//    weight itself, the hidden rows (once per token chunk, as above) and the gradient tile
+//    rounded to bfloat16, as autocast would multiply them;
+//  - float32 hidden with a bfloat16 weight otherwise: the hidden rows themselves and the weight
+//    rows widened to float32, a vocabulary chunk at a time.
+class ChunkOperands {
  public:
-  FloatInputs(const Sizes& s, const void* hidden, const void* weight, float* hidden_stage,
-              float* weight_stage, const ParallelFor& parallel_for)
+  ChunkOperands(const Sizes& s, const void* hidden, const void* weight, float* hidden_stage,
+                float* weight_stage, const BFloat16WeightStages& bf16_weight, bool native,
+                const ParallelFor& parallel_for)
       : s_(s),
         hidden_(hidden),
         weight_(weight),
         hidden_stage_(hidden_stage),
-        weight_stage_(weight_stage),
+        weight_stage_(s.bf16_weight_only ? bf16_weight.weight : weight_stage),
+        bf16_weight_(bf16_weight),
+        native_(s.bf16_weight_only && native),
         parallel_for_(parallel_for) {}
 
-  const float* Hidden(int64_t n0, int64_t tn) {
-    if (!s_.bf16) return static_cast<const float*>(hidden_) + n0 * s_.h;
+  MatmulInput input() const { return native_ ? MatmulInput::kBFloat16 : MatmulInput::kFloat32; }
+
+  const void* Hidden(int64_t n0, int64_t tn) {
+    if (!s_.bf16 && !native_) return static_cast<const float*>(hidden_) + n0 * s_.h;
     if (staged_hidden_row_ != n0) {
-      Convert(static_cast<const BFloat16*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
+      if (native_) {
+        Round(static_cast<const float*>(hidden_) + n0 * s_.h, bf16_weight_.hidden, tn, s_.h);
+      } else {
+        Widen(static_cast<const BFloat16*>(hidden_) + n0 * s_.h, hidden_stage_, tn);
+      }
       staged_hidden_row_ = n0;
     }
-    return hidden_stage_;
+    return native_ ? static_cast<const void*>(bf16_weight_.hidden) : hidden_stage_;
   }
 
-  const float* Weight(int64_t v0, int64_t tv) {
-    if (!s_.bf16) return static_cast<const float*>(weight_) + v0 * s_.h;
-    Convert(static_cast<const BFloat16*>(weight_) + v0 * s_.h, weight_stage_, tv);
+  const void* Weight(int64_t v0, int64_t tv) {
+    if (!s_.bf16 && !s_.bf16_weight_only) return static_cast<const float*>(weight_) + v0 * s_.h;
+    if (native_) return static_cast<const BFloat16*>(weight_) + v0 * s_.h;
+    Widen(static_cast<const BFloat16*>(weight_) + v0 * s_.h, weight_stage_, tv);
     return weight_stage_;
   }
 
+  // The gradient tile [tn, tv] for the products.
+  const void* Gradient(const float* tile, int64_t tn, int64_t tv) {
+    if (!native_) return tile;
+    Round(tile, bf16_weight_.tile, tn, tv);
+    return bf16_weight_.tile;
+  }
+
  private:
-  void Convert(const BFloat16* src, float* dst, int64_t rows) {
+  void Widen(const BFloat16* src, float* dst, int64_t rows) {
     const int64_t h = s_.h;
     parallel_for_(rows, [&](int64_t begin, int64_t end) {
       BFloat16ToFloat(src + begin * h, dst + begin * h, (end - begin) * h);
+    });
+  }
+
+  void Round(const float* src, BFloat16* dst, int64_t rows, int64_t cols) {
+    parallel_for_(rows, [&](int64_t begin, int64_t end) {
+      FloatToBFloat16(src + begin * cols, dst + begin * cols, (end - begin) * cols);
     });
   }
 
@@ -180,6 +211,8 @@ class FloatInputs {
   const void* weight_;
   float* hidden_stage_;
   float* weight_stage_;
+  BFloat16WeightStages bf16_weight_;
+  bool native_;
   const ParallelFor& parallel_for_;
   int64_t staged_hidden_row_ = -1;
 };
@@ -209,8 +242,9 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
                                  float* lse, void* grad_hidden, void* workspace,
                                  const ParallelFor& parallel_for) {
   const Sizes s(problem, chunks);
+  const bool native = s.bf16_weight_only && NativeBFloat16Products();
   WorkspaceLayout layout(workspace);
-  const ForwardWorkspace w = CarveForward(s, grad_hidden != nullptr, layout);
+  const ForwardWorkspace w = CarveForward(s, grad_hidden != nullptr, native, layout);
   // The hidden gradient's float32 sums: the output itself in float32.
   float* hidden_sum = grad_hidden == nullptr ? nullptr
                       : s.bf16               ? w.grad_hidden
@@ -221,18 +255,20 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
   std::fill(w.row_target, w.row_target + s.n, 0.0f);
   if (hidden_sum != nullptr) FillZero(hidden_sum, s.n, s.h, parallel_for);
   const std::vector<char> has_targets = ChunksWithTargets(s, targets, problem.ignore_index);
-  FloatInputs inputs(s, hidden, weight, w.hidden_stage, w.weight_stage, parallel_for);
+  ChunkOperands operands(s, hidden, weight, w.hidden_stage, w.weight_stage, w.bf16_weight, native,
+                         parallel_for);
+  const MatmulInput input = operands.input();
   const float cap = problem.softcap;
 
   // Vocabulary chunks outside, so that each weight row is read (and converted) once.
   for (int64_t v0 = 0; v0 < s.v; v0 += s.tv) {
     const int64_t tv = std::min(s.tv, s.v - v0);
-    const float* weight_rows = inputs.Weight(v0, tv);
+    const void* weight_rows = operands.Weight(v0, tv);
     for (int64_t n0 = 0; n0 < s.n; n0 += s.tn) {
       if (!has_targets[n0 / s.tn]) continue;
       const int64_t tn = std::min(s.tn, s.n - n0);
-      Gemm(false, true, tn, tv, s.h, inputs.Hidden(n0, tn), s.h, weight_rows, s.h, 0.0f, w.tile,
-           tv);
+      Gemm(false, true, tn, tv, s.h, operands.Hidden(n0, tn), s.h, weight_rows, s.h, 0.0f, w.tile,
+           tv, input);
       parallel_for(tn, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           const int64_t i = n0 + r;
@@ -265,8 +301,8 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
         }
       });
       if (hidden_sum != nullptr) {
-        Gemm(false, false, tn, s.h, tv, w.tile, tv, weight_rows, s.h, 1.0f, hidden_sum + n0 * s.h,
-             s.h);
+        Gemm(false, false, tn, s.h, tv, operands.Gradient(w.tile, tn, tv), tv, weight_rows, s.h,
+             1.0f, hidden_sum + n0 * s.h, s.h, input);
       }
     }
   }
@@ -289,7 +325,7 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
       const float sum_scale = static_cast<float>(
           grad_scale * (1.0 + 2.0 * problem.z_loss_weight * row_lse) / w.row_sum[i]);
       float* sum_row = hidden_sum + i * s.h;
-      if (s.bf16) {
+      if (s.bf16 || s.bf16_weight_only) {
         const BFloat16* weight_row = static_cast<const BFloat16*>(weight) + target * s.h;
         for (int64_t k = 0; k < s.h; ++k) {
           sum_row[k] = sum_scale * sum_row[k] - target_scale * Load(weight_row[k]);
@@ -317,12 +353,15 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
                                 void* workspace, const ParallelFor& parallel_for) {
   const Sizes s(problem, chunks);
   if (grad_hidden == nullptr && grad_weight == nullptr) return;
+  const bool native = s.bf16_weight_only && NativeBFloat16Products();
   WorkspaceLayout layout(workspace);
   const BackwardWorkspace w =
-      CarveBackward(s, grad_hidden != nullptr, grad_weight != nullptr, layout);
+      CarveBackward(s, grad_hidden != nullptr, grad_weight != nullptr, native, layout);
   const std::vector<char> has_targets =
       s.n == 0 ? std::vector<char>() : ChunksWithTargets(s, targets, problem.ignore_index);
-  FloatInputs inputs(s, hidden, weight, w.hidden_stage, w.weight_stage, parallel_for);
+  ChunkOperands operands(s, hidden, weight, w.hidden_stage, w.weight_stage, w.bf16_weight, native,
+                         parallel_for);
+  const MatmulInput input = operands.input();
   const float cap = problem.softcap;
   const bool one_vocab_chunk = s.vocab_chunks() == 1;
 
@@ -339,7 +378,7 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
 
   for (int64_t v0 = 0; v0 < s.v; v0 += s.tv) {
     const int64_t tv = std::min(s.tv, s.v - v0);
-    const float* weight_rows = inputs.Weight(v0, tv);
+    const void* weight_rows = operands.Weight(v0, tv);
     float* weight_sum = nullptr;
     if (grad_weight != nullptr) {
       weight_sum = s.bf16 ? w.sums.grad_weight : static_cast<float*>(grad_weight) + v0 * s.h;
@@ -356,8 +395,8 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
         }
         continue;
       }
-      const float* hidden_rows = inputs.Hidden(n0, tn);
-      Gemm(false, true, tn, tv, s.h, hidden_rows, s.h, weight_rows, s.h, 0.0f, w.tile, tv);
+      const void* hidden_rows = operands.Hidden(n0, tn);
+      Gemm(false, true, tn, tv, s.h, hidden_rows, s.h, weight_rows, s.h, 0.0f, w.tile, tv, input);
       parallel_for(tn, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           const int64_t i = n0 + r;
@@ -379,8 +418,8 @@ void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
       });
       if (hidden_sum != nullptr) {
         float* rows = hidden_by_chunk ? hidden_sum : hidden_sum + n0 * s.h;
-        Gemm(false, false, tn, s.h, tv, w.tile, tv, weight_rows, s.h, hidden_by_chunk ? 0.0f : 1.0f,
-             rows, s.h);
+        Gemm(false, false, tn, s.h, tv, operands.Gradient(w.tile, tn, tv), tv, weight_rows, s.h,
+             hidden_by_chunk ? 0.0f : 1.0f, rows, s.h, input);
         if (hidden_by_chunk) {
           StoreRows(rows, static_cast<BFloat16*>(grad_hidden) + n0 * s.h, tn, s.h, parallel_for);
         }

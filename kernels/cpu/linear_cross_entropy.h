@@ -12,6 +12,16 @@
 // All arrays are dense and row-major; hidden, weight, grad_hidden and grad_weight have the
 // problem's dtype; workspace must be aligned to 64 bytes and is overwritten.
 //
+// bfloat16 (hidden and weight) is widened to float32 copies, a chunk's rows at a time, for
+// float32 products. Float32 hidden with a bfloat16 weight (frozen: no weight gradient), where
+// the CPU multiplies bfloat16 natively (NativeBFloat16Products(), kernels/cpu/matmul.h), runs
+// its products in bfloat16 with float32 sums, as CUDA autocast does: each token chunk's hidden
+// rows and each gradient tile are rounded to bfloat16, the weight goes in as it is, the
+// gradient comes out float32. Elsewhere (or with LATHE_CPU_BF16=0) it widens each vocabulary
+// chunk's weight rows to float32 and multiplies in float32. The rest (soft-cap, log-sum-exp,
+// loss, z-loss) is float32 with double sums either way; the workspace sizes are the same
+// either way.
+//
 // Thread-safety: functions are reentrant; concurrent calls need distinct outputs and
 // workspaces.
 #ifndef LATHE_KERNELS_CPU_LINEAR_CROSS_ENTROPY_H_
@@ -67,9 +77,9 @@ double LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
 // grad_hidden, [N, H]) and weight (into grad_weight, [V, H]); either may be null to skip it.
 // Every element of a non-null output is written (rows of ignored tokens get zeros).
 // `lse` is what LinearCrossEntropyForward wrote for the same inputs (with any chunk sizes).
-// REQUIRES: as LinearCrossEntropyForward; workspace holds
-// LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks, grad_hidden != nullptr,
-// grad_weight != nullptr) bytes.
+// REQUIRES: as LinearCrossEntropyForward; grad_weight is null for float32 hidden with a
+// bfloat16 weight; workspace holds LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks,
+// grad_hidden != nullptr, grad_weight != nullptr) bytes.
 void LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem,
                                 const LinearCrossEntropyChunks& chunks, const void* hidden,
                                 const int64_t* targets, const void* weight, const float* lse,

@@ -12,7 +12,7 @@ int64_t LinearCrossEntropyForwardWorkspaceBytes(const LinearCrossEntropyProblem&
                                                 const LinearCrossEntropyChunks& chunks,
                                                 bool grad_hidden) {
   WorkspaceLayout layout(nullptr);
-  CarveForward(Sizes(problem, chunks), grad_hidden, layout);
+  CarveForward(Sizes(problem, chunks), grad_hidden, /*native=*/false, layout);  // either: one size
   return layout.bytes();
 }
 
@@ -20,7 +20,7 @@ int64_t LinearCrossEntropyBackwardWorkspaceBytes(const LinearCrossEntropyProblem
                                                  const LinearCrossEntropyChunks& chunks,
                                                  bool grad_hidden, bool grad_weight) {
   WorkspaceLayout layout(nullptr);
-  CarveBackward(Sizes(problem, chunks), grad_hidden, grad_weight, layout);
+  CarveBackward(Sizes(problem, chunks), grad_hidden, grad_weight, /*native=*/false, layout);
   return layout.bytes();
 }
 

@@ -52,6 +52,14 @@ absl::StatusOr<cublasHandle_t> Handle(cudaStream_t stream) {
 
 cudaDataType DataType(Dtype dtype) { return dtype == Dtype::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
+absl::Status CheckOneDtype(const LinearCrossEntropyProblem& problem) {
+  if (problem.dtype == Dtype::kFloat32HiddenBFloat16Weight) {
+    return absl::InvalidArgumentError(
+        "float32 hidden with a bfloat16 weight has no CUDA kernel (the CPU's only)");
+  }
+  return absl::OkStatus();
+}
+
 // Column-major C [m, n] = op(A) op(B) + beta C, A and B of `type`, C float32, computed in
 // float32 (no TF32). The callers pass row-major matrices as their column-major transposes.
 absl::Status Gemm(cublasHandle_t handle, cublasOperation_t op_a, cublasOperation_t op_b, int64_t m,
@@ -126,6 +134,7 @@ absl::Status LinearCrossEntropyForward(const LinearCrossEntropyProblem& problem,
                                        const LinearCrossEntropyChunks& chunks, const void* hidden,
                                        const int64_t* targets, const void* weight, float* lse,
                                        float* loss, void* workspace, cudaStream_t stream) {
+  LATHE_RETURN_IF_ERROR(CheckOneDtype(problem));
   const Sizes s(problem, chunks);
   if (s.n == 0) {
     LATHE_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(loss, 0, sizeof(float), stream));
@@ -160,6 +169,7 @@ absl::Status LinearCrossEntropyBackward(const LinearCrossEntropyProblem& problem
                                         const float* lse, const float* grad_scale,
                                         void* grad_hidden, void* grad_weight, void* workspace,
                                         cudaStream_t stream) {
+  LATHE_RETURN_IF_ERROR(CheckOneDtype(problem));
   const Sizes s(problem, chunks);
   if (grad_hidden == nullptr && grad_weight == nullptr) return absl::OkStatus();
   LATHE_ASSIGN_OR_RETURN(cublasHandle_t handle, Handle(stream));

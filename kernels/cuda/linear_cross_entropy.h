@@ -8,7 +8,9 @@
 //
 // float32 inputs use float32 products (no TF32). bfloat16 inputs go straight into the
 // products (bfloat16 x bfloat16 -> float32); the gradient chunk is rounded to bfloat16 for
-// the two backward products, as an unfused bfloat16 backward would hold it.
+// the two backward products, as an unfused bfloat16 backward would hold it. Float32 hidden
+// with a bfloat16 weight (kFloat32HiddenBFloat16Weight) is the CPU kernel's only: the functions
+// return InvalidArgument for it.
 //
 // Arrays are dense and row-major; workspace must be aligned to 256 bytes (cudaMalloc's and
 // libtorch's caching allocator's blocks are) and is overwritten.

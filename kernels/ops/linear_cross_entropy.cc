@@ -30,7 +30,9 @@ LinearCrossEntropyProblem MakeProblem(const at::Tensor& hidden, const at::Tensor
   problem.hidden_size = hidden.size(1);
   problem.vocab = weight.size(0);
   problem.dtype = hidden.scalar_type() == at::kBFloat16 ? LinearCrossEntropyDtype::kBFloat16
-                                                        : LinearCrossEntropyDtype::kFloat32;
+                  : weight.scalar_type() == at::kBFloat16
+                      ? LinearCrossEntropyDtype::kFloat32HiddenBFloat16Weight
+                      : LinearCrossEntropyDtype::kFloat32;
   problem.ignore_index = options.ignore_index;
   problem.softcap = static_cast<float>(options.softcap);
   problem.z_loss_weight = static_cast<float>(options.z_loss_weight);
@@ -70,10 +72,21 @@ void CheckInputs(const at::Tensor& hidden, const at::Tensor& weight, const at::T
               weight.sizes());
   TORCH_CHECK(targets.dim() == 1 && targets.size(0) == hidden.size(0),
               "LinearCrossEntropy: targets must be [", hidden.size(0), "], got ", targets.sizes());
-  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type() &&
-                  (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16),
-              "LinearCrossEntropy: hidden and weight must both be float32 or both bfloat16, got ",
+  const bool bf16_weight_only =
+      hidden.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((hidden.scalar_type() == weight.scalar_type() &&
+               (hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16)) ||
+                  bf16_weight_only,
+              "LinearCrossEntropy: hidden and weight must both be float32 or both bfloat16 (or "
+              "float32 hidden with a bfloat16 weight), got ",
               hidden.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(!bf16_weight_only || !weight.requires_grad(),
+              "LinearCrossEntropy: a bfloat16 weight with float32 hidden must not require grad "
+              "(no weight gradient for that mix)");
+  TORCH_CHECK(!bf16_weight_only || hidden.is_cpu(),
+              "LinearCrossEntropy: float32 hidden with a bfloat16 weight runs on the CPU only, "
+              "got device ",
+              hidden.device());
   TORCH_CHECK(!at::isFloatingType(targets.scalar_type()) && targets.scalar_type() != at::kBool,
               "LinearCrossEntropy: targets must be integers, got ", targets.scalar_type());
   TORCH_CHECK(hidden.device() == weight.device() && hidden.device() == targets.device(),

@@ -49,8 +49,8 @@ struct LinearCrossEntropyOptions {
   double softcap = 0.0;
   // z-loss: z_loss_weight * lse^2 added per non-ignored token (and reduced like the loss).
   double z_loss_weight = 0.0;
-  // Bound on each pass's workspace (the logits chunk, and for bfloat16 the float32 copies of
-  // the chunk's rows and gradient sums), from which the chunk sizes are chosen. A budget too
+  // Bound on each pass's workspace (the logits chunk, and for bfloat16 the copies of the
+  // chunk's rows and gradient sums), from which the chunk sizes are chosen. A budget too
   // small for chunks of 64 tokens by 1024 vocabulary entries is exceeded rather than obeyed.
   int64_t memory_budget_bytes = kDefaultLinearCrossEntropyBudgetBytes;
   // > 0: use these chunk sizes instead of choosing them from the budget (tests, tuning).
@@ -71,8 +71,11 @@ struct LinearCrossEntropyOptions {
 };
 
 // Returns the loss (a 0-dim float32 tensor on hidden's device).
-// REQUIRES (checked): hidden [N, H] and weight [V, H] of one dtype, float32 or bfloat16, on one
-// device; targets [N] of integers, each ignore_index or in [0, V); softcap >= 0;
+// REQUIRES (checked): hidden [N, H] and weight [V, H] on one device, both float32, both
+// bfloat16, or (CPU only) float32 hidden with a bfloat16 weight that does not require grad (a
+// bfloat16 job's frozen LM head: the chunk products round the hidden rows to bfloat16 where the
+// CPU multiplies bfloat16 natively, and widen the weight rows chunk by chunk where it does not);
+// targets [N] of integers, each ignore_index or in [0, V); softcap >= 0;
 // memory_budget_bytes > 0.
 at::Tensor LinearCrossEntropy(const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& targets,

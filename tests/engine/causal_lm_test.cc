@@ -9,6 +9,7 @@
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/matmul.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/tools/synthetic.h"
@@ -214,9 +215,22 @@ TEST(CausalLm, Bf16WeightsComputeLikeFloat32OnTheRoundedWeights) {
   at::Tensor ids = Ids(2, 12, config.vocab_size, 5);
   LossAndGrads a = Backward(*wide, ids, 0);
   LossAndGrads b = Backward(*narrow, ids, 0);
-  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(a.loss));
+  if (!kernels::cpu::NativeBFloat16Products()) {
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(a.loss));
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-5, 1e-7)) << "gradient " << i;
+    }
+    return;
+  }
+  // Where the CPU multiplies bfloat16, the products round their operands to bf16: the loss's
+  // against the bf16 LM head as it is (kernels/ops/linear_cross_entropy.h), and the others
+  // above 64^3 multiply-adds (kernels/ops/lora_linear.h): measured 4.2e-5 relative on the
+  // loss, up to 1.3e-3 normwise relative on the gradients.
+  EXPECT_NEAR(a.loss, b.loss, 2e-4 * std::abs(a.loss));
   for (size_t i = 0; i < a.grads.size(); ++i) {
-    EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-5, 1e-7)) << "gradient " << i;
+    EXPECT_LT((a.grads[i] - b.grads[i]).abs().max().item<double>(),
+              5e-3 * a.grads[i].abs().max().item<double>())
+        << "gradient " << i;
   }
 }
 

@@ -2,6 +2,7 @@
 // composition computed in float64 on the same random inputs: the loss and every gradient.
 #include "kernels/ops/linear_cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -10,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/linear_cross_entropy.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/linear_cross_entropy_problem.h"
 #include "kernels/ops/torch_compat.h"
 #include "tests/kernels/kernel_test_util.h"
@@ -277,8 +279,14 @@ TEST(LinearCrossEntropyTest, RejectsBadInputs) {
   EXPECT_THAT(message([&] { LinearCrossEntropy(in.hidden, in.weight, bad_targets); }),
               HasSubstr("every target must be -100 (ignored) or in [0, 10)"));
   EXPECT_THAT(
-      message([&] { LinearCrossEntropy(in.hidden, in.weight.to(at::kBFloat16), in.targets); }),
-      HasSubstr("must both be float32 or both bfloat16"));
+      message([&] { LinearCrossEntropy(in.hidden.to(at::kBFloat16), in.weight, in.targets); }),
+      HasSubstr("must both be float32 or both bfloat16 (or float32 hidden with a bfloat16 "
+                "weight), got BFloat16 and Float"));
+  EXPECT_THAT(message([&] {
+                LinearCrossEntropy(in.hidden, in.weight.to(at::kBFloat16).requires_grad_(),
+                                   in.targets);
+              }),
+              HasSubstr("a bfloat16 weight with float32 hidden must not require grad"));
   EXPECT_THAT(
       message([&] { LinearCrossEntropy(in.hidden, in.weight.narrow(1, 0, 7), in.targets); }),
       HasSubstr("weight must be [vocab, 8]"));
@@ -439,6 +447,200 @@ TEST(RawSinglePassKernelTest, WritesEveryOutputElement) {
     EXPECT_LT(RelErr(grad_hidden, expected.grad_hidden), Tolerance(at::kFloat));
     EXPECT_LT(RelErr(grad_weight, expected.grad_weight), Tolerance(at::kFloat));
     EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
+  }
+}
+
+// Float32 hidden with a frozen bfloat16 weight. Where the CPU multiplies bfloat16 natively the
+// products see bf16(hidden) and bf16(gradient tile); with LATHE_CPU_BF16=0
+// (kernels_bf16_fallback_test) or on other CPUs, hidden and the widened weight as they are.
+
+// The inputs with the weight rounded to bfloat16.
+Inputs WithBFloat16Weight(Inputs in) {
+  in.weight = in.weight.to(at::kBFloat16);
+  return in;
+}
+
+// The reference's inputs: hidden as the products see it (the weight is exact either way).
+Inputs AsMultiplied(Inputs in) {
+  if (cpu::NativeBFloat16Products()) in.hidden = in.hidden.to(at::kBFloat16).to(at::kFloat);
+  return in;
+}
+
+// The hidden gradient's tolerance. Rounding the gradient tile to bfloat16 (relative error up
+// to 2^-9 per element) gave normwise relative errors up to 2.6e-3 in these tests (backward
+// with soft-cap, z-loss and mean; up to 3e-4 where forward forms the gradient, which subtracts
+// the target's weight row outside the products); bfloat16's 1e-2 is about 4x that. Without
+// the rounding: up to 3.9e-6, under float32's 1e-5.
+double BFloat16WeightGradientTolerance() {
+  return cpu::NativeBFloat16Products() ? Tolerance(at::kBFloat16) : Tolerance(at::kFloat);
+}
+
+// The op, its hidden gradient in forward and in backward, against the float64 reference of
+// what the products multiply.
+void ExpectBFloat16WeightMatchesReference(const Inputs& in, LinearCrossEntropyOptions options,
+                                          double grad_output = 1.0) {
+  ASSERT_EQ(in.hidden.scalar_type(), at::kFloat);
+  ASSERT_EQ(in.weight.scalar_type(), at::kBFloat16);
+  Result expected = Reference(AsMultiplied(in), options, true, false);
+  expected.grad_hidden *= grad_output;
+  for (const bool in_forward : {true, false}) {
+    SCOPED_TRACE(in_forward ? "hidden gradient in forward" : "hidden gradient in backward");
+    options.gradient_in_forward = in_forward;
+    const Result actual = Fused(in, options, true, false, grad_output);
+    EXPECT_LT(RelErr(actual.loss, expected.loss), Tolerance(at::kFloat))
+        << "loss " << actual.loss << " vs " << expected.loss;
+    ASSERT_TRUE(actual.grad_hidden.defined());
+    EXPECT_EQ(actual.grad_hidden.scalar_type(), at::kFloat);
+    EXPECT_LT(RelErr(actual.grad_hidden, expected.grad_hidden), BFloat16WeightGradientTolerance());
+  }
+}
+
+TEST(LinearCrossEntropyBFloat16WeightTest, MatchesReferenceWithChunksThatDoNotDivide) {
+  const Inputs in = WithBFloat16Weight(RandomInputs(37, 65, 32003, at::kFloat, 5));
+  for (const LinearCrossEntropyOptions& options :
+       {LinearCrossEntropyOptions{}, Chunked(7, 1000), Chunked(1, 32002), Chunked(36, 3)}) {
+    SCOPED_TRACE(std::to_string(options.token_chunk) + " x " + std::to_string(options.vocab_chunk));
+    ExpectBFloat16WeightMatchesReference(in, options);
+  }
+}
+
+TEST(LinearCrossEntropyBFloat16WeightTest, SoftCapZLossAndMean) {
+  const Inputs in = WithBFloat16Weight(RandomInputs(37, 65, 32003, at::kFloat, 5));
+  LinearCrossEntropyOptions options = Chunked(9, 1000);
+  options.softcap = 4.0;
+  ExpectBFloat16WeightMatchesReference(in, options);
+  options.softcap = 0.0;
+  options.z_loss_weight = 1e-2;
+  ExpectBFloat16WeightMatchesReference(in, options);
+  options = Chunked(5, 333);
+  options.softcap = 10.0;
+  options.z_loss_weight = 1e-3;
+  options.reduction = LinearCrossEntropyReduction::kMean;
+  ExpectBFloat16WeightMatchesReference(in, options, /*grad_output=*/-2.5);
+}
+
+TEST(LinearCrossEntropyBFloat16WeightTest, OtherIgnoreIndexAndSingleToken) {
+  LinearCrossEntropyOptions options = Chunked(8, 500);
+  options.ignore_index = 7;
+  ExpectBFloat16WeightMatchesReference(
+      WithBFloat16Weight(RandomInputs(40, 32, 1000, at::kFloat, 3, 7)), options);
+  ExpectBFloat16WeightMatchesReference(
+      WithBFloat16Weight(RandomInputs(1, 65, 32003, at::kFloat, 0)), {});
+}
+
+TEST(LinearCrossEntropyBFloat16WeightTest, ForwardWithoutGradient) {
+  const Inputs in = WithBFloat16Weight(RandomInputs(37, 65, 3001, at::kFloat, 5));
+  const at::NoGradGuard no_grad;
+  const double loss = LinearCrossEntropy(in.hidden, in.weight, in.targets).item<double>();
+  EXPECT_LT(RelErr(loss, Reference(AsMultiplied(in), {}, false, false).loss),
+            Tolerance(at::kFloat));
+}
+
+// The raw kernel writes every element of its outputs (they start as NaN) and stays within the
+// workspace it reports (the guard after it keeps its value).
+TEST(LinearCrossEntropyBFloat16WeightTest, RawKernelWritesEveryOutputWithinItsWorkspace) {
+  // Tokens 3..5 (the second token chunk) are all ignored: that chunk is skipped.
+  Inputs in = WithBFloat16Weight(RandomInputs(10, 24, 700, at::kFloat, 4));
+  for (int64_t i = 3; i < 6; ++i) in.targets[i] = -100;
+  LinearCrossEntropyOptions options;
+  options.softcap = 6.0;
+  options.z_loss_weight = 1e-3;
+  const Result expected = Reference(AsMultiplied(in), options, true, false);
+
+  LinearCrossEntropyProblem problem;
+  problem.tokens = 10;
+  problem.hidden_size = 24;
+  problem.vocab = 700;
+  problem.dtype = LinearCrossEntropyDtype::kFloat32HiddenBFloat16Weight;
+  problem.softcap = 6.0f;
+  problem.z_loss_weight = 1e-3f;
+  constexpr int64_t kGuardFloats = 64;
+  for (const LinearCrossEntropyChunks chunks :
+       {LinearCrossEntropyChunks{3, 300}, LinearCrossEntropyChunks{3, 700},
+        LinearCrossEntropyChunks{10, 7}}) {
+    SCOPED_TRACE(std::to_string(chunks.tokens) + " x " + std::to_string(chunks.vocab));
+    const int64_t forward_bytes =
+        cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, true);
+    const int64_t backward_bytes =
+        cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks, true, false);
+    at::Tensor workspace =
+        at::full({std::max(forward_bytes, backward_bytes) / 4 + kGuardFloats}, NAN, at::kFloat);
+    constexpr float kGuard = -7.0f;
+    auto guard = [&](int64_t bytes) {
+      return workspace.narrow(0, bytes / 4, workspace.numel() - bytes / 4);
+    };
+    auto poison = [&](int64_t bytes) {
+      workspace.fill_(NAN);
+      guard(bytes).fill_(kGuard);
+    };
+    auto guard_intact = [&](int64_t bytes) { return guard(bytes).eq(kGuard).all().item<bool>(); };
+
+    // Forward, the loss only, then with the hidden gradient.
+    at::Tensor lse = at::full({10}, NAN, at::kFloat);
+    poison(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, false));
+    double loss = cpu::LinearCrossEntropyForward(
+        problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+        1.0f, lse.data_ptr<float>(), nullptr, workspace.data_ptr(), cpu::SerialFor);
+    EXPECT_TRUE(guard_intact(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, false)));
+    EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat));
+    EXPECT_TRUE(lse.isfinite().all().item<bool>());
+    at::Tensor forward_grad_hidden = at::full_like(in.hidden, NAN);
+    lse.fill_(NAN);
+    poison(forward_bytes);
+    loss = cpu::LinearCrossEntropyForward(
+        problem, chunks, in.hidden.data_ptr(), in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+        1.0f, lse.data_ptr<float>(), forward_grad_hidden.data_ptr(), workspace.data_ptr(),
+        cpu::SerialFor);
+    EXPECT_TRUE(guard_intact(forward_bytes));
+    EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat));
+    EXPECT_TRUE(lse.isfinite().all().item<bool>());
+    EXPECT_LT(RelErr(forward_grad_hidden, expected.grad_hidden), BFloat16WeightGradientTolerance());
+    EXPECT_TRUE(forward_grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
+
+    // Backward, the hidden gradient.
+    at::Tensor grad_hidden = at::full_like(in.hidden, NAN);
+    poison(backward_bytes);
+    cpu::LinearCrossEntropyBackward(problem, chunks, in.hidden.data_ptr(),
+                                    in.targets.data_ptr<int64_t>(), in.weight.data_ptr(),
+                                    lse.data_ptr<float>(), 1.0f, grad_hidden.data_ptr(), nullptr,
+                                    workspace.data_ptr(), cpu::SerialFor);
+    EXPECT_TRUE(guard_intact(backward_bytes));
+    EXPECT_LT(RelErr(grad_hidden, expected.grad_hidden), BFloat16WeightGradientTolerance());
+    EXPECT_TRUE(grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
+  }
+}
+
+// The workspace holds either way's stages (native products: hidden rows and the gradient tile
+// in bfloat16; otherwise the weight rows in float32), so it is larger than float32's by the
+// larger of the two, and the default budget still gives full-speed chunks.
+TEST(LinearCrossEntropyBFloat16WeightTest, WorkspaceFitsTheBudget) {
+  LinearCrossEntropyProblem problem;
+  problem.tokens = 2048;
+  problem.hidden_size = 1024;
+  problem.vocab = 32000;
+  LinearCrossEntropyProblem float32 = problem;
+  problem.dtype = LinearCrossEntropyDtype::kFloat32HiddenBFloat16Weight;
+  const LinearCrossEntropyChunks chunks{512, 2048};
+  const int64_t tn = 512, tv = 2048, h = 1024;
+  EXPECT_EQ(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, true),
+            cpu::LinearCrossEntropyForwardWorkspaceBytes(float32, chunks, true) +
+                std::max(2 * tn * h + 2 * tn * tv, 4 * tv * h));
+  EXPECT_EQ(cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, chunks, true, false),
+            cpu::LinearCrossEntropyBackwardWorkspaceBytes(float32, chunks, true, false) +
+                std::max(2 * tn * h + 2 * tn * tv, 4 * tv * h));
+  EXPECT_EQ(cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, chunks, false),
+            cpu::LinearCrossEntropyForwardWorkspaceBytes(float32, chunks, false) +
+                std::max(2 * tn * h, 4 * tv * h));
+  const int64_t budget = kDefaultLinearCrossEntropyBudgetBytes;
+  for (const bool forward : {true, false}) {
+    auto bytes = [&](const LinearCrossEntropyChunks& c) {
+      return forward ? cpu::LinearCrossEntropyForwardWorkspaceBytes(problem, c, true)
+                     : cpu::LinearCrossEntropyBackwardWorkspaceBytes(problem, c, true, false);
+    };
+    const LinearCrossEntropyChunks chosen = ChooseLinearCrossEntropyChunks(problem, budget, bytes);
+    EXPECT_LE(bytes(chosen), budget) << forward;
+    EXPECT_GE(chosen.vocab, 1024) << forward;
+    EXPECT_GE(chosen.tokens, 64) << forward;
   }
 }
 

@@ -475,14 +475,17 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
     return LeaveHead(
         at::cross_entropy_loss(HeadLogits(target_hidden), target_ids, {}, at::Reduction::Sum));
   }
-  // Chunk by chunk, never the [targets, vocab] logits. The kernel takes one dtype: a 16-bit
-  // frozen head under float32 compute (bf16/fp16 on the CPU) is widened for the call.
+  // Chunk by chunk, never the [targets, vocab] logits. The kernel takes float32 hidden with a
+  // frozen bfloat16 head on the CPU as it is (a bf16 job there: bfloat16 products where the CPU
+  // has them); any other 16-bit head under float32 compute (fp16 on the CPU, a head that
+  // trains) is widened for the call.
   const at::Tensor& head = lm_head();
-  return LeaveHead(kernels::LinearCrossEntropy(target_hidden,
-                                               head.scalar_type() == target_hidden.scalar_type()
-                                                   ? head
-                                                   : head.to(target_hidden.scalar_type()),
-                                               target_ids));
+  const bool as_is =
+      head.scalar_type() == target_hidden.scalar_type() ||
+      (target_hidden.scalar_type() == at::kFloat && head.scalar_type() == at::kBFloat16 &&
+       !head.requires_grad() && target_hidden.is_cpu());
+  return LeaveHead(kernels::LinearCrossEntropy(
+      target_hidden, as_is ? head : head.to(target_hidden.scalar_type()), target_ids));
 }
 
 std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
