@@ -213,6 +213,20 @@ v1::TrainerEvent StepEvent(const StepReport& r) {
   phases->set_backward(r.phases.backward);
   phases->set_comm(r.phases.comm);
   phases->set_optimizer(r.phases.optimizer);
+  static constexpr const char* kPhaseNames[kNumProductPhases] = {"forward", "loss", "backward",
+                                                                 "optimizer"};
+  static constexpr const char* kTypeNames[kNumProductTypes] = {"f32", "bf16"};
+  for (int phase = 0; phase < kNumProductPhases; ++phase) {
+    for (int type = 0; type < kNumProductTypes; ++type) {
+      const ProductTally& tally = r.phase_products[phase][type];
+      if (tally.seconds <= 0) continue;
+      v1::PhaseProducts* products = phases->add_kernel_products();
+      products->set_phase(kPhaseNames[phase]);
+      products->set_dtype(kTypeNames[type]);
+      products->set_flops(tally.flops);
+      products->set_seconds(tally.seconds);
+    }
+  }
   p->set_step_seconds(r.mean_step_seconds);
   return event;
 }

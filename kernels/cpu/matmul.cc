@@ -1,5 +1,7 @@
 #include "kernels/cpu/matmul.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -101,6 +103,18 @@ std::string ImplementationOf(MatmulInput input) {
   return Describe({p, 1.0f, 0.0f}).impl_info_str();
 }
 
+// MatmulTotal's counters, by input type (integers: atomics without a compare-and-swap loop).
+struct Counters {
+  std::atomic<int64_t> calls{0};
+  std::atomic<int64_t> multiply_adds{0};
+  std::atomic<int64_t> nanoseconds{0};
+};
+
+Counters& CountersOf(MatmulInput input) {
+  static Counters* const counters = new Counters[2];
+  return counters[input == MatmulInput::kBFloat16 ? 1 : 0];
+}
+
 }  // namespace
 
 void Matmul(const MatmulProblem& p, const void* a, const void* b, float* c, float alpha,
@@ -113,6 +127,7 @@ void Matmul(const MatmulProblem& p, const void* a, const void* b, float* c, floa
     }
     return;
   }
+  const auto start = std::chrono::steady_clock::now();
   const Compiled& compiled = Primitive({p, alpha, beta});
   memory ma(compiled.a, CpuEngine(), const_cast<void*>(a));
   memory mb(compiled.b, CpuEngine(), const_cast<void*>(b));
@@ -127,6 +142,22 @@ void Matmul(const MatmulProblem& p, const void* a, const void* b, float* c, floa
       stream,
       {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}, {DNNL_ARG_SCRATCHPAD, ms}});
   stream.wait();
+  Counters& counters = CountersOf(p.input);
+  counters.calls.fetch_add(1, std::memory_order_relaxed);
+  counters.multiply_adds.fetch_add(p.m * p.n * p.k, std::memory_order_relaxed);
+  counters.nanoseconds.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count(),
+      std::memory_order_relaxed);
+}
+
+MatmulTally MatmulTotal(MatmulInput input) {
+  const Counters& counters = CountersOf(input);
+  MatmulTally tally;
+  tally.calls = counters.calls.load(std::memory_order_relaxed);
+  tally.flops = 2.0 * static_cast<double>(counters.multiply_adds.load(std::memory_order_relaxed));
+  tally.seconds = 1e-9 * static_cast<double>(counters.nanoseconds.load(std::memory_order_relaxed));
+  return tally;
 }
 
 bool NativeBFloat16Products() {

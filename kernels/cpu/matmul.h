@@ -45,6 +45,17 @@ void Matmul(const MatmulProblem& problem, const void* a, const void* b, float* c
 // once per process.
 bool NativeBFloat16Products();
 
+// What Matmul has multiplied since the process started, for one input type: calls, FLOPs
+// (2 m n k each) and wall seconds inside Matmul. Counted on every call (two clock reads, well
+// under 1% of the smallest product the ops send here), so that reports can state the
+// products' rate against the roofline (bench/train_bench.py, per training phase).
+struct MatmulTally {
+  int64_t calls = 0;
+  double flops = 0.0;
+  double seconds = 0.0;
+};
+MatmulTally MatmulTotal(MatmulInput input);
+
 // What runs the products, for reports: e.g. "onednn f32 brg:avx512_core, bf16
 // brg:avx512_core_bf16" or "onednn f32 brg:avx2, bf16 widened to f32".
 std::string MatmulBackend();

@@ -3,7 +3,8 @@ protobuf JSON) per line, and flattens each into the dict the Python reference pr
 (lathe_reference.py), so that the two can be compared key by key:
 
   {"event": "step", "step", "steps", "loss", "lr", "grad_norm", "tokens", "tokens_per_s",
-   "skipped", "loss_scale", "eval_loss", "mfu", "memory": {...}, "phases": {...}}
+   "skipped", "loss_scale", "eval_loss", "mfu", "products", "memory": {...}, "phases": {...},
+   "kernel_products": [{"phase", "dtype", "flops", "seconds"}, ...]}
   {"event": "done", "steps", "final_loss", "eval_loss", "adapter", "model", "seconds",
    "tokens_per_s", "peak_rss_bytes", "peak_bytes"}
 
@@ -40,9 +41,16 @@ def flatten(event):
                 "skipped": step.get("skipped", False),
                 "loss_scale": _number(p.get("loss_scale", 1.0)),
                 "eval_loss": _number(p.get("eval_loss")), "mfu": _number(p.get("mfu", 0.0)),
+                "products": p.get("products", ""),
                 "step_seconds": _number(p.get("step_seconds", 0.0)),
                 "memory": {k: _int(v) for k, v in p.get("memory", {}).items()},
-                "phases": {k: _number(v) for k, v in p.get("phases", {}).items()}}
+                "phases": {k: _number(v) for k, v in p.get("phases", {}).items()
+                           if k != "kernel_products"},
+                "kernel_products": [
+                    {"phase": x.get("phase"), "dtype": x.get("dtype"),
+                     "flops": _number(x.get("flops", 0.0)),
+                     "seconds": _number(x.get("seconds", 0.0))}
+                    for x in p.get("phases", {}).get("kernel_products", [])]}
     if "done" in event:
         d = event["done"]
         return {"event": "done", "steps": _int(d.get("steps", 0)),

@@ -16,6 +16,7 @@
 #include "common/flops.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/ops/matmul.h"
 #include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
@@ -98,12 +99,35 @@ std::string OptimizerFingerprint(const TrainSpec& t) {
   }
 }
 
-// A function returning the seconds since its previous call (since its creation at first).
-auto Laps() {
-  return [clock = std::chrono::steady_clock::now()]() mutable {
+// The CPU kernel's products so far, by type.
+std::array<ProductTally, kNumProductTypes> ProductTotals() {
+  std::array<ProductTally, kNumProductTypes> totals;
+  for (auto type : {ProductType::kFloat32, ProductType::kBFloat16}) {
+    const kernels::cpu::MatmulTally tally = kernels::cpu::MatmulTotal(
+        type == ProductType::kFloat32 ? kernels::cpu::MatmulInput::kFloat32
+                                      : kernels::cpu::MatmulInput::kBFloat16);
+    totals[static_cast<int>(type)] = {tally.flops, tally.seconds};
+  }
+  return totals;
+}
+
+// A function returning the seconds since its previous call (since its creation at first),
+// and adding the CPU kernel's products since then to `phase` of `products` (none: nowhere).
+auto Laps(PhaseProducts& products) {
+  return [&products, clock = std::chrono::steady_clock::now(),
+          before = ProductTotals()](std::optional<ProductPhase> phase = std::nullopt) mutable {
     const auto now = std::chrono::steady_clock::now();
     const double seconds = std::chrono::duration<double>(now - clock).count();
     clock = now;
+    const std::array<ProductTally, kNumProductTypes> totals = ProductTotals();
+    if (phase) {
+      for (int t = 0; t < kNumProductTypes; ++t) {
+        ProductTally& tally = products[static_cast<int>(*phase)][t];
+        tally.flops += totals[t].flops - before[t].flops;
+        tally.seconds += totals[t].seconds - before[t].seconds;
+      }
+    }
+    before = totals;
     return seconds;
   };
 }
@@ -646,7 +670,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
-  auto lap = Laps();
+  auto lap = Laps(report.phase_products);
   // The step's loss at the perturbed weights, summed over every rank's sequences.
   auto loss_here = [&]() -> absl::StatusOr<double> {
     at::NoGradGuard no_grad;
@@ -658,7 +682,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
       at::Tensor hidden = model_->Hidden(ids.to(device));
       sum += model_->SumLossOfHidden(hidden, labels.to(device)).item<double>();
     }
-    phases.forward += lap();
+    phases.forward += lap(ProductPhase::kForward);
     LATHE_RETURN_IF_ERROR(SumAcrossRanks(&sum, "summing the loss across ranks"));
     phases.comm += lap();
     return sum / static_cast<double>(targets);
@@ -668,7 +692,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
   auto perturb = [&](double scale) {
     MemoryScope scope(MemoryComponent::kOptimizer);
     MezoPerturb(params, seed, scale);
-    phases.optimizer += lap();
+    phases.optimizer += lap(ProductPhase::kOptimizer);
   };
   perturb(eps);
   LATHE_ASSIGN_OR_RETURN(const double plus, loss_here());
@@ -684,7 +708,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
   }
   MemoryScope scope(MemoryComponent::kOptimizer);
   MezoUpdate(params, seed, projected, report.lr, train.weight_decay);
-  phases.optimizer += lap();
+  phases.optimizer += lap(ProductPhase::kOptimizer);
   return absl::OkStatus();
 }
 
@@ -700,7 +724,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
-  auto lap = Laps();
+  auto lap = Laps(report.phase_products);
   for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
     std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
     auto [ids, labels] = Collate(micro);
@@ -709,16 +733,16 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
     {
       MemoryScope scope(MemoryComponent::kActivations);
       at::Tensor hidden = model_->Hidden(ids.to(device));
-      phases.forward += lap();
+      phases.forward += lap(ProductPhase::kForward);
       loss = model_->SumLossOfHidden(hidden, labels.to(device));
-      phases.loss += lap();
+      phases.loss += lap(ProductPhase::kLoss);
     }
     MemoryScope scope(MemoryComponent::kGradients);
     // Normalised over the whole step's targets, so that accumulation does not change the
     // update; multiplied by the loss scale (1 unless fp16).
     (loss * (scaler.scale() / static_cast<double>(targets))).backward();
     loss_sum += loss.item<double>();
-    phases.backward += lap();
+    phases.backward += lap(ProductPhase::kBackward);
   }
   {
     // At ZeRO-2 and -3 most of the reduction already ran during backward.
@@ -765,7 +789,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
     }
   }
   zero_grads();
-  phases.optimizer += lap();
+  phases.optimizer += lap(ProductPhase::kOptimizer);
   if (sharded_) phases.comm += sharded_->TakeCommSeconds();
   return absl::OkStatus();
 }

@@ -76,6 +76,20 @@ struct PhaseSeconds {
   double optimizer = 0.0;  // unscaling, norm, clipping, AdamW, zeroing
 };
 
+// The CPU kernel's matrix products (kernels/cpu/matmul.h, MatmulTotal) inside a step's phases,
+// by phase and operand type: what their rate is against the roofline (bench/train_bench.py).
+// Products that ops send to ATen (the small ones, and all on CUDA) are not counted. The counters
+// are the process's: ranks run as threads (tests) count each other's products too.
+enum class ProductPhase { kForward, kLoss, kBackward, kOptimizer };
+inline constexpr int kNumProductPhases = 4;
+enum class ProductType { kFloat32, kBFloat16 };
+inline constexpr int kNumProductTypes = 2;
+struct ProductTally {
+  double flops = 0.0;
+  double seconds = 0.0;
+};
+using PhaseProducts = std::array<std::array<ProductTally, kNumProductTypes>, kNumProductPhases>;
+
 // What one optimizer step did.
 struct StepReport {
   int64_t step = 0;            // 1-based
@@ -100,6 +114,7 @@ struct StepReport {
   // What runs the matrix products (kernels/ops/matmul.h, ProductsBackend).
   std::string products;
   PhaseSeconds phases;
+  PhaseProducts phase_products{};
   // Memory of this rank at the step's peak, by component (DESIGN.md), in bytes; the
   // components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped
   // from the model file count as weights); on CUDA see CudaStepMemory.
