@@ -26,15 +26,30 @@ at::ScalarType MathType(const at::Tensor& x) {
   return half && x.device().is_cpu() ? at::kFloat : type;
 }
 
-// Whether the base product x W^T (and dy W) runs bfloat16 x bfloat16 with float32
-// accumulation: a frozen bfloat16 W with float32 x (x2: [tokens, in]) on a CPU that
-// multiplies bfloat16 natively, in a product large enough for the kernel
-// (kernels/ops/matmul.h). x (dy) is rounded to bfloat16 for that product, as CUDA autocast
-// does; otherwise W is widened to float32.
-bool NativeBFloat16Base(const at::Tensor& x2, const at::Tensor& weight) {
+// Whether the node belongs to a bf16 job on the CPU: a frozen bfloat16 W with float32 x.
+// Its products then run bfloat16 x bfloat16 with float32 accumulation wherever the CPU
+// multiplies bfloat16 natively and the product is large enough for the kernel
+// (NativeBFloat16Product, kernels/ops/matmul.h), their operands rounded to bfloat16 as CUDA
+// autocast rounds them; otherwise in float32, W widened.
+bool BFloat16Job(const at::Tensor& x2, const at::Tensor& weight) {
   return x2.device().is_cpu() && x2.scalar_type() == at::kFloat &&
-         weight.scalar_type() == at::kBFloat16 && !weight.requires_grad() &&
-         NativeBFloat16Product(x2.size(0), weight.size(0), weight.size(1));
+         weight.scalar_type() == at::kBFloat16 && !weight.requires_grad();
+}
+
+// out = alpha a b + beta out: bfloat16 x bfloat16 (a and b rounded, unless they already are)
+// when `native`, else in out's dtype (b converted, as a widened W).
+void ProductOut(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool native,
+                double alpha = 1.0, double beta = 0.0) {
+  const at::ScalarType type = native ? at::kBFloat16 : out.scalar_type();
+  MatmulOut(std::move(out), As(a, type), As(b, type), alpha, beta);
+}
+
+// a b as a new tensor: as ProductOut, float32 when `native`, else a's dtype.
+at::Tensor Product(const at::Tensor& a, const at::Tensor& b, bool native) {
+  if (!native) return Matmul(a, As(b, a.scalar_type()));
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(at::kFloat));
+  ProductOut(out, a, b, native);
+  return out;
 }
 
 // Gradient `g` in the dtype of the tensor it belongs to.
@@ -72,7 +87,11 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const at::ScalarType math = MathType(x);
     const at::Tensor x2 = x.reshape({-1, in});  // a view of x when x is contiguous
     const at::Tensor xm = As(x2, math);         // a temporary when math != type
-    const bool native = NativeBFloat16Base(x2, weight);
+    const bool bf16 = BFloat16Job(x2, weight);
+    const bool native = bf16 && NativeBFloat16Product(x2.size(0), out, in);
+    // The adapter's two products, x A^T and (x A^T) B^T.
+    const bool native_a = lora && bf16 && NativeBFloat16Product(x2.size(0), lora_a.size(0), in);
+    const bool native_b = lora && bf16 && NativeBFloat16Product(x2.size(0), out, lora_a.size(0));
     // The base product's operands: x and W in the math type, or both bfloat16.
     const at::Tensor xw = native ? x2.to(at::kBFloat16) : xm;
     const at::Tensor w = native ? weight : As(weight, math);
@@ -89,10 +108,12 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     }
     at::Tensor xa;  // dropout(x) A^T: [tokens, r], in the math type
     if (lora) {
-      const at::Tensor xd =
-          dropout_p > 0 ? ApplyDropoutMask(xm, dropout_p, static_cast<uint64_t>(seed)) : xm;
-      xa = Matmul(xd, As(lora_a, math).t());
-      MatmulOut(y, xa, As(lora_b, math).t(), /*alpha=*/scale, /*beta=*/1.0);
+      // (x rounded for the base product is x rounded for this one too)
+      const at::Tensor xd = dropout_p > 0
+                                ? ApplyDropoutMask(xm, dropout_p, static_cast<uint64_t>(seed))
+                                : (native && native_a ? xw : xm);
+      xa = Product(xd, As(lora_a, math).t(), native_a);
+      ProductOut(y, xa, As(lora_b, math).t(), native_b, /*alpha=*/scale, /*beta=*/1.0);
     }
     if (math != type) result.view({-1, out}).copy_(y);
     ctx->save_for_backward({x2, weight, bias, lora_a, lora_b, xa});
@@ -128,30 +149,41 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     at::Tensor xm;  // x in the math type, when a gradient needs it
     if (weight_grad || (lora_a.defined() && a_grad)) xm = As(x2, math);
 
+    const bool bf16 = BFloat16Job(x2, weight);
+    const int64_t tokens = dy.size(0), out = weight.size(0), in = weight.size(1);
     at::Tensor dx, dweight, dbias, da, db;
     if (ctx->saved_data["x_grad"].toBool()) {
-      if (NativeBFloat16Base(dy, weight)) {
-        dx = at::empty({dy.size(0), weight.size(1)}, dy.options());
-        MatmulOut(dx, dy.to(at::kBFloat16), weight);
-      } else {
-        dx = Matmul(dy, As(weight, math));
-      }
+      dx = at::empty({tokens, in}, dy.options());
+      // dy W: bfloat16 x bfloat16 (dy rounded) natively, else W widened.
+      ProductOut(dx, dy, weight, bf16 && NativeBFloat16Product(tokens, in, out));
     }
     if (weight_grad) dweight = GradFor(Matmul(dy.t(), xm), weight);
     if (ctx->saved_data["bias_grad"].toBool()) dbias = GradFor(dy.sum(0), bias);
     if (lora_a.defined()) {
       const at::Tensor a = As(lora_a, math);
-      const at::Tensor dxa = Matmul(dy, As(lora_b, math)).mul_(scale);  // d(x A^T): [tokens, r]
-      if (ctx->saved_data["b_grad"].toBool()) db = GradFor(Matmul(dy.t(), xa).mul_(scale), lora_b);
+      const int64_t rank = lora_a.size(0);
+      // Each backward product has its forward product's multiply-adds, so runs as it did.
+      const bool native_a = bf16 && NativeBFloat16Product(tokens, rank, in);
+      const bool native_b = bf16 && NativeBFloat16Product(tokens, out, rank);
+      // bf16: the adapter's incoming gradient s dy rounded, as autograd hands it to
+      // s ((x A^T) B^T); float32: the products scaled instead (the same to rounding).
+      const at::Tensor dys = native_b ? (dy * scale).to(at::kBFloat16) : dy;
+      at::Tensor dxa = Product(dys, As(lora_b, math), native_b);  // d(x A^T): [tokens, r]
+      if (!native_b) dxa.mul_(scale);
+      if (ctx->saved_data["b_grad"].toBool()) {
+        at::Tensor dlb = Product(dys.t(), xa, native_b);
+        if (!native_b) dlb.mul_(scale);
+        db = GradFor(dlb, lora_b);
+      }
       if (a_grad) {
         const at::Tensor xd = dropout_p > 0 ? ApplyDropoutMask(xm, dropout_p, seed) : xm;
-        da = GradFor(Matmul(dxa.t(), xd), lora_a);
+        da = GradFor(Product(dxa.t(), xd, native_a), lora_a);
       }
       if (dx.defined()) {
         if (dropout_p > 0) {
-          dx.add_(ApplyDropoutMask(Matmul(dxa, a), dropout_p, seed));
+          dx.add_(ApplyDropoutMask(Product(dxa, a, native_a), dropout_p, seed));
         } else {
-          MatmulOut(dx, dxa, a, 1.0, 1.0);
+          ProductOut(dx, dxa, a, native_a, 1.0, 1.0);
         }
       }
     }

@@ -19,10 +19,13 @@ namespace lathe::kernels {
 // masters with bfloat16 x) are converted as they are used, in forward and again in backward;
 // no converted copy is kept. The products run in x's dtype, except for bfloat16/float16 x on
 // the CPU, where they run in float32 (libtorch's CPU bfloat16 product accumulates in
-// bfloat16) and y is rounded once. A frozen bfloat16 W with float32 x on a CPU that
-// multiplies bfloat16 natively (AVX512-BF16 or AMX, unless LATHE_CPU_BF16=0) is not widened:
-// the base products x W^T and dy W run bfloat16 x bfloat16 with float32 accumulation, x and
-// dy rounded to bfloat16 for them (as CUDA autocast does); the LoRA products stay float32.
+// bfloat16) and y is rounded once. A frozen bfloat16 W with float32 x (a bf16 LoRA job) on a
+// CPU that multiplies bfloat16 natively (AVX512-BF16 or AMX, unless LATHE_CPU_BF16=0) is not
+// widened: each product large enough for the kernel (NativeBFloat16Product) runs bfloat16 x
+// bfloat16 with float32 accumulation, its operands rounded to bfloat16 as CUDA autocast
+// rounds them: x W^T and dy W, and the adapter's x A^T, (x A^T) B^T and their gradients
+// (with s dy, the gradient autograd would hand the scaled product). A and B stay float32
+// masters, their gradients float32.
 // Gradients: x, A, B, and W and b when they require grad (full fine-tuning), each in its own
 // dtype.
 //

@@ -35,8 +35,11 @@ at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);
 // The batched product of attention, a b for a: [..., m, k] and b: [..., k, n] with the same
 // leading dimensions (no broadcasting), as an autograd node: one MatmulOut per matrix, in
 // forward and in backward (da = g b^T, db = a^T g). Views are read in place (a transposed
-// key, a head's slice of the projections). Saves a and b.
-at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b);
+// key, a head's slice of the projections). Saves a and b. With `bf16` (a bf16 job's float32
+// activations) and NativeBFloat16Product(m, n, k), a, b and in backward g are rounded to
+// bfloat16 for the products (float32 accumulation and results), and the bfloat16 copies are
+// what is saved.
+at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16 = false);
 
 }  // namespace lathe::kernels
 

@@ -150,6 +150,47 @@ TEST(LoraLinearOpTest, NativeBFloat16BaseProducts) {
   EXPECT_LT(RelErr(x.grad(), want_dx), 1e-5);
 }
 
+// The same job with an adapter large enough for the kernel: its products run bfloat16 too,
+// each operand rounded as autograd would hand it to a rounding product (x, A, x A^T, B, and in
+// backward s dy, d(x A^T)), float32 sums. Checked in float64 from the rounded operands; the
+// intermediates (x A^T, d(x A^T)) are rounded from float64 here and from float32 there, which
+// can move an element near a rounding boundary by one bfloat16 step (hence 1e-4, not 1e-5).
+TEST(LoraLinearOpTest, NativeBFloat16AdapterProducts) {
+  if (!kernels::cpu::NativeBFloat16Products()) {
+    GTEST_SKIP() << "no native bfloat16 products here: " << kernels::cpu::MatmulBackend();
+  }
+  at::Generator gen = testing::Generator(4);
+  // x A^T: 256 x 16 x 128 and (x A^T) B^T: 256 x 96 x 16 multiply-adds, both above 64^3.
+  const int64_t tokens = 256, in = 128, out = 96, rank = 16;
+  const double scale = 2.0;
+  const at::Tensor x = Randn({tokens, in}, at::kFloat, gen).requires_grad_(true);
+  const at::Tensor weight = Randn({out, in}, at::kBFloat16, gen, 0.2);
+  const at::Tensor a = Randn({rank, in}, at::kFloat, gen, 0.2).requires_grad_(true);
+  const at::Tensor b = Randn({out, rank}, at::kFloat, gen, 0.2).requires_grad_(true);
+  const at::Tensor y = kernels::LoraLinearWithSeed(x, weight, {}, a, b, scale, 0.0, 1);
+  const at::Tensor dy = Randn({tokens, out}, at::kFloat, gen);
+  y.backward(dy);
+
+  auto d = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
+  auto r = [](const at::Tensor& t) {  // rounded to bfloat16 (through float32), in float64
+    return t.detach().to(at::kFloat).to(at::kBFloat16).to(at::kDouble);
+  };
+  const at::Tensor xa = at::matmul(r(x), r(a).t());
+  const at::Tensor want_y = at::matmul(r(x), d(weight).t()) + at::matmul(r(xa), r(b).t()) * scale;
+  const at::Tensor dys = r(d(dy) * scale);
+  const at::Tensor dxa = at::matmul(dys, r(b));
+  const at::Tensor want_db = at::matmul(dys.t(), r(xa));
+  const at::Tensor want_da = at::matmul(r(dxa).t(), r(x));
+  const at::Tensor want_dx = at::matmul(r(dy), d(weight)) + at::matmul(r(dxa), r(a));
+  EXPECT_LT(RelErr(y, want_y), 1e-4);
+  EXPECT_LT(RelErr(x.grad(), want_dx), 1e-4);
+  EXPECT_LT(RelErr(a.grad(), want_da), 1e-4);
+  EXPECT_LT(RelErr(b.grad(), want_db), 1e-4);
+  // And they are rounded: float32 products of the unrounded values are further away.
+  const at::Tensor exact_db = at::matmul(d(dy).t() * scale, at::matmul(d(x), d(a).t()));
+  EXPECT_GT(RelErr(b.grad(), exact_db), 1e-3);
+}
+
 TEST(LoraLinearOpTest, TrainingDrawsOneMaskPerCallAndEvalNone) {
   at::Generator data = testing::Generator(FreshSeed());
   at::Tensor x = Randn({9, 40}, at::kFloat, data);

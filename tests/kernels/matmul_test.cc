@@ -186,5 +186,36 @@ TEST(MatmulOpTest, BatchedMatmulMatchesATenForwardAndBackward) {
   }
 }
 
+// A bf16 job's attention on a CPU that multiplies bfloat16: a, b and the incoming gradient
+// rounded to bfloat16 for the products, float32 sums; exact otherwise (or with bf16 off).
+TEST(MatmulOpTest, BatchedMatmulInBFloat16RoundsItsOperands) {
+  at::Generator gen = Generator(12);
+  const int64_t batch = 2, heads = 3, seq = 64, dim = 64;
+  const at::Tensor q = at::randn({batch, seq, heads, dim}, gen).requires_grad_(true);
+  const at::Tensor k = at::randn({batch, seq, heads, dim}, gen).requires_grad_(true);
+  const at::Tensor a = q.transpose(1, 2), b = k.transpose(1, 2).transpose(-2, -1);
+  const at::Tensor scores = kernels::BatchedMatmul(a, b, /*bf16=*/true);
+  const at::Tensor g = at::randn(scores.sizes(), gen);
+  scores.backward(g);
+  const bool native = NativeBFloat16Products();
+  auto r = [native](const at::Tensor& t) {  // the operand as the products see it, in float64
+    return (native ? t.detach().to(at::kBFloat16) : t.detach()).to(at::kDouble);
+  };
+  const at::Tensor want = at::matmul(r(a), r(b));
+  const at::Tensor want_q = at::matmul(r(g), r(b).transpose(-2, -1)).transpose(1, 2);
+  const at::Tensor want_k =
+      at::matmul(r(a).transpose(-2, -1), r(g)).transpose(-2, -1).transpose(1, 2);
+  for (auto [got, ref] :
+       {std::pair{scores, want}, std::pair{q.grad(), want_q}, std::pair{k.grad(), want_k}}) {
+    EXPECT_LE((got.to(at::kDouble) - ref).abs().max().item<double>(),
+              1e-5 * ref.abs().max().item<double>());
+  }
+  if (native) {  // the rounding is there
+    const at::Tensor exact = at::matmul(a.detach().to(at::kDouble), b.detach().to(at::kDouble));
+    EXPECT_GT((scores.to(at::kDouble) - exact).abs().max().item<double>(),
+              1e-4 * exact.abs().max().item<double>());
+  }
+}
+
 }  // namespace
 }  // namespace lathe::kernels::cpu

@@ -15,6 +15,7 @@ python3-yaml). Nothing here imports transformers, peft or safetensors.
 
   lathe_reference.py train --spec job.yaml [--output json] [--threads N]
                            [--dtype float32|float64] [--adapter-out DIR] [--model-out DIR]
+                           [--products widen|bf16|autocast]
   lathe_reference.py score --model DIR [--adapter DIR [--lora-alpha A] [--use-rslora]]
                            --data FILE --seq-len N [--logits-out FILE.safetensors]
                            [--output json] [--dtype float32|float64]
@@ -235,6 +236,76 @@ def peft_name(layer, module, which):
 # --------------------------------------------------------------------------------------
 # Modules
 
+# How the products with a frozen bfloat16 weight run under precision bf16 (`--products`):
+#   widen:    the weight widened to the compute type (float32): the C++ engine's fallback on
+#             a CPU without native bfloat16 products (LATHE_CPU_BF16=0);
+#   bf16:     float32 products of bfloat16-rounded operands (forward and backward), where
+#             the C++ engine multiplies bfloat16 natively: in a LoRA job, every product of a
+#             frozen projection, its adapter and attention of at least BF16_MIN_PRODUCT
+#             multiply-adds, and the LM head's; float32 accumulation as in the engine;
+#   autocast: what a PyTorch user runs, the forward and the loss under
+#             torch.autocast("cpu", dtype=torch.bfloat16): a baseline for benchmarks, not a
+#             reference of the engine's numerics.
+PRODUCTS = ("widen", "bf16", "autocast")
+BF16_MIN_PRODUCT = 1 << 18  # kernels/ops/matmul.cc's kMinKernelProduct
+
+
+def _round_bf16(t):
+    return t.bfloat16().float()
+
+
+class Bf16MatMul(torch.autograd.Function):
+    """a b (batched as torch.matmul, no broadcasting) with a, b and in backward the incoming
+    gradient rounded to bfloat16, the products in float32 (exact products of bfloat16
+    operands, float32 sums)."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = _round_bf16(a), _round_bf16(b)
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        g = _round_bf16(g)
+        return (g @ b.transpose(-1, -2) if ctx.needs_input_grad[0] else None,
+                a.transpose(-1, -2) @ g if ctx.needs_input_grad[1] else None)
+
+
+def bf16_job(x, weight, products):
+    """Whether a product of float32 x with frozen `weight` (and its adapter) belongs to a
+    LoRA bf16 job whose products run as --products bf16 says."""
+    return (products == "bf16" and weight.dtype == torch.bfloat16 and x.dtype == torch.float32
+            and not weight.requires_grad)
+
+
+def maybe_bf16_matmul(a, b, bf16, always=False):
+    """a b (a: [..., m, k], b: [..., k, n]), rounded as the C++ engine rounds it when `bf16`
+    and the product has at least BF16_MIN_PRODUCT multiply-adds per matrix (or `always`)."""
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    if bf16 and (always or m * k * n >= BF16_MIN_PRODUCT):
+        return Bf16MatMul.apply(a, b)
+    return torch.matmul(a, b.to(a.dtype))
+
+
+def linear(x, weight, bf16, always=False):
+    """x W^T for x [..., in], in x's dtype (W converted), with maybe_bf16_matmul's rounding."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = maybe_bf16_matmul(x2, weight.t(), bf16, always)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def frozen_linear(x, weight, bias, products, always=False):
+    """x W^T + b, W (and b) frozen unless they require grad, as `products` runs it (PRODUCTS);
+    `always`: the bf16 rounding whatever the product's size (the LM head)."""
+    if products == "autocast" and torch.is_autocast_cpu_enabled():
+        return F.linear(x, weight, bias)
+    if bf16_job(x, weight, products):
+        y = linear(x, weight, True, always)
+        return y + bias.to(y.dtype) if bias is not None else y
+    return F.linear(x, weight.to(x.dtype), bias.to(x.dtype) if bias is not None else None)
+
 
 class LoRALinear(nn.Module):
     """y = x W^T + b + s * dropout(x) A^T B^T; W and b frozen unless `train_base`."""
@@ -247,6 +318,7 @@ class LoRALinear(nn.Module):
         self.lora_B = None
         self.scaling = 0.0
         self.dropout = 0.0
+        self.products = "widen"
 
     def add_lora(self, a, b, scaling, dropout):
         self.lora_A = nn.Parameter(a)
@@ -255,12 +327,15 @@ class LoRALinear(nn.Module):
         self.dropout = dropout
 
     def forward(self, x):
-        # Frozen weights stored in bf16/fp16 are widened to x's type as they are used.
-        bias = self.bias.to(x.dtype) if self.bias is not None else None
-        y = F.linear(x, self.weight.to(x.dtype), bias)
+        # Frozen weights stored in bf16/fp16 are widened to x's type as they are used
+        # (or multiplied as self.products says).
+        y = frozen_linear(x, self.weight, self.bias, self.products)
         if self.lora_A is not None:
             xd = F.dropout(x, p=self.dropout, training=True) if self.dropout > 0 else x
-            y = y + self.scaling * F.linear(F.linear(xd, self.lora_A), self.lora_B)
+            if bf16_job(x, self.weight, self.products):
+                y = y + self.scaling * linear(linear(xd, self.lora_A, True), self.lora_B, True)
+            else:
+                y = y + self.scaling * F.linear(F.linear(xd, self.lora_A), self.lora_B)
         return y
 
 
@@ -286,6 +361,7 @@ class Attention(nn.Module):
         self.kv_heads = cfg["num_key_value_heads"]
         self.head_dim = cfg["head_dim"]
         self.window = window
+        self.products = "widen"
 
         def lin(name, has_bias):
             return LoRALinear(w[f"{prefix}.{name}.weight"],
@@ -307,7 +383,8 @@ class Attention(nn.Module):
         # Query head h reads key/value head h // rep.
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        bf16 = self.products == "bf16" and q.dtype == torch.float32
+        scores = maybe_bf16_matmul(q, k.transpose(-1, -2), bf16) / math.sqrt(self.head_dim)
         i = torch.arange(t).view(t, 1)
         j = torch.arange(t).view(1, t)
         allowed = j <= i
@@ -315,7 +392,8 @@ class Attention(nn.Module):
             allowed = allowed & (j > i - self.window)
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        out = maybe_bf16_matmul(probs, v, bf16).transpose(1, 2).reshape(
+            b, t, self.heads * self.head_dim)
         return self.o_proj(out)
 
 
@@ -377,6 +455,19 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.dtype = dtype
         self.checkpointing = checkpointing
+        self.products = "widen"
+
+    def set_products(self, products):
+        """How products with frozen bfloat16 weights run (PRODUCTS). Attention's products
+        are rounded only in a LoRA job (frozen bfloat16 weights), as the C++ engine does."""
+        self.products = products
+        frozen_bf16 = (self.embed_tokens.dtype == torch.bfloat16
+                       and not self.embed_tokens.requires_grad)
+        for module in self.modules():
+            if isinstance(module, LoRALinear):
+                module.products = products
+            elif isinstance(module, Attention):
+                module.products = products if frozen_bf16 else "widen"
 
     def projection(self, layer, module):
         blk = self.layers[layer]
@@ -390,7 +481,7 @@ class CausalLM(nn.Module):
         return self.head(self.hidden(ids))
 
     def head(self, hidden):
-        return F.linear(hidden, self.head_weight().to(self.dtype))
+        return frozen_linear(hidden, self.head_weight(), None, self.products, always=True)
 
     def hidden(self, ids):
         """Final-normalised hidden states."""
@@ -1407,13 +1498,24 @@ def build_model(spec, dtype):
     return model
 
 
-def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=None):
+def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=None,
+          products="widen"):
     """Trains per docs/training.md. Returns {"steps": [step events], "done": done event,
-    "model": the trained CausalLM}. `spec` is a path or a dict (see load_spec)."""
+    "model": the trained CausalLM}. `spec` is a path or a dict (see load_spec); `products`:
+    how products with frozen bfloat16 weights run (PRODUCTS)."""
     spec = load_spec(spec)
     t = spec["train"]
+    if products not in PRODUCTS:
+        raise ReferenceError(f"--products: {products!r} is not one of {', '.join(PRODUCTS)}")
+    if products != "widen" and (t["precision"] != "bf16" or dtype != torch.float32):
+        raise ReferenceError(f"--products {products} needs train.precision bf16 and --dtype "
+                             "float32")
+    if products == "autocast" and spec["method"] == "mezo":
+        raise ReferenceError("--products autocast: method mezo has no autocast loop here")
+    autocast = products == "autocast"
     torch.manual_seed(t["seed"])  # only dropout draws from the global generator
     model = build_model(spec, dtype)
+    model.set_products(products)
     records = read_records(spec["data"]["train"], model.cfg["vocab_size"])
     n_steps = count_steps(spec, records)
     seq_len, G, M = spec["data"]["seq_len"], t["global_batch"], t["micro_batch"]
@@ -1462,9 +1564,12 @@ def train(spec, dtype=torch.float32, on_step=None, adapter_out=None, model_out=N
             for m in range(G // M):
                 ids, labels = collate(batch[m * M:(m + 1) * M])
                 t0 = time.perf_counter()
-                h = model.hidden(ids)
-                t1 = time.perf_counter()
-                s = loss_sum(model.head(h), labels)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    h = model.hidden(ids)
+                    t1 = time.perf_counter()
+                    logits = model.head(h)
+                    # float32 logits for the loss, as Hugging Face's models do under autocast
+                    s = loss_sum(logits.float() if autocast else logits, labels)
                 t2 = time.perf_counter()
                 (s * (scale / targets)).backward()
                 total += s.item()
@@ -1586,6 +1691,7 @@ def main(argv=None):
     tr.add_argument("--dtype", choices=("float32", "float64"), default="float32")
     tr.add_argument("--adapter-out")
     tr.add_argument("--model-out")
+    tr.add_argument("--products", choices=PRODUCTS, default="widen")
     sc = sub.add_parser("score")
     sc.add_argument("--model", required=True)
     sc.add_argument("--adapter")
@@ -1624,7 +1730,7 @@ def main(argv=None):
                           f"{ev['tokens_per_s']:9.1f}", flush=True)
 
             result = train(args.spec, dtype=dtype, on_step=emit, adapter_out=args.adapter_out,
-                           model_out=args.model_out)
+                           model_out=args.model_out, products=args.products)
             done = result["done"]
             if as_json:
                 print(json.dumps(done), flush=True)

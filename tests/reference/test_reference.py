@@ -58,9 +58,9 @@ import trainer_events  # noqa: E402
 SOURCE_DIR = os.environ.get("LATHE_SOURCE_DIR") or os.path.normpath(os.path.join(HERE, "..", ".."))
 BIN_DIR_FROM_ENV = os.environ.get("LATHE_BIN_DIR")
 # The reference's bf16 training is float32 products of bf16-rounded weights: the engine's
-# fallback path, which every CPU runs. A CPU with native bf16 products also rounds the
-# activations for them (docs/kernels.md, "Matrix products"), which the reference does not
-# model yet; these comparisons run the fallback.
+# fallback path, which every CPU runs, and what these comparisons run. A CPU with native bf16
+# products also rounds the activations for them (docs/kernels.md, "Matrix products"): the
+# reference's --products bf16 mode, which PrecisionTest.test_g_native_bf16_products compares.
 os.environ["LATHE_CPU_BF16"] = "0"
 BIN_DIR = BIN_DIR_FROM_ENV or os.path.join(SOURCE_DIR, "build", "bin")
 
@@ -93,8 +93,9 @@ def need_binaries(test, *names):
     raise unittest.SkipTest(msg)
 
 
-def run(cmd, what):
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def run(cmd, what, env=None):
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env)
     if proc.returncode != 0:
         raise AssertionError(f"{what} failed (exit {proc.returncode}):\n  $ {' '.join(cmd)}\n"
                              f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
@@ -125,9 +126,9 @@ def write_spec(path, spec):
     return path
 
 
-def cpp_train(spec_path):
+def cpp_train(spec_path, env=None):
     events = trainer_events.read_events(run([binary("lathe-worker"), "train", "--spec", spec_path,
-                                             "--output", "json"], "lathe-worker train"))
+                                             "--output", "json"], "lathe-worker train", env))
     steps = [e for e in events if e.get("event") == "step"]
     done = [e for e in events if e.get("event") == "done"]
     if len(done) != 1:
@@ -1580,6 +1581,25 @@ class LoraLlamaTest(unittest.TestCase):
         cls.ref = ref_train(cls.spec_path, adapter_out=cls.ref_adapter)
         cls.cpp = cpp  # last: set only when both runs finished
 
+    def test_a_kernel_products_by_phase(self):
+        """Each step reports the CPU kernel's products by phase: in the loss phase exactly
+        the fused loss's two chunk products per target row (logits and the hidden gradient,
+        4 V H FLOPs a row: the head is frozen), forward and backward some of their own."""
+        cfg = ref.load_model_config(self.model)
+        per_row = 4 * cfg["vocab_size"] * cfg["hidden_size"]
+        cpp_steps, _ = self.cpp
+        for step in cpp_steps:
+            by_phase = {(p["phase"], p["dtype"]): p for p in step["kernel_products"]}
+            self.assertEqual({phase for phase, _ in by_phase},
+                             {"forward", "loss", "backward"}, step["kernel_products"])
+            loss = by_phase[("loss", "f32")]
+            rows = loss["flops"] / per_row
+            self.assertEqual(rows, round(rows), loss)
+            self.assertTrue(0 < rows <= step["tokens"], (rows, step["tokens"]))
+            for p in step["kernel_products"]:
+                self.assertGreater(p["seconds"], 0, p)
+                self.assertGreater(p["flops"], 0, p)
+
     def test_a_losses_lrs_and_clipping(self):
         ref_steps, _ = self.ref
         cpp_steps, cpp_done = self.cpp
@@ -1702,6 +1722,39 @@ class PrecisionTest(TempDirTest):
                 scale = 65536.0 if precision == "fp16" else 1.0
                 self.assertTrue(all(s["loss_scale"] == scale and not s["skipped"]
                                     for s in cpp_steps), f"{precision}: {cpp_steps[:2]}")
+
+    def test_g_native_bf16_products(self):
+        """bf16 on a CPU that multiplies bf16 natively: the engine rounds the operands of its
+        products above 64^3 multiply-adds (frozen projections, adapters, attention) and of the
+        LM head to bf16; the reference's --products bf16 rounds the same operands (each
+        product's rounding is checked exactly by the kernel tests)."""
+        with open("/proc/cpuinfo") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+        if not flags & {"avx512_bf16", "amx_bf16"}:
+            self.skipTest("this CPU has no native bf16 products (avx512_bf16 or amx_bf16)")
+        model = make_tiny_model(self.tmp, "model", "--seed", 16)
+        data = make_data(self.tmp, "train.jsonl", seed=8)
+        spec = base_spec(self.tmp, model, data, precision="bf16")
+        spec_path = write_spec(os.path.join(self.tmp, "bf16-native.yaml"), spec)
+        cpp_steps, _ = cpp_train(spec_path, env=dict(os.environ, LATHE_CPU_BF16="1"))
+        self.assertIn("bf16 brg", cpp_steps[0]["products"])
+        ref_steps, _ = ref_train(spec_path, products="bf16")
+        # Not the float32 contract's 1e-4: rounding activations to 8 bits turns the
+        # implementations' float32 differences (ulps, from other kernels: RMSNorm, SwiGLU,
+        # softmax) into whole bf16 steps near rounding boundaries. Measured: perturbing the
+        # reference's SwiGLU by 5e-6 relative moves its own step-1 loss by up to 4e-4 here (in
+        # float32 by 1e-6); the engine is 9.6e-5 from it at step 1 and at most 1.6e-3 (0.03%)
+        # over the 20 steps. Issue #16's bar is 2% over 50 steps (bench/train_bench.py).
+        table = side_by_side(ref_steps, cpp_steps)
+        self.assertEqual(len(ref_steps), len(cpp_steps), table)
+        for r, c in zip(ref_steps, cpp_steps):
+            self.assertLessEqual(abs(r["loss"] - c["loss"]), 5e-3, table)
+            self.assertLessEqual(abs(r["grad_norm"] - c["grad_norm"]), 1e-2 * r["grad_norm"],
+                                 table)
+            self.assertEqual(r["lr"], c["lr"], table)
+        # The rounding is there: the native run's first loss is not the widened one (1.7e-4).
+        widened, _ = ref_train(spec_path)
+        self.assertGreater(abs(widened[0]["loss"] - cpp_steps[0]["loss"]), 2e-5, table)
 
 
 class UnpackedMistralTest(TempDirTest):

@@ -380,9 +380,12 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
                                                     /*is_causal=*/!mask.defined());
 #else
   // The fused path's products go through the engine's (oneDNN on the CPU); the unfused one
-  // stays ATen's, the baseline.
-  auto matmul = [fused](const at::Tensor& a, const at::Tensor& b) {
-    return fused ? kernels::BatchedMatmul(a, b) : at::matmul(a, b);
+  // stays ATen's, the baseline. A bf16 LoRA job on the CPU (float32 activations, frozen
+  // bfloat16 weights) multiplies them in bfloat16 where the CPU can, as its projections.
+  const bool bf16 = options_.weight_dtype == at::kBFloat16 &&
+                    options_.compute_dtype == at::kFloat && !trainable_base_;
+  auto matmul = [fused, bf16](const at::Tensor& a, const at::Tensor& b) {
+    return fused ? kernels::BatchedMatmul(a, b, bf16) : at::matmul(a, b);
   };
   at::Tensor scores = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(head_dim)));
   at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
