@@ -20,8 +20,8 @@ at::Tensor As(const at::Tensor& t, at::ScalarType type) {
 // The dtype of the matrix products for x: x's own, except float32 for 16-bit x on the CPU,
 // where libtorch 1.13's bfloat16 product accumulates in bfloat16 (2% error at 96 terms, 5% at
 // 1024) and runs ~50x slower than float32 (docs/training.md, "Precision").
-at::ScalarType MathType(const at::Tensor& x) {
-  const at::ScalarType type = x.scalar_type();
+at::ScalarType MathType(const at::TensorOptions& x) {
+  const at::ScalarType type = x.dtype().toScalarType();
   const bool half = type == at::kBFloat16 || type == at::kHalf;
   return half && x.device().is_cpu() ? at::kFloat : type;
 }
@@ -84,7 +84,7 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "LoraLinear: dropout ", dropout_p,
                 " is not in [0, 1)");
     const at::ScalarType type = x.scalar_type();
-    const at::ScalarType math = MathType(x);
+    const at::ScalarType math = MathType(x.options());
     const at::Tensor x2 = x.reshape({-1, in});  // a view of x when x is contiguous
     const at::Tensor xm = As(x2, math);         // a temporary when math != type
     const bool bf16 = BFloat16Job(x2, weight);
@@ -116,7 +116,16 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
       ProductOut(y, xa, As(lora_b, math).t(), native_b, /*alpha=*/scale, /*beta=*/1.0);
     }
     if (math != type) result.view({-1, out}).copy_(y);
-    ctx->save_for_backward({x2, weight, bias, lora_a, lora_b, xa});
+    // What backward needs of x: nothing when no gradient reads it (a frozen W without a
+    // trainable adapter); x rounded to bfloat16 when only the native x A^T gradient does (half
+    // the bytes, and the caller's float32 x may be freed); else x itself.
+    const bool needs_x = weight.requires_grad() || (lora && lora_a.requires_grad());
+    const bool keep_rounded =
+        needs_x && !weight.requires_grad() && native && native_a && dropout_p == 0;
+    ctx->save_for_backward(
+        {needs_x ? (keep_rounded ? xw : x2) : at::Tensor(), weight, bias, lora_a, lora_b, xa});
+    ctx->saved_data["type"] = static_cast<int64_t>(type);
+    ctx->saved_data["bf16"] = bf16;
     // Which inputs get a gradient (needs_input_grad counts only the present tensors).
     ctx->saved_data["x_grad"] = x.requires_grad();
     ctx->saved_data["weight_grad"] = weight.requires_grad();
@@ -141,15 +150,19 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
     const double scale = ctx->saved_data["scale"].toDouble();
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const auto seed = static_cast<uint64_t>(ctx->saved_data["seed"].toInt());
-    const at::ScalarType type = x2.scalar_type();
-    const at::ScalarType math = MathType(x2);
+    const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
+    const at::ScalarType math = MathType(grads[0].options().dtype(type));
+    const bool bf16 = ctx->saved_data["bf16"].toBool();
     const at::Tensor dy = As(grads[0], math).reshape({-1, weight.size(0)});
     const bool a_grad = ctx->saved_data["a_grad"].toBool();
     const bool weight_grad = ctx->saved_data["weight_grad"].toBool();
-    at::Tensor xm;  // x in the math type, when a gradient needs it
-    if (weight_grad || (lora_a.defined() && a_grad)) xm = As(x2, math);
+    // x in the math type (or as forward kept it rounded: a bf16 job's x is float32), when a
+    // gradient needs it.
+    at::Tensor xm;
+    if (weight_grad || (lora_a.defined() && a_grad)) {
+      xm = bf16 && x2.scalar_type() == at::kBFloat16 ? x2 : As(x2, math);
+    }
 
-    const bool bf16 = BFloat16Job(x2, weight);
     const int64_t tokens = dy.size(0), out = weight.size(0), in = weight.size(1);
     at::Tensor dx, dweight, dbias, da, db;
     if (ctx->saved_data["x_grad"].toBool()) {

@@ -32,9 +32,10 @@ namespace lathe::kernels {
 // Dropout (only when training && dropout_p > 0 && LoRA): the mask of kernels/dropout_mask.h
 // with a seed drawn from `generator` (DrawDropoutSeed: libtorch's default CPU generator when
 // absent, also for CUDA tensors). Saved for backward: x (the caller's storage when x is
-// contiguous), W, A, B and the rank-r product dropout(x) A^T [tokens, r] (in the product
-// dtype), plus the seed: neither the
-// mask nor dropout(x) is stored, backward regenerates them. Not twice differentiable.
+// contiguous) when a gradient reads it (W or A trains), or instead its bfloat16 rounding when
+// only the native bf16 x A^T gradient does (no dropout); W, A, B and the rank-r product
+// dropout(x) A^T [tokens, r] (in the product dtype), plus the seed: neither the mask nor
+// dropout(x) is stored, backward regenerates them. Not twice differentiable.
 // REQUIRES: 0 <= dropout_p < 1.
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,

@@ -101,9 +101,9 @@ void ForEachMatrix(const std::vector<at::Tensor>& tensors,
 class BatchedMatmulFunction : public torch::autograd::Function<BatchedMatmulFunction> {
  public:
   // `bf16`: a and b are rounded to bfloat16 (and kept so for backward, which rounds the
-  // incoming gradient too).
+  // incoming gradient too; a as it is with `keep_a`, rounded again there).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a_in,
-                            const at::Tensor& b_in, bool bf16) {
+                            const at::Tensor& b_in, bool bf16, bool keep_a) {
     const at::Tensor a = bf16 ? a_in.to(at::kBFloat16) : a_in;
     const at::Tensor b = bf16 ? b_in.to(at::kBFloat16) : b_in;
     std::vector<int64_t> sizes = a.sizes().vec();
@@ -111,7 +111,7 @@ class BatchedMatmulFunction : public torch::autograd::Function<BatchedMatmulFunc
     at::Tensor out = at::empty(sizes, a_in.options());
     ForEachMatrix({out, a, b},
                   [](const std::vector<at::Tensor>& m) { MatmulOut(m[0], m[1], m[2]); });
-    ctx->save_for_backward({a, b});
+    ctx->save_for_backward({keep_a ? a_in : a, b});
     ctx->saved_data["a_grad"] = a_in.requires_grad();
     ctx->saved_data["b_grad"] = b_in.requires_grad();
     return out;
@@ -120,8 +120,9 @@ class BatchedMatmulFunction : public torch::autograd::Function<BatchedMatmulFunc
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
-    const at::Tensor &a = saved[0], &b = saved[1];
-    const at::Tensor g = grads[0].to(a.scalar_type());  // rounded, when a and b are bf16
+    const at::Tensor& b = saved[1];
+    const at::Tensor a = saved[0].to(b.scalar_type());  // rounded again, when kept as it was
+    const at::Tensor g = grads[0].to(b.scalar_type());  // rounded, when a and b are bf16
     at::Tensor da, db;
     const at::TensorOptions options = grads[0].options();
     if (ctx->saved_data["a_grad"].toBool()) da = at::empty(a.sizes(), options);
@@ -131,13 +132,13 @@ class BatchedMatmulFunction : public torch::autograd::Function<BatchedMatmulFunc
                     if (da.defined()) MatmulOut(m[3], m[0], m[2].t());
                     if (db.defined()) MatmulOut(m[4], m[1].t(), m[0]);
                   });
-    return {da, db, at::Tensor()};
+    return {da, db, at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16) {
+at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16, bool keep_a) {
   TORCH_CHECK(a.dim() >= 2 && a.dim() == b.dim() && a.size(-1) == b.size(-2) &&
                   a.sizes().slice(0, a.dim() - 2) == b.sizes().slice(0, b.dim() - 2),
               "BatchedMatmul: ", a.sizes(), " x ", b.sizes());
@@ -145,7 +146,7 @@ at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16) {
     return at::matmul(a, b);
   }
   return BatchedMatmulFunction::apply(
-      a, b, bf16 && NativeBFloat16Product(a.size(-2), b.size(-1), a.size(-1)));
+      a, b, bf16 && NativeBFloat16Product(a.size(-2), b.size(-1), a.size(-1)), keep_a);
 }
 
 std::string ProductsBackend(const at::Device& device) {

@@ -38,8 +38,10 @@ at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);
 // key, a head's slice of the projections). Saves a and b. With `bf16` (a bf16 job's float32
 // activations) and NativeBFloat16Product(m, n, k), a, b and in backward g are rounded to
 // bfloat16 for the products (float32 accumulation and results), and the bfloat16 copies are
-// what is saved.
-at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16 = false);
+// what is saved; with `keep_a` (a is kept alive anyway, as the softmax keeps its output), a
+// itself is saved and rounded again in backward, rather than a second, bfloat16 copy.
+at::Tensor BatchedMatmul(const at::Tensor& a, const at::Tensor& b, bool bf16 = false,
+                         bool keep_a = false);
 
 }  // namespace lathe::kernels
 

@@ -197,6 +197,13 @@ TEST(MatmulOpTest, BatchedMatmulInBFloat16RoundsItsOperands) {
   const at::Tensor scores = kernels::BatchedMatmul(a, b, /*bf16=*/true);
   const at::Tensor g = at::randn(scores.sizes(), gen);
   scores.backward(g);
+  // Saving a as it is (keep_a) rounds it again in backward: the same gradients.
+  const at::Tensor q2 = q.detach().clone().requires_grad_(true);
+  const at::Tensor k2 = k.detach().clone().requires_grad_(true);
+  kernels::BatchedMatmul(q2.transpose(1, 2), k2.transpose(1, 2).transpose(-2, -1), true, true)
+      .backward(g);
+  EXPECT_TRUE(at::equal(q.grad(), q2.grad()));
+  EXPECT_TRUE(at::equal(k.grad(), k2.grad()));
   const bool native = NativeBFloat16Products();
   auto r = [native](const at::Tensor& t) {  // the operand as the products see it, in float64
     return (native ? t.detach().to(at::kBFloat16) : t.detach()).to(at::kDouble);

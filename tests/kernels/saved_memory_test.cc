@@ -4,7 +4,9 @@
 #include <cstdint>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/matmul.h"
 #include "kernels/ops/lora_linear.h"
+#include "kernels/ops/matmul.h"
 #include "kernels/ops/rms_norm.h"
 #include "kernels/ops/rope.h"
 #include "kernels/ops/swiglu.h"
@@ -52,6 +54,30 @@ TEST_F(SavedMemoryTest, LoraLinearWithDropoutKeepsOnlyTheRankRProduct) {
   at::Tensor b = at::randn({out, rank}).requires_grad_(true);
   EXPECT_EQ(SavedBytes([&] { return kernels::LoraLinear(x, w, {}, a, b, 2.0, 0.1, true); }),
             tokens * rank * 4);
+}
+
+// A bf16 job's node on a CPU that multiplies bfloat16, without dropout: x A^T's gradient reads
+// x rounded, so the node keeps that bfloat16 copy (half of x) instead of x itself.
+TEST_F(SavedMemoryTest, LoraLinearInBFloat16KeepsXRounded) {
+  if (!kernels::cpu::NativeBFloat16Products()) GTEST_SKIP() << "no native bfloat16 products";
+  const int64_t tokens = 256, in = 128, out = 96, rank = 16;  // every product above 64^3
+  at::Tensor x = at::randn({tokens, in}).requires_grad_(true);
+  at::Tensor w = at::randn({out, in}).to(at::kBFloat16);
+  at::Tensor a = at::randn({rank, in}).requires_grad_(true);
+  at::Tensor b = at::randn({out, rank}).requires_grad_(true);
+  EXPECT_EQ(SavedBytes([&] { return kernels::LoraLinear(x, w, {}, a, b, 2.0, 0.0, true); }),
+            tokens * rank * 4 + tokens * in * 2);
+}
+
+// Attention's bf16 products keep bfloat16 copies of their operands, but not of one kept alive
+// anyway (keep_a: the softmax's output).
+TEST_F(SavedMemoryTest, BatchedMatmulInBFloat16KeepsRoundedCopies) {
+  if (!kernels::cpu::NativeBFloat16Products()) GTEST_SKIP() << "no native bfloat16 products";
+  at::Tensor p = at::rand({2, 64, 64}).requires_grad_(true);
+  at::Tensor v = at::randn({2, 64, 64}).requires_grad_(true);
+  const int64_t rounded = 2 * 64 * 64 * 2;
+  EXPECT_EQ(SavedBytes([&] { return kernels::BatchedMatmul(p, v, true); }), 2 * rounded);
+  EXPECT_EQ(SavedBytes([&] { return kernels::BatchedMatmul(p, v, true, true); }), rounded);
 }
 
 }  // namespace

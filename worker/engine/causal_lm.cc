@@ -384,11 +384,12 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   // bfloat16 weights) multiplies them in bfloat16 where the CPU can, as its projections.
   const bool bf16 = options_.weight_dtype == at::kBFloat16 &&
                     options_.compute_dtype == at::kFloat && !trainable_base_;
-  auto matmul = [fused, bf16](const at::Tensor& a, const at::Tensor& b) {
-    return fused ? kernels::BatchedMatmul(a, b, bf16) : at::matmul(a, b);
+  // The softmax keeps its output for backward: the product saves it as it is (keep_a).
+  auto matmul = [fused, bf16](const at::Tensor& a, const at::Tensor& b, bool keep_a) {
+    return fused ? kernels::BatchedMatmul(a, b, bf16, keep_a) : at::matmul(a, b);
   };
-  at::Tensor scores = matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(head_dim)));
-  at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v);
+  at::Tensor scores = matmul(q, k.transpose(-2, -1), false) * (1.0 / std::sqrt(double(head_dim)));
+  at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v, true);
 #endif
   out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
   return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
