@@ -495,7 +495,12 @@ class ServicesTest(ClusterTest):
         # Ten SIGKILLs at random steps in one job, of its trainer or of its worker agent: it
         # ends at exactly its step count with the uninterrupted run's adapter, bit for bit,
         # and no failure recomputes more than checkpoint_every steps.
-        steps, every = 240, 10
+        # Far more steps than the kills need (the last falls before step 220): a new
+        # attempt's trainer can start during one of train_until's looks and run unstopped
+        # until the next, and a look can take seconds when the cluster shares the machine
+        # with other tests. CI saw attempts run their last 130 and 310 steps (4 ms each)
+        # unseen with 240 and 480 steps; 1,780 steps after the last kill take about 8 s.
+        steps, every = 2000, 10
         train = f", checkpoint_every: {every}"
         reference = self.submit("chaos-reference", steps=steps, train=train)
         job_id = self.submit("chaos", steps=steps, train=train, extra="max_restarts: 10\n")
