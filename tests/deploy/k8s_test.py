@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
 """deploy/k8s (issue #14): every manifest validates against the Kubernetes OpenAPI schemas
-(kubernetes-models, offline; deploy/k8s/validate), and the manifests run as they are: the
+(pip's kubernetes-validate, strict, offline) and the ServiceMonitor against the operator's CRD
+schema (deploy/k8s/schemas, with jsonschema), and the manifests run as they are: the
 coordinator's and a worker's exact commands, arguments and environment started as local
 processes on 127.0.0.1, with their volumes made of local directories (the Secret's and the
 ConfigMap's keys written as files), their ports mapped to free local ones and the Service
 names to those, and a job run through them. The one change: the worker runs `--device cpu`
-(this machine has no GPU). So the manifests and the binaries' flags cannot drift apart."""
+(this machine has no GPU). So the manifests and the binaries' flags cannot drift apart.
+
+Only the validation, by hand (one line per object; exits 1 on any error):
+    .venv/bin/python tests/deploy/k8s_test.py --validate [deploy/k8s]"""
+import copy
 import json
 import os
 import re
@@ -13,11 +18,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
 import urllib.request
 
+import jsonschema
+import kubernetes_validate
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,12 +33,98 @@ BIN = os.environ.get("LATHE_BIN_DIR", os.path.join(ROOT, "build", "bin"))
 K8S = os.path.join(ROOT, "deploy", "k8s")
 IMAGES = {"lathe-coordinator": "lathe-coordinator", "lathe-worker": "lathe-worker"}
 TIMEOUT = 120
+# The Kubernetes version whose schemas the manifests must pass: 1.37, the newest that
+# kubernetes-validate 1.37.0 (scripts/requirements.txt) ships. Strict: unknown fields are errors.
+KUBERNETES_VERSION = "1.37.0"
+# Custom resources kubernetes-validate has no schema for: their JSON Schemas, vendored.
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"):
+               os.path.join(K8S, "schemas", "servicemonitor-v1.json")}
 
 
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key twice in one mapping is an error, as it was for the
+    former node validator's YAML parser (PyYAML alone would silently keep the last value)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def validate_object(obj):
+    """Checks one manifest object against its schema: Kubernetes' own (kubernetes-validate,
+    KUBERNETES_VERSION, strict) or a vendored CRD's (CRD_SCHEMAS). Returns which schema passed
+    it; raises ValueError naming the field and the error, or that there is no schema."""
+    if not isinstance(obj, dict) or not all(isinstance(obj.get(k), str)
+                                            for k in ("apiVersion", "kind")):
+        raise ValueError("not an object with a string apiVersion and kind")
+    schema_file = CRD_SCHEMAS.get((obj["apiVersion"], obj["kind"]))
+    if schema_file:
+        with open(schema_file) as f:
+            validator = jsonschema.Draft202012Validator(json.load(f))
+        errors = sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.path)))
+        if errors:
+            raise ValueError("; ".join(f"{e.json_path}: {e.message}" for e in errors))
+        return os.path.relpath(schema_file, K8S)
+    try:
+        version = kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.SchemaNotFoundError:
+        raise ValueError(f"no schema for {obj['apiVersion']} {obj['kind']} in Kubernetes "
+                         f"{KUBERNETES_VERSION} (a custom resource? vendor its schema in "
+                         "deploy/k8s/schemas and list it in CRD_SCHEMAS)") from None
+    except kubernetes_validate.ValidationError as e:
+        raise ValueError(f"{e.json_path}: {e.message}") from None
+    return f"Kubernetes {version}"
+
+
+def validate_manifests(directory=K8S):
+    """Every object of directory's manifests against its schema, and kustomization.yaml's
+    resources against the manifests there: each listed file exists and each *.yaml is listed.
+    Returns (one line per object or error, whether any failed)."""
+    lines, failed = [], False
+    with open(os.path.join(directory, "kustomization.yaml")) as f:
+        resources = yaml.load(f, Loader=UniqueKeyLoader)["resources"]
+    files = sorted(f for f in os.listdir(directory)
+                   if f.endswith(".yaml") and f != "kustomization.yaml")
+    for listed in resources:
+        if listed not in files:
+            lines.append(f"kustomization.yaml: resource {listed} does not exist")
+            failed = True
+    for file in files:
+        if file not in resources:
+            lines.append(f"{file}: not listed in kustomization.yaml's resources")
+            failed = True
+        try:
+            with open(os.path.join(directory, file)) as f:
+                documents = list(yaml.load_all(f, Loader=UniqueKeyLoader))
+        except yaml.YAMLError as e:
+            lines.append(f"{file}: {e}")
+            failed = True
+            continue
+        for obj in documents:
+            if obj is None:
+                continue
+            kind = obj.get("kind") if isinstance(obj, dict) else None
+            metadata = obj.get("metadata") if isinstance(obj, dict) else None
+            name = f"{file}: {kind} {metadata.get('name') if isinstance(metadata, dict) else None}"
+            try:
+                lines.append(f"{name}: valid ({validate_object(obj)})")
+            except ValueError as e:
+                lines.append(f"{name}: {e}")
+                failed = True
+    return lines, failed
 
 
 def objects():
@@ -126,13 +220,47 @@ class Pod:
 
 class K8sManifestsTest(unittest.TestCase):
     def test_manifests_validate_against_the_kubernetes_schemas(self):
-        validator = os.path.join(K8S, "validate")
-        self.assertTrue(os.path.isdir(os.path.join(validator, "node_modules")),
-                        "run scripts/install-deps (npm ci in deploy/k8s/validate)")
-        result = subprocess.run(["node", os.path.join(validator, "validate.mjs"), K8S],
-                                capture_output=True, text=True)
-        self.assertEqual(result.returncode, 0, result.stdout + result.stderr)
-        self.assertEqual(result.stdout.count(": valid\n"), 10, result.stdout)
+        lines, failed = validate_manifests()
+        report = "\n".join(lines)
+        self.assertFalse(failed, report)
+        self.assertEqual(sum(" valid (" in line for line in lines), 10, report)
+        self.assertIn("monitoring.yaml: ServiceMonitor lathe: valid (schemas/", report)
+
+        # The validation rejects what it should, so it cannot pass by checking nothing: an
+        # unknown field and a wrong type, in a Kubernetes kind and in the ServiceMonitor; a
+        # kind without a schema; a key twice in one mapping.
+        found = objects()
+
+        def rejected(kind, name, change, expected):
+            obj = copy.deepcopy(found[(kind, name)])
+            validate_object(obj)
+            change(obj)
+            with self.assertRaises(ValueError, msg=f"{kind} {name}") as caught:
+                validate_object(obj)
+            self.assertIn(expected, str(caught.exception))
+
+        container = lambda obj: obj["spec"]["template"]["spec"]["containers"][0]  # noqa: E731
+        rejected("Deployment", "lathe-coordinator",
+                 lambda obj: container(obj).update(imagePullPolicyy="Always"),
+                 "imagePullPolicyy")
+        rejected("Deployment", "lathe-coordinator",
+                 lambda obj: obj["spec"].update(replicas="one"), "'one' is not of type")
+        rejected("StatefulSet", "lathe-worker",
+                 lambda obj: obj["metadata"].update(lables={"a": "b"}), "lables")
+        rejected("Deployment", "lathe-coordinator",
+                 lambda obj: obj.update(kind="Frobnicator"),
+                 "no schema for apps/v1 Frobnicator")
+        rejected("ServiceMonitor", "lathe",
+                 lambda obj: obj["spec"]["endpoints"][0].update(intervall="15s"), "intervall")
+        rejected("ServiceMonitor", "lathe",
+                 lambda obj: obj["spec"]["endpoints"][0].update(interval=15),
+                 "15 is not of type 'string'")
+        rejected("ServiceMonitor", "lathe",
+                 lambda obj: obj["spec"]["endpoints"][0].update(scheme="ftp"), "'ftp'")
+        rejected("ServiceMonitor", "lathe", lambda obj: obj["spec"].pop("selector"),
+                 "'selector' is a required property")
+        with self.assertRaises(yaml.constructor.ConstructorError):
+            yaml.load("a: 1\na: 2\n", Loader=UniqueKeyLoader)
 
     def test_the_manifests_commands_run_a_job(self):
         found = objects()
@@ -213,4 +341,8 @@ output: {data}/out
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--validate"]:
+        lines, failed = validate_manifests(*sys.argv[2:3])
+        print("\n".join(lines))
+        sys.exit(1 if failed else 0)
     unittest.main()

@@ -82,7 +82,7 @@ TEST(Tokenizer, MatchesHuggingFaceOnTheTestCorpus) {
     ASSERT_EQ(Sha256Hex(made->json), entry["sha256"])
         << "lathe-synth tokenizer --flavor " << entry["flavor"]
         << " no longer writes the file the expected ids were made with; regenerate them with "
-           "tests/engine/data/make_tokenizer_expected.mjs";
+           "tests/engine/data/make_tokenizer_expected.py";
 
     Json json = Json::parse(made->json);
     const Json& patch = entry["patch"];
@@ -172,9 +172,8 @@ Json SmallTokenizer(const std::vector<std::string>& extra, const Json& merges) {
       {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}}}};
 }
 
-// ignore_merges (Llama 3's files set it; the `tokenizers` release that made the expected ids
-// predates it): a whole pre-token found in the vocabulary is one id even when the merges
-// would not build it.
+// ignore_merges (Llama 3's files set it; the synthetic files of the corpus test do not): a
+// whole pre-token found in the vocabulary is one id even when the merges would not build it.
 TEST(Tokenizer, IgnoreMergesTakesWholeWordsFromTheVocabulary) {
   Json json = SmallTokenizer({"ab", "abc", "Ġabc"}, {"a b"});
   EXPECT_THAT(MustEncode(MustParse(json), "abc abc"), ElementsAre(256, 'c', ' ', 256, 'c'));
