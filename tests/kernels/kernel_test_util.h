@@ -56,7 +56,9 @@ inline double RelErr(double got, double want) {
   return diff / std::max(std::abs(want), 1e-30);
 }
 
-// The tolerance of the task for each dtype: float32 1e-5, bfloat16 1e-2, float16 2e-3.
+// The tolerance of the task for each dtype: float32 1e-5, bfloat16 1e-2, float16 2e-3. It
+// covers rounding to the dtype and short sums; a result that sums many terms takes the
+// overload below.
 inline double Tolerance(at::ScalarType type) {
   switch (type) {
     case at::kFloat:
@@ -68,6 +70,23 @@ inline double Tolerance(at::ScalarType type) {
     default:
       return 0;
   }
+}
+
+// The tolerance of results that are sums of `reduction` terms accumulated in float32 (every
+// kernel here, whatever its dtype, accumulates in float32), compared normwise (RelErr) with a
+// float64 reference: the dtype's own tolerance plus the sum's rounding. A float32 sum of n
+// terms, in whatever order a kernel adds them (oneDNN's AVX-512 and AVX2 kernels block the
+// sum differently), errs by at most n*u relative to the sum of the terms' magnitudes (u =
+// 2^-24), and, with its roundings independent and of mean zero, by at most lambda*sqrt(n)*u
+// with probability 1 - 2exp(-lambda^2/2) (Higham and Mary, SIAM J. Sci. Comput. 41(5),
+// 2019). lambda = 8 leaves ~1e-14 per sum. The factor 2 is the ratio of the terms' magnitudes
+// to the largest result: at most 2 for a softmax gradient (sum(p - y) = 0, sum|p - y| <= 2);
+// for products of random rows about 0.16 sqrt(n), over 2 past n = 150, which the typical
+// error (lambda ~ 2, not 8) covers. So a float32 sum over 32k terms is promised 1.7e-4, not 1e-5.
+inline double Tolerance(at::ScalarType type, int64_t reduction) {
+  constexpr double kLambda = 8.0, kFloat32UnitRoundoff = 0x1p-24;
+  return Tolerance(type) +
+         2.0 * kLambda * std::sqrt(static_cast<double>(reduction)) * kFloat32UnitRoundoff;
 }
 
 // A vector of n NaNs of kernel element type T: a poisoned output buffer.

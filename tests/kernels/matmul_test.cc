@@ -15,6 +15,7 @@ namespace {
 
 using testing::FreshSeed;
 using testing::Generator;
+using testing::Tolerance;
 
 // A [rows, cols] matrix stored with row stride `ld` (>= cols), as `type`, its padding NaN so
 // that reading it shows.
@@ -82,7 +83,7 @@ TEST(MatmulTest, Float32MatchesFloat64) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(seed);
   at::Generator gen = Generator(seed);
-  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kFloat32, gen, 1e-5);
+  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kFloat32, gen, Tolerance(at::kFloat, c.k));
 }
 
 TEST(MatmulTest, BFloat16InputsAccumulateInFloat32) {
@@ -93,7 +94,7 @@ TEST(MatmulTest, BFloat16InputsAccumulateInFloat32) {
   SCOPED_TRACE(seed);
   at::Generator gen = Generator(seed);
   // The inputs are exact bfloat16 values; only the float32 sums round.
-  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kBFloat16, gen, 1e-5);
+  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kBFloat16, gen, Tolerance(at::kFloat, c.k));
 }
 
 TEST(MatmulTest, EmptySumsAndEmptyResults) {
