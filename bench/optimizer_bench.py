@@ -5,7 +5,7 @@ Adafactor, SGD with momentum and MeZO (zeroth order, no optimizer state, no grad
 same model, data, precision and strategy (only train.optimizer or the method changes), with the
 notes' table (../shared/seeds, genai-cookbook) beside it; then LoRA, QLoRA and MeZO over LoRA.
 
-  /usr/bin/python3 bench/optimizer_bench.py [--bin-dir build/bin] [--steps 30] [--threads 2]
+  .venv/bin/python bench/optimizer_bench.py [--bin-dir build/bin] [--steps 30] [--threads 2]
                                             [--size tiny|small|medium] [--keep DIR]
 
 Runs `lathe-worker train` once per optimizer (method full, ZeRO 0, fp32, the job's lr for

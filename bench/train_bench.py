@@ -2,7 +2,7 @@
 """Training throughput and peak memory: `lathe-worker train` against the eager-PyTorch
 reference (tests/reference/lathe_reference.py) on the same LoRA job.
 
-  /usr/bin/python3 bench/train_bench.py [--bin-dir build/bin] [--steps 20] [--threads 2]
+  .venv/bin/python bench/train_bench.py [--bin-dir build/bin] [--steps 20] [--threads 2]
                                         [--size tiny|small|medium] [--keep DIR]
                                         [--roofline F32,BF16] [--preload LIB]
 
@@ -23,7 +23,7 @@ type (FLOPs and seconds): their rate is stated against the roofline, the best GF
 bench/roofline_bench --quick on the same threads (run first unless --roofline gives them).
 Prints markdown tables, with the C++ trainer's memory by component, and warns when the losses
 disagree. --preload LIB runs the C++ trainer with LD_PRELOAD=LIB (an allocator, say).
-Run it with Debian's python3 (python3-torch).
+Run it with the project venv's Python (torch 2.11, the eager loop users run).
 """
 
 import argparse
@@ -213,7 +213,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--python", default=sys.executable,
-                    help="interpreter for the reference (needs python3-torch)")
+                    help="interpreter for the reference (needs torch)")
     ap.add_argument("--keep", help="generate into this directory and keep it")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated subset of " + ", ".join(CONFIGS))

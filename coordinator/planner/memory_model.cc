@@ -67,8 +67,10 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
 // What one decoder block keeps for its backward pass: its input's norm, the attention's
 // q, k, v (the keys and values repeated to every head under GQA) and output, the residual
 // sum, the second norm, gate, up and their product, its output, LoRA's x A^T per target,
-// the norms' reciprocal RMS and the float32 attention probabilities (and their 16-bit copy).
-// The unfused kernels keep more: the norms' intermediates and SiLU(gate).
+// the norms' reciprocal RMS, and the attention's own: on the CPU (and unfused) the float32
+// probabilities of the explicit softmax (and their 16-bit copy), on CUDA with fused kernels
+// libtorch's fused attention, which keeps a float32 log-sum-exp per query row instead
+// (CausalLm::FusedSdpa). The unfused kernels keep more: the norms' intermediates and SiLU(gate).
 int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t bt = p.micro_batch * job.seq_len;
@@ -76,9 +78,12 @@ int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Width
   const int64_t lora = job.method == Method::kLora
                            ? job.lora_rank * static_cast<int64_t>(job.lora_targets.size())
                            : 0;
-  const int64_t probs = p.micro_batch * m.num_heads * job.seq_len * job.seq_len;
-  int64_t bytes = bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 +
-                  probs * (4 + (w.compute == 4 ? 0 : w.compute));
+  const int64_t rows = p.micro_batch * m.num_heads * job.seq_len;
+  const int64_t attention = p.fused_kernels && job.device == DeviceKind::kCuda
+                                ? rows * 4
+                                : rows * job.seq_len * (4 + (w.compute == 4 ? 0 : w.compute));
+  int64_t bytes =
+      bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 + attention;
   if (!p.fused_kernels) bytes += bt * w.compute * (2 * h + i);
   return bytes;
 }

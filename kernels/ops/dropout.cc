@@ -36,7 +36,7 @@ at::Tensor ApplyDropoutMask(const at::Tensor& x, double p, uint64_t seed) {
   return out;
 }
 
-uint64_t DrawDropoutSeed(c10::optional<at::Generator> generator) {
+uint64_t DrawDropoutSeed(std::optional<at::Generator> generator) {
   at::Generator gen = generator.has_value() ? *generator : at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   return at::check_generator<at::CPUGeneratorImpl>(gen)->random64();

@@ -22,7 +22,7 @@ at::Tensor ApplyDropoutMask(const at::Tensor& x, double p, uint64_t seed);
 // A fresh seed: the next 64-bit number of `generator` (a CPU generator; libtorch's default CPU
 // generator when absent), whatever device the tensors live on, so that restoring the CPU
 // generator's state (as activation checkpointing does) reproduces the masks.
-uint64_t DrawDropoutSeed(c10::optional<at::Generator> generator = c10::nullopt);
+uint64_t DrawDropoutSeed(std::optional<at::Generator> generator = std::nullopt);
 
 }  // namespace lathe::kernels
 

@@ -60,9 +60,9 @@ class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> 
   // The optional tensors are absent (not undefined tensors: libtorch 1.13's custom functions
   // reject undefined tensor inputs).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const c10::optional<at::Tensor>& bias_in,
-                            const c10::optional<at::Tensor>& lora_a_in,
-                            const c10::optional<at::Tensor>& lora_b_in, double scale,
+                            const std::optional<at::Tensor>& bias_in,
+                            const std::optional<at::Tensor>& lora_a_in,
+                            const std::optional<at::Tensor>& lora_b_in, double scale,
                             double dropout_p, int64_t seed) {
     const at::Tensor bias = bias_in.value_or(at::Tensor());
     const at::Tensor lora_a = lora_a_in.value_or(at::Tensor());
@@ -211,7 +211,7 @@ at::Tensor LoraLinearWithSeed(const at::Tensor& x, const at::Tensor& weight, con
                               const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
                               double dropout_p, uint64_t seed) {
   auto present = [](const at::Tensor& t) {
-    return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+    return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
   };
   return LoraLinearFunction::apply(x, weight, present(bias), present(lora_a), present(lora_b),
                                    scale, dropout_p, static_cast<int64_t>(seed));
@@ -219,7 +219,7 @@ at::Tensor LoraLinearWithSeed(const at::Tensor& x, const at::Tensor& weight, con
 
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
-                      double dropout_p, bool training, c10::optional<at::Generator> generator) {
+                      double dropout_p, bool training, std::optional<at::Generator> generator) {
   const bool dropout = training && dropout_p > 0 && lora_a.defined();
   return LoraLinearWithSeed(x, weight, bias, lora_a, lora_b, scale, dropout ? dropout_p : 0.0,
                             dropout ? DrawDropoutSeed(std::move(generator)) : 0);

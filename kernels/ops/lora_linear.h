@@ -40,7 +40,7 @@ namespace lathe::kernels {
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,
                       double dropout_p, bool training,
-                      c10::optional<at::Generator> generator = c10::nullopt);
+                      std::optional<at::Generator> generator = std::nullopt);
 
 // The same with the dropout seed given: dropout with probability dropout_p (0: none) and the
 // mask of `seed`, as ApplyDropoutMask(x, dropout_p, seed) draws it.

@@ -19,10 +19,12 @@ absl::Status StatusFromTorchError(const c10::Error& error, absl::string_view con
 }
 
 #if LATHE_TORCH_CUDA
+// torch 2.x's statistics live in c10's device-generic CachingDeviceAllocator::DeviceStats,
+// indexed by c10::CachingAllocator::StatType.
 std::optional<CudaMemory> CudaMemoryOf(int device) {
-  namespace allocator = c10::cuda::CUDACachingAllocator;
-  const auto stats = allocator::getDeviceStats(device);
-  const auto& bytes = stats.allocated_bytes[static_cast<size_t>(allocator::StatType::AGGREGATE)];
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  const auto& bytes =
+      stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
   return CudaMemory{bytes.current, bytes.peak};
 }
 

@@ -1,7 +1,7 @@
-// The one place that knows which libtorch Lathe is built against: Debian's 1.13 (CPU) on
-// development machines and CI, pip's 2.x (CUDA) on GPU machines. Engine code includes this
-// header instead of <torch/torch.h> (which costs ~30 s per file) and keeps to the API both
-// versions share; where they differ, a helper here hides the difference.
+// The one place that includes libtorch for the engine: pip's torch 2.11 (CUDA 13 build) on
+// every machine, CPU-only ones included. Engine code includes this header instead of
+// <torch/torch.h> (which costs ~30 s per file); what needs libtorch's CUDA API (only present
+// with LATHE_TORCH_CUDA) is behind a helper here.
 //
 // It lives in kernels/ops, the lowest floor that includes libtorch, so that kernels/ops and
 // worker/engine both include it downwards. It is also their precompiled header.
@@ -23,18 +23,6 @@
 
 namespace lathe {
 
-// c10::Allocator changed in libtorch 2.3: allocate() lost its const and copy_data() became a
-// pure virtual. An allocator declares
-//   c10::DataPtr allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST override;
-// and defines copy_data() under `#if LATHE_ALLOCATOR_HAS_COPY_DATA`.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define LATHE_ALLOCATOR_ALLOCATE_CONST
-#define LATHE_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define LATHE_ALLOCATOR_ALLOCATE_CONST const
-#define LATHE_ALLOCATOR_HAS_COPY_DATA 0
-#endif
-
 // Converts a libtorch exception into a status at the engine boundary: INTERNAL with the
 // first line of the message and `context` prepended (RESOURCE_EXHAUSTED for allocation
 // failures, so callers can tell "does not fit").
@@ -42,7 +30,7 @@ absl::Status StatusFromTorchError(const c10::Error& error, absl::string_view con
 
 // Bytes that libtorch's CUDA caching allocator has handed out on `device` (not its cached
 // reserve): now, and at most since the last ResetCudaPeak. nullopt when this libtorch was
-// built without CUDA (LATHE_TORCH_CUDA unset: Debian's libtorch).
+// built without CUDA (LATHE_TORCH_CUDA unset).
 struct CudaMemory {
   int64_t current_bytes = 0;
   int64_t peak_bytes = 0;

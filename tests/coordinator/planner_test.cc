@@ -102,6 +102,31 @@ TEST(MemoryModelTest, EachTechniqueCutsWhatItShould) {
             Component(small, MemoryComponent::kLogits));
 }
 
+// What attention keeps follows what runs: libtorch's fused attention on CUDA keeps a
+// log-sum-exp per query row (activations linear in the sequence), the explicit softmax of the
+// CPU and of unfused kernels its T x T probabilities (more than linear).
+TEST(MemoryModelTest, FusedAttentionOnCudaKeepsNoProbabilities) {
+  for (const char* device : {"cuda", "cpu"}) {
+    const JobShape job = Job(Shape("llama-3.2-1b"),
+                             Spec(absl::StrCat("resources: {ranks: 1, device: ", device, "}\n")));
+    JobShape longer = job;
+    longer.seq_len *= 2;
+    for (const bool fused : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(device, fused ? " fused" : " unfused"));
+      StrategyPoint p;
+      p.fused_kernels = fused;
+      const double growth =
+          static_cast<double>(Component(Estimate(longer, p), MemoryComponent::kActivations)) /
+          static_cast<double>(Component(Estimate(job, p), MemoryComponent::kActivations));
+      if (fused && std::string(device) == "cuda") {
+        EXPECT_NEAR(growth, 2.0, 0.01);
+      } else {
+        EXPECT_GT(growth, 2.2);
+      }
+    }
+  }
+}
+
 TEST(MemoryModelTest, OptimizerOffloadMovesStatesToTheHostOnCuda) {
   const JobShape job =
       Job(Shape("llama-3.2-1b"), Spec("method: full\nresources: {ranks: 2, device: cuda}\n"));

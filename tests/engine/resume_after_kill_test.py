@@ -6,7 +6,7 @@ synthetic model, so that 8-bit AdamW quantizes its larger tensors (>= 4096 eleme
 Adafactor factors its matrices.
 
 Run by ctest (label integration), or by hand:
-  LATHE_BIN_DIR=build/bin /usr/bin/python3 tests/engine/resume_after_kill_test.py -v
+  LATHE_BIN_DIR=build/bin .venv/bin/python tests/engine/resume_after_kill_test.py -v
 """
 import json
 import os

@@ -10,8 +10,8 @@ NF4 (4-bit NormalFloat, double-quantized) round trip, written out here.
 It reads the same job spec, model directory, data file and PEFT adapters as `lathe-worker`,
 and reports the same step events, so that tests can hold the C++ engine to it within 1e-4.
 
-Run with Debian's interpreter (/usr/bin/python3: python3-torch, python3-numpy,
-python3-yaml). Nothing here imports transformers, peft or safetensors.
+Run with the project venv's Python (.venv/bin/python: torch 2.11, numpy, PyYAML; made by
+scripts/install-deps). Nothing here imports transformers, peft or safetensors.
 
   lathe_reference.py train --spec job.yaml [--output json] [--threads N]
                            [--dtype float32|float64] [--adapter-out DIR] [--model-out DIR]
@@ -761,12 +761,12 @@ def lr_at(k, n, lr, warmup, kind):
 def _load_yaml(text, source):
     try:
         import yaml
-    except ImportError:  # JSON specs still work without python3-yaml
+    except ImportError:  # JSON specs still work without PyYAML
         try:
             return json.loads(text)
         except json.JSONDecodeError:
-            raise ReferenceError(f"{source}: YAML spec needs python3-yaml (apt-get install "
-                                 "python3-yaml)")
+            raise ReferenceError(f"{source}: YAML spec needs PyYAML (scripts/install-deps "
+                                 "puts it in .venv)")
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -1038,7 +1038,7 @@ class AdamW8bit(torch.optim.Optimizer):
                 if not self._quantized(p):
                     m, v = state["exp_avg"], state["exp_avg_sq"]
                     p.mul_(1 - lr * wd)
-                    m.mul_(b1).add_(g, alpha=1 - b1)
+                    m.lerp_(g, 1 - b1)  # torch.optim.AdamW's single-tensor step (torch 2.x)
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
                     denom = (v.sqrt() / bc2_sqrt).add_(eps)
                     p.addcdiv_(m, denom, value=-step_size)

@@ -2,8 +2,8 @@
 """Holds `lathe-worker train` / `lathe-worker score` to the independent Python reference
 (tests/reference/lathe_reference.py) on tiny models, per docs/training.md.
 
-Run by ctest (label "reference") with Debian's /usr/bin/python3, or by hand:
-  LATHE_BIN_DIR=build/bin /usr/bin/python3 tests/reference/test_reference.py -v
+Run by ctest (label "reference") with the project venv's Python (torch 2.11), or by hand:
+  LATHE_BIN_DIR=build/bin .venv/bin/python tests/reference/test_reference.py -v
 
 Tolerances (float32 on both sides):
   - step losses: absolute 1e-4 (losses are of order 1-6); the first step's loss:

@@ -373,12 +373,17 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
     k = k.repeat_interleave(heads / kv_heads, 1);
     v = v.repeat_interleave(heads / kv_heads, 1);
   }
-#if TORCH_VERSION_MAJOR >= 2
-  // libtorch's fused attention (flash or memory-efficient kernels where the device has
-  // them). Without a sliding window the mask is undefined and the kernel applies causality.
-  at::Tensor out = at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0,
-                                                    /*is_causal=*/!mask.defined());
-#else
+  if (FusedSdpa()) {
+    // libtorch's fused attention (flash or memory-efficient kernels). Without a sliding
+    // window there is no mask (nullopt, not an undefined tensor) and the kernel applies
+    // causality itself.
+    const std::optional<at::Tensor> attn_mask =
+        mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+    at::Tensor out = at::scaled_dot_product_attention(q, k, v, attn_mask, /*dropout_p=*/0.0,
+                                                      /*is_causal=*/!mask.defined());
+    out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
+    return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
+  }
   // The fused path's products go through the engine's (oneDNN on the CPU); the unfused one
   // stays ATen's, the baseline. A bf16 LoRA job on the CPU (float32 activations, frozen
   // bfloat16 weights) multiplies them in bfloat16 where the CPU can, as its projections.
@@ -390,7 +395,6 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   };
   at::Tensor scores = matmul(q, k.transpose(-2, -1), false) * (1.0 / std::sqrt(double(head_dim)));
   at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v, true);
-#endif
   out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
   return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
 }
@@ -418,8 +422,8 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const at::TensorOptions mask_options = at::TensorOptions(type).device(options_.device);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool sliding = config_.sliding_window && *config_.sliding_window < seq;
-  at::Tensor mask;  // additive; undefined with fused attention and no sliding window
-  if (TORCH_VERSION_MAJOR < 2 || sliding) {
+  at::Tensor mask;  // additive; undefined with libtorch's fused attention and no sliding window
+  if (!FusedSdpa() || sliding) {
     mask = at::full({seq, seq}, neg_inf, mask_options).triu(1);
   }
   if (sliding) {

@@ -184,6 +184,10 @@ class CausalLm {
   at::Tensor HeadLogits(const at::Tensor& hidden) const;
   // cos/sin tables [seq, head_dim] for positions 0..seq-1.
   std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq) const;
+  // Whether attention is libtorch's scaled_dot_product_attention (fused kernels on CUDA) rather
+  // than the explicit softmax(q k^T + mask) v, whose products on the CPU are the engine's
+  // (oneDNN, bf16 where the CPU multiplies it) and whose memory the planner models.
+  bool FusedSdpa() const { return options_.fused_kernels && options_.device.is_cuda(); }
   at::Tensor Attention(const DecoderLayer& layer, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& mask) const;
 

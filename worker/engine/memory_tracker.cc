@@ -72,18 +72,16 @@ void MemoryTracker::ResetPeaks() {
   for (int i = 0; i < kNumMemoryComponents; ++i) at_peak_[i] = components_[i].current_bytes;
 }
 
-c10::DataPtr MemoryTracker::allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST {
+c10::DataPtr MemoryTracker::allocate(size_t n) {
   // libtorch < 2.3 declares allocate() const; the tracker itself is never const.
   return const_cast<MemoryTracker*>(this)->Allocate(n);
 }
 
 c10::DeleterFnPtr MemoryTracker::raw_deleter() const { return &MemoryTracker::Delete; }
 
-#if LATHE_ALLOCATOR_HAS_COPY_DATA
 void MemoryTracker::copy_data(void* dest, const void* src, size_t count) const {
   wrapped_->copy_data(dest, src, count);
 }
-#endif
 
 c10::DataPtr MemoryTracker::Allocate(size_t n) {
   c10::DataPtr wrapped = wrapped_->allocate(n);

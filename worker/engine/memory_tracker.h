@@ -102,11 +102,9 @@ class MemoryTracker final : public c10::Allocator {
 
   // c10::Allocator. Every DataPtr this returns has data == context and raw_deleter() as its
   // deleter, like c10's default CPU allocator, so raw_allocate()/raw_deallocate() work.
-  c10::DataPtr allocate(size_t n) LATHE_ALLOCATOR_ALLOCATE_CONST override;
+  c10::DataPtr allocate(size_t n) override;
   c10::DeleterFnPtr raw_deleter() const override;
-#if LATHE_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, size_t count) const override;
-#endif
 
  private:
   struct Block {

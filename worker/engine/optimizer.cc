@@ -12,12 +12,13 @@ namespace lathe {
 namespace {
 
 // AdamW's update of `param` from float32 moments, as torch.optim.AdamW's single-tensor path
-// (weight decay is applied before, by the caller).
+// of torch 2.x, rounding for rounding: the first moment by lerp (1.13 multiplied and added),
+// the second by multiply and addcmul (weight decay is applied before, by the caller).
 void AdamWUpdate(at::Tensor& param, const at::Tensor& grad, at::Tensor& exp_avg,
                  at::Tensor& exp_avg_sq, const AdamWOptions& o, int64_t step, double lr) {
   const double bias_correction1 = 1.0 - std::pow(o.beta1, step);
   const double bias_correction2_sqrt = std::sqrt(1.0 - std::pow(o.beta2, step));
-  exp_avg.mul_(o.beta1).add_(grad, 1.0 - o.beta1);
+  exp_avg.lerp_(grad, 1.0 - o.beta1);
   exp_avg_sq.mul_(o.beta2).addcmul_(grad, grad, 1.0 - o.beta2);
   at::Tensor denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
   param.addcdiv_(exp_avg, denom, -lr / bias_correction1);
