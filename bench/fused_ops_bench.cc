@@ -6,22 +6,28 @@
 //     backward; inputs are the caller's), from the engine's tracking allocator;
 //   - peak: the highest bytes above the starting point during forward + backward, including
 //     the gradients and every temporary.
-// Prints a Markdown table. CPU only (Debian's libtorch); shapes of a ~0.5B Llama layer.
+// Prints a Markdown table. CPU only; shapes of a ~0.5B Llama layer. One row is not a fused
+// kernel of Lathe's: causal attention as libtorch's scaled_dot_product_attention (its CPU
+// flash kernel) in the "fused" columns against the engine's explicit softmax (q k^T + mask,
+// softmax, p v, the products through kernels::BatchedMatmul, as CausalLm runs on the CPU).
 //
 //   fused_ops_bench [--reps N] [--tokens N] [--threads N]
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "kernels/ops/lora_linear.h"
+#include "kernels/ops/matmul.h"
 #include "kernels/ops/rms_norm.h"
 #include "kernels/ops/rope.h"
 #include "kernels/ops/swiglu.h"
@@ -169,6 +175,23 @@ std::vector<Case> Cases(int64_t tokens) {
            {[=] { return kernels::Rope(q, cos, sin); }},
            {[=] { return kernels::unfused::Rope(q, cos, sin); }},
            {q},
+           at::randn({1, heads, tokens, head_dim})};
+    cases.push_back(c);
+  }
+  {
+    // Causal attention over one sequence: q, k, v [1, heads, tokens, head_dim].
+    at::Tensor q = Leaf({1, heads, tokens, head_dim}), k = Leaf({1, heads, tokens, head_dim});
+    at::Tensor v = Leaf({1, heads, tokens, head_dim});
+    at::Tensor mask = at::full({tokens, tokens}, -std::numeric_limits<float>::infinity()).triu(1);
+    const double scale_qk = 1.0 / std::sqrt(static_cast<double>(head_dim));
+    Case c{"Attention: SDPA vs explicit",
+           std::to_string(heads) + "x" + t + "x" + std::to_string(head_dim) + ", causal",
+           {[=] { return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, true); }},
+           {[=] {
+             at::Tensor scores = kernels::BatchedMatmul(q, k.transpose(-2, -1)) * scale_qk;
+             return kernels::BatchedMatmul(at::softmax(scores + mask, -1), v, false, true);
+           }},
+           {q, k, v},
            at::randn({1, heads, tokens, head_dim})};
     cases.push_back(c);
   }

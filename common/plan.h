@@ -31,6 +31,18 @@ struct MemoryBytes {
   uint64_t total = 0;
 };
 
+// Whether a decoder block's attention runs as libtorch's fused scaled_dot_product_attention,
+// which keeps a log-sum-exp per query row for backward, rather than the explicit
+// softmax(q k^T + mask) v, which keeps the T x T probabilities: with fused kernels, always on
+// CUDA, and on the CPU from kCpuFusedAttentionMinTokens tokens, where libtorch's CPU flash
+// kernel measured faster than the explicit path (bench/RESULTS.md, "fused_ops_bench";
+// forward and backward at 16 heads of 64: 0.88x its time at 384 tokens, 0.29x at 2,048,
+// 1.18x at 256). The engine (CausalLm) and the planner's memory model both ask this.
+inline constexpr int64_t kCpuFusedAttentionMinTokens = 384;
+inline bool FusedAttention(bool fused_kernels, DeviceKind device, int64_t tokens) {
+  return fused_kernels && (device == DeviceKind::kCuda || tokens >= kCpuFusedAttentionMinTokens);
+}
+
 struct Plan {
   int64_t ranks = 1;
   DeviceKind device = DeviceKind::kCpu;

@@ -67,10 +67,10 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
 // What one decoder block keeps for its backward pass: its input's norm, the attention's
 // q, k, v (the keys and values repeated to every head under GQA) and output, the residual
 // sum, the second norm, gate, up and their product, its output, LoRA's x A^T per target,
-// the norms' reciprocal RMS, and the attention's own: on the CPU (and unfused) the float32
-// probabilities of the explicit softmax (and their 16-bit copy), on CUDA with fused kernels
-// libtorch's fused attention, which keeps a float32 log-sum-exp per query row instead
-// (CausalLm::FusedSdpa). The unfused kernels keep more: the norms' intermediates and SiLU(gate).
+// the norms' reciprocal RMS, and the attention's own: the float32 probabilities of the
+// explicit softmax (and their 16-bit copy), or, where libtorch's fused attention runs
+// (common/plan.h's FusedAttention), a float32 log-sum-exp per query row. The unfused kernels
+// keep more: the norms' intermediates and SiLU(gate).
 int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t bt = p.micro_batch * job.seq_len;
@@ -79,7 +79,7 @@ int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Width
                            ? job.lora_rank * static_cast<int64_t>(job.lora_targets.size())
                            : 0;
   const int64_t rows = p.micro_batch * m.num_heads * job.seq_len;
-  const int64_t attention = p.fused_kernels && job.device == DeviceKind::kCuda
+  const int64_t attention = FusedAttention(p.fused_kernels, job.device, job.seq_len)
                                 ? rows * 4
                                 : rows * job.seq_len * (4 + (w.compute == 4 ? 0 : w.compute));
   int64_t bytes =

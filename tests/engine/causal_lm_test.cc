@@ -192,6 +192,43 @@ TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
   }
 }
 
+// From common/plan.h's kCpuFusedAttentionMinTokens tokens the CPU's attention is libtorch's
+// fused scaled_dot_product_attention (no mask without a sliding window, an additive mask with
+// one): its loss and gradients are the explicit softmax's (the unfused model's) within
+// float32 rounding, and activation checkpointing recomputes them exactly.
+TEST(CausalLm, FusedAttentionMatchesTheExplicitSoftmaxAndRecomputesExactly) {
+  const int64_t seq = kCpuFusedAttentionMinTokens + 16;
+  for (const bool sliding : {false, true}) {
+    SCOPED_TRACE(sliding ? "sliding window" : "causal");
+    TempDir dir;
+    ModelConfig config = TinyConfig(sliding ? "mistral" : "llama");
+    config.max_position_embeddings = 2 * seq;
+    if (sliding) config.sliding_window = seq / 3;
+    ModelOptions unfused, checkpointed;
+    unfused.fused_kernels = false;
+    checkpointed.activation_checkpointing = true;
+    auto fused = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+    auto explicit_softmax = LoadModel(dir, config, DType::kF32, /*trainable=*/true, unfused);
+    auto recomputed = LoadModel(dir, config, DType::kF32, /*trainable=*/true, checkpointed);
+    for (CausalLm* m : {fused.get(), explicit_softmax.get(), recomputed.get()}) {
+      m->set_training(true);
+    }
+    const at::Tensor ids = Ids(1, seq, config.vocab_size, 6);
+    const LossAndGrads a = Backward(*fused, ids, 1);
+    const LossAndGrads b = Backward(*explicit_softmax, ids, 1);
+    const LossAndGrads c = Backward(*recomputed, ids, 1);
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss));
+    EXPECT_EQ(a.loss, c.loss);
+    ASSERT_EQ(a.grads.size(), b.grads.size());
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      const double scale = b.grads[i].abs().max().item<double>();
+      EXPECT_LE((a.grads[i] - b.grads[i]).abs().max().item<double>(), 1e-4 * scale)
+          << "gradient " << i;
+      EXPECT_TRUE(at::equal(a.grads[i], c.grads[i])) << "gradient " << i;
+    }
+  }
+}
+
 TEST(CausalLm, Bf16WeightsComputeLikeFloat32OnTheRoundedWeights) {
   TempDir dir;
   ModelConfig config = TinyConfig();

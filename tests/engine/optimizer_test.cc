@@ -174,7 +174,8 @@ TEST(OptimizerTest, PagedStateUpdatesBitForBitAsResidentState) {
     const bool exact = train.optimizer == OptimizerKind::kSgd;
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_TRUE(exact ? at::equal(params[i].tensor, twins[i])
-                        : at::allclose(params[i].tensor, twins[i], /*rtol=*/1e-6, /*atol=*/1e-7)) << params[i].name;
+                        : at::allclose(params[i].tensor, twins[i], /*rtol=*/1e-6, /*atol=*/1e-7))
+          << params[i].name;
     }
   }
 }

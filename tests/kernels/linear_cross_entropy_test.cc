@@ -601,7 +601,8 @@ TEST(LinearCrossEntropyBFloat16WeightTest, RawKernelWritesEveryOutputWithinItsWo
     EXPECT_TRUE(guard_intact(forward_bytes));
     EXPECT_LT(RelErr(loss, expected.loss), Tolerance(at::kFloat, 700));
     EXPECT_TRUE(lse.isfinite().all().item<bool>());
-    EXPECT_LT(RelErr(forward_grad_hidden, expected.grad_hidden), BFloat16WeightGradientTolerance(700));
+    EXPECT_LT(RelErr(forward_grad_hidden, expected.grad_hidden),
+              BFloat16WeightGradientTolerance(700));
     EXPECT_TRUE(forward_grad_hidden.narrow(0, 3, 3).eq(0).all().item<bool>());
 
     // Backward, the hidden gradient.

@@ -83,7 +83,8 @@ TEST(MatmulTest, Float32MatchesFloat64) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(seed);
   at::Generator gen = Generator(seed);
-  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kFloat32, gen, Tolerance(at::kFloat, c.k));
+  for (const Case& c : kCases)
+    ExpectMatches(c, MatmulInput::kFloat32, gen, Tolerance(at::kFloat, c.k));
 }
 
 TEST(MatmulTest, BFloat16InputsAccumulateInFloat32) {
@@ -94,7 +95,8 @@ TEST(MatmulTest, BFloat16InputsAccumulateInFloat32) {
   SCOPED_TRACE(seed);
   at::Generator gen = Generator(seed);
   // The inputs are exact bfloat16 values; only the float32 sums round.
-  for (const Case& c : kCases) ExpectMatches(c, MatmulInput::kBFloat16, gen, Tolerance(at::kFloat, c.k));
+  for (const Case& c : kCases)
+    ExpectMatches(c, MatmulInput::kBFloat16, gen, Tolerance(at::kFloat, c.k));
 }
 
 TEST(MatmulTest, EmptySumsAndEmptyResults) {

@@ -58,21 +58,26 @@ void SetGeneratorStates(at::Device device, const std::vector<at::Tensor>& states
 
 // Activation checkpointing of one decoder block. Forward runs the block without recording
 // a graph and keeps its inputs; backward runs the block again with the dropout generator
-// state of the first run, and differentiates it. inputs = {x, cos, sin, mask, trainable...}.
+// state of the first run, and differentiates it. inputs = {x, cos, sin, trainable...}. The
+// additive mask needs no gradient and may be undefined (libtorch's fused attention without a
+// sliding window), which libtorch 2.x refuses as a custom function's input: it travels by
+// pointer and is kept in saved_data.
 class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
  public:
   static at::Tensor forward(AutogradContext* ctx, at::TensorList inputs, const CausalLm* model,
-                            int64_t layer) {
+                            int64_t layer, const at::Tensor* mask) {
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
     ctx->saved_data["layer"] = layer;
+    ctx->saved_data["mask"] = *mask;
     ctx->saved_data["rng"] = GeneratorStates(inputs[0].device());
-    return model->Block(layer, inputs[0], inputs[1], inputs[2], inputs[3]);
+    return model->Block(layer, inputs[0], inputs[1], inputs[2], *mask);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto* model = reinterpret_cast<const CausalLm*>(ctx->saved_data["model"].toInt());
     const int64_t layer = ctx->saved_data["layer"].toInt();
+    const at::Tensor mask = ctx->saved_data["mask"].toTensor();
     variable_list saved = ctx->get_saved_variables();
     // The first block's input (the frozen embeddings' output) needs no gradient: skipping
     // it saves the backward of its frozen projections, as plain autograd would.
@@ -80,27 +85,26 @@ class CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     const at::Tensor x = saved[0].detach().requires_grad_(need_x);
     variable_list wrt;
     if (need_x) wrt.push_back(x);
-    wrt.insert(wrt.end(), saved.begin() + 4, saved.end());
+    wrt.insert(wrt.end(), saved.begin() + 3, saved.end());
     at::Tensor y;
     {
       const std::vector<at::Tensor> now = GeneratorStates(x.device());
       SetGeneratorStates(x.device(), ctx->saved_data["rng"].toTensorVector());
       at::AutoGradMode enable_grad(true);
       MemoryScope scope(MemoryComponent::kActivations);
-      y = model->Block(layer, x, saved[1], saved[2], saved[3]);
+      y = model->Block(layer, x, saved[1], saved[2], mask);
       SetGeneratorStates(x.device(), now);
     }
     variable_list input_grads = torch::autograd::grad({y}, wrt, {grads[0]},
                                                       /*retain_graph=*/false,
                                                       /*create_graph=*/false,
                                                       /*allow_unused=*/true);
-    // One gradient per forward input: x, cos, sin, mask, the trainable tensors, then the
-    // two non-tensor arguments.
+    // One gradient per forward input: x, cos, sin, the trainable tensors, then the three
+    // non-tensor arguments.
     auto trainable = input_grads.begin() + (need_x ? 1 : 0);
-    variable_list result = {need_x ? input_grads[0] : at::Tensor(), at::Tensor(), at::Tensor(),
-                            at::Tensor()};
+    variable_list result = {need_x ? input_grads[0] : at::Tensor(), at::Tensor(), at::Tensor()};
     result.insert(result.end(), trainable, input_grads.end());
-    result.resize(result.size() + 2);
+    result.resize(result.size() + 3);
     return result;
   }
 };
@@ -373,7 +377,7 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
     k = k.repeat_interleave(heads / kv_heads, 1);
     v = v.repeat_interleave(heads / kv_heads, 1);
   }
-  if (FusedSdpa()) {
+  if (FusedSdpa(seq)) {
     // libtorch's fused attention (flash or memory-efficient kernels). Without a sliding
     // window there is no mask (nullopt, not an undefined tensor) and the kernel applies
     // causality itself.
@@ -423,7 +427,7 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool sliding = config_.sliding_window && *config_.sliding_window < seq;
   at::Tensor mask;  // additive; undefined with libtorch's fused attention and no sliding window
-  if (!FusedSdpa() || sliding) {
+  if (!FusedSdpa(seq) || sliding) {
     mask = at::full({seq, seq}, neg_inf, mask_options).triu(1);
   }
   if (sliding) {
@@ -436,9 +440,9 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
     if (!checkpoint) {
       x = Block(l, x, cos, sin, mask);
     } else {
-      std::vector<at::Tensor> inputs = {x, cos, sin, mask};
+      std::vector<at::Tensor> inputs = {x, cos, sin};
       for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
-      x = CheckpointedBlock::apply(at::TensorList(inputs), this, l);
+      x = CheckpointedBlock::apply(at::TensorList(inputs), this, l, &mask);
     }
     if (hooks_) x = hooks_->Leave(l + 1, x);
   }

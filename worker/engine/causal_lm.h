@@ -17,6 +17,7 @@
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/peft.h"
+#include "common/plan.h"
 #include "kernels/ops/nf4_linear.h"
 #include "kernels/ops/torch_compat.h"
 
@@ -184,10 +185,13 @@ class CausalLm {
   at::Tensor HeadLogits(const at::Tensor& hidden) const;
   // cos/sin tables [seq, head_dim] for positions 0..seq-1.
   std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq) const;
-  // Whether attention is libtorch's scaled_dot_product_attention (fused kernels on CUDA) rather
-  // than the explicit softmax(q k^T + mask) v, whose products on the CPU are the engine's
-  // (oneDNN, bf16 where the CPU multiplies it) and whose memory the planner models.
-  bool FusedSdpa() const { return options_.fused_kernels && options_.device.is_cuda(); }
+  // Whether attention over `seq` tokens is libtorch's scaled_dot_product_attention rather than
+  // the explicit softmax(q k^T + mask) v, whose products on the CPU are the engine's (oneDNN,
+  // bf16 where the CPU multiplies it): common/plan.h's FusedAttention, as the planner models.
+  bool FusedSdpa(int64_t seq) const {
+    return FusedAttention(options_.fused_kernels,
+                          options_.device.is_cuda() ? DeviceKind::kCuda : DeviceKind::kCpu, seq);
+  }
   at::Tensor Attention(const DecoderLayer& layer, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin, const at::Tensor& mask) const;
 
