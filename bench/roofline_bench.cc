@@ -222,11 +222,18 @@ std::string Dims(const Shape& s) {
 int Run(bool quick) {
   const CpuInfo cpu = ReadCpuInfo();
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // bf16 as the kernels decide it (kernels/cpu/matmul.h): the CPU has it, oneDNN may use it
+  // (ONEDNN_MAX_CPU_ISA=AVX2 caps it, as an AVX2-only CPU), and LATHE_CPU_BF16 is not 0.
   const bool cpu_has_bf16 = cpu.flags.count("avx512_bf16") > 0 || cpu.flags.count("amx_bf16") > 0;
+  const auto bf16_isa = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  const bool isa_bf16 =
+      (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & bf16_isa) == bf16_isa;
   const char* env_bf16 = std::getenv("LATHE_CPU_BF16");
   const bool bf16_disabled = env_bf16 != nullptr && std::strcmp(env_bf16, "0") == 0;
-  const bool run_bf16 = cpu_has_bf16 && !bf16_disabled;
-  const char* bf16_missing = !cpu_has_bf16 ? "n/a (no AVX512-BF16/AMX)" : "n/a (LATHE_CPU_BF16=0)";
+  const bool run_bf16 = cpu_has_bf16 && isa_bf16 && !bf16_disabled;
+  const char* bf16_missing = !cpu_has_bf16 ? "n/a (no AVX512-BF16/AMX)"
+                             : !isa_bf16   ? "n/a (oneDNN capped below AVX512-BF16)"
+                                           : "n/a (LATHE_CPU_BF16=0)";
 
   std::string flags;
   for (const char* flag :
