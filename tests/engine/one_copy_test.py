@@ -31,7 +31,8 @@ FAMILIES = ["gloo", "dnnl", "protobuf", "fmt", "spdlog", "gomp", "nccl", "openbl
             "torch", "torch_cpu", "torch_cuda", "c10", "c10_cuda", "cudart", "cudnn", "cublas",
             "tcmalloc_minimal", "stdc++", "grpc++", "absl_base"]
 # What a trainer on a machine without a GPU must map, once each.
-REQUIRED = ["gloo", "dnnl", "torch_cpu", "c10", "gomp", "tcmalloc_minimal"]
+REQUIRED = ["gloo", "dnnl", "torch_cpu", "torch_cuda", "c10", "cudart", "gomp",
+            "tcmalloc_minimal"]
 
 
 def family(path):
@@ -127,6 +128,9 @@ class OneCopyTest(unittest.TestCase):
                 self.assertIn(name, found, f"rank {rank}: lib{name} is not mapped")
             # Lathe's gloo is Debian's; the wheel's lives inside libtorch_cpu, not as a file.
             self.assertTrue(next(iter(found["gloo"])).startswith("/usr/lib"), found["gloo"])
+            # libtorch is pip's torch (the CUDA build), and CUDA's runtime the wheel's.
+            for name in ("torch_cpu", "torch_cuda", "cudart"):
+                self.assertIn("/site-packages/", next(iter(found[name])), found[name])
             # No OpenBLAS: libtorch_cpu exports BLAS symbols of its own (cblas_*, saxpy_, ...).
             self.assertNotIn("openblas", found)
             self.assertNotIn("blas", found)
