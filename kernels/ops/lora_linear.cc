@@ -18,8 +18,9 @@ at::Tensor As(const at::Tensor& t, at::ScalarType type) {
 }
 
 // The dtype of the matrix products for x: x's own, except float32 for 16-bit x on the CPU,
-// where libtorch 1.13's bfloat16 product accumulates in bfloat16 (2% error at 96 terms, 5% at
-// 1024) and runs ~50x slower than float32 (docs/training.md, "Precision").
+// where libtorch 1.13's bfloat16 product, when this was decided, accumulated in bfloat16 (2%
+// error at 96 terms, 5% at 1024) and ran ~50x slower than float32 (docs/training.md,
+// "Precision").
 at::ScalarType MathType(const at::TensorOptions& x) {
   const at::ScalarType type = x.dtype().toScalarType();
   const bool half = type == at::kBFloat16 || type == at::kHalf;
@@ -57,7 +58,7 @@ at::Tensor GradFor(const at::Tensor& g, const at::Tensor& of) { return As(g, of.
 
 class LoraLinearFunction : public torch::autograd::Function<LoraLinearFunction> {
  public:
-  // The optional tensors are absent (not undefined tensors: libtorch 1.13's custom functions
+  // The optional tensors are absent (not undefined tensors: libtorch's custom functions
   // reject undefined tensor inputs).
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias_in,

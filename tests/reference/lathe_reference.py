@@ -1385,7 +1385,7 @@ def quantize_projections(model, weights):
 
 def mezo_seed(seed, step):
     """The perturbation seed of 1-based optimizer step `step`: (train.seed + step *
-    0x9E3779B97F4A7C15) mod 2^64. (libtorch 1.13's CPU generator, an mt19937, uses only the
+    0x9E3779B97F4A7C15) mod 2^64. (libtorch's CPU generator, an mt19937, uses only the
     low 32 bits of a seed; those differ from step to step too, the multiplier being odd.)"""
     return (int(seed) + int(step) * GOLDEN) & MASK64
 

@@ -911,7 +911,7 @@ class MezoSelfChecks(TempDirTest):
         self.assertEqual(ref.mezo_seed(1234, 3), 0xDAA66D2C7DDF7911)
         self.assertEqual(ref.mezo_seed(2 ** 64 - 1, 1), 0x9E3779B97F4A7C14)  # wraps around
         self.assertEqual(ref.mezo_seed(5, 2 ** 64), 5)
-        # libtorch 1.13's CPU generator keeps only a seed's low 32 bits: the steps of a run
+        # libtorch's CPU generator keeps only a seed's low 32 bits: the steps of a run
         # still get different streams.
         self.assertEqual(len({ref.mezo_seed(1234, k) & 0xFFFFFFFF for k in range(1, 20001)}),
                          20000)

@@ -207,8 +207,8 @@ ModelOptions ModelOptionsFor(const Plan& plan) {
   const bool cuda = plan.device == DeviceKind::kCuda;
   options.device = cuda ? at::Device(at::kCUDA) : at::Device(at::kCPU);
   // On the CPU, low-precision weights are widened as they are used and the products run in
-  // float32: Debian's libtorch 1.13 has no fp16 CPU matmul, and its bf16 one ran ~50x slower
-  // than float32 on this project's machines (docs/training.md).
+  // float32: libtorch 1.13, when this was decided, had no fp16 CPU matmul, and its bf16 one
+  // ran ~50x slower than float32 on this project's machines (docs/training.md).
   options.compute_dtype = cuda ? options.weight_dtype : at::kFloat;
   options.activation_checkpointing = plan.activation_checkpointing;
   options.fused_kernels = plan.fused_kernels;
