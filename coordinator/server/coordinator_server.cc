@@ -50,6 +50,8 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   } else if (config.db_path == ":memory:") {
     server->store_ = NewMemoryStore();
   } else {
+    LATHE_ASSIGN_OR_RETURN(server->db_lock_,
+                           DatabaseLock::Acquire(config.db_path, &server->new_database_));
     LATHE_ASSIGN_OR_RETURN(server->store_, OpenSqliteStore(config.db_path));
   }
   SchedulerOptions options{config.heartbeat_interval, config.heartbeat_timeout};
@@ -105,6 +107,9 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(config.listen, *credentials, &server->port_);
+  // gRPC sets SO_REUSEPORT by default: a second coordinator on a taken port would start and
+  // take half the connections. Without it, binding a taken port fails and so does Start.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   // Bounds on what one caller can make the server hold: a message, the streams of one
   // connection (WatchJob's are bounded per host by the service).
   builder.SetMaxReceiveMessageSize(4 << 20);

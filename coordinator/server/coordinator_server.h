@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -27,6 +28,7 @@
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
+#include "coordinator/store/database_lock.h"
 #include "coordinator/store/store.h"
 #include "grpcpp/grpcpp.h"
 
@@ -67,6 +69,9 @@ class CoordinatorServer {
 
   // The port actually bound.
   int port() const { return port_; }
+  // Whether the database file was missing or empty at start: a new database (said in the
+  // start line, so that an emptied file is not taken silently for a fresh start).
+  bool new_database() const { return new_database_; }
   // The port /metrics, /healthz and /readyz are served on; 0 without metrics_listen.
   int metrics_port() const { return http_ ? http_->port() : 0; }
   // Blocks until Shutdown.
@@ -79,6 +84,8 @@ class CoordinatorServer {
 
   RealClock clock_;
   std::unique_ptr<Authenticator> auth_;
+  bool new_database_ = false;
+  std::optional<DatabaseLock> db_lock_;  // held while the store is open (before it)
   std::unique_ptr<Store> store_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<JobManager> jobs_;

@@ -128,8 +128,8 @@ int Main(int argc, char** argv) {
   }
   std::string host = config.listen.substr(0, config.listen.rfind(':'));
   std::cout << "lathe-coordinator listening on " << host << ":" << (*server)->port() << " (db "
-            << config.db_path << "; spec paths inside " << absl::StrJoin(config.allowed_roots, ", ")
-            << "; "
+            << config.db_path << ((*server)->new_database() ? ", new or empty: a new database" : "")
+            << "; spec paths inside " << absl::StrJoin(config.allowed_roots, ", ") << "; "
             << (config.tls.cert.empty() ? "no TLS: tokens and jobs cross the network in clear"
                 : config.tls.client_ca.empty() ? "TLS"
                                                : "TLS, mutual TLS for workers")

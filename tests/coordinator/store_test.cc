@@ -17,7 +17,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/store/database_lock.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
 #include "tests/testing/temp_dir.h"
@@ -371,6 +373,40 @@ TEST_F(SqliteStoreTest, TwoConnectionsShareTheFile) {
   jobs = (*first)->LoadJobs();
   ASSERT_TRUE(jobs.ok()) << jobs.status();
   EXPECT_THAT(*jobs, ElementsAre(HasJobId("job-1"), HasJobId("job-2")));
+}
+
+// One coordinator per database (issue #27): the lock is exclusive within a process and across
+// processes, names the holder's pid, and is free again once released.
+TEST_F(SqliteStoreTest, OneLockPerDatabaseNamingItsHolder) {
+  bool empty = false;
+  absl::StatusOr<DatabaseLock> first = DatabaseLock::Acquire(path_, &empty);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_TRUE(empty);
+  const std::string held_by =
+      absl::StrCat(path_, " is in use by another coordinator (pid ", getpid(), ")");
+  absl::StatusOr<DatabaseLock> second = DatabaseLock::Acquire(path_, nullptr);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(second.status().message(), HasSubstr(held_by));
+  // Another process: exit 0 when refused with the parent named as the holder.
+  const pid_t pid = fork();
+  ASSERT_NE(pid, -1);
+  if (pid == 0) {
+    absl::StatusOr<DatabaseLock> child = DatabaseLock::Acquire(path_, nullptr);
+    _exit(!child.ok() && absl::StrContains(child.status().message(), held_by) ? 0 : 1);
+  }
+  int wait_status = 0;
+  ASSERT_EQ(waitpid(pid, &wait_status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(wait_status) && WEXITSTATUS(wait_status) == 0);
+  // The store opens under the lock; released, the lock is free again, and the file no
+  // longer new.
+  {
+    absl::StatusOr<std::unique_ptr<Store>> store = OpenSqliteStore(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+  }
+  { const DatabaseLock released = *std::move(first); }
+  absl::StatusOr<DatabaseLock> again = DatabaseLock::Acquire(path_, &empty);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_FALSE(empty);
 }
 
 TEST_F(SqliteStoreTest, AnotherProcessSharesTheOpenFile) {

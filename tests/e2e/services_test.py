@@ -647,6 +647,21 @@ class ServicesTest(ClusterTest):
                  json.loads(default.stdout)["tokens_per_second"])
         self.assertAlmostEqual(ratio, 2.0, places=3)
 
+    def test_4b_one_coordinator_per_database_and_port(self):
+        # Issue #27: a second coordinator on the running one's database refuses to start,
+        # naming the holder; on its port (gRPC's SO_REUSEPORT off) it cannot listen.
+        same_db = run("lathe-coordinator", "--db", self.cluster.db, "--listen", "127.0.0.1:0",
+                      "--insecure-no-auth", "--allowed-roots", self.root)
+        self.assertNotEqual(same_db.returncode, 0)
+        self.assertIn(f"{self.cluster.db} is in use by another coordinator "
+                      f"(pid {self.cluster.coordinator.pid})", same_db.stderr)
+        same_port = run("lathe-coordinator", "--db", ":memory:", "--listen",
+                        self.cluster.address, "--insecure-no-auth")
+        self.assertNotEqual(same_port.returncode, 0)
+        self.assertIn(f"cannot listen on {self.cluster.address}", same_port.stderr)
+        # The running coordinator still answers.
+        self.assertEqual(self.cluster.lathe("list").returncode, 0)
+
     def test_5_a_restarted_coordinator_keeps_every_job(self):
         def history():
             result = self.cluster.lathe("--output", "json", "plan", "--history")
