@@ -1278,6 +1278,24 @@ void Scheduler::MarkLost(WorkerState& worker, const std::string& reason) {
   for (int64_t slot : slots) FreeSlot(id, slot);
 }
 
+void Scheduler::RenewHeartbeatWindows(absl::Duration stall) {
+  const absl::Time now = clock_->Now();
+  int64_t renewed = 0;
+  {
+    absl::MutexLock mail_lock(&mail_mu_);
+    for (auto& [id, mailbox] : mail_) {
+      if (!mailbox.live) continue;
+      mailbox.last_heartbeat = std::max(mailbox.last_heartbeat, now);
+      ++renewed;
+    }
+  }
+  spdlog::warn(
+      "the coordinator stood still for {}: {} workers get a fresh heartbeat window of {} "
+      "before any is declared lost",
+      absl::FormatDuration(absl::Trunc(stall, absl::Milliseconds(100))), renewed,
+      absl::FormatDuration(options_.heartbeat_timeout));
+}
+
 void Scheduler::CheckHeartbeats() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();

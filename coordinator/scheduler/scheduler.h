@@ -227,6 +227,10 @@ class Scheduler {
   // attempts; queues restarts whose backoff has passed. Call periodically (the server does,
   // every timeout / 4).
   void CheckHeartbeats();
+  // After the coordinator itself stood still for `stall` (stopped, a frozen VM): every live
+  // worker's heartbeat window starts again now, since their heartbeats could not be received
+  // meanwhile; a worker that is really gone is declared lost one timeout later. Logged.
+  void RenewHeartbeatWindows(absl::Duration stall);
   std::vector<v1::WorkerStatus> ListWorkers() const;
   // Marks the worker DRAINING (no new placements, kept across its re-registrations) and
   // ends the attempts with a rank on it; their jobs queue again at once, not charged to

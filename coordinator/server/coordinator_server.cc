@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 
+#include <chrono>
 #include <filesystem>
 #include <system_error>
 
@@ -122,10 +123,20 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
   }
   server->ready_ = true;
-  server->heartbeat_checker_ =
-      std::thread([s = server.get(), period = config.heartbeat_timeout / 4] {
-        while (!s->stop_.WaitForNotificationWithTimeout(period)) s->scheduler_->CheckHeartbeats();
-      });
+  // The heartbeat check, every timeout / 4. A gap between two ticks of over half the timeout
+  // on the monotonic clock (which runs on while the process is stopped) means the coordinator
+  // itself stood still, and could not receive heartbeats: the workers get a fresh window
+  // rather than being charged for its stall (issue #27).
+  server->heartbeat_checker_ = std::thread([s = server.get(), timeout = config.heartbeat_timeout] {
+    auto last_tick = std::chrono::steady_clock::now();
+    while (!s->stop_.WaitForNotificationWithTimeout(timeout / 4)) {
+      const auto tick = std::chrono::steady_clock::now();
+      const absl::Duration gap = absl::FromChrono(tick - last_tick);
+      last_tick = tick;
+      if (gap > timeout / 4 + timeout / 2) s->scheduler_->RenewHeartbeatWindows(gap - timeout / 4);
+      s->scheduler_->CheckHeartbeats();
+    }
+  });
   // The scheduling loop: one pass for everything that changed since the last (a burst of
   // registrations is one pass), the heartbeats' reports, and the writes behind them. It
   // wakes at least every 100 ms to write progress behind.

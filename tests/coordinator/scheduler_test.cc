@@ -209,6 +209,30 @@ TEST_F(SchedulerTest, SmallerJobsBackfillWhileALargeOneWaits) {
   EXPECT_EQ(Job("another-one").state(), v1::JOB_STATE_RUNNING);
 }
 
+// Issue #27: after the coordinator's own stall every worker gets a fresh heartbeat window;
+// one that stays silent for a whole window after it is lost as before.
+TEST_F(SchedulerTest, AStallOfTheCoordinatorChargesNoWorker) {
+  Register("w1");
+  Register("w2");
+  Add("job", 2);
+  Beat("w1");
+  Beat("w2");
+  clock_.Advance(absl::Seconds(30));  // stopped: no heartbeat could be received
+  scheduler_->RenewHeartbeatWindows(absl::Seconds(30));
+  scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
+  for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) {
+    EXPECT_NE(w.state(), v1::WORKER_STATE_LOST) << w.worker_id();
+  }
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  Beat("w1");
+  clock_.Advance(absl::Seconds(16));  // w2 silent for a whole window after the stall
+  Beat("w1");
+  scheduler_->CheckHeartbeats();
+  scheduler_->Settle();
+  EXPECT_THAT(Job("job").reason(), HasSubstr("worker w2 lost: no heartbeat for 16s"));
+}
+
 TEST_F(SchedulerTest, HeartbeatTimeoutMarksTheWorkerLostAndFailsItsAttempt) {
   Register("w1");
   Register("w2");

@@ -662,6 +662,29 @@ class ServicesTest(ClusterTest):
         # The running coordinator still answers.
         self.assertEqual(self.cluster.lathe("list").returncode, 0)
 
+    def test_4c_a_stopped_coordinator_charges_no_job(self):
+        # Issue #27: SIGSTOP of the coordinator for longer than the heartbeat timeout (5 s
+        # here), then SIGCONT: the workers get a fresh heartbeat window (before, the first
+        # check after the stall declared them lost), and the running job keeps its attempt.
+        job_id = self.submit("stalled", steps=100000)
+        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
+                                 self.cluster.lathe("watch", job_id)))
+        self.wait_running(job_id)
+        coordinator = self.cluster.coordinator.pid
+        os.kill(coordinator, signal.SIGSTOP)
+        try:
+            time.sleep(8)
+        finally:
+            os.kill(coordinator, signal.SIGCONT)
+        time.sleep(3)  # heartbeat checks, and several heartbeats, after the stall
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "running", job)
+        self.assertEqual(len(job["attempts"]), 1, job)
+        workers = self.cluster.lathe("--output", "json", "workers")
+        self.assertEqual(workers.returncode, 0, workers.stderr)
+        for worker in json.loads(workers.stdout):
+            self.assertNotEqual(worker["state"], "lost", worker)
+
     def test_5_a_restarted_coordinator_keeps_every_job(self):
         def history():
             result = self.cluster.lathe("--output", "json", "plan", "--history")
