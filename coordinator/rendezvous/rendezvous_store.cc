@@ -9,32 +9,73 @@ namespace lathe {
 RendezvousStore::RendezvousStore(std::function<bool(absl::string_view, int64_t)> is_active)
     : is_active_(std::move(is_active)) {}
 
+void RendezvousStore::DropEndedLocked() {
+  for (auto it = scopes_.begin(); it != scopes_.end();) {
+    it = is_active_(it->first.first, it->first.second) ? std::next(it) : scopes_.erase(it);
+  }
+}
+
+void RendezvousStore::DropEnded() {
+  absl::MutexLock lock(&mu_);
+  DropEndedLocked();
+}
+
+int64_t RendezvousStore::BytesHeld() {
+  absl::MutexLock lock(&mu_);
+  int64_t bytes = 0;
+  for (const auto& [scope, values] : scopes_) bytes += values.bytes;
+  return bytes;
+}
+
 absl::Status RendezvousStore::CheckActive(absl::string_view job_id, int64_t generation) {
   if (is_active_(job_id, generation)) return absl::OkStatus();
   absl::MutexLock lock(&mu_);
-  // Drop every scope that has ended, this one included.
-  for (auto it = values_.begin(); it != values_.end();) {
-    it = is_active_(it->first.first, it->first.second) ? std::next(it) : values_.erase(it);
-  }
+  DropEndedLocked();  // this scope among them
   return absl::FailedPreconditionError(absl::StrCat("rendezvous: job ", job_id, " generation ",
                                                     generation, " is not an active attempt"));
+}
+
+absl::Status RendezvousStore::Put(const Scope& scope, absl::string_view key, std::string value) {
+  Values& values = scopes_[scope];
+  auto it = values.values.find(key);
+  const int64_t old_bytes =
+      it == values.values.end() ? 0 : static_cast<int64_t>(key.size() + it->second.size());
+  const int64_t new_bytes = static_cast<int64_t>(key.size() + value.size());
+  if (it == values.values.end() && static_cast<int64_t>(values.values.size()) >= kMaxKeysPerScope) {
+    return absl::ResourceExhaustedError(absl::StrCat("rendezvous: job ", scope.first,
+                                                     " already holds ", kMaxKeysPerScope,
+                                                     " keys, the most one attempt may"));
+  }
+  if (values.bytes - old_bytes + new_bytes > kMaxBytesPerScope) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "rendezvous: job ", scope.first, " would hold ", values.bytes - old_bytes + new_bytes,
+        " bytes, over the ", kMaxBytesPerScope, " one attempt may"));
+  }
+  values.bytes += new_bytes - old_bytes;
+  if (it == values.values.end()) {
+    values.values.emplace(std::string(key), std::move(value));
+  } else {
+    it->second = std::move(value);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status RendezvousStore::Set(absl::string_view job_id, int64_t generation,
                                   absl::string_view key, std::string value) {
   if (absl::Status s = CheckActive(job_id, generation); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  values_[{std::string(job_id), generation}][std::string(key)] = std::move(value);
-  return absl::OkStatus();
+  return Put({std::string(job_id), generation}, key, std::move(value));
 }
 
 absl::StatusOr<std::string> RendezvousStore::Get(absl::string_view job_id, int64_t generation,
                                                  absl::string_view key) {
   if (absl::Status s = CheckActive(job_id, generation); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  auto scope = values_.find({std::string(job_id), generation});
-  if (scope != values_.end()) {
-    if (auto it = scope->second.find(key); it != scope->second.end()) return it->second;
+  auto scope = scopes_.find({std::string(job_id), generation});
+  if (scope != scopes_.end()) {
+    if (auto it = scope->second.values.find(key); it != scope->second.values.end()) {
+      return it->second;
+    }
   }
   return absl::NotFoundError(absl::StrCat("rendezvous: key \"", key, "\" not set"));
 }
@@ -43,20 +84,21 @@ absl::Status RendezvousStore::Wait(absl::string_view job_id, int64_t generation,
                                    const std::vector<std::string>& keys, absl::Time deadline) {
   if (absl::Status s = CheckActive(job_id, generation); !s.ok()) return s;
   const Scope scope{std::string(job_id), generation};
-  auto all_set = [this, &scope, &keys]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto it = values_.find(scope);
-    if (it == values_.end()) return keys.empty();
+  auto has = [this, &scope](const std::string& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = scopes_.find(scope);
+    return it != scopes_.end() && it->second.values.count(key) > 0;
+  };
+  auto all_set = [&keys, &has]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (const std::string& key : keys) {
-      if (!it->second.count(key)) return false;
+      if (!has(key)) return false;
     }
     return true;
   };
   absl::MutexLock lock(&mu_);
   if (mu_.AwaitWithDeadline(absl::Condition(&all_set), deadline)) return absl::OkStatus();
   std::vector<std::string> missing;
-  auto it = values_.find(scope);
   for (const std::string& key : keys) {
-    if (it == values_.end() || !it->second.count(key)) missing.push_back(key);
+    if (!has(key)) missing.push_back(key);
   }
   return absl::DeadlineExceededError(
       absl::StrCat("rendezvous: timed out waiting for ", absl::StrJoin(missing, ", ")));
@@ -66,14 +108,18 @@ absl::StatusOr<int64_t> RendezvousStore::Add(absl::string_view job_id, int64_t g
                                              absl::string_view key, int64_t delta) {
   if (absl::Status s = CheckActive(job_id, generation); !s.ok()) return s;
   absl::MutexLock lock(&mu_);
-  std::string& value = values_[{std::string(job_id), generation}][std::string(key)];
+  const Scope scope{std::string(job_id), generation};
   int64_t current = 0;
-  if (!value.empty() && !absl::SimpleAtoi(value, &current)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("rendezvous: key \"", key, "\" does not hold an integer"));
+  if (auto it = scopes_.find(scope); it != scopes_.end()) {
+    if (auto value = it->second.values.find(key); value != it->second.values.end()) {
+      if (!value->second.empty() && !absl::SimpleAtoi(value->second, &current)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rendezvous: key \"", key, "\" does not hold an integer"));
+      }
+    }
   }
   current += delta;
-  value = absl::StrCat(current);
+  if (absl::Status s = Put(scope, key, absl::StrCat(current)); !s.ok()) return s;
   return current;
 }
 

@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
       last_tick = tick;
       if (gap > timeout / 4 + timeout / 2) s->scheduler_->RenewHeartbeatWindows(gap - timeout / 4);
       s->scheduler_->CheckHeartbeats();
+      s->rendezvous_->DropEnded();  // the keys of attempts that ended since
     }
   });
   // The scheduling loop: one pass for everything that changed since the last (a burst of

@@ -830,6 +830,30 @@ TEST(RendezvousStoreTest, ScopesAreFencedByGeneration) {
   EXPECT_EQ(store.Get("j", 2, "rank0").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Issue #27: a scope's keys and bytes are capped, a replaced value counts once, and an ended
+// attempt's values are freed without waiting for a call to its scope.
+TEST(RendezvousStoreTest, ScopesAreBoundedAndFreedWhenTheirAttemptEnds) {
+  bool active = true;
+  RendezvousStore store([&](absl::string_view, int64_t) { return active; });
+  const std::string mib(1 << 20, 'x');
+  for (int i = 0; i < 63; ++i) ASSERT_TRUE(store.Set("j", 1, "big", mib).ok()) << i;
+  int64_t held = store.BytesHeld();
+  EXPECT_EQ(held, static_cast<int64_t>(3 + mib.size()));  // replaced, not added
+  for (int i = 0; i < 62; ++i) ASSERT_TRUE(store.Set("j", 1, absl::StrCat("k", i), mib).ok());
+  absl::Status over = store.Set("j", 1, "one-more", mib);
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.message(), HasSubstr("job j would hold"));
+  // Another attempt's scope has limits of its own; a counter past the key limit is refused.
+  for (int64_t i = 0; i < RendezvousStore::kMaxKeysPerScope; ++i) {
+    ASSERT_TRUE(store.Add("j", 2, absl::StrCat(i), 1).ok()) << i;
+  }
+  EXPECT_EQ(store.Add("j", 2, "extra", 1).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_GT(store.BytesHeld(), held);
+  active = false;
+  store.DropEnded();
+  EXPECT_EQ(store.BytesHeld(), 0);
+}
+
 // --- JobManager: admission -----------------------------------------------------------
 
 class JobManagerTest : public SchedulerTest {
