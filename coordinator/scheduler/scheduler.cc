@@ -946,6 +946,25 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
     const v1::RegisterWorkerRequest& request) {
   LATHE_RETURN_IF_ERROR(CheckRegistration(request));
   absl::MutexLock lock(&mu_);
+  {
+    // Another agent under a live session's worker id (issue #27): its heartbeats still arrive
+    // on an open stream within the timeout. Taking the id over would fail that agent's
+    // attempts, and the two would take it from each other in turn. An agent that died has
+    // closed its stream (or stopped its heartbeats), so a restarted one gets in.
+    absl::MutexLock mail_lock(&mail_mu_);
+    auto it = mail_.find(request.worker_id());
+    if (it != mail_.end() && it->second.live && !it->second.session_id.empty() &&
+        !it->second.listener.expired()) {
+      const absl::Duration silence = clock_->Now() - it->second.last_heartbeat;
+      if (silence <= options_.heartbeat_timeout) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            "worker ", request.worker_id(),
+            " is registered by a live agent (its heartbeat stream is open, the last heartbeat ",
+            absl::StrFormat("%.1fs", absl::ToDoubleSeconds(silence)),
+            " ago): give this agent another --worker-id, or stop the other"));
+      }
+    }
+  }
   WorkerState& worker = workers_[request.worker_id()];
   worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
                                       absl::Uniform<uint64_t>(absl::BitGen()));
@@ -971,6 +990,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
     mailbox.last_heartbeat = clock_->Now();
     mailbox.last_heartbeat_unix_ms = s.last_heartbeat_unix_ms();
     mailbox.running.clear();
+    mailbox.listener.reset();  // the new session's stream opens with its first heartbeat
     mailbox.reconcile = true;
     mailbox.reconciling = true;
     mailbox.delivered.clear();

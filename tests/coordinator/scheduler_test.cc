@@ -209,6 +209,42 @@ TEST_F(SchedulerTest, SmallerJobsBackfillWhileALargeOneWaits) {
   EXPECT_EQ(Job("another-one").state(), v1::JOB_STATE_RUNNING);
 }
 
+// Issue #27: a second agent under the id of a live session (open heartbeat stream, heartbeats
+// within the timeout) is refused; once that stream closes, or its heartbeats stop for a
+// timeout, the id is free again (a restarted agent).
+TEST_F(SchedulerTest, ALiveSessionsWorkerIdIsNotTakenOver) {
+  struct Stream : MailListener {
+    void OnMail() override {}
+  };
+  Register("w1");
+  Add("job");
+  auto stream = std::make_shared<Stream>();
+  v1::HeartbeatRequest beat;
+  beat.set_worker_id("w1");
+  beat.set_session_id(sessions_["w1"]);
+  ASSERT_TRUE(scheduler_->Heartbeat(beat, stream).ok());
+  v1::RegisterWorkerRequest again;
+  again.set_worker_id("w1");
+  again.set_slots(4);
+  absl::StatusOr<v1::RegisterWorkerResponse> refused = scheduler_->RegisterWorker(again);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("worker w1 is registered by a live agent (its heartbeat stream is open"));
+  scheduler_->Settle();
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job("job").attempts_size(), 1);
+  // Silent for longer than the timeout, the open stream no longer holds the id.
+  clock_.Advance(absl::Seconds(16));
+  EXPECT_TRUE(scheduler_->RegisterWorker(again).ok());
+  // A closed stream frees it at once.
+  sessions_["w1"] = scheduler_->RegisterWorker(again)->session_id();
+  beat.set_session_id(sessions_["w1"]);
+  ASSERT_TRUE(scheduler_->Heartbeat(beat, stream).ok());
+  EXPECT_FALSE(scheduler_->RegisterWorker(again).ok());
+  stream.reset();
+  EXPECT_TRUE(scheduler_->RegisterWorker(again).ok());
+}
+
 // Issue #27: after the coordinator's own stall every worker gets a fresh heartbeat window;
 // one that stays silent for a whole window after it is lost as before.
 TEST_F(SchedulerTest, AStallOfTheCoordinatorChargesNoWorker) {

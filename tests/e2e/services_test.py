@@ -685,6 +685,29 @@ class ServicesTest(ClusterTest):
         for worker in json.loads(workers.stdout):
             self.assertNotEqual(worker["state"], "lost", worker)
 
+    def test_4d_a_second_agent_cannot_take_a_live_workers_id(self):
+        # Issue #27: an agent started under the worker id of a live one is refused with a
+        # clear error and takes nothing over: the running job keeps its attempt.
+        job_id = self.submit("duplicate-id", steps=100000)
+        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
+                                 self.cluster.lathe("watch", job_id)))
+        job = self.wait_running(job_id)
+        worker = job["attempts"][-1]["placements"][0]["worker_id"]
+        impostor = subprocess.Popen(
+            [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.cluster.address,
+             "--worker-id", worker, "--token-file", self.cluster.tokens["worker"],
+             "--slots", "4", "--work-dir", os.path.join(self.root, "duplicate")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            time.sleep(4)
+        finally:
+            impostor.kill()
+            output, _ = impostor.communicate()
+        self.assertIn(f"worker {worker} is registered by a live agent", output)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "running", job)
+        self.assertEqual(len(job["attempts"]), 1, job)
+
     def test_5_a_restarted_coordinator_keeps_every_job(self):
         def history():
             result = self.cluster.lathe("--output", "json", "plan", "--history")

@@ -85,6 +85,12 @@ absl::Status WorkerAgent::ValidateOptions() const {
   return absl::OkStatus();
 }
 
+namespace {
+// How long a first registration refused for a duplicate worker id is retried: the default
+// heartbeat timeout and then some, time for a predecessor's session to end.
+constexpr absl::Duration kDuplicateIdGrace = absl::Seconds(30);
+}  // namespace
+
 absl::Status WorkerAgent::Run() {
   LATHE_RETURN_IF_ERROR(ValidateOptions());
   std::error_code error;
@@ -95,6 +101,7 @@ absl::Status WorkerAgent::Run() {
   }
   Backoff backoff(options_.reconnect);
   bool registered_once = false;
+  const absl::Time started = clock_->Now();
   while (true) {
     {
       absl::MutexLock lock(&mu_);
@@ -111,7 +118,14 @@ absl::Status WorkerAgent::Run() {
       // Before the first registration a code the retry policy refuses (a bad worker id, a
       // refused credential) is a misconfiguration: fail now, visibly. Later the agent keeps
       // trying whatever the code, since its running trainers must not be orphaned.
-      if (!registered_once && !IsRetryable(registration.status().code())) {
+      // ALREADY_EXISTS: another live agent holds this worker id. It may be this agent's
+      // predecessor whose stream the coordinator has not seen close yet, so it is retried
+      // for one heartbeat timeout's worth (kDuplicateIdGrace) before it is a
+      // misconfiguration too.
+      const absl::StatusCode code = registration.status().code();
+      const bool duplicate_id =
+          code == absl::StatusCode::kAlreadyExists && clock_->Now() - started < kDuplicateIdGrace;
+      if (!registered_once && !IsRetryable(code) && !duplicate_id) {
         StopTrainers();
         return Annotate(registration.status(), "registering with the coordinator");
       }
