@@ -12,8 +12,8 @@ library", says which copy each library is; this test holds the process to it:
   libgloo, the library its headers describe, never to the copy inside libtorch_cpu; every
   libstdc++ symbol to Debian's libstdc++, never to the parts of a newer one that libtorch
   exports (a call of std::filesystem::remove_all through libtorch.so's copy crashed);
-- no library of the wheel's that Lathe decided against is mapped (the wheel's libgomp is
-  the exception: one libgomp.so.1, whichever the loader found first)."""
+- libtorch and CUDA's runtime are the venv's, and no OpenBLAS is mapped beside the BLAS
+  symbols libtorch_cpu exports (one libgomp.so.1: whichever the loader found first)."""
 import collections
 import glob
 import json
