@@ -227,6 +227,14 @@ class ServicesTest(ClusterTest):
             time.sleep(0.2)
         self.fail(f"{job_id} never reported progress")
 
+    def running_until_cleanup(self, name):
+        """A job of many steps, running (its first step reported), cancelled at cleanup
+        whatever the test asserts: (job id, its status)."""
+        job_id = self.submit(name, steps=100000)
+        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
+                                 self.cluster.lathe("watch", job_id)))
+        return job_id, self.wait_running(job_id)
+
     def trainer_pids(self, job_id):
         # The trainer runs `lathe-worker train --task <work>/<job_id>-g<generation>-r<rank>/...`.
         result = subprocess.run(["pgrep", "-f", "--", f"/{job_id}-g"], capture_output=True,
@@ -666,10 +674,7 @@ class ServicesTest(ClusterTest):
         # Issue #27: SIGSTOP of the coordinator for longer than the heartbeat timeout (5 s
         # here), then SIGCONT: the workers get a fresh heartbeat window (before, the first
         # check after the stall declared them lost), and the running job keeps its attempt.
-        job_id = self.submit("stalled", steps=100000)
-        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
-                                 self.cluster.lathe("watch", job_id)))
-        self.wait_running(job_id)
+        job_id, _ = self.running_until_cleanup("stalled")
         coordinator = self.cluster.coordinator.pid
         os.kill(coordinator, signal.SIGSTOP)
         try:
@@ -688,10 +693,7 @@ class ServicesTest(ClusterTest):
     def test_4d_a_second_agent_cannot_take_a_live_workers_id(self):
         # Issue #27: an agent started under the worker id of a live one is refused with a
         # clear error and takes nothing over: the running job keeps its attempt.
-        job_id = self.submit("duplicate-id", steps=100000)
-        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
-                                 self.cluster.lathe("watch", job_id)))
-        job = self.wait_running(job_id)
+        job_id, job = self.running_until_cleanup("duplicate-id")
         worker = job["attempts"][-1]["placements"][0]["worker_id"]
         impostor = subprocess.Popen(
             [os.path.join(BIN, "lathe-worker"), "agent", "--coordinator", self.cluster.address,

@@ -60,7 +60,7 @@ void SetGrads(std::vector<NamedParameter>& params, std::vector<at::Tensor>& twin
 // SGD is libtorch's C++ SGD bit for bit. AdamW follows Python's torch.optim.AdamW, which users
 // run and which takes the first moment by lerp; libtorch's C++ AdamW still multiplies and
 // adds, so the two differ by the first moment's rounding alone (a few ulp after four steps).
-// tests/reference's OptimizerReplayTest holds AdamW to torch.optim.AdamW itself.
+// tests/reference's OptimizerReplayTest holds AdamW to torch.optim.AdamW itself, bit for bit.
 TEST(OptimizerTest, SgdIsLibtorchsOwnBitForBitAndAdamWWithinRounding) {
   TrainSpec sgd;
   sgd.optimizer = OptimizerKind::kSgd;
