@@ -144,11 +144,20 @@ Json ProgressJson(const v1::Progress& progress) {
 Json JobJson(const v1::JobStatus& status) {
   Json attempts = Json::array();
   for (const v1::Attempt& attempt : status.attempts()) attempts.push_back(AttemptJson(attempt));
+  Json history = Json::array();
+  for (const v1::StateChange& change : status.history()) {
+    history.push_back(Json{{"state", EnumWord(v1::JobState_Name(change.state()), "JOB_STATE_")},
+                           {"unix_ms", change.unix_ms()},
+                           {"by", change.by()},
+                           {"reason", change.reason()}});
+  }
   const v1::Progress* latest = LatestProgress(status);
   return Json{{"job_id", status.job_id()},
               {"name", status.spec().name()},
               {"state", EnumWord(v1::JobState_Name(status.state()), "JOB_STATE_")},
               {"reason", status.reason()},
+              {"owner", status.owner()},
+              {"history", std::move(history)},
               {"submitted_unix_ms", status.submitted_unix_ms()},
               {"updated_unix_ms", status.updated_unix_ms()},
               {"restarts", status.restarts()},

@@ -264,10 +264,19 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
                   : absl::StrCat(status.job_id(), " (", status.spec().name(), ")"));
   AppendField(&out, "state", JobStateName(status.state()));
   if (!status.reason().empty()) AppendField(&out, "reason", status.reason());
+  if (!status.owner().empty()) AppendField(&out, "owner", status.owner());
   if (status.submitted_unix_ms() > 0) {
     AppendField(&out, "submitted",
                 absl::StrCat(FormatTimestamp(status.submitted_unix_ms()), " (",
                              Ago(status.submitted_unix_ms(), now), ")"));
+  }
+  if (!status.history().empty()) {
+    std::string history;
+    for (const v1::StateChange& change : status.history()) {
+      absl::StrAppend(&history, FormatTimestamp(change.unix_ms()), "  ",
+                      JobStateName(change.state()), " by ", change.by(), "\n");
+    }
+    AppendField(&out, "history", history);
   }
   AppendField(&out, "plan", status.plan().ranks() > 0 ? PlanText(status.plan()) : "-");
   if (status.attempts().empty()) {

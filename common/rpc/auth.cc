@@ -44,6 +44,22 @@ bool SameDigest(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
+bool Caller::MayActFor(absl::string_view worker_id) const {
+  if (!authenticated) return true;
+  if (role != Role::kWorker) return false;
+  for (absl::string_view id : worker_ids) {
+    if (absl::ConsumeSuffix(&id, "*") ? absl::StartsWith(worker_id, id) : worker_id == id) {
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string Caller::Describe() const {
+  if (!authenticated) return "anyone (authentication is off)";
+  return absl::StrCat(name, " (", RoleName(role), ")");
+}
+
 absl::string_view RoleName(Role role) {
   switch (role) {
     case Role::kClient:
@@ -73,18 +89,22 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
     auto error = [&](absl::string_view problem) {
       return absl::InvalidArgumentError(absl::StrCat(source, ":", line_number, ": ", problem));
     };
-    std::vector<absl::string_view> fields = absl::StrSplit(line, ' ', absl::SkipWhitespace());
-    if (fields.size() != 3) {
-      return error(absl::StrCat("expected \"<role> <name> <token>\", got ", fields.size(),
-                                fields.size() == 1 ? " field" : " fields"));
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipWhitespace());
+    if (fields.size() != 3 && !(fields.size() == 4 && fields[0] == "worker")) {
+      return error(absl::StrCat(
+          "expected \"<role> <name> <token>\" (a worker's may add \"<worker ids>\"), got ",
+          fields.size(), fields.size() == 1 ? " field" : " fields"));
     }
     Entry entry;
+    Caller& caller = entry.caller;
+    caller.authenticated = true;
     if (fields[0] == "client") {
-      entry.role = Role::kClient;
+      caller.role = Role::kClient;
     } else if (fields[0] == "worker") {
-      entry.role = Role::kWorker;
+      caller.role = Role::kWorker;
     } else if (fields[0] == "admin") {
-      entry.role = Role::kAdmin;
+      caller.role = Role::kAdmin;
     } else {
       return error(absl::StrCat("unknown role \"", fields[0], "\" (client, worker or admin)"));
     }
@@ -95,11 +115,29 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
       return error(absl::StrCat("the token of ", fields[1], " must be at least ", kMinTokenLength,
                                 " printable characters"));
     }
-    entry.name = std::string(fields[1]);
+    caller.name = std::string(fields[1]);
     entry.digest = Sha256Hex(fields[2]);
+    if (caller.role == Role::kWorker) {
+      if (fields.size() == 3) {
+        caller.worker_ids.push_back(caller.name);
+      } else {
+        for (absl::string_view id : absl::StrSplit(fields[3], ',')) {
+          absl::string_view prefix = id;
+          if (!IsName(id) &&
+              !(absl::ConsumeSuffix(&prefix, "*") && (prefix.empty() || IsName(prefix)))) {
+            return error(absl::StrCat("the worker ids of ", caller.name,
+                                      " must be names (A-Z a-z 0-9 . _ -, 1 to 63) separated by "
+                                      "commas, each may end in '*'; got \"",
+                                      id.substr(0, 64), "\""));
+          }
+          caller.worker_ids.emplace_back(id);
+        }
+      }
+    }
     for (const Entry& other : auth.entries_) {
       if (other.digest == entry.digest) {
-        return error(absl::StrCat("the token of ", entry.name, " is also ", other.name, "'s"));
+        return error(
+            absl::StrCat("the token of ", caller.name, " is also ", other.caller.name, "'s"));
       }
     }
     auth.entries_.push_back(std::move(entry));
@@ -117,8 +155,8 @@ absl::StatusOr<Authenticator> Authenticator::FromFile(const std::string& path) {
 }
 
 grpc::Status Authenticator::Check(const grpc::ServerContextBase& context,
-                                  std::initializer_list<Role> allowed,
-                                  absl::string_view method) const {
+                                  std::initializer_list<Role> allowed, absl::string_view method,
+                                  Caller* caller) const {
   if (worker_certificates_ &&
       std::find(allowed.begin(), allowed.end(), Role::kWorker) != allowed.end()) {
     const auto peer = context.auth_context();
@@ -129,7 +167,10 @@ grpc::Status Authenticator::Check(const grpc::ServerContextBase& context,
                                        "coordinator's --tls-client-ca (mutual TLS)"));
     }
   }
-  if (!enabled_) return grpc::Status::OK;
+  if (!enabled_) {
+    if (caller != nullptr) *caller = Caller();
+    return grpc::Status::OK;
+  }
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
   if (it == metadata.end()) {
@@ -150,13 +191,16 @@ grpc::Status Authenticator::Check(const grpc::ServerContextBase& context,
     return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown token");
   }
   for (Role role : allowed) {
-    if (role == found->role) return grpc::Status::OK;
+    if (role == found->caller.role) {
+      if (caller != nullptr) *caller = found->caller;
+      return grpc::Status::OK;
+    }
   }
   std::vector<absl::string_view> names;
   for (Role role : allowed) names.push_back(RoleName(role));
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
-                      absl::StrCat(found->name, " (", RoleName(found->role), ") may not call ",
-                                   method, " (", absl::StrJoin(names, " or "), " only)"));
+                      absl::StrCat(found->caller.Describe(), " may not call ", method, " (",
+                                   absl::StrJoin(names, " or "), " only)"));
 }
 
 void AttachToken(grpc::ClientContext* context, const std::string& token) {

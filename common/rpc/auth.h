@@ -1,8 +1,9 @@
-// Who may call the coordinator (issue #12, docs/services.md "Authentication"): bearer tokens
-// with roles. A `client` token may submit, plan, list, watch and cancel jobs and list
-// workers; a `worker` token may register, heartbeat, report progress and use the rendezvous
-// store; an `admin` token may do whatever a client may, and drain and remove workers. Neither
-// client nor admin may make a worker's calls, nor a worker a client's.
+// Who may call the coordinator (issues #12 and #27, docs/services.md "Authentication"):
+// bearer tokens with roles and names. A `client` token may submit, plan, list, watch and
+// cancel its own jobs and list workers; a `worker` token may register, heartbeat, report
+// progress and use the rendezvous store for the worker ids it names; an `admin` token may do
+// whatever a client may, on every job, and drain and remove workers. Neither client nor admin
+// may make a worker's calls, nor a worker a client's.
 //
 // The server side (Authenticator) reads a token file; the client side (AttachToken,
 // ResolveToken) sends `authorization: Bearer <token>` with every call. Tokens are compared
@@ -35,16 +36,35 @@ inline constexpr std::initializer_list<Role> kClientCall = {Role::kClient, Role:
 inline constexpr std::initializer_list<Role> kWorkerCall = {Role::kWorker};
 inline constexpr std::initializer_list<Role> kAdminCall = {Role::kAdmin};
 
+// Who made a call that Check let through.
+struct Caller {
+  bool authenticated = false;  // false with authentication off: anyone may do anything
+  Role role = Role::kAdmin;
+  std::string name;  // the token's name; empty when not authenticated
+  // A worker token's ids: each one id, or a prefix ending in '*' ("lathe-worker-*").
+  std::vector<std::string> worker_ids;
+
+  // Whether a worker's call may be made for `worker_id` (always when not authenticated).
+  bool MayActFor(absl::string_view worker_id) const;
+  // A client sees and changes only its own jobs; an admin, or anyone when not
+  // authenticated, every job.
+  bool SeesEveryJob() const { return !authenticated || role == Role::kAdmin; }
+  // "alice (client)", or "anyone (authentication is off)": who changed a job, in its history.
+  std::string Describe() const;
+};
+
 class Authenticator {
  public:
   // Lets every call through: `--insecure-no-auth`.
   static Authenticator AllowAll();
 
-  // A token file's text: one `<role> <name> <token>` per line (role client, worker or
-  // admin; name 1-63 characters of A-Z a-z 0-9 . _ -, for logs; token at least 16
-  // printable characters without spaces), blank lines and `#` comments ignored.
-  // INVALID_ARGUMENT "<source>:<line>: <problem>" (never quoting a token) for a bad line, a
-  // repeated token or a file without tokens.
+  // A token file's text: one `<role> <name> <token> [<worker ids>]` per line (role client,
+  // worker or admin; name 1-63 characters of A-Z a-z 0-9 . _ -, for logs and job owners;
+  // token at least 16 printable characters without spaces; worker ids, for worker tokens
+  // only: a comma-separated list of ids, each a name that may end in '*' to stand for every
+  // id with that prefix, by default the token's name alone), blank lines and `#` comments
+  // ignored. INVALID_ARGUMENT "<source>:<line>: <problem>" (never quoting a token) for a bad
+  // line, a repeated token or a file without tokens.
   static absl::StatusOr<Authenticator> FromText(absl::string_view text, absl::string_view source);
   // FromText of the file at `path`; NOT_FOUND / INTERNAL naming the path.
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);
@@ -55,18 +75,18 @@ class Authenticator {
   // over a connection whose client certificate the server verified. Call before serving.
   void RequireWorkerCertificates() { worker_certificates_ = true; }
 
-  // OK when the call carries the token of a role in `allowed`. UNAUTHENTICATED without a
-  // bearer token or with an unknown one, or for a worker call without a verified client
-  // certificate when RequireWorkerCertificates was called (also with auth off); PERMISSION_DENIED
-  // naming the token's name and role and `method` for a token of another role.
+  // OK when the call carries the token of a role in `allowed`, and then `*caller` (when not
+  // null) says whose token it is. UNAUTHENTICATED without a bearer token or with an unknown
+  // one, or for a worker call without a verified client certificate when
+  // RequireWorkerCertificates was called (also with auth off); PERMISSION_DENIED naming the
+  // token's name and role and `method` for a token of another role.
   grpc::Status Check(const grpc::ServerContextBase& context, std::initializer_list<Role> allowed,
-                     absl::string_view method) const;
+                     absl::string_view method, Caller* caller = nullptr) const;
 
  private:
   struct Entry {
     std::string digest;  // SHA-256 of the token, hex
-    Role role;
-    std::string name;
+    Caller caller;
   };
   Authenticator() = default;
 

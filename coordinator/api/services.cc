@@ -9,28 +9,31 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/proto/job_state.h"
 #include "common/rpc/grpc_status.h"
 
 namespace lathe {
 namespace {
 
-// A unary call: checks the caller's role at once, then runs `work` (returning the call's
-// status, its result written into the response) on `pool`.
+// A unary call: checks the caller's role at once, then runs `work(caller)` (returning the
+// call's status, its result written into the response) on `pool`.
 template <typename Work>
 grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context, const Authenticator* auth,
                                 std::initializer_list<Role> roles, const char* method,
                                 WorkPool* pool, RpcObserver* observer, Work work) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   const absl::Time start = absl::Now();
-  grpc::Status denied = auth->Check(*context, roles, method);
+  Caller caller;
+  grpc::Status denied = auth->Check(*context, roles, method, &caller);
   if (!denied.ok()) {
     if (observer != nullptr) observer->ObserveRpc(method, denied.error_code(), absl::Now() - start);
     reactor->Finish(denied);
     return reactor;
   }
-  auto run = [reactor, method, observer, start, work = std::move(work)]() mutable {
-    grpc::Status status = work();
+  auto run = [reactor, method, observer, start, caller = std::move(caller),
+              work = std::move(work)]() mutable {
+    grpc::Status status = work(caller);
     if (observer != nullptr) observer->ObserveRpc(method, status.error_code(), absl::Now() - start);
     reactor->Finish(status);
   };
@@ -49,6 +52,21 @@ grpc::Status Respond(absl::StatusOr<T> result, T* response) {
   return ToGrpcStatus(result.status());
 }
 
+// What the domain knows of a client: whose jobs it sees, and who it is in their history.
+Requester RequesterOf(const Caller& caller) {
+  return {caller.name, caller.SeesEveryJob(), caller.Describe()};
+}
+
+// PERMISSION_DENIED unless the caller's token may act for `worker_id` (issue #27: a worker
+// token made calls for another worker's ranks).
+grpc::Status ActingFor(const Caller& caller, const std::string& worker_id) {
+  if (caller.MayActFor(worker_id)) return grpc::Status::OK;
+  return grpc::Status(
+      grpc::StatusCode::PERMISSION_DENIED,
+      absl::StrCat(caller.Describe(), " may not act for worker \"", worker_id.substr(0, 64),
+                   "\" (its token names ", absl::StrJoin(caller.worker_ids, ", "), ")"));
+}
+
 }  // namespace
 
 // --- JobService -----------------------------------------------------------------------
@@ -57,43 +75,55 @@ grpc::ServerUnaryReactor* JobServiceImpl::SubmitJob(grpc::CallbackServerContext*
                                                     const v1::SubmitJobRequest* request,
                                                     v1::SubmitJobResponse* response) {
   return Serve(context, auth_, kClientCall, "SubmitJob", &pool_, options_.rpc_observer,
-               [=] { return Respond(jobs_->Submit(*request), response); });
+               [=](const Caller& caller) {
+                 return Respond(jobs_->Submit(*request, RequesterOf(caller)), response);
+               });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::PlanJob(grpc::CallbackServerContext* context,
                                                   const v1::PlanJobRequest* request,
                                                   v1::PlanJobResponse* response) {
   return Serve(context, auth_, kClientCall, "PlanJob", &pool_, options_.rpc_observer,
-               [=] { return Respond(jobs_->Plan(*request), response); });
+               [=](const Caller&) { return Respond(jobs_->Plan(*request), response); });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetPlanHistory(grpc::CallbackServerContext* context,
                                                          const v1::GetPlanHistoryRequest* request,
                                                          v1::GetPlanHistoryResponse* response) {
   return Serve(context, auth_, kClientCall, "GetPlanHistory", &pool_, options_.rpc_observer,
-               [=] { return Respond(jobs_->PlanHistory(*request), response); });
+               [=](const Caller& caller) {
+                 return Respond(jobs_->PlanHistory(*request, RequesterOf(caller)), response);
+               });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetJob(grpc::CallbackServerContext* context,
                                                  const v1::GetJobRequest* request,
                                                  v1::JobStatus* response) {
   return Serve(context, auth_, kClientCall, "GetJob", &pool_, options_.rpc_observer,
-               [=] { return Respond(scheduler_->GetJob(request->job_id()), response); });
+               [=](const Caller& caller) {
+                 return Respond(scheduler_->GetJob(request->job_id(), RequesterOf(caller)),
+                                response);
+               });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::ListJobs(grpc::CallbackServerContext* context,
                                                    const v1::ListJobsRequest* request,
                                                    v1::ListJobsResponse* response) {
   return Serve(context, auth_, kClientCall, "ListJobs", &pool_, options_.rpc_observer,
-               [=] { return Respond(jobs_->List(*request), response); });
+               [=](const Caller& caller) {
+                 return Respond(jobs_->List(*request, RequesterOf(caller)), response);
+               });
 }
 
 grpc::ServerUnaryReactor* JobServiceImpl::CancelJob(grpc::CallbackServerContext* context,
                                                     const v1::CancelJobRequest* request,
                                                     v1::JobStatus* response) {
-  return Serve(context, auth_, kClientCall, "CancelJob", &pool_, options_.rpc_observer, [=] {
-    return Respond(scheduler_->CancelJob(request->job_id(), request->reason()), response);
-  });
+  return Serve(context, auth_, kClientCall, "CancelJob", &pool_, options_.rpc_observer,
+               [=](const Caller& caller) {
+                 return Respond(scheduler_->CancelJob(request->job_id(), request->reason(),
+                                                      RequesterOf(caller)),
+                                response);
+               });
 }
 
 bool JobServiceImpl::AdmitWatch(const std::string& host) {
@@ -122,10 +152,11 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
       : service_(service), host_(std::move(host)) {}
 
   // REQUIRES: called once, right after construction.
-  void Start(const std::string& job_id) {
+  void Start(const std::string& job_id, const Requester& requester) {
     absl::StatusOr<uint64_t> watch = service_->scheduler_->Watch(
         job_id,
-        [this](std::shared_ptr<const v1::JobStatus> status) { OnChange(std::move(status)); });
+        [this](std::shared_ptr<const v1::JobStatus> status) { OnChange(std::move(status)); },
+        requester);
     if (!watch.ok()) {
       End(ToGrpcStatus(watch.status()));
       return;
@@ -220,7 +251,8 @@ grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
   // "ipv4:127.0.0.1:50000" -> "ipv4:127.0.0.1": one host's connections count together.
   const std::string peer = context->peer();
   const std::string host = peer.substr(0, peer.rfind(':'));
-  grpc::Status refused = auth_->Check(*context, kClientCall, "WatchJob");
+  Caller caller;
+  grpc::Status refused = auth_->Check(*context, kClientCall, "WatchJob", &caller);
   if (refused.ok() && !AdmitWatch(host)) {
     refused = grpc::Status(
         grpc::StatusCode::RESOURCE_EXHAUSTED,
@@ -236,42 +268,46 @@ grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
     return new Refused(refused);
   }
   auto* reactor = new WatchReactor(this, host);
-  reactor->Start(request->job_id());
+  reactor->Start(request->job_id(), RequesterOf(caller));
   return reactor;
 }
 
 namespace {
 
 constexpr int64_t kMaxLogChunk = 1 << 20;
+constexpr int64_t kMaxLogOffset = int64_t{1} << 50;
 
 }  // namespace
 
 grpc::ServerUnaryReactor* JobServiceImpl::GetLogs(grpc::CallbackServerContext* context,
                                                   const v1::GetLogsRequest* request,
                                                   v1::GetLogsResponse* response) {
-  return Serve(context, auth_, kClientCall, "GetLogs", &pool_, options_.rpc_observer, [=] {
-    if (options_.logs == nullptr) {
-      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
-    }
-    if (request->offset() < 0 || request->max_bytes() < 0) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "offset and max_bytes: must be >= 0");
-    }
-    absl::StatusOr<std::pair<int64_t, bool>> attempt =
-        scheduler_->LogAttempt(request->job_id(), request->attempt(), request->rank());
-    if (!attempt.ok()) return ToGrpcStatus(attempt.status());
-    const int64_t max = request->max_bytes() == 0
-                            ? kMaxLogChunk
-                            : std::min<int64_t>(request->max_bytes(), kMaxLogChunk);
-    absl::StatusOr<LogStore::Chunk> chunk = options_.logs->Read(
-        {request->job_id(), attempt->first, request->rank()}, request->offset(), max);
-    if (!chunk.ok()) return ToGrpcStatus(chunk.status());
-    response->set_next_offset(request->offset() + static_cast<int64_t>(chunk->data.size()));
-    response->set_data(std::move(chunk->data));
-    response->set_attempt(attempt->first);
-    response->set_attempt_active(attempt->second);
-    response->set_size(chunk->size);
-    return grpc::Status::OK;
-  });
+  return Serve(
+      context, auth_, kClientCall, "GetLogs", &pool_, options_.rpc_observer,
+      [=](const Caller& caller) {
+        if (options_.logs == nullptr) {
+          return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
+        }
+        if (request->offset() < 0 || request->max_bytes() < 0) {
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "offset and max_bytes: must be >= 0");
+        }
+        absl::StatusOr<std::pair<int64_t, bool>> attempt = scheduler_->LogAttempt(
+            request->job_id(), request->attempt(), request->rank(), RequesterOf(caller));
+        if (!attempt.ok()) return ToGrpcStatus(attempt.status());
+        const int64_t max = request->max_bytes() == 0
+                                ? kMaxLogChunk
+                                : std::min<int64_t>(request->max_bytes(), kMaxLogChunk);
+        absl::StatusOr<LogStore::Chunk> chunk = options_.logs->Read(
+            {request->job_id(), attempt->first, request->rank()}, request->offset(), max);
+        if (!chunk.ok()) return ToGrpcStatus(chunk.status());
+        response->set_next_offset(request->offset() + static_cast<int64_t>(chunk->data.size()));
+        response->set_data(std::move(chunk->data));
+        response->set_attempt(attempt->first);
+        response->set_attempt_active(attempt->second);
+        response->set_size(chunk->size);
+        return grpc::Status::OK;
+      });
 }
 
 // --- WorkerService --------------------------------------------------------------------
@@ -280,7 +316,12 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::RegisterWorker(
     grpc::CallbackServerContext* context, const v1::RegisterWorkerRequest* request,
     v1::RegisterWorkerResponse* response) {
   return Serve(context, auth_, kWorkerCall, "RegisterWorker", &pool_, observer_,
-               [=] { return Respond(scheduler_->RegisterWorker(*request), response); });
+               [=](const Caller& caller) {
+                 if (grpc::Status denied = ActingFor(caller, request->worker_id()); !denied.ok()) {
+                   return denied;
+                 }
+                 return Respond(scheduler_->RegisterWorker(*request), response);
+               });
 }
 
 namespace {
@@ -290,8 +331,8 @@ namespace {
 class HeartbeatReactor final
     : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
-  HeartbeatReactor(Scheduler* scheduler, const grpc::Status& denied)
-      : scheduler_(scheduler), mail_(std::make_shared<Mail>(this)) {
+  HeartbeatReactor(Scheduler* scheduler, const grpc::Status& denied, Caller caller)
+      : scheduler_(scheduler), caller_(std::move(caller)), mail_(std::make_shared<Mail>(this)) {
     if (!denied.ok()) {
       End(denied);
       return;
@@ -302,6 +343,10 @@ class HeartbeatReactor final
   void OnReadDone(bool ok) override {
     if (!ok) {  // the worker closed its side, or the call ended
       End(grpc::Status::OK);
+      return;
+    }
+    if (grpc::Status denied = ActingFor(caller_, request_.worker_id()); !denied.ok()) {
+      End(denied);
       return;
     }
     absl::StatusOr<v1::HeartbeatResponse> response = scheduler_->Heartbeat(request_, mail_);
@@ -402,6 +447,7 @@ class HeartbeatReactor final
   }
 
   Scheduler* const scheduler_;
+  const Caller caller_;
   const std::shared_ptr<Mail> mail_;
   v1::HeartbeatRequest request_;   // the read in flight (one at a time)
   v1::HeartbeatResponse current_;  // the write in flight
@@ -418,20 +464,27 @@ class HeartbeatReactor final
 
 grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* WorkerServiceImpl::Heartbeat(
     grpc::CallbackServerContext* context) {
-  return new HeartbeatReactor(scheduler_, auth_->Check(*context, kWorkerCall, "Heartbeat"));
+  Caller caller;
+  const grpc::Status denied = auth_->Check(*context, kWorkerCall, "Heartbeat", &caller);
+  return new HeartbeatReactor(scheduler_, denied, std::move(caller));
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::ReportProgress(
     grpc::CallbackServerContext* context, const v1::ReportProgressRequest* request,
     v1::ReportProgressResponse*) {
   return Serve(context, auth_, kWorkerCall, "ReportProgress", &pool_, observer_,
-               [=] { return ToGrpcStatus(scheduler_->ReportProgress(*request)); });
+               [=](const Caller& caller) {
+                 if (grpc::Status denied = ActingFor(caller, request->worker_id()); !denied.ok()) {
+                   return denied;
+                 }
+                 return ToGrpcStatus(scheduler_->ReportProgress(*request));
+               });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::ListWorkers(grpc::CallbackServerContext* context,
                                                          const v1::ListWorkersRequest*,
                                                          v1::ListWorkersResponse* response) {
-  return Serve(context, auth_, kClientCall, "ListWorkers", &pool_, observer_, [=] {
+  return Serve(context, auth_, kClientCall, "ListWorkers", &pool_, observer_, [=](const Caller&) {
     for (v1::WorkerStatus& worker : scheduler_->ListWorkers()) {
       *response->add_workers() = std::move(worker);
     }
@@ -443,37 +496,47 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::DrainWorker(grpc::CallbackServerCon
                                                          const v1::DrainWorkerRequest* request,
                                                          v1::WorkerStatus* response) {
   return Serve(context, auth_, kAdminCall, "DrainWorker", &pool_, observer_,
-               [=] { return Respond(scheduler_->DrainWorker(request->worker_id()), response); });
+               [=](const Caller& caller) {
+                 return Respond(scheduler_->DrainWorker(request->worker_id(), RequesterOf(caller)),
+                                response);
+               });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::AppendLogs(grpc::CallbackServerContext* context,
                                                         const v1::AppendLogsRequest* request,
                                                         v1::AppendLogsResponse* response) {
-  return Serve(context, auth_, kWorkerCall, "AppendLogs", &pool_, observer_, [=] {
-    if (logs_ == nullptr) {
-      return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
-    }
-    if (request->offset() < 0 || static_cast<int64_t>(request->data().size()) > kMaxLogChunk) {
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          "offset: must be >= 0; data: at most 1 MiB");
-    }
-    absl::Status allowed = scheduler_->CheckLogWriter(request->job_id(), request->generation(),
-                                                      request->rank(), request->worker_id());
-    if (!allowed.ok()) return ToGrpcStatus(allowed);
-    absl::StatusOr<int64_t> size =
-        logs_->Append({request->job_id(), request->generation(), request->rank()},
-                      request->offset(), request->data());
-    if (!size.ok()) return ToGrpcStatus(size.status());
-    response->set_size(*size);
-    return grpc::Status::OK;
-  });
+  return Serve(
+      context, auth_, kWorkerCall, "AppendLogs", &pool_, observer_, [=](const Caller& caller) {
+        if (grpc::Status denied = ActingFor(caller, request->worker_id()); !denied.ok())
+          return denied;
+        if (logs_ == nullptr) {
+          return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this coordinator keeps no logs");
+        }
+        if (request->offset() < 0 || request->offset() >= kMaxLogOffset || request->lost() < 0 ||
+            request->lost() > request->offset() ||
+            static_cast<int64_t>(request->data().size()) > kMaxLogChunk) {
+          return grpc::Status(
+              grpc::StatusCode::INVALID_ARGUMENT,
+              "offset: must be in [0, 2^50); lost: in [0, offset]; data: at most 1 MiB");
+        }
+        absl::Status allowed = scheduler_->CheckLogWriter(request->job_id(), request->generation(),
+                                                          request->rank(), request->worker_id());
+        if (!allowed.ok()) return ToGrpcStatus(allowed);
+        absl::StatusOr<int64_t> size =
+            logs_->Append({request->job_id(), request->generation(), request->rank()},
+                          request->offset(), request->data(), request->lost());
+        if (!size.ok()) return ToGrpcStatus(size.status());
+        response->set_size(*size);
+        return grpc::Status::OK;
+      });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RemoveWorker(grpc::CallbackServerContext* context,
                                                           const v1::RemoveWorkerRequest* request,
                                                           v1::RemoveWorkerResponse*) {
-  return Serve(context, auth_, kAdminCall, "RemoveWorker", &pool_, observer_,
-               [=] { return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id())); });
+  return Serve(context, auth_, kAdminCall, "RemoveWorker", &pool_, observer_, [=](const Caller&) {
+    return ToGrpcStatus(scheduler_->RemoveWorker(request->worker_id()));
+  });
 }
 
 }  // namespace lathe

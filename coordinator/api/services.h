@@ -1,8 +1,10 @@
 // The coordinator's gRPC services: thin adapters from the generated callback service
 // classes to the domain (JobManager, Scheduler). Each handler checks the caller's role
 // (common/rpc/auth.h: JobService and ListWorkers are clients' calls, DrainWorker and
-// RemoveWorker admins', the rest of WorkerService workers'), converts its request, calls one
-// domain method and converts the absl::Status to a grpc::Status; no other logic lives here.
+// RemoveWorker admins', the rest of WorkerService workers'), checks that a worker's call names
+// a worker id its token acts for, hands a client's identity to the domain (which shows it
+// only its own jobs), converts its request, calls one domain method and converts the
+// absl::Status to a grpc::Status; no other logic lives here.
 //
 // Thread-safety: thread-safe (the domain classes are).
 #ifndef LATHE_COORDINATOR_API_SERVICES_H_

@@ -34,13 +34,18 @@ std::string LogStore::PathOf(const LogKey& key) const {
                       ".log");
 }
 
-absl::StatusOr<int64_t> LogStore::Append(const LogKey& key, int64_t offset,
-                                         absl::string_view data) {
+absl::StatusOr<int64_t> LogStore::Append(const LogKey& key, int64_t offset, absl::string_view data,
+                                         int64_t lost) {
   absl::MutexLock lock(&mu_);
   const std::string path = PathOf(key);
   auto known = reached_.find(key);
   // After a restart the file's size stands for what was received.
   const int64_t reached = known != reached_.end() ? known->second : FileSize(path);
+  if (offset - reached > lost) {
+    return absl::OutOfRangeError(absl::StrCat("offset: ", offset, " is past the log's end, ",
+                                              reached, ", by more than the ", lost,
+                                              " bytes declared lost"));
+  }
   const int64_t end = offset + static_cast<int64_t>(data.size());
   if (end <= reached) return reached;  // a resend of what is here
   if (offset < reached) {

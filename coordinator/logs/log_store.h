@@ -38,9 +38,13 @@ class LogStore {
                                                         int64_t max_bytes = int64_t{64} << 20);
 
   // Appends `data`, which starts at `offset` of the worker's log: what the store already
-  // has of it is skipped, a gap (offset past the end: bytes the worker could not send) is
-  // marked in the log. Returns the size afterwards, counted in the worker's offsets.
-  absl::StatusOr<int64_t> Append(const LogKey& key, int64_t offset, absl::string_view data);
+  // has of it is skipped (a resend), and a gap of at most `lost` bytes (offset past the end:
+  // bytes the worker dropped) is marked in the log. Returns the size afterwards, counted in
+  // the worker's offsets. OUT_OF_RANGE for a larger gap: offsets are contiguous, so that no
+  // sender can move a log's end past what its worker will write (issue #27).
+  // REQUIRES: 0 <= lost <= offset < 2^62.
+  absl::StatusOr<int64_t> Append(const LogKey& key, int64_t offset, absl::string_view data,
+                                 int64_t lost = 0);
 
   // Up to `max_bytes` of the kept log from `offset` (bytes of the file, markers included),
   // and its size.

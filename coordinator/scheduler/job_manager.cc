@@ -134,14 +134,16 @@ absl::StatusOr<v1::PlanJobResponse> JobManager::Plan(const v1::PlanJobRequest& r
 }
 
 absl::StatusOr<v1::GetPlanHistoryResponse> JobManager::PlanHistory(
-    const v1::GetPlanHistoryRequest& request) const {
+    const v1::GetPlanHistoryRequest& request, const Requester& requester) const {
   if (request.limit() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("limit: must be >= 0, got ", request.limit()));
   }
-  return scheduler_->PlanHistory(request.limit() == 0 ? 20 : std::min(request.limit(), 1000));
+  return scheduler_->PlanHistory(request.limit() == 0 ? 20 : std::min(request.limit(), 1000),
+                                 requester);
 }
 
-absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request) {
+absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequest& request,
+                                                         const Requester& requester) {
   if (request.request_id().size() > kMaxRequestIdBytes) {
     return absl::InvalidArgumentError(absl::StrCat("request_id: must be at most ",
                                                    kMaxRequestIdBytes, " bytes, got ",
@@ -159,8 +161,9 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
   *job.mutable_spec() = JobSpecToProto(spec);  // defaults filled in
   *job.mutable_plan() = PlanToProto(admitted.plan.plan);
   bool existing = false;
-  LATHE_ASSIGN_OR_RETURN(v1::JobStatus status,
-                         scheduler_->AddJob(std::move(job), request.request_id(), &existing));
+  LATHE_ASSIGN_OR_RETURN(
+      v1::JobStatus status,
+      scheduler_->AddJob(std::move(job), request.request_id(), &existing, requester));
   v1::SubmitJobResponse response;
   response.set_job_id(status.job_id());
   *response.mutable_status() = std::move(status);
@@ -168,12 +171,14 @@ absl::StatusOr<v1::SubmitJobResponse> JobManager::Submit(const v1::SubmitJobRequ
   return response;
 }
 
-absl::StatusOr<v1::ListJobsResponse> JobManager::List(const v1::ListJobsRequest& request) const {
+absl::StatusOr<v1::ListJobsResponse> JobManager::List(const v1::ListJobsRequest& request,
+                                                      const Requester& requester) const {
   if (request.page_size() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_size: must be >= 0, got ", request.page_size()));
   }
   JobQuery query;
+  query.requester = requester;
   query.limit = request.page_size() == 0 ? 100 : std::min(request.page_size(), 1000);
   for (int state : request.states()) query.states.insert(static_cast<v1::JobState>(state));
   query.name = request.name();

@@ -43,21 +43,24 @@ class JobManager {
   // "spec: <field>: ..." for what the engine cannot run (common/capabilities.h). Nothing is
   // stored then. A repeated request_id returns the job it created first (existing = true).
   // RESOURCE_EXHAUSTED "spec: nothing fits: ..." when no strategy fits the memory per rank.
-  // INVALID_ARGUMENT for a request_id longer than 128 bytes.
-  absl::StatusOr<v1::SubmitJobResponse> Submit(const v1::SubmitJobRequest& request);
+  // INVALID_ARGUMENT for a request_id longer than 128 bytes. The job is the requester's.
+  absl::StatusOr<v1::SubmitJobResponse> Submit(const v1::SubmitJobRequest& request,
+                                               const Requester& requester = {});
 
   // The plan Submit would make, with every configuration considered; the same errors.
   absl::StatusOr<v1::PlanJobResponse> Plan(const v1::PlanJobRequest& request) const;
 
   // The predicted and measured peaks of the latest `limit` measured attempts (0: 20, at most
-  // 1000) and the corrections; INVALID_ARGUMENT for a negative limit.
-  absl::StatusOr<v1::GetPlanHistoryResponse> PlanHistory(
-      const v1::GetPlanHistoryRequest& request) const;
+  // 1000) of the jobs the requester sees, and the corrections; INVALID_ARGUMENT for a
+  // negative limit.
+  absl::StatusOr<v1::GetPlanHistoryResponse> PlanHistory(const v1::GetPlanHistoryRequest& request,
+                                                         const Requester& requester = {}) const;
 
   // Newest first, page_size jobs (default 100, at most 1000; fewer when they would pass
   // 2 MiB) after page_token (the id of the last job of the previous page).
-  // INVALID_ARGUMENT for an unknown token or size < 0.
-  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request) const;
+  // INVALID_ARGUMENT for an unknown token or size < 0. Only the jobs the requester sees.
+  absl::StatusOr<v1::ListJobsResponse> List(const v1::ListJobsRequest& request,
+                                            const Requester& requester = {}) const;
 
  private:
   struct Admitted {

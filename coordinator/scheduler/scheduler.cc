@@ -317,6 +317,18 @@ SchedulerSnapshot Scheduler::Snapshot(absl::Duration grace) const {
 
 void Scheduler::Touch(JobState& job, bool persist) {
   job.status.set_updated_unix_ms(NowMs());
+  auto* history = job.status.mutable_history();
+  if (history->empty() || history->rbegin()->state() != job.status.state()) {
+    v1::StateChange* change = history->Add();
+    change->set_state(job.status.state());
+    change->set_unix_ms(job.status.updated_unix_ms());
+    change->set_by(acting_.empty() ? "the coordinator" : acting_);
+    change->set_reason(job.status.reason().substr(0, 1024));
+    // The submission and the latest changes: a job restarted again and again stays small.
+    constexpr int kMaxHistory = 64;
+    if (history->size() > kMaxHistory) history->DeleteSubrange(1, history->size() - kMaxHistory);
+    persist = true;
+  }
   NotifyWatchers(job);
   const absl::Time now = clock_->Now();
   if (!persist && now - job.last_persisted < absl::Seconds(1)) return;
@@ -646,9 +658,12 @@ std::optional<std::string> Scheduler::TryPlace(JobState& job) {
 // --- jobs -----------------------------------------------------------------------------
 
 absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_view request_id,
-                                                bool* existing) {
+                                                bool* existing, const Requester& requester) {
   *existing = false;
-  const std::string request(request_id);
+  // Each client's request ids are its own: another's retry neither finds nor blocks its job.
+  const std::string request = request_id.empty() || requester.name.empty()
+                                  ? std::string(request_id)
+                                  : absl::StrCat(requester.name, "/", request_id);
   // A retry gets the job it created; another spec under the same id is a mistake.
   auto same = [&](const v1::JobStatus& earlier) -> absl::StatusOr<v1::JobStatus> {
     if (!google::protobuf::util::MessageDifferencer::Equals(earlier.spec(), job.spec())) {
@@ -695,8 +710,10 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
         auto other = jobs_.find(owner->second);
         const bool queued =
             other == jobs_.end() || other->second.status.state() == v1::JOB_STATE_QUEUED;
+        const bool seen = other != jobs_.end() && requester.Sees(other->second.status);
         return absl::FailedPreconditionError(absl::StrCat(
-            "spec: output: ", job.spec().output(), " belongs to job ", owner->second, " (",
+            "spec: output: ", job.spec().output(), " belongs to ",
+            seen ? absl::StrCat("job ", owner->second) : "another client's job", " (",
             queued ? "queued" : "running", "); wait for it to end or choose another directory"));
       }
       active_outputs_[output] = job.job_id();
@@ -707,6 +724,12 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
   job.set_reason("waiting to be scheduled");
   job.set_submitted_unix_ms(NowMs());
   job.set_updated_unix_ms(job.submitted_unix_ms());
+  job.set_owner(requester.name);
+  v1::StateChange* submitted = job.add_history();
+  submitted->set_state(v1::JOB_STATE_QUEUED);
+  submitted->set_unix_ms(job.submitted_unix_ms());
+  submitted->set_by(requester.by.empty() ? "the coordinator" : requester.by);
+  submitted->set_reason("submitted");
   // Durable before it is acknowledged; outside the lock, so that passes and registrations
   // do not wait for the fsync.
   const absl::Status created = store_->CreateJob(job, request);
@@ -734,11 +757,37 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
   return View(state);
 }
 
-absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id) const {
-  absl::MutexLock lock(&mu_);
+const Scheduler::JobState* Scheduler::Find(absl::string_view job_id,
+                                           const Requester& requester) const {
   auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  return View(it->second);
+  if (it == jobs_.end() || !requester.Sees(it->second.status)) return nullptr;
+  return &it->second;
+}
+
+namespace {
+
+absl::Status JobNotFound(absl::string_view job_id) {
+  return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+}
+
+// Who a call's changes are made by, for as long as it holds the scheduler's lock.
+class ActingAs {
+ public:
+  ActingAs(std::string* acting, std::string who) : acting_(acting) { *acting_ = std::move(who); }
+  ~ActingAs() { acting_->clear(); }
+
+ private:
+  std::string* const acting_;
+};
+
+}  // namespace
+
+absl::StatusOr<v1::JobStatus> Scheduler::GetJob(absl::string_view job_id,
+                                                const Requester& requester) const {
+  absl::MutexLock lock(&mu_);
+  const JobState* job = Find(job_id, requester);
+  if (job == nullptr) return JobNotFound(job_id);
+  return View(*job);
 }
 
 bool Scheduler::HasJob(absl::string_view job_id) const {
@@ -775,6 +824,7 @@ JobPage Scheduler::ListJobs(const JobQuery& query) const {
     const int64_t sequence = *next[best]++;
     const JobState& job = *by_sequence_.at(sequence);
     if (query.since_unix_ms > 0 && job.status.submitted_unix_ms() < query.since_unix_ms) break;
+    if (!query.requester.Sees(job.status)) continue;
     if (!query.name.empty() && !query.states.empty() && !query.states.count(job.status.state())) {
       continue;
     }
@@ -792,17 +842,19 @@ JobPage Scheduler::ListJobs(const JobQuery& query) const {
 }
 
 absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
-                                                   absl::string_view reason) {
+                                                   absl::string_view reason,
+                                                   const Requester& requester) {
   uint64_t sequence = 0;
   v1::JobStatus result;
   {
     absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(job_id);
-    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-    JobState& job = it->second;
+    if (Find(job_id, requester) == nullptr) return JobNotFound(job_id);
+    JobState& job = jobs_.find(job_id)->second;
+    const std::string who = requester.by.empty() ? "the user" : requester.by;
+    ActingAs acting(&acting_, who);
     if (!IsFinalState(job.status.state())) {
-      const std::string why =
-          reason.empty() ? "cancelled by the user" : absl::StrCat("cancelled: ", reason);
+      const std::string why = reason.empty() ? absl::StrCat("cancelled by ", who)
+                                             : absl::StrCat("cancelled by ", who, ": ", reason);
       if (job.status.state() == v1::JOB_STATE_QUEUED) {
         job.status.set_reason(why);
         SetJobState(job, v1::JOB_STATE_CANCELLED);
@@ -819,12 +871,13 @@ absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
   return result;
 }
 
-absl::StatusOr<uint64_t> Scheduler::Watch(absl::string_view job_id, JobWatcher on_change) {
+absl::StatusOr<uint64_t> Scheduler::Watch(absl::string_view job_id, JobWatcher on_change,
+                                          const Requester& requester) {
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
+  const JobState* job = Find(job_id, requester);
+  if (job == nullptr) return JobNotFound(job_id);
   const uint64_t id = ++next_watch_;
-  on_change(std::make_shared<const v1::JobStatus>(View(it->second)));
+  on_change(std::make_shared<const v1::JobStatus>(View(*job)));
   watches_.emplace(id, std::make_pair(std::string(job_id), std::move(on_change)));
   watches_by_job_.emplace(std::string(job_id), id);
   return id;
@@ -1157,6 +1210,7 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
 }
 
 absl::Status Scheduler::ApplyReport(const v1::ReportProgressRequest& request, bool* acknowledge) {
+  ActingAs acting(&acting_, absl::StrCat("worker ", request.worker_id()));
   auto it = jobs_.find(request.job_id());
   if (it == jobs_.end()) {
     return absl::NotFoundError(absl::StrCat("job ", request.job_id(), " not found"));
@@ -1368,10 +1422,11 @@ MemoryCalibration Scheduler::Calibration() const {
   return calibration_;
 }
 
-v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit) const {
+v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit, const Requester& requester) const {
   absl::MutexLock lock(&mu_);
   std::vector<std::pair<const v1::JobStatus*, const v1::Attempt*>> measured;
   for (const auto& [id, job] : jobs_) {
+    if (!requester.Sees(job.status)) continue;
     for (const v1::Attempt& attempt : job.status.attempts()) {
       if (Measured(attempt)) measured.emplace_back(&job.status, &attempt);
     }
@@ -1401,11 +1456,13 @@ v1::GetPlanHistoryResponse Scheduler::PlanHistory(size_t limit) const {
   return response;
 }
 
-absl::StatusOr<v1::WorkerStatus> Scheduler::DrainWorker(absl::string_view worker_id) {
+absl::StatusOr<v1::WorkerStatus> Scheduler::DrainWorker(absl::string_view worker_id,
+                                                        const Requester& requester) {
   uint64_t sequence = 0;
   v1::WorkerStatus result;
   {
     absl::MutexLock lock(&mu_);
+    ActingAs acting(&acting_, requester.by);
     auto it = workers_.find(worker_id);
     if (it == workers_.end()) {
       return absl::NotFoundError(absl::StrCat("worker ", worker_id, " not found"));
@@ -1471,21 +1528,48 @@ absl::Status Scheduler::CheckLogWriter(absl::string_view job_id, int64_t generat
   if (generation < 1 || generation > attempts.size()) {
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has no attempt ", generation));
   }
-  for (const v1::RankPlacement& p : attempts[static_cast<int>(generation - 1)].placements()) {
-    if (p.rank() == rank && p.worker_id() == worker_id) return absl::OkStatus();
+  const v1::Attempt& attempt = attempts[static_cast<int>(generation - 1)];
+  bool placed = false;
+  for (const v1::RankPlacement& p : attempt.placements()) {
+    placed = placed || (p.rank() == rank && p.worker_id() == worker_id);
   }
-  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, ": rank ", rank, " of attempt ",
-                                                    generation, " was not placed on worker ",
-                                                    worker_id));
+  if (!placed) {
+    return absl::FailedPreconditionError(absl::StrCat("job ", job_id, ": rank ", rank,
+                                                      " of attempt ", generation,
+                                                      " was not placed on worker ", worker_id));
+  }
+  if (!IsActive(attempt) &&
+      NowMs() - attempt.ended_unix_ms() > absl::ToInt64Milliseconds(kLogGrace)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, ": attempt ", generation, " ended ",
+                     (NowMs() - attempt.ended_unix_ms()) / 1000, "s ago; its logs are closed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::string>> Scheduler::AttemptWorkers(absl::string_view job_id,
+                                                                   int64_t generation) const {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return JobNotFound(job_id);
+  const auto& attempts = it->second.status.attempts();
+  if (generation < 1 || generation > attempts.size()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no attempt ", generation));
+  }
+  std::vector<std::string> workers;
+  for (const v1::RankPlacement& p : attempts[static_cast<int>(generation - 1)].placements()) {
+    workers.push_back(p.worker_id());
+  }
+  return workers;
 }
 
 absl::StatusOr<std::pair<int64_t, bool>> Scheduler::LogAttempt(absl::string_view job_id,
-                                                               int64_t attempt,
-                                                               int64_t rank) const {
+                                                               int64_t attempt, int64_t rank,
+                                                               const Requester& requester) const {
   absl::MutexLock lock(&mu_);
-  auto it = jobs_.find(job_id);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("job ", job_id, " not found"));
-  const auto& attempts = it->second.status.attempts();
+  const JobState* job = Find(job_id, requester);
+  if (job == nullptr) return JobNotFound(job_id);
+  const auto& attempts = job->status.attempts();
   if (attempts.empty()) {
     return absl::NotFoundError(absl::StrCat("job ", job_id, " has not started: no logs yet"));
   }

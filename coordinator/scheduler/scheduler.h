@@ -79,6 +79,16 @@ struct SchedulerOptions {
   absl::Duration max_restart_backoff = absl::Seconds(60);
 };
 
+// Who asks (the services fill it in from the caller's token, common/rpc/auth.h): a client
+// sees and changes only the jobs it submitted; an admin, or anyone when authentication is
+// off, every job. A job another client owns is NOT_FOUND, as if it did not exist.
+struct Requester {
+  std::string name;       // the token's name: the owner of what it submits ("" without auth)
+  bool every_job = true;  // sees every job, whoever owns it
+  std::string by;         // who it is in a job's history; empty: "the coordinator"
+  bool Sees(const v1::JobStatus& job) const { return every_job || job.owner() == name; }
+};
+
 // What ListJobs selects: newest first, below `before_sequence`, at most `limit` jobs.
 struct JobQuery {
   std::set<v1::JobState> states;  // empty: every state
@@ -89,6 +99,7 @@ struct JobQuery {
   // A page also ends before its jobs' encoded size passes this (0: no bound); it holds at
   // least one job.
   size_t max_bytes = 0;
+  Requester requester;  // only the jobs it sees
 };
 
 struct JobPage {
@@ -183,24 +194,28 @@ class Scheduler {
 
   // --- jobs ---------------------------------------------------------------------------
 
-  // Stores `job` (state QUEUED, with its id, spec and plan filled in), durably, and
-  // requests a pass. With a non-empty request_id already used, returns the job it created
+  // Stores `job` (state QUEUED, with its id, spec and plan filled in; owned by the
+  // requester), durably, and requests a pass. With a non-empty request_id the requester
+  // already used, returns the job it created
   // instead (and `*existing` = true), or ALREADY_EXISTS naming that job when its spec
   // differs. Other errors are the store's.
   absl::StatusOr<v1::JobStatus> AddJob(v1::JobStatus job, absl::string_view request_id,
-                                       bool* existing);
-  // NOT_FOUND for an unknown id.
-  absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id) const;
+                                       bool* existing, const Requester& requester = {});
+  // NOT_FOUND for an unknown id or a job the requester does not see.
+  absl::StatusOr<v1::JobStatus> GetJob(absl::string_view job_id,
+                                       const Requester& requester = {}) const;
   bool HasJob(absl::string_view job_id) const;
   // The jobs `query` selects, newest first, in O(page) for a query by state or name.
   JobPage ListJobs(const JobQuery& query) const;
   // Cancels a queued or running job (its running ranks get cancellations). A finished job
-  // is returned unchanged. NOT_FOUND for an unknown id.
-  absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason);
+  // is returned unchanged. NOT_FOUND for an unknown id or a job the requester does not see.
+  absl::StatusOr<v1::JobStatus> CancelJob(absl::string_view job_id, absl::string_view reason,
+                                          const Requester& requester = {});
   // Calls `on_change` with the job's status now and after every change, until Unwatch;
   // returns the watch's id. `on_change` runs under the scheduler's lock: it must not block
-  // or call the scheduler. NOT_FOUND for an unknown id.
-  absl::StatusOr<uint64_t> Watch(absl::string_view job_id, JobWatcher on_change);
+  // or call the scheduler. NOT_FOUND for an unknown id or a job the requester does not see.
+  absl::StatusOr<uint64_t> Watch(absl::string_view job_id, JobWatcher on_change,
+                                 const Requester& requester = {});
   // After it returns, the watch's on_change is never called again.
   void Unwatch(uint64_t watch_id);
 
@@ -235,7 +250,8 @@ class Scheduler {
   // Marks the worker DRAINING (no new placements, kept across its re-registrations) and
   // ends the attempts with a rank on it; their jobs queue again at once, not charged to
   // their max_restarts. NOT_FOUND for an unknown worker.
-  absl::StatusOr<v1::WorkerStatus> DrainWorker(absl::string_view worker_id);
+  absl::StatusOr<v1::WorkerStatus> DrainWorker(absl::string_view worker_id,
+                                               const Requester& requester = {});
   // Forgets a LOST worker (in the store too). FAILED_PRECONDITION for a live one (it would
   // only register again); NOT_FOUND for an unknown worker.
   absl::Status RemoveWorker(absl::string_view worker_id);
@@ -246,19 +262,27 @@ class Scheduler {
   // rank's largest measured peak against the plan's prediction, under the plan's
   // calibration key (coordinator/planner/calibration.h). Rebuilt from the store on start.
   MemoryCalibration Calibration() const;
-  // Those attempts, newest `limit` first (by end time), and the corrections.
-  v1::GetPlanHistoryResponse PlanHistory(size_t limit) const;
+  // Those attempts of the jobs the requester sees, newest `limit` first (by end time), and
+  // the corrections (of every job: they are the cluster's).
+  v1::GetPlanHistoryResponse PlanHistory(size_t limit, const Requester& requester = {}) const;
 
   // Whether `worker_id` may send the log of `rank` in attempt `generation`: it was placed
-  // there (in any attempt, ended ones too). NOT_FOUND for an unknown job or attempt;
+  // there, and the attempt is active or ended at most kLogGrace ago (the last lines of a
+  // rank arrive after its end). NOT_FOUND for an unknown job or attempt;
   // FAILED_PRECONDITION otherwise.
+  static constexpr absl::Duration kLogGrace = absl::Seconds(60);
   absl::Status CheckLogWriter(absl::string_view job_id, int64_t generation, int64_t rank,
                               absl::string_view worker_id) const;
   // The attempt `lathe logs` reads (`attempt` 0: the latest) and whether it is active.
   // NOT_FOUND for an unknown job, a job not placed yet or an attempt it never had;
   // INVALID_ARGUMENT for a rank the attempt does not have.
   absl::StatusOr<std::pair<int64_t, bool>> LogAttempt(absl::string_view job_id, int64_t attempt,
-                                                      int64_t rank) const;
+                                                      int64_t rank,
+                                                      const Requester& requester = {}) const;
+  // The workers attempt `generation` of the job was placed on: who may use its rendezvous
+  // scope. NOT_FOUND for an unknown job or attempt.
+  absl::StatusOr<std::vector<std::string>> AttemptWorkers(absl::string_view job_id,
+                                                          int64_t generation) const;
 
   // True when `generation` is the current attempt of the job and that attempt is active:
   // the rendezvous store's fencing check.
@@ -332,9 +356,12 @@ class Scheduler {
   int64_t NowMs() const;
   // The status as readers see it: a queued job's derived reason filled in.
   v1::JobStatus View(const JobState& job) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
-  // Records a change: the update time, the watchers, and (unless rate-limited progress) the
-  // next batch to the store.
+  // Records a change: the update time, a new state in the history (made by acting_), the
+  // watchers, and (unless rate-limited progress) the next batch to the store.
   void Touch(JobState& job, bool persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job `requester` sees: null for an unknown one and one another client owns.
+  const JobState* Find(absl::string_view job_id, const Requester& requester) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void NotifyWatchers(const JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkWorkerDirty(const WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the job's state and keeps the indexes (by state, active outputs, the queue) true.
@@ -425,6 +452,8 @@ class Scheduler {
   std::deque<std::pair<int64_t, std::string>> ended_ ABSL_GUARDED_BY(mu_);  // (ms, job id)
   std::atomic<int64_t> heartbeats_{0};
   std::string last_write_error_ ABSL_GUARDED_BY(mu_);
+  // Who makes the changes of the call in progress (a job's history); empty: the coordinator.
+  std::string acting_ ABSL_GUARDED_BY(mu_);
   absl::Time last_write_error_logged_ ABSL_GUARDED_BY(mu_);
 
   mutable absl::Mutex mail_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);

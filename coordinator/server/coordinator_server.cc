@@ -100,8 +100,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   server->job_service_ =
       std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth, job_options);
   server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth, worker_options);
-  server->rendezvous_service_ =
-      std::make_unique<RendezvousServiceImpl>(server->rendezvous_.get(), auth);
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(
+      server->rendezvous_.get(), auth, [scheduler](absl::string_view job, int64_t generation) {
+        return scheduler->AttemptWorkers(job, generation);
+      });
 
   // The standard grpc.health.v1 service (unauthenticated, for probes and load balancers):
   // SERVING from here until Shutdown.

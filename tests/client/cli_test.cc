@@ -612,6 +612,14 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   job.clear_attempts();
   *job.add_attempts() = first;
   *job.add_attempts() = second;
+  job.set_owner("alice");
+  for (const auto& [state, by] : {std::pair{v1::JOB_STATE_QUEUED, "alice (client)"},
+                                  std::pair{v1::JOB_STATE_RUNNING, "the coordinator"}}) {
+    v1::StateChange* change = job.add_history();
+    change->set_state(state);
+    change->set_by(by);
+    change->set_unix_ms(1'700'000'000'000);
+  }
   jobs_.SetJob(job);
 
   CliResult result = Run({"status", "job-7"});
@@ -619,6 +627,9 @@ TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   const std::string& out = result.out;
   EXPECT_THAT(out, HasSubstr("job-7 (demo-lora)"));
   EXPECT_THAT(out, MatchesRegex("(.|\n)*state +RUNNING\n(.|\n)*"));
+  EXPECT_THAT(out, MatchesRegex("(.|\n)*owner +alice\n(.|\n)*"));
+  EXPECT_THAT(out, HasSubstr("history      2023-11-14T22:13:20Z  QUEUED by alice (client)\n"
+                             "             2023-11-14T22:13:20Z  RUNNING by the coordinator\n"));
   EXPECT_THAT(out, HasSubstr("2 ranks on cpu, ZeRO-3, micro-batch 2 x 4 accumulation, 100 steps, "
                              "bf16"));
   EXPECT_THAT(out, HasSubstr("offload optimizer"));
@@ -847,6 +858,8 @@ constexpr char kJsonSchema[] = R"({
   },
   "job": {
     "job_id": "string", "name": "string", "state": "string", "reason": "string",
+    "owner": "string",
+    "history": [{"state": "string", "unix_ms": "integer", "by": "string", "reason": "string"}],
     "submitted_unix_ms": "integer", "updated_unix_ms": "integer", "restarts": "integer",
     "restart_after_unix_ms": "integer",
     "spec": "object|null",
@@ -975,6 +988,11 @@ v1::JobStatus FullJob(const std::string& id) {
   job.set_final_loss(1.75);
   job.set_adapter_path("/runs/demo/adapter");
   job.set_model_path("/runs/demo/model");
+  job.set_owner("alice");
+  v1::StateChange* change = job.add_history();
+  change->set_state(v1::JOB_STATE_QUEUED);
+  change->set_by("alice (client)");
+  change->set_reason("submitted");
   v1::Plan* plan = job.mutable_plan();
   plan->set_device(v1::DEVICE_CUDA);
   plan->set_zero_stage(3);

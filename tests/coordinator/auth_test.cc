@@ -1,6 +1,7 @@
 // Every RPC of the coordinator against every kind of caller (issue #12, the auth matrix):
 // the three services over gRPC on 127.0.0.1 with an Authenticator, called with no token, an
-// unknown one and each role's. And the token file's parser.
+// unknown one and each role's; a worker token against another worker's ranks (issue #27).
+// And the token file's parser.
 #include "common/rpc/auth.h"
 
 #include <grpcpp/create_channel.h>
@@ -35,6 +36,7 @@ using ::testing::Not;
 constexpr char kTokens[] = R"(# role name token
 client alice alice-secret-0123456789
 worker w1    w1-secret-0123456789
+worker pool  pool-secret-0123456789 w2,pool-*
 
 admin  root  root-secret-0123456789
 )";
@@ -50,7 +52,10 @@ class AuthMatrixTest : public ::testing::Test {
     jobs_ = std::make_unique<JobManager>(scheduler_.get(), JobManagerOptions{});
     job_service_ = std::make_unique<JobServiceImpl>(jobs_.get(), scheduler_.get(), auth_.get());
     worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler_.get(), auth_.get());
-    rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(&rendezvous_, auth_.get());
+    rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(
+        &rendezvous_, auth_.get(), [this](absl::string_view job, int64_t generation) {
+          return scheduler_->AttemptWorkers(job, generation);
+        });
     grpc::ServerBuilder builder;
     int port = 0;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
@@ -127,8 +132,10 @@ class AuthMatrixTest : public ::testing::Test {
          }},
         {"AppendLogs", kWorker,
          [workers](grpc::ClientContext* c) {
+           v1::AppendLogsRequest request;
+           request.set_worker_id("w1");
            v1::AppendLogsResponse r;
-           return workers->AppendLogs(c, v1::AppendLogsRequest(), &r);
+           return workers->AppendLogs(c, request, &r);
          }},
         {"ListWorkers", kClient,
          [workers](grpc::ClientContext* c) {
@@ -137,13 +144,17 @@ class AuthMatrixTest : public ::testing::Test {
          }},
         {"RegisterWorker", kWorker,
          [workers](grpc::ClientContext* c) {
+           v1::RegisterWorkerRequest request;
+           request.set_worker_id("w1");
            v1::RegisterWorkerResponse r;
-           return workers->RegisterWorker(c, v1::RegisterWorkerRequest(), &r);
+           return workers->RegisterWorker(c, request, &r);
          }},
         {"Heartbeat", kWorker,
          [workers](grpc::ClientContext* c) {
            auto stream = workers->Heartbeat(c);
-           stream->Write(v1::HeartbeatRequest());
+           v1::HeartbeatRequest request;
+           request.set_worker_id("w1");
+           stream->Write(request);
            stream->WritesDone();
            v1::HeartbeatResponse r;
            while (stream->Read(&r)) {
@@ -152,8 +163,10 @@ class AuthMatrixTest : public ::testing::Test {
          }},
         {"ReportProgress", kWorker,
          [workers](grpc::ClientContext* c) {
+           v1::ReportProgressRequest request;
+           request.set_worker_id("w1");
            v1::ReportProgressResponse r;
-           return workers->ReportProgress(c, v1::ReportProgressRequest(), &r);
+           return workers->ReportProgress(c, request, &r);
          }},
         {"Set", kWorker,
          [rendezvous](grpc::ClientContext* c) {
@@ -207,7 +220,9 @@ class AuthMatrixTest : public ::testing::Test {
   std::unique_ptr<Store> store_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<JobManager> jobs_;
-  RendezvousStore rendezvous_{[](absl::string_view, int64_t) { return false; }};
+  RendezvousStore rendezvous_{[this](absl::string_view job, int64_t generation) {
+    return scheduler_->IsActiveAttempt(job, generation);
+  }};
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<WorkerServiceImpl> worker_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
@@ -330,6 +345,115 @@ TEST(WatchLimitTest, WatchStreamsAreBoundedPerHost) {
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
 }
 
+// Issue #27: a worker token acts only for the worker ids it names. With another worker's
+// token every call for that worker's ranks is refused (registering under its id, a heartbeat
+// of its session, its rank's report and log, its attempt's rendezvous keys); with its own id
+// the call reaches the domain, which refuses ranks that are not placed there.
+TEST_F(AuthMatrixTest, AWorkerTokenActsOnlyForItsWorkerIds) {
+  v1::RegisterWorkerRequest w1;
+  w1.set_worker_id("w1");
+  w1.set_slots(1);
+  ASSERT_TRUE(scheduler_->RegisterWorker(w1).ok());
+  v1::JobStatus job;
+  job.set_job_id("job");
+  job.mutable_spec()->set_output("/runs/job");
+  job.mutable_plan()->set_ranks(1);
+  bool existing = false;
+  ASSERT_TRUE(scheduler_->AddJob(job, "", &existing).ok());
+  scheduler_->Settle();
+  ASSERT_EQ(scheduler_->GetJob("job")->attempts_size(), 1);
+
+  const std::string own = "w1-secret-0123456789", other = "pool-secret-0123456789";
+  auto as = [](const std::string& token) {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    AttachToken(context.get(), token);
+    return context;
+  };
+  const std::string denied =
+      "pool (worker) may not act for worker \"w1\" (its token names w2, pool-*)";
+  {
+    v1::RegisterWorkerRequest takeover = w1;
+    takeover.set_slots(4);
+    v1::RegisterWorkerResponse r;
+    grpc::Status status = workers_stub_->RegisterWorker(as(other).get(), takeover, &r);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+    EXPECT_EQ(status.error_message(), denied);
+    takeover.set_worker_id("pool-7");  // its own ids: the prefix
+    EXPECT_TRUE(workers_stub_->RegisterWorker(as(other).get(), takeover, &r).ok());
+  }
+  {
+    auto context = as(other);
+    auto stream = workers_stub_->Heartbeat(context.get());
+    v1::HeartbeatRequest beat;
+    beat.set_worker_id("w1");
+    stream->Write(beat);
+    stream->WritesDone();
+    v1::HeartbeatResponse r;
+    while (stream->Read(&r)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  }
+  v1::ReportProgressRequest report;
+  report.set_worker_id("w1");
+  report.set_job_id("job");
+  report.set_generation(1);
+  report.set_event(v1::RANK_EVENT_SUCCEEDED);
+  v1::ReportProgressResponse progress;
+  grpc::Status status = workers_stub_->ReportProgress(as(other).get(), report, &progress);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  report.set_worker_id("w2");  // its own id, but the rank is not placed there
+  status = workers_stub_->ReportProgress(as(other).get(), report, &progress);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(status.error_message(), HasSubstr("rank 0 is not placed on worker w2"));
+  EXPECT_EQ(scheduler_->GetJob("job")->state(), v1::JOB_STATE_RUNNING);
+
+  v1::AppendLogsRequest log;
+  log.set_worker_id("w1");
+  log.set_job_id("job");
+  log.set_generation(1);
+  log.set_data("forged\n");
+  v1::AppendLogsResponse appended;
+  status = workers_stub_->AppendLogs(as(other).get(), log, &appended);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+
+  v1::RendezvousSetRequest set;
+  set.mutable_scope()->set_job_id("job");
+  set.mutable_scope()->set_generation(1);
+  set.set_key("rank0");
+  set.set_value("addr");
+  v1::RendezvousSetResponse done;
+  status = rendezvous_stub_->Set(as(other).get(), set, &done);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(status.error_message(), "pool (worker) acts for no worker of attempt 1 of job job");
+  EXPECT_TRUE(rendezvous_stub_->Set(as(own).get(), set, &done).ok());
+  v1::RendezvousGetRequest get;
+  *get.mutable_scope() = set.scope();
+  get.set_key("rank0");
+  v1::RendezvousGetResponse value;
+  EXPECT_EQ(rendezvous_stub_->Get(as(other).get(), get, &value).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(rendezvous_stub_->Get(as(own).get(), get, &value).ok());
+}
+
+TEST(CallerTest, WorkerIdsAreNamesOrPrefixes) {
+  Caller pool{true, Role::kWorker, "pool", {"w2", "pool-*"}};
+  EXPECT_TRUE(pool.MayActFor("w2"));
+  EXPECT_TRUE(pool.MayActFor("pool-0"));
+  EXPECT_TRUE(pool.MayActFor("pool-"));
+  EXPECT_FALSE(pool.MayActFor("w20"));
+  EXPECT_FALSE(pool.MayActFor("pool"));
+  EXPECT_FALSE(pool.MayActFor(""));
+  Caller any{true, Role::kWorker, "any", {"*"}};
+  EXPECT_TRUE(any.MayActFor("anything"));
+  Caller client{true, Role::kClient, "alice", {}};
+  EXPECT_FALSE(client.MayActFor("alice"));
+  EXPECT_TRUE(Caller().MayActFor("w1")) << "authentication off";
+  EXPECT_TRUE(Caller().SeesEveryJob());
+  EXPECT_FALSE(client.SeesEveryJob());
+  EXPECT_EQ(client.Describe(), "alice (client)");
+}
+
 TEST(AuthenticatorTest, AllowAllLetsEveryCallThrough) {
   const Authenticator auth = Authenticator::AllowAll();
   EXPECT_FALSE(auth.enabled());
@@ -339,7 +463,11 @@ TEST(AuthenticatorTest, AllowAllLetsEveryCallThrough) {
 
 TEST(AuthenticatorTest, BadTokenFilesNameTheLineNeverTheToken) {
   const std::pair<const char*, const char*> cases[] = {
-      {"client alice", "tokens:1: expected \"<role> <name> <token>\", got 2 fields"},
+      {"client alice", "tokens:1: expected \"<role> <name> <token>\""},
+      {"client alice secret-0123456789abc w1", "got 4 fields"},
+      {"worker w1 secret-0123456789abc w1,w/2", "tokens:1: the worker ids of w1 must be names"},
+      {"worker w1 secret-0123456789abc w1,,w2", "tokens:1: the worker ids of w1 must be names"},
+      {"worker w1 secret-0123456789abc w*1", "tokens:1: the worker ids of w1 must be names"},
       {"# only a comment\n\n", "tokens: holds no tokens"},
       {"root alice secret-0123456789abc", "tokens:1: unknown role \"root\""},
       {"client al/ice secret-0123456789abc", "tokens:1: the name must be 1 to 63 characters"},

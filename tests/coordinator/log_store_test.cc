@@ -1,5 +1,6 @@
 // The coordinator's log files (coordinator/logs): appends at the worker's offsets, resends,
-// gaps, the cap, reads in chunks, and what a restarted coordinator finds.
+// declared gaps and undeclared ones (refused), the cap, reads in chunks, and what a restarted
+// coordinator finds.
 #include "coordinator/logs/log_store.h"
 
 #include "gmock/gmock.h"
@@ -19,7 +20,14 @@ TEST(LogStoreTest, AppendsResendsGapsAndTheCap) {
   EXPECT_EQ(*(*store)->Append(key, 0, "step 1\n"), 7);
   EXPECT_EQ(*(*store)->Append(key, 0, "step 1\n"), 7) << "a resend is skipped";
   EXPECT_EQ(*(*store)->Append(key, 3, "p 1\nstep 2\n"), 14) << "the overlap is skipped";
-  EXPECT_EQ(*(*store)->Append(key, 20, "step 4\n"), 27) << "six bytes lost";
+  // A gap only as large as the sender declares lost (issue #27: one offset of 2^62 moved a
+  // log's end so far that every real line after it was dropped).
+  absl::StatusOr<int64_t> forged = (*store)->Append(key, int64_t{1} << 61, "forged\n", 0);
+  EXPECT_EQ(forged.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_THAT(forged.status().message(), HasSubstr("past the log's end, 14"));
+  EXPECT_EQ((*store)->Append(key, 20, "step 4\n", 5).status().code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(*(*store)->Append(key, 20, "step 4\n", 6), 27) << "six bytes lost";
   absl::StatusOr<LogStore::Chunk> all = (*store)->Read(key, 0, 1000);
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->data, "step 1\nstep 2\n[... 6 bytes of this log were lost ...]\nstep 4\n");

@@ -191,7 +191,7 @@ TEST_F(SchedulerTest, QueueOrderIsPriorityThenSubmission) {
     ASSERT_TRUE(Report("w1", current, 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
     EXPECT_EQ(Job(current).state(), v1::JOB_STATE_SUCCEEDED);
     for (const v1::JobStatus& j :
-         scheduler_->ListJobs({{v1::JOB_STATE_RUNNING}, "", 0, INT64_MAX, 1000}).jobs) {
+         scheduler_->ListJobs({{v1::JOB_STATE_RUNNING}, "", 0, INT64_MAX, 1000, 0, {}}).jobs) {
       current = j.job_id();
       order.push_back(current);
     }
@@ -243,6 +243,100 @@ TEST_F(SchedulerTest, ALiveSessionsWorkerIdIsNotTakenOver) {
   EXPECT_FALSE(scheduler_->RegisterWorker(again).ok());
   stream.reset();
   EXPECT_TRUE(scheduler_->RegisterWorker(again).ok());
+}
+
+// Issue #27: a job is its submitter's. Another client finds nothing under its id (get, list,
+// watch, cancel, logs, plan history) and its own request ids are its own; an admin sees
+// every job; each state change says who made it.
+TEST_F(SchedulerTest, AJobIsItsOwnersAndItsHistorySaysWhoChangedIt) {
+  const Requester alice{"alice", false, "alice (client)"};
+  const Requester bob{"bob", false, "bob (client)"};
+  const Requester admin{"ops", true, "ops (admin)"};
+  Register("w1");
+  v1::JobStatus job;
+  job.set_job_id("job");
+  job.mutable_spec()->set_output("/runs/job");
+  job.mutable_plan()->set_ranks(1);
+  bool existing = false;
+  ASSERT_TRUE(scheduler_->AddJob(job, "request-1", &existing, alice).ok());
+  scheduler_->Settle();
+  ASSERT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(Job("job").owner(), "alice");
+
+  EXPECT_EQ(scheduler_->GetJob("job", bob).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(scheduler_->GetJob("job", bob).status().message(), "job job not found");
+  EXPECT_TRUE(scheduler_->GetJob("job", alice).ok());
+  EXPECT_TRUE(scheduler_->GetJob("job", admin).ok());
+  auto listed = [&](const Requester& who) {
+    JobQuery query;
+    query.requester = who;
+    return scheduler_->ListJobs(query).jobs.size();
+  };
+  EXPECT_EQ(listed(bob), 0u);
+  EXPECT_EQ(listed(alice), 1u);
+  EXPECT_EQ(listed(admin), 1u);
+  EXPECT_EQ(scheduler_
+                ->Watch(
+                    "job", [](auto) {}, bob)
+                .status()
+                .code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(scheduler_->LogAttempt("job", 0, 0, bob).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(scheduler_->CancelJob("job", "mine now", bob).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  // Bob's request id "request-1" is not alice's: it neither returns her job nor clashes.
+  job.set_job_id("bobs");
+  job.mutable_spec()->set_output("/runs/bobs");
+  absl::StatusOr<v1::JobStatus> bobs = scheduler_->AddJob(job, "request-1", &existing, bob);
+  ASSERT_TRUE(bobs.ok()) << bobs.status();
+  EXPECT_FALSE(existing);
+  EXPECT_EQ(bobs->job_id(), "bobs");
+  // An output held by a job bob does not see is not named to him.
+  job.set_job_id("bobs-2");
+  job.mutable_spec()->set_output("/runs/job");
+  absl::Status taken = scheduler_->AddJob(job, "", &existing, bob).status();
+  EXPECT_THAT(taken.message(), HasSubstr("belongs to another client's job (running)"));
+
+  ASSERT_TRUE(scheduler_->CancelJob("job", "", admin).ok());
+  const v1::JobStatus cancelled = Job("job");
+  EXPECT_EQ(cancelled.reason(), "cancelled by ops (admin)");
+  ASSERT_EQ(cancelled.history_size(), 3);
+  EXPECT_EQ(cancelled.history(0).state(), v1::JOB_STATE_QUEUED);
+  EXPECT_EQ(cancelled.history(0).by(), "alice (client)");
+  EXPECT_EQ(cancelled.history(1).state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(cancelled.history(1).by(), "the coordinator");
+  EXPECT_EQ(cancelled.history(2).state(), v1::JOB_STATE_CANCELLED);
+  EXPECT_EQ(cancelled.history(2).by(), "ops (admin)");
+  EXPECT_EQ(cancelled.history(2).reason(), "cancelled by ops (admin)");
+  // And it is durable: a restarted coordinator shows the same.
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  EXPECT_EQ(Job("job").history_size(), 3);
+  EXPECT_EQ(Job("job").owner(), "alice");
+}
+
+// Issue #27: a worker's report names who ended the attempt, only the worker a rank is placed
+// on writes its log, and a log closes a minute after its attempt ended.
+TEST_F(SchedulerTest, LogsComeFromTheRanksWorkerAndCloseAfterTheAttempt) {
+  Register("w1");
+  Register("w2");
+  Add("job");
+  ASSERT_EQ(Job("job").state(), v1::JOB_STATE_RUNNING);
+  const std::string placed = Job("job").attempts(0).placements(0).worker_id();
+  const std::string other = placed == "w1" ? "w2" : "w1";
+  EXPECT_EQ(*scheduler_->AttemptWorkers("job", 1), std::vector<std::string>{placed});
+  EXPECT_EQ(scheduler_->AttemptWorkers("job", 2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(scheduler_->CheckLogWriter("job", 1, 0, placed).ok());
+  EXPECT_EQ(scheduler_->CheckLogWriter("job", 1, 0, other).code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(Report(placed, "job", 1, 0, v1::RANK_EVENT_SUCCEEDED).ok());
+  EXPECT_EQ(Job("job").history().rbegin()->by(), "worker " + placed);
+  clock_.Advance(absl::Seconds(59));
+  EXPECT_TRUE(scheduler_->CheckLogWriter("job", 1, 0, placed).ok()) << "the last lines";
+  clock_.Advance(absl::Seconds(2));
+  absl::Status closed = scheduler_->CheckLogWriter("job", 1, 0, placed);
+  EXPECT_EQ(closed.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(closed.message(), HasSubstr("ended 61s ago; its logs are closed"));
 }
 
 // Issue #27: after the coordinator's own stall every worker gets a fresh heartbeat window;
@@ -638,7 +732,7 @@ TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   scheduler_->Settle();
   ASSERT_TRUE(cancelled.ok());
   EXPECT_EQ(cancelled->state(), v1::JOB_STATE_CANCELLED);
-  EXPECT_THAT(cancelled->reason(), HasSubstr("cancelled: not needed"));
+  EXPECT_THAT(cancelled->reason(), HasSubstr("cancelled by the user: not needed"));
   v1::HeartbeatResponse second = Beat("w1", {running});
   ASSERT_EQ(second.cancellations_size(), 1);
   EXPECT_EQ(Job("next").state(), v1::JOB_STATE_QUEUED);  // the trainer still runs

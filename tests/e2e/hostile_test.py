@@ -4,7 +4,13 @@ field filled at random: huge, negative and NaN numbers, unknown enum values, '..
 strings, many repeated entries) with no token, a wrong token or each role's, plus oversized
 messages and bytes that are no protobuf at all. The coordinator must answer each with the
 right status code, never crash, and keep its memory bounded. The requests are built from the
-protos' descriptors (modules generated here with protoc), so a new field is fuzzed too."""
+protos' descriptors (modules generated here with protoc), so a new field is fuzzed too.
+
+And issue #27's cross-worker and cross-client cases against a job running on a real agent:
+another worker's token reports its rank done, writes its log, reads and writes its
+rendezvous keys and registers under its id; its own worker forges a log offset; another
+client reads, lists, watches and cancels it. Each is refused, and the job runs on."""
+import json
 import math
 import os
 import random
@@ -14,7 +20,7 @@ import unittest
 
 import grpc
 
-from services_test import ClusterTest
+from services_test import TOKEN_HOLDERS, ClusterTest
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "../..")
 REQUESTS = 1000
@@ -29,8 +35,9 @@ ROLES = {  # method -> roles allowed (common/rpc/auth.h)
     **{m: {ADMIN} for m in ("DrainWorker", "RemoveWorker")},
 }
 # What a caller with the right token may be answered: the request's own fault, or that what
-# it names does not exist or is not in a state for it, or that it waited (Wait, WatchJob).
-ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
+# it names does not exist or is not in a state for it, or that it waited (Wait, WatchJob), or
+# (a worker) that the worker id or attempt it names is not one its token acts for.
+ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
            grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -196,8 +203,10 @@ class HostileTest(ClusterTest):
                     expected = {grpc.StatusCode.UNAUTHENTICATED}
                 elif who not in ROLES[method.name]:
                     expected = {grpc.StatusCode.PERMISSION_DENIED}
-                else:
+                elif who == WORKER:
                     expected = ANSWERS
+                else:
+                    expected = ANSWERS - {grpc.StatusCode.PERMISSION_DENIED}
                 self.assertIn(code, expected,
                               (i, method.name, who, self.details[:300], str(request)[:300]))
             # Over the 4 MiB limit: refused before any handler runs.
@@ -235,6 +244,112 @@ class HostileTest(ClusterTest):
         print(f"coordinator RSS after the barrage: {rss:.0f} MiB; codes per method: {seen}",
               file=sys.stderr)
         self.assertLess(rss, RSS_BOUND_MIB)
+
+
+class CrossWorkerTest(ClusterTest):
+    """Issue #27's findings, replayed against a job running on agent wa: each must be refused
+    and the job must run on, its attempt and restarts untouched."""
+    PREFIX, WORKERS = "lathe-cross-", ("wa",)
+
+    @classmethod
+    def configure(cls, cluster):
+        cls.pb = generate_protos(os.path.join(cls.root, "py"))
+        cls.tokens = {}
+        for key in TOKEN_HOLDERS:
+            with open(cluster.tokens[key]) as f:
+                cls.tokens[key] = f.read().strip()
+
+    def unary(self, channel, service, method, request, token):
+        """(status code, details) of one call."""
+        response = self.pb.DESCRIPTOR.services_by_name[service].methods_by_name[method] \
+            .output_type._concrete_class
+        try:
+            channel.unary_unary(f"/lathe.v1.{service}/{method}", lambda m: m.SerializeToString(),
+                                response.FromString)(
+                request, timeout=10, metadata=[("authorization", f"Bearer {token}")])
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as error:
+            return error.code(), error.details()
+
+    def test_another_workers_token_and_another_client_are_refused(self):
+        pb = self.pb
+        job_id, job = self.running_until_cleanup("victim")
+        generation = job["attempts"][-1]["generation"]
+        self.assertEqual(job["attempts"][-1]["placements"][0]["worker_id"], "wa")
+        other, own = self.tokens["worker-b"], self.tokens["worker"]
+        not_wa = 'e2e-worker-b (worker) may not act for worker "wa" (its token names wb)'
+        with grpc.insecure_channel(self.cluster.address) as ch:
+            # Its rank reported done (the job would end at step ~600 of 100,000, no adapter).
+            report = pb.ReportProgressRequest(worker_id="wa", job_id=job_id,
+                                              generation=generation, rank=0,
+                                              event=pb.RANK_EVENT_SUCCEEDED)
+            self.assertEqual(self.unary(ch, "WorkerService", "ReportProgress", report, other),
+                             (grpc.StatusCode.PERMISSION_DENIED, not_wa))
+            report.worker_id = "wb"  # under its own id: the rank is not placed there
+            code, details = self.unary(ch, "WorkerService", "ReportProgress", report, other)
+            self.assertEqual(code, grpc.StatusCode.FAILED_PRECONDITION, details)
+            # Forged log lines, and a log offset far past the end from its own worker.
+            log = pb.AppendLogsRequest(worker_id="wa", job_id=job_id, generation=generation,
+                                       rank=0, offset=0, data=b"forged line\n")
+            self.assertEqual(self.unary(ch, "WorkerService", "AppendLogs", log, other),
+                             (grpc.StatusCode.PERMISSION_DENIED, not_wa))
+            log.offset = 2**62
+            code, details = self.unary(ch, "WorkerService", "AppendLogs", log, own)
+            self.assertEqual(code, grpc.StatusCode.INVALID_ARGUMENT, details)
+            log.offset = 2**40
+            code, details = self.unary(ch, "WorkerService", "AppendLogs", log, own)
+            self.assertEqual(code, grpc.StatusCode.OUT_OF_RANGE, details)
+            # Its attempt's rendezvous keys.
+            scope = pb.RendezvousScope(job_id=job_id, generation=generation)
+            for method, request in (
+                    ("Get", pb.RendezvousGetRequest(scope=scope, key="rank0")),
+                    ("Set", pb.RendezvousSetRequest(scope=scope, key="rank0", value=b"evil")),
+                    ("Add", pb.RendezvousAddRequest(scope=scope, key="barrier", delta=1))):
+                code, details = self.unary(ch, "RendezvousService", method, request, other)
+                self.assertEqual(code, grpc.StatusCode.PERMISSION_DENIED, (method, details))
+                self.assertIn(f"acts for no worker of attempt {generation} of job {job_id}",
+                              details)
+            # Its worker id, with more slots.
+            register = pb.RegisterWorkerRequest(worker_id="wa", slots=4)
+            self.assertEqual(self.unary(ch, "WorkerService", "RegisterWorker", register, other),
+                             (grpc.StatusCode.PERMISSION_DENIED, not_wa))
+            # Its heartbeats.
+            beats = ch.stream_stream("/lathe.v1.WorkerService/Heartbeat",
+                                     lambda m: m.SerializeToString(),
+                                     pb.HeartbeatResponse.FromString)(
+                iter([pb.HeartbeatRequest(worker_id="wa")]), timeout=10,
+                metadata=[("authorization", f"Bearer {other}")])
+            with self.assertRaises(grpc.RpcError) as refused:
+                next(beats)
+            self.assertEqual(refused.exception.code(), grpc.StatusCode.PERMISSION_DENIED)
+        # Another client: the job does not exist for it.
+        for command in (("status", job_id), ("logs", job_id), ("watch", job_id),
+                        ("cancel", job_id)):
+            result = self.cluster.lathe(*command, role="bob")
+            self.assertNotEqual(result.returncode, 0, command)
+            self.assertIn(f"job {job_id} not found", result.stderr, command)
+        listed = self.cluster.lathe("--output", "json", "list", role="bob")
+        self.assertEqual(listed.returncode, 0, listed.stderr)
+        self.assertEqual(json.loads(listed.stdout), [])
+        listed = self.cluster.lathe("--output", "json", "list", role="admin")
+        self.assertIn(job_id, [j["job_id"] for j in json.loads(listed.stdout)])
+        # The job ran on: one attempt, no restart, its log the trainer's own.
+        job = self.wait_running(job_id)
+        self.assertEqual((job["state"], len(job["attempts"]), job["restarts"]),
+                         ("running", 1, 0), job)
+        self.assertEqual(job["owner"], "e2e-client")
+        logs = self.cluster.lathe("logs", job_id)
+        self.assertEqual(logs.returncode, 0, logs.stderr)
+        self.assertNotIn("forged", logs.stdout)
+        # An admin may cancel it, and its history says who did.
+        cancelled = self.cluster.lathe("cancel", job_id, role="admin")
+        self.assertEqual(cancelled.returncode, 0, cancelled.stderr)
+        history = self.status(job_id)["history"]
+        self.assertEqual([(h["state"], h["by"]) for h in history],
+                         [("queued", "e2e-client (client)"), ("running", "the coordinator"),
+                          ("cancelled", "e2e-admin (admin)")])
+        text = self.cluster.lathe("status", job_id)
+        self.assertIn("cancelled by e2e-admin (admin)", text.stdout)
 
 
 if __name__ == "__main__":

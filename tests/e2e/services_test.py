@@ -46,13 +46,23 @@ def run(*args, timeout=TIMEOUT):
                           text=True, timeout=timeout)
 
 
+# Who holds a token: key -> (role, name, worker ids). "worker" acts for every id starting with
+# "w" (the agents' ids), "worker-b" only for "wb" (issue #27: one worker token must not act
+# for another's ranks); "bob" is a second client, who must not see e2e-client's jobs.
+TOKEN_HOLDERS = {"client": ("client", "e2e-client", ""), "worker": ("worker", "e2e-worker", "w*"),
+                 "admin": ("admin", "e2e-admin", ""), "bob": ("client", "e2e-bob", ""),
+                 "worker-b": ("worker", "e2e-worker-b", "wb")}
+
+
 def write_tokens(directory):
-    """A token file for the coordinator and one file per role's token; returns their paths."""
-    tokens = {role: f"{role}-e2e-" + os.urandom(12).hex() for role in ("client", "worker", "admin")}
+    """A token file for the coordinator and one file per holder's token; returns their
+    paths (by TOKEN_HOLDERS' keys, and "file")."""
+    tokens = {key: f"{key}-e2e-" + os.urandom(12).hex() for key in TOKEN_HOLDERS}
     paths = {"file": os.path.join(directory, "tokens")}
     with open(paths["file"], "w") as f:
-        for role, token in tokens.items():
-            f.write(f"{role} e2e-{role} {token}\n")
+        for key, token in tokens.items():
+            role, name, ids = TOKEN_HOLDERS[key]
+            f.write(f"{role} {name} {token} {ids}\n")
     for role, token in tokens.items():
         paths[role] = os.path.join(directory, f"{role}.token")
         with open(paths[role], "w") as f:
@@ -196,10 +206,6 @@ output: {os.path.join(self.root, "runs", name)}
 {extra}""")
         return path
 
-
-class ServicesTest(ClusterTest):
-    MAX_POS, RECORDS = 128, 64
-
     def submit(self, name, steps=4, ranks=1, extra="", train="", lr="1.0e-3"):
         result = self.cluster.lathe("submit", self.spec(name, steps, ranks, extra, train, lr))
         self.assertEqual(result.returncode, 0, result.stderr)
@@ -234,6 +240,10 @@ class ServicesTest(ClusterTest):
         self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
                                  self.cluster.lathe("watch", job_id)))
         return job_id, self.wait_running(job_id)
+
+
+class ServicesTest(ClusterTest):
+    MAX_POS, RECORDS = 128, 64
 
     def trainer_pids(self, job_id):
         # The trainer runs `lathe-worker train --task <work>/<job_id>-g<generation>-r<rank>/...`.

@@ -1,7 +1,7 @@
 // The agent's LogShipper (worker/agent/log_shipper.h) against an in-process WorkerService on
 // 127.0.0.1: lines go out in order at contiguous offsets, a batch the coordinator could not
-// take (UNAVAILABLE) goes again with the next, a refused one is dropped, and Stop sends what
-// is left.
+// take (UNAVAILABLE) goes again with the next, a refused one is dropped, Stop sends what is
+// left, and what overflowed while the coordinator was away is declared lost.
 #include "worker/agent/log_shipper.h"
 
 #include <grpcpp/create_channel.h>
@@ -39,7 +39,9 @@ class FakeWorkerService : public v1::WorkerService::Service {
       ++refused;
       return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not yours");
     }
-    EXPECT_EQ(request->offset(), static_cast<int64_t>(received.size())) << "a gap or overlap";
+    const int64_t gap = request->offset() - static_cast<int64_t>(received.size());
+    EXPECT_EQ(gap, request->lost()) << "an undeclared gap or an overlap";
+    if (gap > 0) received += absl::StrCat("[", gap, " lost]");
     received += request->data();
     response->set_size(static_cast<int64_t>(received.size()));
     return grpc::Status::OK;
@@ -52,15 +54,28 @@ class FakeWorkerService : public v1::WorkerService::Service {
   std::string authorization ABSL_GUARDED_BY(mu);
 };
 
-TEST(LogShipperTest, SendsInOrderRetriesWhatWasNotTakenAndDropsWhatWasRefused) {
+// The fake service on 127.0.0.1, and a stub to it.
+struct Coordinator {
+  Coordinator() {
+    int port = 0;
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&service);
+    server = builder.BuildAndStart();
+    stub = v1::WorkerService::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  }
+  ~Coordinator() { server->Shutdown(); }
+
   FakeWorkerService service;
-  int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  auto stub = v1::WorkerService::NewStub(
-      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  std::unique_ptr<grpc::Server> server;
+  std::unique_ptr<v1::WorkerService::Stub> stub;
+};
+
+TEST(LogShipperTest, SendsInOrderRetriesWhatWasNotTakenAndDropsWhatWasRefused) {
+  Coordinator coordinator;
+  FakeWorkerService& service = coordinator.service;
+  v1::WorkerService::Stub* stub = coordinator.stub.get();
   {
     absl::MutexLock lock(&service.mu);
     service.unavailable = 2;  // the first two batches are not taken
@@ -68,7 +83,7 @@ TEST(LogShipperTest, SendsInOrderRetriesWhatWasNotTakenAndDropsWhatWasRefused) {
   LogShipperOptions options;
   options.period = absl::Milliseconds(20);
   options.token = "worker-token-0123456789";
-  LogShipper shipper(stub.get(), options);
+  LogShipper shipper(stub, options);
   std::string expected;
   for (int i = 0; i < 50; ++i) {
     const std::string line = absl::StrCat("step ", i, " loss ", 3.0 - i * 0.01);
@@ -84,7 +99,33 @@ TEST(LogShipperTest, SendsInOrderRetriesWhatWasNotTakenAndDropsWhatWasRefused) {
   EXPECT_EQ(service.unavailable, 0);
   EXPECT_GE(service.refused, 1);
   EXPECT_EQ(service.authorization, "Bearer worker-token-0123456789");
-  server->Shutdown();
+}
+
+TEST(LogShipperTest, DeclaresWhatOverflowedWhileTheCoordinatorWasAway) {
+  Coordinator coordinator;
+  FakeWorkerService& service = coordinator.service;
+  v1::WorkerService::Stub* stub = coordinator.stub.get();
+  {
+    absl::MutexLock lock(&service.mu);
+    service.unavailable = 1 << 30;  // away
+  }
+  LogShipperOptions options;
+  options.period = absl::Milliseconds(5);
+  options.max_pending = 100;
+  LogShipper shipper(stub, options);
+  std::string all;
+  for (int i = 0; i < 30; ++i) {  // 30 lines of 10 bytes: the first 200 overflow
+    const std::string line = absl::StrCat("line ", 1000 + i);
+    shipper.AppendLine("w1", "job-1", 1, 0, line);
+    all += line + "\n";
+  }
+  {
+    absl::MutexLock lock(&service.mu);
+    service.unavailable = 0;  // back
+  }
+  shipper.Stop();
+  absl::MutexLock lock(&service.mu);
+  EXPECT_EQ(service.received, "[200 lost]" + all.substr(200));
 }
 
 }  // namespace

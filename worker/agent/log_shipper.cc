@@ -29,6 +29,7 @@ void LogShipper::AppendLine(const std::string& worker_id, const std::string& job
     const size_t drop = log.pending.size() - options_.max_pending;
     log.pending.erase(0, drop);
     log.sent += static_cast<int64_t>(drop);
+    log.lost += static_cast<int64_t>(drop);
   }
 }
 
@@ -79,6 +80,7 @@ void LogShipper::SendAll() {
       b.request.set_generation(std::get<1>(key));
       b.request.set_rank(std::get<2>(key));
       b.request.set_offset(log.sent);
+      b.request.set_lost(log.lost);
       b.request.set_data(log.pending.substr(0, kMaxBatch));
     }
   }
@@ -102,6 +104,7 @@ void LogShipper::SendAll() {
     auto it = logs_.find(b.key);
     if (it == logs_.end()) continue;
     Log& log = it->second;
+    log.lost -= b.request.lost();  // declared; drops since then stay to declare
     const size_t done = std::min(log.pending.size(), b.request.data().size());
     if (log.sent == b.request.offset()) {
       log.pending.erase(0, done);

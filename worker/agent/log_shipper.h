@@ -3,7 +3,8 @@
 // runs and after its worker is gone. Each rank's log is a byte stream with offsets: a batch
 // the coordinator did not take (UNAVAILABLE) is sent again with the next; one it refuses
 // (the rank is not this worker's, logs are not kept) is dropped. What piles up beyond
-// max_pending per rank while the coordinator is away is dropped from the oldest end, and the
+// max_pending per rank while the coordinator is away is dropped from the oldest end: the next
+// batch declares how many bytes were lost (offsets are otherwise contiguous), and the
 // coordinator marks the gap.
 //
 // Thread-safety: thread-safe.
@@ -56,6 +57,7 @@ class LogShipper {
     std::string worker_id;
     std::string pending;
     int64_t sent = 0;  // offset of pending's first byte
+    int64_t lost = 0;  // dropped right before `sent`, not yet declared to the coordinator
     bool finished = false;
   };
 
