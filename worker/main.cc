@@ -12,13 +12,16 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/allowed_roots.h"
 #include "common/command_line.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
@@ -98,6 +101,26 @@ struct TrainJob {
   absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
 };
 
+// The spec's paths this process opened below the allowed roots, and what they stand for.
+PinnedPaths g_pinned;
+
+// Each path of a task's spec opened again below the coordinator's allowed roots without
+// following a symbolic link (common/allowed_roots.h), and read and written through that from
+// here on: a link swapped in after the submission is refused, and one swapped in later is
+// not followed.
+absl::Status PinSpecPaths(const std::vector<std::string>& roots, JobSpec* spec) {
+  for (const auto& [field, path, kind] :
+       {std::tuple{"model.path", &spec->model.path, PinKind::kDirectory},
+        std::tuple{"data.train", &spec->data.train, PinKind::kFile},
+        std::tuple{"data.eval", &spec->data.eval, PinKind::kFile},
+        std::tuple{"lora.init_from", &spec->lora.init_from, PinKind::kDirectory},
+        std::tuple{"output", &spec->output, PinKind::kCreateDirectory}}) {
+    if (path->empty()) continue;
+    LATHE_ASSIGN_OR_RETURN(*path, g_pinned.Pin(*path, roots, kind, field));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
   TrainJob job;
   if (flags.Has("spec") == flags.Has("task")) {
@@ -137,6 +160,11 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
     job.rendezvous_address = task.rendezvous_address();
     if (task.collective_timeout_seconds() > 0) {
       job.collective_timeout = absl::Seconds(task.collective_timeout_seconds());
+    }
+    if (!task.allowed_roots().empty()) {
+      job.options.submitted_spec = std::make_shared<const JobSpec>(job.spec);
+      LATHE_RETURN_IF_ERROR(
+          PinSpecPaths({task.allowed_roots().begin(), task.allowed_roots().end()}, &job.spec));
     }
   }
 #endif
@@ -303,7 +331,7 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                          Trainer::Create(spec, job.plan, job.options));
   for (const std::string& skipped : trainer->skipped_checkpoints()) {
-    std::cerr << "lathe-worker train: skipping checkpoint " << skipped << "\n";
+    std::cerr << "lathe-worker train: skipping checkpoint " << g_pinned.Original(skipped) << "\n";
   }
   if (trainer->resume_step() > 0) {
     std::cerr << "lathe-worker train: resuming after step " << trainer->resume_step() << "\n";
@@ -351,7 +379,8 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
                 r.lr, r.grad_norm, tokens_per_s, 100 * r.mfu, r.peak_bytes / 1048576.0)
          << (r.eval_loss ? absl::StrFormat("  eval_loss %.4f", *r.eval_loss) : "") << std::endl;
   };
-  auto on_checkpoint = [json, &text](int64_t step, const std::string& dir) {
+  auto on_checkpoint = [json, &text](int64_t step, const std::string& pinned_dir) {
+    const std::string dir = g_pinned.Original(pinned_dir);
 #ifdef LATHE_WITH_AGENT
     if (json) {
       v1::TrainerEvent event;
@@ -363,6 +392,8 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
     text << "checkpoint after step " << step << ": " << dir << std::endl;
   };
   LATHE_ASSIGN_OR_RETURN(TrainResult result, trainer->Run(on_step, on_checkpoint));
+  result.adapter_dir = g_pinned.Original(result.adapter_dir);
+  result.model_dir = g_pinned.Original(result.model_dir);
 #ifdef LATHE_WITH_AGENT
   if (json) PrintEvent(DoneEvent(result));
 #endif
@@ -500,6 +531,7 @@ int Main(int argc, char** argv) {
     status = absl::InternalError(absl::StrCat("unexpected error: ", e.what()));
   }
   if (!status.ok()) {
+    status = absl::Status(status.code(), g_pinned.Original(status.message()));
 #ifdef LATHE_WITH_AGENT
     // Whoever reads the events learns why the run ended from the last one.
     if (command == "train" && json.ok() && *json) PrintEvent(ErrorEvent(status));

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/allowed_roots.h"
 #include "common/capabilities.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
@@ -31,47 +32,20 @@ absl::Status SpecError(absl::string_view field, absl::string_view problem) {
 constexpr size_t kMaxRequestIdBytes = 128;
 constexpr size_t kMaxListBytes = 2 << 20;  // gRPC's default message limit is 4 MiB
 
-bool IsInside(const fs::path& path, const fs::path& root) {
-  auto p = path.begin(), r = root.begin();
-  for (; r != root.end(); ++r, ++p) {
-    if (r->empty()) continue;  // trailing slash
-    if (p == path.end() || *p != *r) return false;
-  }
-  return true;
-}
-
 }  // namespace
 
 JobManager::JobManager(Scheduler* scheduler, JobManagerOptions options)
     : scheduler_(scheduler), options_(std::move(options)) {}
 
-absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
-  const std::pair<const char*, const std::string*> paths[] = {
-      {"model.path", &spec.model().path()}, {"data.train", &spec.data().train()},
-      {"data.eval", &spec.data().eval()},   {"lora.init_from", &spec.lora().init_from()},
-      {"output", &spec.output()},
-  };
-  for (const auto& [field, path] : paths) {
+absl::Status JobManager::CanonicalizePaths(JobSpec& spec) const {
+  for (const auto& [field, path] :
+       {std::pair{"model.path", &spec.model.path}, std::pair{"data.train", &spec.data.train},
+        std::pair{"data.eval", &spec.data.eval}, std::pair{"lora.init_from", &spec.lora.init_from},
+        std::pair{"output", &spec.output}}) {
     if (path->empty()) continue;
-    fs::path p(*path);
-    if (!p.is_absolute()) {
-      return SpecError(field, absl::StrCat("must be an absolute path, got \"", *path, "\""));
-    }
-    if (options_.allowed_roots.empty()) continue;
-    // Symbolic links are resolved (as far as the path exists), so a link inside a root that
-    // points outside it is outside.
-    std::error_code error;
-    const fs::path real = fs::weakly_canonical(p, error);
-    if (error) return SpecError(field, absl::StrCat(*path, ": ", error.message()));
-    bool inside = false;
-    for (const std::string& root : options_.allowed_roots) {
-      const fs::path real_root = fs::weakly_canonical(root, error);
-      inside = inside || (!error && IsInside(real, real_root));
-    }
-    if (!inside) {
-      return SpecError(field, absl::StrCat(*path, " is outside the allowed roots (",
-                                           absl::StrJoin(options_.allowed_roots, ", "), ")"));
-    }
+    absl::StatusOr<std::string> canonical = CanonicalInRoots(*path, options_.allowed_roots, field);
+    if (!canonical.ok()) return Annotate(canonical.status(), "spec");
+    *path = *std::move(canonical);
   }
   return absl::OkStatus();
 }
@@ -79,7 +53,7 @@ absl::Status JobManager::CheckPaths(const v1::JobSpec& spec) const {
 absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto) const {
   LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(proto, "spec"));
   LATHE_RETURN_IF_ERROR(Annotate(CheckEngineSupports(spec), "spec"));
-  LATHE_RETURN_IF_ERROR(CheckPaths(proto));
+  LATHE_RETURN_IF_ERROR(CanonicalizePaths(spec));
   absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
   if (!model.ok()) return SpecError("model.path", model.status().message());
   if (spec.data.seq_len > model->max_position_embeddings) {

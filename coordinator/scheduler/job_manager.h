@@ -71,7 +71,10 @@ class JobManager {
   absl::StatusOr<Admitted> Admit(const v1::JobSpec& spec) const;
   // The device pool a job would be planned for, with its rates and a rank's memory there.
   std::pair<std::string, DeviceRates> PoolFor(const JobSpec& spec) const;
-  absl::Status CheckPaths(const v1::JobSpec& spec) const;
+  // Replaces each path of the spec by its canonical form (links resolved: two spellings of
+  // one directory compare equal, and the trainer re-checks exactly what was admitted);
+  // INVALID_ARGUMENT "spec: <field>: ..." for a relative one or one outside the roots.
+  absl::Status CanonicalizePaths(JobSpec& spec) const;
 
   Scheduler* const scheduler_;
   const JobManagerOptions options_;

@@ -8,6 +8,7 @@
 
 #include "absl/random/random.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/job_spec.h"
@@ -449,6 +450,18 @@ void Scheduler::SetJobState(JobState& job, v1::JobState state) {
   Reindex(job);
 }
 
+std::map<std::string, std::string>::const_iterator Scheduler::OverlappingOutput(
+    const std::string& output) const {
+  for (std::filesystem::path p(output);; p = p.parent_path()) {  // itself and its parents
+    if (auto it = active_outputs_.find(p.string()); it != active_outputs_.end()) return it;
+    if (p == p.parent_path()) break;
+  }
+  const std::string below = output == "/" ? output : output + "/";
+  auto it = active_outputs_.lower_bound(below);  // the first directory inside it, if any
+  if (it != active_outputs_.end() && absl::StartsWith(it->first, below)) return it;
+  return active_outputs_.end();
+}
+
 void Scheduler::Reindex(JobState& job) {
   const bool is_queued = job.status.state() == v1::JOB_STATE_QUEUED;
   const int64_t restart_at = job.status.restart_after_unix_ms();
@@ -637,6 +650,7 @@ std::optional<std::string> Scheduler::TryPlace(JobState& job) {
       a.set_slot(slot);
       *a.mutable_spec() = job.status.spec();
       *a.mutable_plan() = job.status.plan();
+      for (const std::string& root : options_.allowed_roots) a.add_allowed_roots(root);
       ++rank;
     }
     absl::MutexLock lock(&mail_mu_);
@@ -706,15 +720,21 @@ absl::StatusOr<v1::JobStatus> Scheduler::AddJob(v1::JobStatus job, absl::string_
       }
     }
     if (!output.empty()) {
-      if (auto owner = active_outputs_.find(output); owner != active_outputs_.end()) {
+      if (auto owner = OverlappingOutput(output); owner != active_outputs_.end()) {
         auto other = jobs_.find(owner->second);
         const bool queued =
             other == jobs_.end() || other->second.status.state() == v1::JOB_STATE_QUEUED;
         const bool seen = other != jobs_.end() && requester.Sees(other->second.status);
+        const std::string holder =
+            seen ? absl::StrCat("job ", owner->second) : "another client's job";
+        const std::string where =
+            owner->first == output ? absl::StrCat("belongs to ", holder)
+            : owner->first.size() < output.size()
+                ? absl::StrCat("lies inside ", owner->first, ", the output of ", holder)
+                : absl::StrCat("holds ", owner->first, ", the output of ", holder);
         return absl::FailedPreconditionError(absl::StrCat(
-            "spec: output: ", job.spec().output(), " belongs to ",
-            seen ? absl::StrCat("job ", owner->second) : "another client's job", " (",
-            queued ? "queued" : "running", "); wait for it to end or choose another directory"));
+            "spec: output: ", job.spec().output(), " ", where, " (", queued ? "queued" : "running",
+            "); wait for it to end or choose another directory"));
       }
       active_outputs_[output] = job.job_id();
     }

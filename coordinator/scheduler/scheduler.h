@@ -77,6 +77,7 @@ struct SchedulerOptions {
   // either, ..., at most the maximum.
   absl::Duration restart_backoff = absl::Seconds(1);
   absl::Duration max_restart_backoff = absl::Seconds(60);
+  std::vector<std::string> allowed_roots{};  // sent with every assignment
 };
 
 // Who asks (the services fill it in from the caller's token, common/rpc/auth.h): a client
@@ -359,6 +360,10 @@ class Scheduler {
   // Records a change: the update time, a new state in the history (made by acting_), the
   // watchers, and (unless rate-limited progress) the next batch to the store.
   void Touch(JobState& job, bool persist = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The active output that is `output`, holds it or lies inside it (normal paths): two jobs
+  // there would write one adapter and mix their checkpoints.
+  std::map<std::string, std::string>::const_iterator OverlappingOutput(
+      const std::string& output) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // The job `requester` sees: null for an unknown one and one another client owns.
   const JobState* Find(absl::string_view job_id, const Requester& requester) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -55,7 +55,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
                            DatabaseLock::Acquire(config.db_path, &server->new_database_));
     LATHE_ASSIGN_OR_RETURN(server->store_, OpenSqliteStore(config.db_path));
   }
-  SchedulerOptions options{config.heartbeat_interval, config.heartbeat_timeout};
+  SchedulerOptions options;
+  options.heartbeat_interval = config.heartbeat_interval;
+  options.heartbeat_timeout = config.heartbeat_timeout;
+  options.allowed_roots = config.allowed_roots;
   LATHE_ASSIGN_OR_RETURN(server->scheduler_,
                          Scheduler::Create(server->store_.get(), &server->clock_, options));
   Scheduler* scheduler = server->scheduler_.get();

@@ -1054,7 +1054,7 @@ TEST_F(JobManagerTest, AnOutputDirectoryBelongsToOneJobAtATime) {
   absl::StatusOr<v1::SubmitJobResponse> second = Submit(same_output);
   EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(second.status().message(),
-              HasSubstr("spec: output: " + spec_.output + "/./ belongs to job " + first->job_id() +
+              HasSubstr("spec: output: " + spec_.output + " belongs to job " + first->job_id() +
                         " (queued); wait for it to end"));
   EXPECT_EQ(scheduler_->ListJobs({}).jobs.size(), 1u);
   // Once that job has ended (here: cancelled), the directory may be used again, and a new
@@ -1101,6 +1101,34 @@ TEST_F(JobManagerTest, BadSpecsAreRefusedNamingTheFieldAndNothingIsStored) {
   bad.set_output(dir_.path() + "/../../etc/out");
   ExpectRefused(bad, "spec: output: ", {{dir_.path()}});
   ExpectRefused(bad, "outside the allowed roots", {{dir_.path()}});
+}
+
+// Issue #27: another spelling of a running job's output (a link to its parent), and an
+// output inside it or holding it, are refused; the stored spec names the canonical path.
+TEST_F(JobManagerTest, AnOutputIsComparedCanonicallyAndNeverNests) {
+  Register("w1");
+  const std::string root = std::filesystem::canonical(dir_.path()).string();
+  std::filesystem::create_directories(root + "/runs");
+  std::filesystem::create_symlink(root + "/runs", root + "/alias");
+  v1::JobSpec spec = JobSpecToProto(spec_);
+  spec.set_output(root + "/runs/a");
+  absl::StatusOr<v1::SubmitJobResponse> a = Submit(spec, "", {{root}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(Job(a->job_id()).state(), v1::JOB_STATE_RUNNING);
+  for (const auto& [output, problem] :
+       {std::pair{root + "/alias/a", "belongs to job " + a->job_id() + " (running)"},
+        std::pair{root + "/alias/a/inner", "lies inside " + root + "/runs/a, the output of job"},
+        std::pair{root + "/runs", "holds " + root + "/runs/a, the output of job"}}) {
+    spec.set_output(output);
+    absl::StatusOr<v1::SubmitJobResponse> refused = Submit(spec, "", {{root}});
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << output;
+    EXPECT_THAT(refused.status().message(), HasSubstr(problem));
+  }
+  spec.set_output(root + "/alias/b");  // a sibling is fine, stored canonical
+  absl::StatusOr<v1::SubmitJobResponse> b = Submit(spec, "", {{root}});
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->status().spec().output(), root + "/runs/b");
+  EXPECT_EQ(b->status().spec().model().path(), std::filesystem::canonical(spec_.model.path));
 }
 
 TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {

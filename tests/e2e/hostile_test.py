@@ -14,8 +14,10 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import unittest
 
 import grpc
@@ -350,6 +352,43 @@ class CrossWorkerTest(ClusterTest):
                           ("cancelled", "e2e-admin (admin)")])
         text = self.cluster.lathe("status", job_id)
         self.assertIn("cancelled by e2e-admin (admin)", text.stdout)
+
+
+    def spec_with_output(self, name, output):
+        path = self.spec(name, steps=2)
+        with open(path) as f:
+            text = f.read().replace(f"output: {os.path.join(self.root, 'runs', name)}",
+                                    f"output: {output}")
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_paths_are_compared_canonically_and_checked_again_where_they_are_used(self):
+        holder, _ = self.running_until_cleanup("holder")
+        runs = os.path.join(self.root, "runs")
+        alias = os.path.join(self.root, "alias")
+        os.symlink(runs, alias)
+        # Another spelling of the running job's output, one inside it, one holding it.
+        for output, problem in ((f"{alias}/holder", f"belongs to job {holder} (running)"),
+                                (f"{runs}/holder/inner", f"lies inside {runs}/holder"),
+                                (runs, f"holds {runs}/holder")):
+            result = self.cluster.lathe("submit", self.spec_with_output("other", output))
+            self.assertEqual(result.returncode, 1, result.stdout)
+            self.assertIn(problem, result.stderr)
+        # A queued job's output, not made yet, is replaced by a link out of the roots before
+        # the job starts: its trainer refuses the link and writes nothing outside.
+        outside = tempfile.mkdtemp(prefix="lathe-outside-")
+        self.addCleanup(shutil.rmtree, outside, ignore_errors=True)
+        swapped = self.submit("swapped", steps=2)
+        self.assertEqual(self.status(swapped)["state"], "queued")
+        os.symlink(outside, os.path.join(runs, "swapped"))
+        self.assertEqual(self.cluster.lathe("cancel", holder).returncode, 0)
+        watched = self.cluster.lathe("watch", swapped, timeout=120)
+        self.assertEqual(watched.returncode, 1, watched.stdout)
+        job = self.status(swapped)
+        self.assertEqual(job["state"], "failed", job)
+        self.assertIn(f"{runs}/swapped is a symbolic link", job["reason"])
+        self.assertEqual(os.listdir(outside), [])
 
 
 if __name__ == "__main__":

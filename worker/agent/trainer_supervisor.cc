@@ -125,6 +125,7 @@ absl::Status TrainerSupervisor::Launch() {
   task.set_world_size(assignment_.world_size());
   *task.mutable_spec() = assignment_.spec();
   *task.mutable_plan() = assignment_.plan();
+  *task.mutable_allowed_roots() = assignment_.allowed_roots();
   task.set_rendezvous_address(options_.coordinator_address);
   task.set_peak_flops(options_.peak_flops);
   task.set_collective_timeout_seconds(absl::ToDoubleSeconds(options_.collective_timeout));

@@ -362,7 +362,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   }
 
   // Resume from the newest valid checkpoint of this run, if any.
-  trainer->spec_fingerprint_ = SpecFingerprint(spec);
+  trainer->submitted_spec_ = options.submitted_spec ? *options.submitted_spec : spec;
+  trainer->spec_fingerprint_ = SpecFingerprint(trainer->submitted_spec_);
   trainer->checkpoints_ = std::make_unique<CheckpointStore>(
       (fs::path(spec.output) / "checkpoints").string(), train.keep_checkpoints,
       CheckpointFence{options.job_id, options.generation});
@@ -564,7 +565,8 @@ absl::StatusOr<TrainResult> Trainer::Run(
       // rank 0 writes the output
     } else if (TrainsLora(spec_)) {
       result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-      LATHE_RETURN_IF_ERROR(model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(spec_)));
+      LATHE_RETURN_IF_ERROR(
+          model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(submitted_spec_)));
     } else {
       result.model_dir = (fs::path(spec_.output) / "model").string();
       LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
@@ -604,7 +606,8 @@ absl::Status Trainer::ExportSharded(TrainResult& result) {
           return absl::OkStatus();
         }));
     result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-    return writer ? WritePeftAdapter(result.adapter_dir, AdapterConfigOf(spec_), tensors.tensors())
+    return writer ? WritePeftAdapter(result.adapter_dir, AdapterConfigOf(submitted_spec_),
+                                     tensors.tensors())
                   : absl::OkStatus();
   }
   // The model, unit by unit into Hugging Face shard files: never whole on one rank.

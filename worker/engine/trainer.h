@@ -62,6 +62,10 @@ struct TrainerOptions {
   // writes fail with FAILED_PRECONDITION. 0: unfenced (`lathe-worker train --spec`).
   std::string job_id{};  // (initialised, so that `{threads}` aggregates stay warning-free)
   int64_t generation = 0;
+  // The spec as submitted, when the one given to Create reads its files through other paths
+  // (common/allowed_roots.h: pinned below the allowed roots): a checkpoint's fingerprint and
+  // the adapter's base model name its paths. Null: the spec given.
+  std::shared_ptr<const JobSpec> submitted_spec{};
 };
 
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
@@ -213,6 +217,7 @@ class Trainer {
   bool Evaluates() const;
 
   JobSpec spec_;
+  JobSpec submitted_spec_;  // options.submitted_spec, else spec_
   Plan plan_;
   TrainerOptions options_;
   ModelConfig model_config_;
