@@ -30,16 +30,17 @@ absl::string_view DefaultArchitecture(absl::string_view model_type) {
   return "LlamaForCausalLM";
 }
 
-// The "rope_scaling" object; `top` reads the top-level keys.
-absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::string_view source) {
+// The scaling of the "rope_scaling" object (transformers 4), or of "rope_parameters"
+// (transformers 5, `key`), which also holds rope_theta; `top` reads the top-level keys.
+absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::string_view source,
+                                             absl::string_view key) {
   RopeScaling scaling;
-  const Json* value = top.Find("rope_scaling");
+  const Json* value = top.Find(key);
   if (value == nullptr) return scaling;
   if (!value->is_object()) {
-    return top.Error("rope_scaling",
-                     absl::StrCat("expected an object or null, got ", DescribeJson(*value)));
+    return top.Error(key, absl::StrCat("expected an object or null, got ", DescribeJson(*value)));
   }
-  ConfigFields fields(*value, source, "rope_scaling.");
+  ConfigFields fields(*value, source, absl::StrCat(key, "."));
   // Transformers >= 4.43 writes "rope_type"; older configs write "type".
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> type, fields.String("rope_type"));
   if (!type.has_value()) {
@@ -101,9 +102,39 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
   if (*window <= 0)
     return fields.Error("sliding_window", absl::StrCat("must be > 0, got ", *window));
   if (config.model_type == "qwen2") {
-    // Qwen2 slides only in layers >= max_window_layers (transformers' default 28). A window
-    // on some layers but not others is not representable here, so refuse it rather than
-    // train a different model.
+    // Transformers 5 writes which layers slide as "layer_types", and follows it over
+    // max_window_layers. A window on some layers but not others is not representable here,
+    // so refuse it rather than train a different model.
+    if (const Json* types = fields.Find("layer_types"); types != nullptr && !types->is_null()) {
+      if (!types->is_array()) {
+        return fields.Error("layer_types",
+                            absl::StrCat("expected a list, got ", DescribeJson(*types)));
+      }
+      std::vector<int64_t> sliding;
+      for (size_t i = 0; i < types->size(); ++i) {
+        const Json& type = (*types)[i];
+        if (type == "sliding_attention") {
+          sliding.push_back(static_cast<int64_t>(i));
+        } else if (type != "full_attention") {
+          return fields.Error("layer_types", absl::StrCat("entry ", i,
+                                                          ": expected \"full_attention\" "
+                                                          "or \"sliding_attention\", got ",
+                                                          DescribeJson(type)));
+        }
+      }
+      if (static_cast<int64_t>(types->size()) != config.num_hidden_layers) {
+        return fields.Error("layer_types", absl::StrCat(types->size(), " entries for ",
+                                                        config.num_hidden_layers, " layers"));
+      }
+      if (sliding.empty()) return std::nullopt;
+      if (static_cast<int64_t>(sliding.size()) < config.num_hidden_layers) {
+        return fields.Error("layer_types",
+                            absl::StrCat("a sliding window on layers ", absl::StrJoin(sliding, ","),
+                                         " only is not supported (all layers or none)"));
+      }
+      return window;
+    }
+    // Before: Qwen2 slides only in layers >= max_window_layers (transformers' default 28).
     LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> max_window_layers,
                            fields.Int("max_window_layers"));
     int64_t first_sliding = max_window_layers.value_or(28);
@@ -225,8 +256,18 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   LATHE_ASSIGN_OR_RETURN(config.max_position_embeddings,
                          fields.RequiredPositive("max_position_embeddings"));
   LATHE_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.PositiveDouble("rms_norm_eps", 1e-6));
-  LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 10000.0));
-  LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source));
+  // Transformers 5 writes rope_theta and the scaling into one "rope_parameters" object and
+  // neither at the top; read at the top only, such a model would silently get theta 10000.
+  if (const Json* parameters = fields.Find("rope_parameters");
+      parameters != nullptr && !parameters->is_null()) {
+    LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
+                           ParseRopeScaling(fields, source, "rope_parameters"));
+    ConfigFields rope(*parameters, source, "rope_parameters.");
+    LATHE_ASSIGN_OR_RETURN(config.rope_theta, rope.PositiveDouble("rope_theta", 10000.0));
+  } else {
+    LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 10000.0));
+    LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source, "rope_scaling"));
+  }
   LATHE_ASSIGN_OR_RETURN(config.tie_word_embeddings, fields.BoolOr("tie_word_embeddings", false));
 
   if (config.model_type == "qwen2") {

@@ -265,6 +265,30 @@ TEST(ModelConfigTest, RopeScalingVariants) {
   EXPECT_EQ(MustParse(json.dump()).rope_scaling.kind, RopeScaling::Kind::kNone);
 }
 
+// Transformers 5 writes rope_theta and the scaling as one "rope_parameters" object and
+// neither at the top (issue #28: such a model was read with theta 10000 and no scaling).
+TEST(ModelConfigTest, RopeParametersOfTransformers5) {
+  nlohmann::json json = TinyLlama();
+  json.erase("rope_theta");
+  json.erase("rope_scaling");
+  json["rope_parameters"] = {{"rope_type", "llama3"},   {"rope_theta", 500000.0},
+                             {"factor", 8.0},           {"low_freq_factor", 1.0},
+                             {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  ModelConfig config = MustParse(json.dump());
+  EXPECT_EQ(config.rope_theta, 500000.0);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kLlama3);
+  EXPECT_EQ(config.rope_scaling.factor, 8.0);
+  EXPECT_EQ(config.rope_scaling.original_max_position_embeddings, 8192);
+  json["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  config = MustParse(json.dump());
+  EXPECT_EQ(config.rope_theta, 1e6);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kNone);
+  json["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  absl::StatusOr<ModelConfig> yarn = ParseModelConfig(json.dump(), "/m/config.json");
+  EXPECT_THAT(yarn.status().message(),
+              HasSubstr("rope_parameters.rope_type: unsupported \"yarn\""));
+}
+
 TEST(ModelConfigTest, SlidingWindowRules) {
   nlohmann::json mistral = nlohmann::json::parse(kMistral7B);
   mistral["sliding_window"] = nullptr;
@@ -283,6 +307,17 @@ TEST(ModelConfigTest, SlidingWindowRules) {
   // Sliding starts at layer max_window_layers: at or past the last layer, no layer slides.
   qwen["max_window_layers"] = 24;
   EXPECT_EQ(MustParse(qwen.dump()).sliding_window, std::nullopt);
+  // Transformers 5's layer_types wins over max_window_layers: all sliding, none, or refused.
+  const int layers = qwen["num_hidden_layers"].get<int>();
+  qwen["layer_types"] = std::vector<std::string>(layers, "sliding_attention");
+  EXPECT_EQ(MustParse(qwen.dump()).sliding_window, 4096);
+  qwen["layer_types"] = std::vector<std::string>(layers, "full_attention");
+  qwen["max_window_layers"] = 0;
+  EXPECT_EQ(MustParse(qwen.dump()).sliding_window, std::nullopt);
+  qwen["layer_types"][1] = "sliding_attention";
+  absl::StatusOr<ModelConfig> mixed = ParseModelConfig(qwen.dump(), "/m/config.json");
+  EXPECT_THAT(mixed.status().message(),
+              HasSubstr("layer_types: a sliding window on layers 1 only is not supported"));
 }
 
 TEST(ModelConfigTest, MistralStyleHeadDim) {

@@ -1,0 +1,555 @@
+#!/usr/bin/env python3
+"""Holds `lathe-worker score` to Hugging Face transformers' own modeling code (issue #28,
+item 2): the logits and the loss of small random Llama, Mistral and Qwen2 models built and
+saved with transformers' classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM),
+rather than to our own Python reference (test_reference.py).
+
+Run by ctest (label "reference") with the project venv's Python (torch, transformers,
+safetensors), or by hand:
+  LATHE_BIN_DIR=build/bin .venv/bin/python tests/reference/hf_architecture_test.py -v
+
+What is held, float32 on both sides (Lathe's `score` always computes in float32):
+  - logits, per record: max|lathe - hf| / max|hf| <= 1e-5 (LOGIT_REL_TOL, see there why
+    normwise), against HF's "eager" and "sdpa" attention both;
+  - the scored loss (the mean next-token cross-entropy over every target of every record,
+    labels of -100 skipped): |lathe - hf| <= 1e-5 * hf (LOSS_REL_TOL), where hf is
+    sum over records of HF's `model(ids, labels=labels).loss` times the record's target
+    count, over the total count (HF's loss is a per-record mean; Lathe's a per-target mean
+    over the whole file, worker/engine/evaluation.cc);
+  - a bf16 checkpoint (model.to(bfloat16).save_pretrained): Lathe widens the weights to
+    float32 when it loads them for `score` (CausalLm::Load with the default ModelOptions;
+    `score` has no bf16 compute path), so the judge is HF's model loaded from the same
+    bf16 file with dtype=float32, under the same 1e-5 bounds. That the bf16 roundings move
+    the logits by far more than the bound is checked too, so the file really is bf16.
+    (HF computing in bf16 on the same file is another model: its logits differ from the
+    float32 ones by 1.7e-2 to 5e-2 in the same measure, as 8-bit-mantissa roundings of
+    every activation add up, and there is no Lathe bf16 scoring to hold to it.)
+
+The cases (CASES) cover, among them: every model type the engine trains; hidden sizes,
+intermediate sizes and vocabularies that are not powers of two or multiples of 8; GQA and
+MQA and plain multi-head attention; head_dim != hidden / heads; Llama's attention_bias and
+mlp_bias, Qwen2's q/k/v biases; tied and untied embeddings; rope_scaling llama3 and
+linear; sliding windows smaller than the sequence (Mistral, Qwen2 use_sliding_window with
+max_window_layers 0); non-default rms_norm_eps and rope_theta; one record of 400 tokens in
+some cases, past kCpuFusedAttentionMinTokens (384), where the engine's attention switches
+from its explicit softmax to libtorch's fused scaled_dot_product_attention (with an
+additive mask under a sliding window, without one otherwise).
+
+Weights are re-drawn larger than transformers' std-0.02 init (which gives nearly uniform
+logits, where a wrong epsilon or RoPE frequency barely shows): projections with std
+gain / sqrt(fan_in), embeddings std 0.5, norm weights uniform in [0.8, 1.2], biases std 0.3.
+PlantedErrorTest keeps the tolerance honest: Lathe given a copy of a model whose config.json
+says rms_norm_eps 1e-5 (the model's is 1e-3) or a rope_theta 1% off must exceed the logit
+tolerance by at least PLANTED_MARGIN times.
+
+Config spelling. Lathe reads config.json exactly as save_pretrained wrote it. Transformers
+>= 5 writes RoPE's settings as one "rope_parameters" object ({"rope_type", "rope_theta",
+"factor", ...}) instead of the top-level "rope_theta" and "rope_scaling" of earlier
+versions; this test found the parser reading only the old keys (silently theta 10000, no
+scaling: logit errors 0.36 to 1.04), and Qwen2's "layer_types", which transformers 5
+follows over max_window_layers, ignored. LegacySpellingTest holds the earlier spelling to
+the same logits; ConfigSpellingTest checks what transformers writes and that a Qwen2 window
+on some layers only is refused by name rather than run as another model.
+
+The tests need lathe-worker: they fail when LATHE_BIN_DIR is set (ctest) and it is
+missing, and are skipped otherwise.
+"""
+
+import copy
+import json
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import torch
+
+# The binaries' threads: the comparison does not depend on them, the runtime does.
+torch.set_num_threads(1)
+
+import transformers  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+transformers.logging.set_verbosity_error()
+transformers.logging.disable_progress_bar()
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCE_DIR = os.environ.get("LATHE_SOURCE_DIR") or os.path.normpath(os.path.join(HERE, "..", ".."))
+BIN_DIR_FROM_ENV = os.environ.get("LATHE_BIN_DIR")
+BIN_DIR = BIN_DIR_FROM_ENV or os.path.join(SOURCE_DIR, "build", "bin")
+
+# Logits, per record: max over the record's positions and vocabulary of |lathe - hf|,
+# divided by max |hf| over the same. Normwise rather than elementwise: float32 rounding
+# errors of a sum scale with the magnitude of its terms, not of its result, and a logit
+# near zero is a sum of terms as large as any other's, so an elementwise relative bound
+# would measure cancellation, not the implementation. Both sides compute in float32 (24-bit
+# mantissa, unit roundoff 6e-8) and differ only in the order and blocking of their sums
+# (oneDNN's products against ATen's, a fused RMSNorm and RoPE against HF's compositions):
+# measured at most 1.4e-6 on these cases (an AVX512 CPU, 2026-11), so 1e-5 leaves room for
+# other CPUs' blockings, while a wrong feature moves them by 5e-4 to 1 (PlantedErrorTest,
+# and the RoPE settings the parser once ignored).
+LOGIT_REL_TOL = 1e-5
+# The scored loss (8 to 13 on these random models): relative 1e-5, the same requirement
+# (measured below 1e-7). Lathe computes it by another path than its logits (the chunked
+# linear cross-entropy, in float32, summed over records in double), HF by log_softmax of
+# its logits.
+LOSS_REL_TOL = 1e-5
+# A planted error must exceed the tolerance by at least this factor.
+PLANTED_MARGIN = 10.0
+
+LONG_RECORD = 400  # past kCpuFusedAttentionMinTokens (common/plan.h): the fused attention
+
+# Each case: model type, seed (of the weights and the records), transformers config
+# arguments, the records' lengths. `rope_parameters` in transformers >= 5's spelling.
+CASES = {
+    # Llama with every bias, GQA (6 heads on 2), llama3 RoPE scaling whose original context
+    # (32) puts head_dim 12's six frequencies in all three bands (kept, interpolated,
+    # divided), odd sizes, non-default eps and theta, untied head.
+    "llama_bias_gqa_llama3": dict(
+        model_type="llama", seed=11,
+        config=dict(vocab_size=389, hidden_size=72, intermediate_size=131, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, attention_bias=True,
+                    mlp_bias=True, rms_norm_eps=1e-3, tie_word_embeddings=False,
+                    max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=20000.0, factor=8.0,
+                                         low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=32)),
+        lengths=[48, 37, 20, 9, 2, 1]),
+    # Llama with head_dim 16 != hidden 40 / 4 heads (q/k/v project to 64, o_proj back to
+    # 40), plain multi-head attention, tied embeddings, linear RoPE scaling, no biases.
+    "llama_tied_head_dim_linear": dict(
+        model_type="llama", seed=12,
+        config=dict(vocab_size=301, hidden_size=40, intermediate_size=77, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+                    rms_norm_eps=1e-4, tie_word_embeddings=True, max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="linear", rope_theta=5000.0, factor=2.0)),
+        lengths=[45, 31, 12, LONG_RECORD]),
+    # Mistral with a sliding window of 7 (records up to 48 and one of 400: the explicit
+    # softmax's mask and the fused attention's additive mask), MQA (4 heads on 1),
+    # head_dim 18 != 56 / 4.
+    "mistral_sliding_mqa": dict(
+        model_type="mistral", seed=13,
+        config=dict(vocab_size=263, hidden_size=56, intermediate_size=99, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=18,
+                    sliding_window=7, rms_norm_eps=1e-3, tie_word_embeddings=False,
+                    max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=1000.0)),
+        lengths=[48, 29, 8, 7, LONG_RECORD]),
+    # Qwen2 (q/k/v biases) with a sliding window of 11 on every layer (use_sliding_window,
+    # max_window_layers 0), GQA (6 heads on 3), tied embeddings.
+    "qwen2_tied_sliding": dict(
+        model_type="qwen2", seed=14,
+        config=dict(vocab_size=337, hidden_size=60, intermediate_size=85, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=3, use_sliding_window=True,
+                    sliding_window=11, max_window_layers=0, rms_norm_eps=1e-3,
+                    tie_word_embeddings=True, max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=30000.0)),
+        lengths=[47, 26, 11, 3, LONG_RECORD]),
+    # Qwen2 untied, no window, head_dim 22 != 88 / 4, an intermediate size below the hidden
+    # size, rope_theta 1e6 and eps 1e-6 (Qwen2.5's), a 400-token record (the fused attention
+    # without a mask).
+    "qwen2_untied_head_dim": dict(
+        model_type="qwen2", seed=15,
+        config=dict(vocab_size=517, hidden_size=88, intermediate_size=45, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=22,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        lengths=[41, 30, 13, LONG_RECORD]),
+}
+
+# Cases for ConfigSpellingTest alone.
+V5_CASES = {
+    # qwen2_tied_sliding with an explicit layer_types: the window on layer 1 only.
+    # Transformers 5 writes layer_types into config.json and follows it over
+    # max_window_layers (0 here).
+    "qwen2_layer_types": dict(
+        CASES["qwen2_tied_sliding"],
+        config=dict(CASES["qwen2_tied_sliding"]["config"],
+                    layer_types=["full_attention", "sliding_attention"])),
+}
+
+CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+}
+
+
+# --------------------------------------------------------------------------------------
+# Helpers
+
+
+def need_worker(test):
+    path = os.path.join(BIN_DIR, "lathe-worker")
+    if os.access(path, os.X_OK):
+        return path
+    msg = f"missing lathe-worker in {BIN_DIR}"
+    if BIN_DIR_FROM_ENV:
+        test.fail(msg + " (LATHE_BIN_DIR is set: build it first)")
+    raise unittest.SkipTest(msg)
+
+
+def build_model(case):
+    """A transformers model of `case` with weights large enough for errors to show."""
+    config_class, model_class = CLASSES[case["model_type"]]
+    config = config_class(**copy.deepcopy(case["config"]))
+    torch.manual_seed(case["seed"])
+    model = model_class(config).float().eval()
+    generator = torch.Generator().manual_seed(case["seed"])
+    with torch.no_grad():
+        # named_parameters lists a tied head once (as the embeddings).
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(0.8 + 0.4 * torch.rand(param.shape, generator=generator))
+            elif name.endswith(".bias"):
+                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+            elif name == "model.embed_tokens.weight":
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+            else:
+                # Queries and keys larger, for attention that is neither uniform nor one-hot;
+                # the head larger, for logits of std ~2-3 (up to 9-22 in absolute value).
+                gain = (1.5 if any(p in name for p in ("q_proj", "k_proj"))
+                        else 2.0 if name == "lm_head.weight" else 1.0)
+                std = gain / math.sqrt(param.shape[1])
+                param.copy_(std * torch.randn(param.shape, generator=generator))
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def legacy_rope_config(config):
+    """`config` (a config.json dict as transformers >= 5 writes it) with RoPE's settings
+    as top-level rope_theta and rope_scaling, the spelling of transformers < 5, which both
+    transformers and Lathe read."""
+    config = dict(config)
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    return config
+
+
+def read_config(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def write_config(model_dir, config):
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def copy_with_config(src, dst, edit):
+    """A copy of model directory `src` at `dst` whose config.json is edit(config)."""
+    shutil.copytree(src, dst)
+    write_config(dst, edit(read_config(src)))
+    return dst
+
+
+def make_records(case):
+    """Token-id records of case["lengths"]: some with labels (a -100 prompt, some labels
+    that are not the next input, one record with no target at all), some without (every
+    next token is a target)."""
+    generator = torch.Generator().manual_seed(1000 + case["seed"])
+    vocab = case["config"]["vocab_size"]
+    records = []
+    for i, length in enumerate(case["lengths"]):
+        ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        record = {"input_ids": ids}
+        kind = i % 3
+        if kind == 1 and length > 2:
+            labels = list(ids)
+            prompt = length // 3
+            labels[:prompt] = [-100] * prompt
+            # Labels need not be the inputs: a few replaced by other token ids.
+            for j in torch.randint(prompt, length, (3,), generator=generator).tolist():
+                labels[j] = (labels[j] + 7) % vocab
+            record["labels"] = labels
+        elif kind == 2 and length > 2:
+            record["labels"] = [-100] * length if i == 2 else \
+                [-100 if j % 2 else t for j, t in enumerate(ids)]
+        records.append(record)
+    return records
+
+
+def write_records(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def lathe_score(model_dir, data, out):
+    """Lathe's logits per record and its scored loss: (list of [len, vocab], json)."""
+    cmd = [os.path.join(BIN_DIR, "lathe-worker"), "score", "--model", model_dir, "--data", data,
+           "--logits-out", out, "--output", "json", "--threads", "1"]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise AssertionError(f"lathe-worker score failed (exit {proc.returncode}):\n"
+                             f"  $ {' '.join(cmd)}\nstdout:\n{proc.stdout}\n"
+                             f"stderr:\n{proc.stderr}")
+    lines = [l for l in proc.stdout.splitlines() if l.strip().startswith("{")]
+    if not lines:
+        raise AssertionError(f"lathe-worker score printed no JSON:\n{proc.stdout}")
+    tensors = load_file(out)
+    return [tensors[f"logits.{i}"] for i in range(len(tensors))], json.loads(lines[-1])
+
+
+def hf_score(model, records):
+    """HF's logits per record, and its loss over the records as Lathe averages it:
+    (logits, loss, targets)."""
+    logits, loss_sum, targets = [], 0.0, 0
+    with torch.no_grad():
+        for r in records:
+            ids = torch.tensor([r["input_ids"]])
+            labels = torch.tensor([r.get("labels", r["input_ids"])])
+            n = int((labels[0, 1:] != -100).sum())
+            out = model(input_ids=ids, labels=labels if n else None)
+            logits.append(out.logits[0].float())
+            if n:
+                loss_sum += out.loss.double().item() * n
+                targets += n
+    return logits, loss_sum / targets, targets
+
+
+def max_rel_error(lathe_logits, hf_logits):
+    """max over records of max|lathe - hf| / max|hf|, and the worst record's index."""
+    assert len(lathe_logits) == len(hf_logits), (len(lathe_logits), len(hf_logits))
+    worst = (0.0, -1)
+    for i, (a, b) in enumerate(zip(lathe_logits, hf_logits)):
+        assert tuple(a.shape) == tuple(b.shape), (i, tuple(a.shape), tuple(b.shape))
+        err = ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+        worst = max(worst, (err, i))
+    return worst
+
+
+def with_attention(model, implementation):
+    model.set_attn_implementation(implementation)
+    assert model.config._attn_implementation == implementation, model.config._attn_implementation
+    return model
+
+
+# --------------------------------------------------------------------------------------
+# The cases, built once per process
+
+
+class Prepared:
+    """One case: the HF model, its directories (as saved, in the legacy config spelling,
+    bf16), its data, and Lathe's scores, each computed once."""
+
+    def __init__(self, name, tmp):
+        self.name = name
+        self.case = CASES[name] if name in CASES else V5_CASES[name]
+        self.tmp = os.path.join(tmp, name)
+        os.makedirs(self.tmp)
+        self.model = build_model(self.case)
+        self.records = make_records(self.case)
+        self.data = write_records(os.path.join(self.tmp, "data.jsonl"), self.records)
+        self._hf = {}
+        self._lathe = {}
+        # As transformers writes it.
+        self.dir = os.path.join(self.tmp, "model")
+        self.model.save_pretrained(self.dir, safe_serialization=True)
+
+    def legacy_dir(self):
+        """The same model, RoPE's settings in transformers < 5's spelling."""
+        path = os.path.join(self.tmp, "legacy")
+        return path if os.path.isdir(path) else copy_with_config(self.dir, path,
+                                                                  legacy_rope_config)
+
+    def hf(self, implementation="eager"):
+        if implementation not in self._hf:
+            self._hf[implementation] = hf_score(with_attention(self.model, implementation),
+                                                self.records)
+        return self._hf[implementation]
+
+    def lathe(self, model_dir):
+        if model_dir not in self._lathe:
+            out = os.path.join(self.tmp, f"logits-{len(self._lathe)}.safetensors")
+            self._lathe[model_dir] = lathe_score(model_dir, self.data, out)
+        return self._lathe[model_dir]
+
+
+_TMP = None
+_PREPARED = {}
+
+
+def prepared(name):
+    global _TMP
+    if _TMP is None:
+        _TMP = tempfile.mkdtemp(prefix="lathe-hf-arch-")
+    if name not in _PREPARED:
+        _PREPARED[name] = Prepared(name, _TMP)
+    return _PREPARED[name]
+
+
+def tearDownModule():
+    if _TMP is not None:
+        shutil.rmtree(_TMP, ignore_errors=True)
+
+
+class HfTestCase(unittest.TestCase):
+    def setUp(self):
+        need_worker(self)
+
+    def assert_logits_match(self, lathe_logits, hf_logits, what):
+        err, record = max_rel_error(lathe_logits, hf_logits)
+        self.assertLessEqual(err, LOGIT_REL_TOL,
+                             f"{what}: logits differ: max|lathe - hf| / max|hf| = {err:.3e} "
+                             f"(record {record}) > {LOGIT_REL_TOL:g}")
+        return err
+
+    def assert_loss_matches(self, lathe, hf_loss, hf_targets, what):
+        self.assertEqual(lathe["targets"], hf_targets, f"{what}: target count")
+        err = abs(lathe["loss"] - hf_loss) / abs(hf_loss)
+        self.assertLessEqual(err, LOSS_REL_TOL,
+                             f"{what}: loss {lathe['loss']!r} vs HF's {hf_loss!r}: relative "
+                             f"{err:.3e} > {LOSS_REL_TOL:g}")
+        return err
+
+    def check_case(self, name, model_dir=None, hf_model=None):
+        p = prepared(name)
+        lathe_logits, lathe = p.lathe(model_dir or p.dir)
+        for implementation in ("eager", "sdpa"):
+            with self.subTest(case=name, attention=implementation):
+                if hf_model is None:
+                    hf_logits, hf_loss, hf_targets = p.hf(implementation)
+                else:
+                    hf_logits, hf_loss, hf_targets = hf_score(
+                        with_attention(hf_model, implementation), p.records)
+                self.assert_logits_match(lathe_logits, hf_logits, f"{name} ({implementation})")
+                self.assert_loss_matches(lathe, hf_loss, hf_targets, f"{name} ({implementation})")
+
+
+# --------------------------------------------------------------------------------------
+# The tests
+
+
+class ArchitectureTest(HfTestCase):
+    """Lathe's logits and loss against transformers' on each case, float32 weights."""
+
+    def test_llama_bias_gqa_llama3(self):
+        self.check_case("llama_bias_gqa_llama3")
+
+    def test_llama_tied_head_dim_linear(self):
+        self.check_case("llama_tied_head_dim_linear")
+
+    def test_mistral_sliding_mqa(self):
+        self.check_case("mistral_sliding_mqa")
+
+    def test_qwen2_tied_sliding(self):
+        self.check_case("qwen2_tied_sliding")
+
+    def test_qwen2_untied_head_dim(self):
+        self.check_case("qwen2_untied_head_dim")
+
+
+class Bf16CheckpointTest(HfTestCase):
+    """A checkpoint stored in bfloat16: Lathe's score widens it to float32 on load, as HF's
+    from_pretrained(dtype=float32) does; both then compute in float32 (bounds as above)."""
+
+    def check_bf16(self, name):
+        p = prepared(name)
+        bf16_dir = os.path.join(p.tmp, "bf16")
+        if not os.path.isdir(bf16_dir):
+            copy.deepcopy(p.model).to(torch.bfloat16).save_pretrained(bf16_dir,
+                                                                      safe_serialization=True)
+            write_config(bf16_dir, legacy_rope_config(read_config(bf16_dir)))
+        stored = load_file(os.path.join(bf16_dir, "model.safetensors"))
+        self.assertTrue(all(t.dtype == torch.bfloat16 for t in stored.values()))
+        hf_model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval()
+        self.check_case(name, bf16_dir, hf_model)
+        # The roundings matter: the float32 model's logits are far from these.
+        err, _ = max_rel_error(p.lathe(bf16_dir)[0], p.hf()[0])
+        self.assertGreater(err, PLANTED_MARGIN * LOGIT_REL_TOL)
+
+    def test_llama_bias_gqa_llama3(self):
+        self.check_bf16("llama_bias_gqa_llama3")
+
+    def test_qwen2_tied_sliding(self):
+        self.check_bf16("qwen2_tied_sliding")
+
+
+class PlantedErrorTest(HfTestCase):
+    """The comparison detects a wrong RMSNorm epsilon or RoPE theta: Lathe given a copy of the
+    model whose config.json has the planted value, HF the true one."""
+
+    def check_planted(self, name, what, edit):
+        """`edit(config)` plants `what` in the copy Lathe reads."""
+        p = prepared(name)
+        planted_dir = os.path.join(p.tmp, f"planted-{what}")
+        if not os.path.isdir(planted_dir):
+            copy_with_config(p.dir, planted_dir, edit)
+        err, _ = max_rel_error(p.lathe(planted_dir)[0], p.hf()[0])
+        self.assertGreater(err, PLANTED_MARGIN * LOGIT_REL_TOL,
+                           f"{name}: a planted {what} moves the logits by only {err:.3e}")
+        return err
+
+    def test_rms_norm_eps(self):
+        # The model's 1e-3 read as 1e-5.
+        for name in ("llama_bias_gqa_llama3", "mistral_sliding_mqa", "qwen2_tied_sliding"):
+            with self.subTest(case=name):
+                self.assertEqual(CASES[name]["config"]["rms_norm_eps"], 1e-3)
+                self.check_planted(name, "rms_norm_eps",
+                                   lambda c: {**c, "rms_norm_eps": 1e-5})
+
+    def test_rope_theta(self):
+        # 1% off.
+        for name in CASES:
+            with self.subTest(case=name):
+                self.check_planted(name, "rope_theta", lambda c: {
+                    **c, "rope_parameters": {**c["rope_parameters"],
+                                             "rope_theta": c["rope_parameters"]["rope_theta"] * 1.01}})
+
+
+class LegacySpellingTest(HfTestCase):
+    """config.json in transformers < 5's spelling (top-level rope_theta and rope_scaling),
+    which both transformers and Lathe still read, gives the same logits."""
+
+    def test_llama3_scaling_and_theta(self):
+        for name in ("llama_bias_gqa_llama3", "llama_tied_head_dim_linear"):
+            with self.subTest(case=name):
+                p = prepared(name)
+                legacy = p.legacy_dir()
+                self.assertEqual(AutoConfig.from_pretrained(legacy).rope_parameters,
+                                 p.model.config.rope_parameters)
+                self.check_case(name, legacy)
+
+
+class ConfigSpellingTest(HfTestCase):
+    """What the cases rely on transformers 5 writing, and a Qwen2 "layer_types" that Lathe
+    cannot run as written."""
+
+    def test_written_config(self):
+        config = read_config(prepared("qwen2_tied_sliding").dir)
+        self.assertEqual(config["rope_parameters"], {"rope_type": "default", "rope_theta": 30000.0})
+        self.assertNotIn("rope_theta", config)
+        self.assertNotIn("rope_scaling", config)
+        self.assertEqual(config["layer_types"], ["sliding_attention"] * 2)
+        self.assertEqual(read_config(prepared("llama_bias_gqa_llama3").dir)["rope_parameters"],
+                         CASES["llama_bias_gqa_llama3"]["config"]["rope_parameters"])
+
+    def test_qwen2_window_on_some_layers_is_refused(self):
+        # layer_types puts the window on layer 1 only (max_window_layers 0 says both):
+        # transformers follows layer_types, Lathe cannot represent it and must say so, not
+        # run a model with the window on both (which it did: max logit error 0.91).
+        p = prepared("qwen2_layer_types")
+        with self.assertRaises(AssertionError) as refused:
+            p.lathe(p.dir)
+        self.assertIn("layer_types: a sliding window on layers 1 only is not supported",
+                      str(refused.exception))
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
