@@ -11,7 +11,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -417,6 +419,25 @@ const std::vector<FlagSpec> kScoreFlags = {
     {"threads", true, "intra-op threads (default: every core)"},
 };
 
+// Adds the PEFT LoRA adapter in `adapter_dir` to `model`, as its adapter_config.json says.
+absl::Status LoadAdapter(const std::string& adapter_dir, CausalLm* model) {
+  const std::string config_path = adapter_dir + "/adapter_config.json";
+  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path));
+  LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter, ParsePeftAdapterConfig(text, config_path));
+  LoraSpec lora;
+  lora.rank = adapter.r;
+  lora.alpha = adapter.lora_alpha;
+  lora.use_rslora = adapter.use_rslora;
+  lora.targets = adapter.target_modules;
+  for (const std::string& t : lora.targets) {
+    if (!IsLoraTargetModule(t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(config_path, ": target_modules: unknown module \"", t, "\""));
+    }
+  }
+  return model->LoadLora(lora, adapter_dir);
+}
+
 absl::Status Score(const ParsedFlags& flags, bool json) {
   if (!flags.Has("model") || !flags.Has("data")) {
     return absl::InvalidArgumentError("--model and --data are required");
@@ -432,24 +453,7 @@ absl::Status Score(const ParsedFlags& flags, bool json) {
                                                                config.vocab_size, &text_encoder));
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model,
                          CausalLm::Load(model_dir, config, /*trainable_base=*/false));
-  if (flags.Has("adapter")) {
-    std::string adapter_dir = flags.Get("adapter");
-    std::string config_path = adapter_dir + "/adapter_config.json";
-    LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(config_path));
-    LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter, ParsePeftAdapterConfig(text, config_path));
-    LoraSpec lora;
-    lora.rank = adapter.r;
-    lora.alpha = adapter.lora_alpha;
-    lora.use_rslora = adapter.use_rslora;
-    lora.targets = adapter.target_modules;
-    for (const std::string& t : lora.targets) {
-      if (!IsLoraTargetModule(t)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(config_path, ": target_modules: unknown module \"", t, "\""));
-      }
-    }
-    LATHE_RETURN_IF_ERROR(model->LoadLora(lora, adapter_dir));
-  }
+  if (flags.Has("adapter")) LATHE_RETURN_IF_ERROR(LoadAdapter(flags.Get("adapter"), model.get()));
   bool keep_logits = flags.Has("logits-out");
   LATHE_ASSIGN_OR_RETURN(Evaluation eval, Evaluate(*model, data, seq_len, keep_logits));
   if (keep_logits) {
@@ -469,10 +473,128 @@ absl::Status Score(const ParsedFlags& flags, bool json) {
   return absl::OkStatus();
 }
 
+const std::vector<FlagSpec> kMergeFlags = {
+    {"model", true, "the adapter's base model: a Hugging Face model directory"},
+    {"adapter", true, "PEFT LoRA adapter directory to fold into the base weights"},
+    {"out", true, "the merged model's directory: new, or empty"},
+    {"dtype", true, "float32 | bfloat16 | float16 (default: the base's torch_dtype, else float32)"},
+    {"max-shard-bytes", true,
+     "largest safetensors file (default 5000000000, transformers' 5GB); more files get an "
+     "index"},
+    {"output", true, "table | json (default table)"},
+};
+
+// The files of a model directory besides its weights and config that a merged model keeps.
+constexpr const char* kModelSideFiles[] = {
+    "tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "added_tokens.json",     "vocab.json",
+    "merges.txt",      "chat_template.jinja",   "generation_config.json"};
+
+// `lathe-worker merge`: the base model with the adapter folded in, as a Hugging Face model
+// directory that AutoModelForCausalLM.from_pretrained loads: the base's dtype, safetensors
+// files of at most --max-shard-bytes (with model.safetensors.index.json when there are
+// several), the base's config.json (its dtype updated) and tokenizer files.
+absl::Status Merge(const ParsedFlags& flags, bool json) {
+  for (const char* flag : {"model", "adapter", "out"}) {
+    if (!flags.Has(flag))
+      return absl::InvalidArgumentError("--model, --adapter and --out are required");
+  }
+  const std::string model_dir = flags.Get("model"), out = flags.Get("out");
+  std::error_code error;
+  if (std::filesystem::exists(out, error) && !std::filesystem::is_empty(out, error)) {
+    return absl::InvalidArgumentError(absl::StrCat("--out: ", out, " is not empty"));
+  }
+  LATHE_ASSIGN_OR_RETURN(int64_t max_shard, flags.GetInt("max-shard-bytes", 5'000'000'000));
+  if (max_shard <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max-shard-bytes: must be > 0, got ", max_shard));
+  }
+  LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(model_dir + "/config.json"));
+  LATHE_ASSIGN_OR_RETURN(ModelConfig config,
+                         ParseModelConfig(config_text, model_dir + "/config.json"));
+  const std::string dtype_name =
+      flags.Get("dtype", config.torch_dtype.empty() ? std::string("float32") : config.torch_dtype);
+  const std::map<std::string, at::ScalarType> kTypes = {
+      {"float32", at::kFloat}, {"bfloat16", at::kBFloat16}, {"float16", at::kHalf}};
+  auto type = kTypes.find(dtype_name);
+  if (type == kTypes.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flags.Has("dtype") ? "--dtype" : "the base's torch_dtype",
+                     ": expected float32, "
+                     "bfloat16 or float16, got \"",
+                     dtype_name, "\""));
+  }
+  // Float32 arithmetic whatever the files hold: the sum is rounded once, to the output type.
+  LATHE_ASSIGN_OR_RETURN(std::unique_ptr<CausalLm> model,
+                         CausalLm::Load(model_dir, config, /*trainable_base=*/false));
+  LATHE_RETURN_IF_ERROR(LoadAdapter(flags.Get("adapter"), model.get()));
+  LATHE_RETURN_IF_ERROR(model->MergeLora());
+
+  // Shards in the weights' order, a new one whenever the next tensor would pass the bound.
+  std::vector<std::pair<std::string, at::Tensor>> weights;
+  std::vector<int> shard_of;
+  std::vector<int64_t> shard_bytes = {0};
+  for (auto& [name, weight] : model->NamedBaseWeights()) {
+    at::Tensor tensor = weight.to(type->second);
+    const int64_t bytes = tensor.numel() * tensor.element_size();
+    if (shard_bytes.back() > 0 && shard_bytes.back() + bytes > max_shard) shard_bytes.push_back(0);
+    shard_bytes.back() += bytes;
+    shard_of.push_back(static_cast<int>(shard_bytes.size()) - 1);
+    weights.emplace_back(name, std::move(tensor));
+  }
+  const int shards = static_cast<int>(shard_bytes.size());
+  auto file_name = [shards](int shard) {
+    return shards == 1 ? std::string("model.safetensors")
+                       : absl::StrFormat("model-%05d-of-%05d.safetensors", shard + 1, shards);
+  };
+  std::filesystem::create_directories(out, error);
+  if (error) return absl::InternalError(absl::StrCat("--out: ", out, ": ", error.message()));
+  nlohmann::ordered_json index;
+  for (int shard = 0; shard < shards; ++shard) {
+    TensorsToWrite tensors;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      if (shard_of[i] != shard) continue;
+      tensors.Add(weights[i].first, weights[i].second);
+      index["weight_map"][weights[i].first] = file_name(shard);
+    }
+    LATHE_RETURN_IF_ERROR(
+        WriteSafetensors(out + "/" + file_name(shard), tensors.tensors(), {{"format", "pt"}}));
+  }
+  if (shards > 1) {
+    int64_t total = 0;
+    for (int64_t bytes : shard_bytes) total += bytes;
+    index["metadata"]["total_size"] = total;
+    LATHE_RETURN_IF_ERROR(
+        WriteFileAtomically(out + "/model.safetensors.index.json", index.dump(2) + "\n"));
+  }
+  // The base's config as it is (fields this engine does not read included), in the new type.
+  nlohmann::ordered_json base_config = nlohmann::ordered_json::parse(config_text);
+  if (base_config.contains("dtype")) base_config["dtype"] = dtype_name;
+  if (base_config.contains("torch_dtype") || !base_config.contains("dtype")) {
+    base_config["torch_dtype"] = dtype_name;
+  }
+  LATHE_RETURN_IF_ERROR(WriteFileAtomically(out + "/config.json", base_config.dump(2) + "\n"));
+  for (const char* name : kModelSideFiles) {
+    const std::string from = model_dir + "/" + name;
+    if (!std::filesystem::exists(from, error)) continue;
+    LATHE_ASSIGN_OR_RETURN(std::string bytes, ReadFile(from));
+    LATHE_RETURN_IF_ERROR(WriteFileAtomically(out + "/" + name, bytes));
+  }
+  if (json) {
+    std::cout << nlohmann::json{{"out", out}, {"dtype", dtype_name}, {"files", shards}}.dump()
+              << std::endl;
+  } else {
+    std::cout << "merged model: " << out << " (" << dtype_name << ", " << shards
+              << (shards == 1 ? " file)\n" : " files)\n");
+  }
+  return absl::OkStatus();
+}
+
 int Usage() {
-  std::cerr << "usage: lathe-worker train|score|agent [flags]\n\ntrain:\n"
+  std::cerr << "usage: lathe-worker train|score|merge|agent [flags]\n\ntrain:\n"
             << FlagsHelp(kTrainFlags) << "\nscore:\n"
-            << FlagsHelp(kScoreFlags);
+            << FlagsHelp(kScoreFlags) << "\nmerge:\n"
+            << FlagsHelp(kMergeFlags);
 #ifdef LATHE_WITH_AGENT
   std::cerr << "\nagent (register with a coordinator, run its ranks):\n" << AgentFlagsHelp();
 #endif
@@ -505,6 +627,7 @@ int Main(int argc, char** argv) {
 #endif
   const std::vector<FlagSpec>* specs = command == "train"   ? &kTrainFlags
                                        : command == "score" ? &kScoreFlags
+                                       : command == "merge" ? &kMergeFlags
                                                             : nullptr;
   if (specs == nullptr) return Usage();
   absl::StatusOr<ParsedFlags> flags = ParseFlags({argv + 2, argv + argc}, *specs);
@@ -520,7 +643,8 @@ int Main(int argc, char** argv) {
   try {
     status = !json.ok()           ? json.status()
              : command == "train" ? Train(*flags, *json)
-                                  : Score(*flags, *json);
+             : command == "score" ? Score(*flags, *json)
+                                  : Merge(*flags, *json);
   } catch (const std::bad_alloc&) {
     status = absl::ResourceExhaustedError(
         "out of memory: an allocation failed (a smaller micro-batch, activation checkpointing "

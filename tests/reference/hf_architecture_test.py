@@ -71,6 +71,7 @@ torch.set_num_threads(1)
 
 import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
@@ -362,6 +363,14 @@ class Prepared:
         self.dir = os.path.join(self.tmp, "model")
         self.model.save_pretrained(self.dir, safe_serialization=True)
 
+    def bf16_dir(self):
+        """The same model saved in bfloat16."""
+        path = os.path.join(self.tmp, "bf16")
+        if not os.path.isdir(path):
+            copy.deepcopy(self.model).to(torch.bfloat16).save_pretrained(path,
+                                                                         safe_serialization=True)
+        return path
+
     def legacy_dir(self):
         """The same model, RoPE's settings in transformers < 5's spelling."""
         path = os.path.join(self.tmp, "legacy")
@@ -461,11 +470,7 @@ class Bf16CheckpointTest(HfTestCase):
 
     def check_bf16(self, name):
         p = prepared(name)
-        bf16_dir = os.path.join(p.tmp, "bf16")
-        if not os.path.isdir(bf16_dir):
-            copy.deepcopy(p.model).to(torch.bfloat16).save_pretrained(bf16_dir,
-                                                                      safe_serialization=True)
-            write_config(bf16_dir, legacy_rope_config(read_config(bf16_dir)))
+        bf16_dir = p.bf16_dir()
         stored = load_file(os.path.join(bf16_dir, "model.safetensors"))
         self.assertTrue(all(t.dtype == torch.bfloat16 for t in stored.values()))
         hf_model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32).eval()
@@ -479,6 +484,85 @@ class Bf16CheckpointTest(HfTestCase):
 
     def test_qwen2_tied_sliding(self):
         self.check_bf16("qwen2_tied_sliding")
+
+
+class MergedModelTest(HfTestCase):
+    """`lathe-worker merge`: a PEFT adapter folded into its base, written as a Hugging Face
+    model directory (the base's dtype, safetensors shards with an index, the base's config
+    and side files) that AutoModelForCausalLM loads and that computes what base and adapter
+    computed together."""
+
+    TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+    def adapter(self, p):
+        """A PEFT adapter of the case's model, made and saved by PEFT (B non-zero)."""
+        path = os.path.join(p.tmp, "adapter")
+        if not os.path.isdir(path):
+            torch.manual_seed(7)
+            peft_model = get_peft_model(copy.deepcopy(p.model), LoraConfig(
+                r=4, lora_alpha=12, target_modules=self.TARGETS, lora_dropout=0.0,
+                init_lora_weights=False))
+            peft_model.save_pretrained(path)
+        return path
+
+    def merge(self, p, base, out, *args):
+        cmd = [os.path.join(BIN_DIR, "lathe-worker"), "merge", "--model", base, "--adapter",
+               self.adapter(p), "--out", os.path.join(p.tmp, out), "--output", "json", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        return os.path.join(p.tmp, out), json.loads(proc.stdout)
+
+    def test_float32_merge_computes_base_plus_adapter(self):
+        p = prepared("llama_bias_gqa_llama3")
+        merged, _ = self.merge(p, p.dir, "merged-f32")
+        hf_merged, info = AutoModelForCausalLM.from_pretrained(
+            merged, dtype=torch.float32, output_loading_info=True)
+        self.assertEqual({k: v for k, v in info.items() if v}, {}, "keys not matched")
+        peft = PeftModel.from_pretrained(copy.deepcopy(p.model), self.adapter(p)).eval()
+        # Merged and unmerged sum the same terms in another order: the architecture bound.
+        peft_logits, _, _ = hf_score(peft, p.records)
+        merged_logits, _, _ = hf_score(hf_merged.eval(), p.records)
+        self.assert_logits_match(merged_logits, peft_logits, "merged (HF) vs base + adapter")
+        self.assert_logits_match(p.lathe(merged)[0], peft_logits, "merged (Lathe) vs PEFT")
+
+    def test_bf16_base_gives_a_sharded_bf16_model(self):
+        p = prepared("qwen2_tied_sliding")
+        base = p.bf16_dir()
+        merged, printed = self.merge(p, base, "merged-bf16", "--max-shard-bytes", "40000")
+        self.assertEqual(printed["dtype"], "bfloat16")
+        self.assertGreater(printed["files"], 1)
+        with open(os.path.join(merged, "model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+        self.assertEqual(len(set(weight_map.values())), printed["files"])
+        self.assertEqual(read_config(merged)["dtype"], "bfloat16")
+        self.assertEqual(read_config(merged)["rope_parameters"], read_config(base)["rope_parameters"])
+        self.assertTrue(os.path.isfile(os.path.join(merged, "generation_config.json")))
+        hf_merged, info = AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
+        self.assertEqual({k: v for k, v in info.items() if v}, {}, "keys not matched")
+        self.assertEqual(hf_merged.model.layers[0].self_attn.q_proj.weight.dtype, torch.bfloat16)
+        # Each merged weight is W + (alpha / r) B A in float32, rounded once to bfloat16: equal
+        # to torch's up to one bfloat16 step where the float32 sums round differently.
+        adapter = load_file(os.path.join(self.adapter(p), "adapter_model.safetensors"))
+        base_weights = {k: v.float() for k, v in load_file(
+            os.path.join(base, "model.safetensors")).items()}
+        merged_weights = {}
+        for file in set(weight_map.values()):
+            merged_weights.update(load_file(os.path.join(merged, file)))
+        self.assertEqual(set(merged_weights), set(base_weights))
+        checked = 0
+        for name, weight in base_weights.items():
+            expected = weight
+            stem = name[:-len(".weight")]
+            a = adapter.get(f"base_model.model.{stem}.lora_A.weight")
+            if a is not None:
+                b = adapter[f"base_model.model.{stem}.lora_B.weight"]
+                expected = weight + (12 / 4) * (b.float() @ a.float())
+                checked += 1
+            expected = expected.to(torch.bfloat16).float()
+            got = merged_weights[name].float()
+            step = expected.abs().clamp_min(1e-30) * 2.0**-7  # one bfloat16 step at most
+            self.assertTrue(bool(((got - expected).abs() <= step).all()), name)
+        self.assertEqual(checked, 2 * len(self.TARGETS))
 
 
 class PlantedErrorTest(HfTestCase):

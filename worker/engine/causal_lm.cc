@@ -572,10 +572,18 @@ absl::Status CausalLm::ExportAdapter(const std::string& dir,
   return WritePeftAdapter(dir, config, tensors.tensors());
 }
 
+std::vector<std::pair<std::string, at::Tensor>> CausalLm::NamedBaseWeights() const {
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& [name, slot] : const_cast<CausalLm*>(this)->BaseWeights()) {
+    named.emplace_back(name, *slot);
+  }
+  return named;
+}
+
 absl::Status CausalLm::ExportModel(const std::string& dir) const {
   TensorsToWrite tensors;
   try {
-    for (auto& [name, slot] : const_cast<CausalLm*>(this)->BaseWeights()) tensors.Add(name, *slot);
+    for (const auto& [name, tensor] : NamedBaseWeights()) tensors.Add(name, tensor);
   } catch (const c10::Error& e) {
     return StatusFromTorchError(e, "exporting the model");
   }
@@ -585,6 +593,30 @@ absl::Status CausalLm::ExportModel(const std::string& dir) const {
   LATHE_RETURN_IF_ERROR(
       WriteSafetensors(dir + "/model.safetensors", tensors.tensors(), {{"format", "pt"}}));
   return WriteExportedConfig(dir);
+}
+
+absl::Status CausalLm::MergeLora() {
+  try {
+    at::NoGradGuard no_grad;
+    for (DecoderLayer& layer : layers_) {
+      for (const std::string& module : LoraTargetModules()) {
+        Projection& p = layer.projection(module);
+        if (!p.lora_a.defined()) continue;
+        if (!p.weight.defined()) {
+          return absl::FailedPreconditionError(
+              "merging an adapter into NF4 weights: load the base model unquantized");
+        }
+        const at::Tensor delta = at::matmul(p.lora_b.to(at::kFloat), p.lora_a.to(at::kFloat));
+        p.weight = (p.weight.to(at::kFloat) + p.lora_scale * delta).to(p.weight.scalar_type());
+        p.lora_a = at::Tensor();
+        p.lora_b = at::Tensor();
+        p.lora_scale = 0.0;
+      }
+    }
+  } catch (const c10::Error& e) {
+    return StatusFromTorchError(e, "merging the adapter");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status CausalLm::WriteExportedConfig(const std::string& dir) const {

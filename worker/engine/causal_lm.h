@@ -149,6 +149,12 @@ class CausalLm {
   absl::Status ExportAdapter(const std::string& dir, const PeftAdapterConfig& config) const;
   // Writes config.json and model.safetensors (float32) to `dir`.
   absl::Status ExportModel(const std::string& dir) const;
+  // Folds every LoRA adapter into its frozen weight (W + scale * B A, computed in float32,
+  // stored in the weight's type) and drops the adapters: the model then computes what base
+  // and adapter did together. FAILED_PRECONDITION for NF4 weights (method qlora).
+  absl::Status MergeLora();
+  // The base weights (LoRA excluded) by Hugging Face name, in ExpectedWeights' order.
+  std::vector<std::pair<std::string, at::Tensor>> NamedBaseWeights() const;
   // Writes the config.json of an exported model (float32 weights) to `dir`, as ExportModel
   // does; for exports whose weights are written elsewhere (ZeRO-3, unit by unit).
   absl::Status WriteExportedConfig(const std::string& dir) const;
