@@ -540,6 +540,10 @@ class MergedModelTest(HfTestCase):
         hf_merged, info = AutoModelForCausalLM.from_pretrained(merged, output_loading_info=True)
         self.assertEqual({k: v for k, v in info.items() if v}, {}, "keys not matched")
         self.assertEqual(hf_merged.model.layers[0].self_attn.q_proj.weight.dtype, torch.bfloat16)
+        # Lathe reads the sharded directory too, and computes what HF computes from it.
+        hf_f32 = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        self.assert_logits_match(p.lathe(merged)[0], hf_score(hf_f32, p.records)[0],
+                                 "sharded bf16 merge (Lathe vs HF)")
         # Each merged weight is W + (alpha / r) B A in float32, rounded once to bfloat16: equal
         # to torch's up to one bfloat16 step where the float32 sums round differently.
         adapter = load_file(os.path.join(self.adapter(p), "adapter_model.safetensors"))
