@@ -3,6 +3,7 @@
 #include <CivetServer.h>
 
 #include <exception>
+#include <string>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
@@ -70,6 +71,19 @@ class ReadyHandler : public CivetHandler {
   const std::function<absl::Status()> ready_;
 };
 
+// civetweb reads a request's head in the thread that took its connection, so a connection
+// that sends part of a request and then nothing holds a thread until the head's timeout: with
+// the 2 threads this port had, two such connections kept /healthz, /readyz and /metrics from
+// answering for 30 s each, and anyone who reached the port could fail its probes at will
+// (issue #27). 256 threads outlast hundreds of stalled connections (each thread's stack is
+// mostly untouched: a few MiB resident in all), and a head must arrive within 2 s of its
+// connection being taken (a probe or a scrape sends it at once), so a stalled connection gives
+// its thread back soon. Without keep-alive a connection holds its thread for one request
+// only (a scraper's idle connection would hold one between scrapes).
+constexpr int kThreads = 256;
+constexpr int kQueuedConnections = 20;  // accepted, waiting for a thread (civetweb's default)
+constexpr char kRequestTimeoutMs[] = "2000";
+
 // civetweb's own message when it cannot start (it says why only through this callback).
 absl::Mutex start_error_mu;
 std::string* start_error ABSL_GUARDED_BY(start_error_mu) = nullptr;
@@ -108,7 +122,11 @@ absl::StatusOr<std::unique_ptr<HttpEndpoints>> HttpEndpoints::Start(HttpEndpoint
   std::string failure;
   try {
     endpoints->impl_->server = std::make_unique<CivetServer>(
-        std::vector<std::string>{"listening_ports", listen, "num_threads", "2"}, &callbacks);
+        std::vector<std::string>{"listening_ports", listen, "num_threads", std::to_string(kThreads),
+                                 "connection_queue", std::to_string(kQueuedConnections),
+                                 "request_timeout_ms", kRequestTimeoutMs, "enable_keep_alive",
+                                 "no"},
+        &callbacks);
   } catch (const std::exception& e) {
     failure = e.what();
   }

@@ -2,7 +2,9 @@
 //   /metrics  Prometheus' text format of the given prometheus-cpp collectables
 //   /healthz  200 "ok" while the process serves at all (a liveness probe)
 //   /readyz   200 "ready" when `ready` says so, else 503 with its reason (a readiness probe)
-// Only GET; anything else is civetweb's 404 or 405.
+// Only GET; anything else is civetweb's 404 or 405. Up to 256 connections are served at once,
+// each for one request whose head must arrive within 2 s, so that connections that stall
+// cannot keep the probes from answering (issue #27).
 //
 // Thread-safety: thread-safe; the collectables and `ready` are called from civetweb's
 // threads.
