@@ -83,6 +83,7 @@ class ReadyHandler : public CivetHandler {
 constexpr int kThreads = 256;
 constexpr int kQueuedConnections = 20;  // accepted, waiting for a thread (civetweb's default)
 constexpr char kRequestTimeoutMs[] = "2000";
+static_assert(kThreads + kQueuedConnections + 1 == HttpEndpoints::kMaxConnections);
 
 // civetweb's own message when it cannot start (it says why only through this callback).
 absl::Mutex start_error_mu;

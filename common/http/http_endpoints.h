@@ -33,6 +33,11 @@ struct HttpEndpointsOptions {
 
 class HttpEndpoints {
  public:
+  // The most connections the port holds open at once, for a daemon's count of its file
+  // descriptors: one per thread, those accepted that wait for a thread, and one being
+  // accepted (more wait in the kernel's queue, which takes none).
+  static constexpr int kMaxConnections = 277;
+
   // UNAVAILABLE naming `flag` and the address when it cannot be bound.
   static absl::StatusOr<std::unique_ptr<HttpEndpoints>> Start(HttpEndpointsOptions options,
                                                               const std::string& flag);

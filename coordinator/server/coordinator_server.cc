@@ -1,12 +1,15 @@
 #include "coordinator/server/coordinator_server.h"
 
 #include <stdlib.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/status_macros.h"
 #include "spdlog/spdlog.h"
 
@@ -15,6 +18,26 @@ namespace {
 
 // How often the scheduling loop logs what its passes took.
 constexpr absl::Duration kStatsPeriod = absl::Seconds(10);
+
+// What the coordinator holds open besides gRPC connections and the HTTP port's: stdio, the
+// database with its lock, write-ahead log and shared memory, gRPC's epoll and wake-up
+// descriptors, a rank's log file while it is written or read, the files read to admit a
+// job. Generous: running out of them fails calls in confusing ways.
+constexpr int kOwnFds = 64;
+// Room for gRPC connections (each agent holds one, each of its running trainers one, each
+// CLI one) below which the start line warns.
+constexpr int kWantedConnections = 1024;
+
+FdBudget PlanFdBudget(uint64_t limit, bool http) {
+  const int full = kOwnFds + (http ? HttpEndpoints::kMaxConnections : 0);
+  FdBudget budget;
+  budget.limit = limit;
+  // At a low limit the HTTP port cannot have all it may use: half of the limit still goes
+  // to gRPC connections.
+  budget.reserved = static_cast<int>(std::min<uint64_t>(full, limit / 2));
+  budget.wanted = full + kWantedConnections;
+  return budget;
+}
 
 }  // namespace
 
@@ -27,6 +50,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     const CoordinatorConfig& config, std::unique_ptr<Store> store) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   server->shutdown_grace_ = config.shutdown_grace;
+  rlimit fd_limit{};
+  getrlimit(RLIMIT_NOFILE, &fd_limit);
+  if (fd_limit.rlim_cur < static_cast<rlim_t>(kMinFdLimit)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "open files: the limit ", fd_limit.rlim_cur, " is below the ", kMinFdLimit,
+        " the coordinator needs (raise it: ulimit -n, systemd's LimitNOFILE, docker's --ulimit "
+        "nofile)"));
+  }
+  server->fd_budget_ = PlanFdBudget(fd_limit.rlim_cur, !config.metrics_listen.empty());
   if (config.insecure_no_auth) {
     server->auth_ = std::make_unique<Authenticator>(Authenticator::AllowAll());
     spdlog::warn(
@@ -78,9 +110,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
         server->http_,
         HttpEndpoints::Start({config.metrics_listen, server->metrics_->Collectables(),
                               [s] {
-                                return s->ready_.load()
-                                           ? absl::OkStatus()
-                                           : absl::UnavailableError("starting or shutting down");
+                                if (!s->ready_.load()) {
+                                  return absl::UnavailableError("starting or shutting down");
+                                }
+                                return s->probe_->Check();
                               }},
                              "--metrics-listen"));
   }
@@ -112,21 +145,43 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
   // SERVING from here until Shutdown.
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(config.listen, *credentials, &server->port_);
-  // gRPC sets SO_REUSEPORT by default: a second coordinator on a taken port would start and
-  // take half the connections. Without it, binding a taken port fails and so does Start.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // The port is the listener's, not gRPC's own (grpc_listener.h says why). It has no
+  // SO_REUSEPORT (which gRPC's sets by default): a second coordinator on a taken port would
+  // start and take half the connections; without it, binding a taken port fails and so does
+  // Start.
+  LATHE_ASSIGN_OR_RETURN(server->listener_,
+                         GrpcListener::Bind(config.listen, server->fd_budget_.reserved));
+  server->acceptor_ = builder.experimental().AddExternalConnectionAcceptor(
+      grpc::ServerBuilder::experimental_type::ExternalConnectionType::FROM_FD, *credentials);
   // Bounds on what one caller can make the server hold: a message, the streams of one
-  // connection (WatchJob's are bounded per host by the service).
+  // connection (WatchJob's are bounded per host by the service), a connection that does not
+  // finish its TLS and HTTP/2 handshake (10 s; gRPC's default is 120 s), one without a call
+  // (closed after a minute; its client connects again when it next calls).
   builder.SetMaxReceiveMessageSize(4 << 20);
   builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, 64);
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS, 10'000);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, 60'000);
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->worker_service_.get());
   builder.RegisterService(server->rendezvous_service_.get());
   server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", config.listen));
+  if (server->server_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", config.listen));
   }
+  GrpcListener* listener = server->listener_.get();
+  listener->Start(server->acceptor_.get());
+  server->port_ = listener->port();
+  std::string tls_roots;
+  if (!config.tls.cert.empty()) {
+    LATHE_ASSIGN_OR_RETURN(tls_roots, ReadFile(config.tls.cert));
+  }
+  server->probe_ = std::make_unique<PortProbe>(PortProbeOptions{
+      listener->local_target(), tls_roots, absl::Seconds(1), absl::Seconds(2), [listener] {
+        if (absl::Now() - listener->last_refused() > absl::Seconds(10)) return std::string();
+        return absl::StrCat("it refuses connections: the process is near its limit of ",
+                            listener->fd_limit(), " open files (", listener->refused(),
+                            " refused since the start)");
+      }});
   server->ready_ = true;
   // The heartbeat check, every timeout / 4. A gap between two ticks of over half the timeout
   // on the monotonic clock (which runs on while the process is stopped) means the coordinator
@@ -172,6 +227,7 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
 
 CoordinatorServer::~CoordinatorServer() {
   Shutdown();
+  http_.reset();  // its /readyz may be asking probe_
   if (!temporary_log_dir_.empty()) {
     std::error_code ignored;
     std::filesystem::remove_all(temporary_log_dir_, ignored);
@@ -187,8 +243,10 @@ void CoordinatorServer::Shutdown() {
     server_->GetHealthCheckService()->Shutdown();  // NOT_SERVING from now on
   }
   if (!stop_.HasBeenNotified()) stop_.Notify();
-  // Stop accepting calls; those in flight get the grace period (their writes are durable
-  // before they answer); then the scheduling loop writes what is left and stops.
+  // Stop accepting connections and calls; those in flight get the grace period (their
+  // writes are durable before they answer); then the scheduling loop writes what is left and
+  // stops.
+  if (listener_) listener_->Stop();
   if (server_) server_->Shutdown(absl::ToChronoTime(absl::Now() + shutdown_grace_));
   if (heartbeat_checker_.joinable()) heartbeat_checker_.join();
   if (scheduling_loop_.joinable()) scheduling_loop_.join();

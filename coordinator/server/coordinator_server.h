@@ -28,6 +28,8 @@
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
+#include "coordinator/server/grpc_listener.h"
+#include "coordinator/server/port_probe.h"
 #include "coordinator/store/database_lock.h"
 #include "coordinator/store/store.h"
 #include "grpcpp/grpcpp.h"
@@ -55,11 +57,24 @@ struct CoordinatorConfig {
   std::string metrics_listen;
 };
 
+// How the coordinator shares its limit on open files (issue #27).
+struct FdBudget {
+  uint64_t limit = 0;  // the soft limit in effect at Start
+  // Kept free of gRPC connections, for the store, the ranks' logs, gRPC's own descriptors
+  // and the HTTP port's connections; the gRPC port refuses connections beyond the rest.
+  int reserved = 0;
+  // Wanted: `reserved` at full size and room for 1,024 gRPC connections.
+  int wanted = 0;
+};
+
 class CoordinatorServer {
  public:
+  // Below this limit on open files the coordinator does not start.
+  static constexpr int kMinFdLimit = 128;
+
   // Reads the token file and the TLS files, opens the store, loads its state and starts
   // serving. INVALID_ARGUMENT without a token file or insecure_no_auth, or for a bad token
-  // or TLS file;
+  // or TLS file; FAILED_PRECONDITION when the limit on open files is below kMinFdLimit;
   // UNAVAILABLE when the address cannot be bound; the store's errors otherwise.
   static absl::StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorConfig& config);
   // With `store` instead of the one config.db_path names (tests inject a slow one).
@@ -74,6 +89,7 @@ class CoordinatorServer {
   bool new_database() const { return new_database_; }
   // The port /metrics, /healthz and /readyz are served on; 0 without metrics_listen.
   int metrics_port() const { return http_ ? http_->port() : 0; }
+  const FdBudget& fd_budget() const { return fd_budget_; }
   // Blocks until Shutdown.
   void Wait();
   // Stops serving (in-flight streams are cancelled) and the heartbeat checker.
@@ -99,7 +115,11 @@ class CoordinatorServer {
   std::unique_ptr<JobServiceImpl> job_service_;
   std::unique_ptr<WorkerServiceImpl> worker_service_;
   std::unique_ptr<RendezvousServiceImpl> rendezvous_service_;
+  FdBudget fd_budget_;
+  std::unique_ptr<grpc::experimental::ExternalConnectionAcceptor> acceptor_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcListener> listener_;  // hands its connections to acceptor_
+  std::unique_ptr<PortProbe> probe_;        // /readyz: whether listener_'s port serves
   int port_ = 0;
   absl::Duration shutdown_grace_;
   absl::Notification stop_;

@@ -6,11 +6,14 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
+#include "common/fd_limit.h"
 #include "common/file_util.h"
 #include "coordinator/server/coordinator_server.h"
+#include "spdlog/spdlog.h"
 
 namespace lathe {
 namespace {
@@ -114,6 +117,10 @@ int Main(int argc, char** argv) {
     config.pools = *std::move(pools);
   }
 
+  // Every connection and file takes a descriptor: the soft limit is often far below the
+  // hard one (issue #27). Before any thread starts.
+  const absl::StatusOr<FdLimit> fd_limit = RaiseFdLimit();
+
   // Block the stop signals before any thread starts; one thread waits for them.
   sigset_t signals;
   sigemptyset(&signals);
@@ -134,6 +141,19 @@ int Main(int argc, char** argv) {
                 : config.tls.client_ca.empty() ? "TLS"
                                                : "TLS, mutual TLS for workers")
             << ")" << std::endl;
+  const FdBudget& budget = (*server)->fd_budget();
+  const std::string fds = absl::StrCat(
+      fd_limit.ok() ? DescribeFdLimit(*fd_limit) : std::string(fd_limit.status().message()), ": ",
+      budget.limit - budget.reserved, " for gRPC connections, ", budget.reserved,
+      " kept for the store and logs", config.metrics_listen.empty() ? "" : " and the HTTP port");
+  if (budget.limit >= static_cast<uint64_t>(budget.wanted)) {
+    spdlog::info("{}", fds);
+  } else {
+    spdlog::warn(
+        "{}, below the {} wanted: raise the hard limit (ulimit -Hn, systemd's LimitNOFILE, "
+        "docker's --ulimit nofile)",
+        fds, budget.wanted);
+  }
   if (!config.metrics_listen.empty()) {
     const std::string metrics_host =
         config.metrics_listen.substr(0, config.metrics_listen.rfind(':'));

@@ -93,6 +93,8 @@ class Cluster:
         self.workers = {}
         # More flags for each kind of process (tls_test.py adds TLS's).
         self.coordinator_args, self.worker_args, self.cli_args = [], [], []
+        # Run in the coordinator's process before it execs (fd_limit_test.py sets its limits).
+        self.coordinator_preexec = None
 
     def start_coordinator(self):
         with open(os.path.join(self.root, "coordinator.log"), "a") as log:
@@ -101,7 +103,8 @@ class Cluster:
                  self.db, "--allowed-roots", self.root, "--auth-tokens", self.tokens["file"],
                  "--heartbeat-interval", "0.5", "--heartbeat-timeout", "5",
                  *self.coordinator_args],
-                stdout=subprocess.PIPE, stderr=log, text=True)
+                stdout=subprocess.PIPE, stderr=log, text=True,
+                preexec_fn=self.coordinator_preexec)
         line = self.coordinator.stdout.readline()
         assert "listening on" in line, f"coordinator did not start: {line!r}"
         # The log goes on on stdout: drain it into the log file, or the coordinator would
@@ -667,7 +670,7 @@ class ServicesTest(ClusterTest):
 
     def test_4b_one_coordinator_per_database_and_port(self):
         # Issue #27: a second coordinator on the running one's database refuses to start,
-        # naming the holder; on its port (gRPC's SO_REUSEPORT off) it cannot listen.
+        # naming the holder; on its port (no SO_REUSEPORT) it cannot listen.
         same_db = run("lathe-coordinator", "--db", self.cluster.db, "--listen", "127.0.0.1:0",
                       "--insecure-no-auth", "--allowed-roots", self.root)
         self.assertNotEqual(same_db.returncode, 0)

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/command_line.h"
+#include "common/fd_limit.h"
 #include "common/http/http_endpoints.h"
 #include "common/rpc/auth.h"
 #include "common/rpc/tls.h"
@@ -210,6 +211,10 @@ int RunAgentCommand(int argc, char** argv, const std::string& default_trainer) {
   sigaddset(&signals, SIGUSR1);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Each rank takes pipes, a process descriptor and log files: the soft limit is often
+  // far below the hard one (issue #27). Before any thread starts.
+  const absl::StatusOr<FdLimit> fd_limit = RaiseFdLimit();
+
   PosixProcessLauncher launcher;
   absl::StatusOr<WorkerAgentOptions> options = OptionsFromFlags(*flags, default_trainer, launcher);
   if (!options.ok()) {
@@ -220,6 +225,11 @@ int RunAgentCommand(int argc, char** argv, const std::string& default_trainer) {
   spdlog::info("worker={} coordinator {}, {} {} slot(s), work dir {}", options->worker_id,
                coordinator, options->slots, options->device == v1::DEVICE_CUDA ? "cuda" : "cpu",
                options->trainer.work_dir);
+  if (fd_limit.ok()) {
+    spdlog::info("worker={} {}", options->worker_id, DescribeFdLimit(*fd_limit));
+  } else {
+    spdlog::warn("worker={} {}", options->worker_id, std::string(fd_limit.status().message()));
+  }
 
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(ClientTlsFilesFrom(*flags));
