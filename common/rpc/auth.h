@@ -64,7 +64,8 @@ class Authenticator {
   // only: a comma-separated list of ids, each a name that may end in '*' to stand for every
   // id with that prefix, by default the token's name alone), blank lines and `#` comments
   // ignored. INVALID_ARGUMENT "<source>:<line>: <problem>" (never quoting a token) for a bad
-  // line, a repeated token or a file without tokens.
+  // line, a repeated token, deploy/'s example token ("replace-me...") or a file without
+  // tokens.
   static absl::StatusOr<Authenticator> FromText(absl::string_view text, absl::string_view source);
   // FromText of the file at `path`; NOT_FOUND / INTERNAL naming the path.
   static absl::StatusOr<Authenticator> FromFile(const std::string& path);

@@ -468,6 +468,8 @@ TEST(AuthenticatorTest, BadTokenFilesNameTheLineNeverTheToken) {
       {"worker w1 secret-0123456789abc w1,w/2", "tokens:1: the worker ids of w1 must be names"},
       {"worker w1 secret-0123456789abc w1,,w2", "tokens:1: the worker ids of w1 must be names"},
       {"worker w1 secret-0123456789abc w*1", "tokens:1: the worker ids of w1 must be names"},
+      {"client team replace-me-client-token-0123456789",
+       "tokens:1: the token of team is the example value from deploy/: replace it"},
       {"# only a comment\n\n", "tokens: holds no tokens"},
       {"root alice secret-0123456789abc", "tokens:1: unknown role \"root\""},
       {"client al/ice secret-0123456789abc", "tokens:1: the name must be 1 to 63 characters"},

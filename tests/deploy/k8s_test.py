@@ -272,6 +272,23 @@ class K8sManifestsTest(unittest.TestCase):
                 return {"lathe-coordinator": [os.path.join(BIN, "lathe-coordinator")],
                         "lathe-worker": [os.path.join(BIN, "lathe-worker"), "agent"]}[image]
 
+            # As shipped, the Secret's example tokens are refused (issue #32: they were
+            # accepted silently, so anyone who read deploy/ held every role).
+            shipped = Pod(found[("Deployment", "lathe-coordinator")]["spec"]["template"],
+                          found, root, "shipped", {}, command_for_image)
+            refused = subprocess.run(shipped.command + shipped.args, capture_output=True,
+                                     text=True, timeout=TIMEOUT)
+            self.assertNotEqual(refused.returncode, 0)
+            self.assertIn("is the example value from deploy/: replace it", refused.stderr)
+            # Replaced, as deploy/README.md says to, the same token for both of its keys.
+            secret = found[("Secret", "lathe-tokens")]["stringData"]
+            chosen = {}
+            for key in secret:
+                secret[key] = re.sub(r"replace-me-[a-z]+-token-0123456789",
+                                     lambda m: chosen.setdefault(m.group(0),
+                                                                 os.urandom(16).hex()),
+                                     secret[key])
+
             coordinator = Pod(found[("Deployment", "lathe-coordinator")]["spec"]["template"],
                               found, root, "lathe-coordinator-0", {}, command_for_image)
             service = found[("Service", "lathe-coordinator")]
