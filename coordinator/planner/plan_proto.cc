@@ -57,6 +57,10 @@ absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_vie
   const EngineCapabilities& caps = Engine();
   options.max_zero_stage = cuda && !caps.cuda_sharding ? 0 : caps.max_zero_stage;
   options.offload = caps.offload && (!cuda || caps.cuda_sharding);
+  if (cuda && !caps.cuda_sharding) {
+    options.without_sharding_because =
+        "this engine runs ZeRO and offload on cpu only, not yet on cuda";
+  }
   return options;
 }
 

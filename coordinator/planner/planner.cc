@@ -245,7 +245,16 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
                                        FormatBytes(Corrected(*m, smallest->correction)), ")"));
         }
       }
-      suggestions = absl::StrCat("; it would fit with ", absl::StrJoin(fixes, ", or "));
+      suggestions = fixes.empty()
+                        ? std::string(
+                              "; neither more ranks nor a shorter sequence would "
+                              "make it fit")
+                        : absl::StrCat("; it would fit with ", absl::StrJoin(fixes, ", or "));
+    }
+    if (!options.without_sharding_because.empty()) {
+      absl::StrAppend(&suggestions,
+                      " (sharding and offload were not tried: ", options.without_sharding_because,
+                      ")");
     }
     return absl::ResourceExhaustedError(
         absl::StrCat("nothing fits: the smallest configuration (",

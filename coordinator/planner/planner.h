@@ -35,6 +35,9 @@ struct PlanOptions {
   // The engine's limits (common/capabilities.h): the stages and offload it runs.
   int64_t max_zero_stage = 3;
   bool offload = true;
+  // Why sharding and offload are left out of the search when they are (the device kind's
+  // engine cannot run them), for "nothing fits"; empty when they are not.
+  std::string without_sharding_because;
 };
 
 struct Candidate {

@@ -17,6 +17,7 @@ namespace {
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::SourcePath;
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
@@ -363,6 +364,26 @@ TEST(PlannerTest, NothingFitsSaysTheSmallestBreakdownAndWhatWouldFit) {
                     HasSubstr("trainable"), HasSubstr("optimizer"),
                     HasSubstr("21.6 GiB (24.0 GiB less 10% headroom)"),
                     HasSubstr("it would fit with"), HasSubstr("ranks (ZeRO-3")));
+}
+
+// Issue #32: full fine-tuning of an 8B model on one H100 ended "...; it would fit with "
+// and nothing after it. Where nothing would help, that is said, and so is why sharding and
+// offload were left out on cuda.
+TEST(PlannerTest, NothingFitsSaysSoWhenNoChangeWouldHelp) {
+  const JobSpec spec = Spec(
+      "method: full\ntrain: {steps: 10, global_batch: 8}\n"
+      "resources: {ranks: 1, device: cuda}\n");
+  PlanOptions options = Options("h100", 80 * kGiB);
+  options.max_zero_stage = 0;  // as PlanOptionsFor limits cuda (common/capabilities.h)
+  options.offload = false;
+  options.without_sharding_because = "this engine runs ZeRO and offload on cpu only";
+  absl::StatusOr<PlanResult> result = PlanJob(spec, Shape("llama-3.1-8b"), options);
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(result.status().message(),
+              AllOf(HasSubstr("; neither more ranks nor a shorter sequence would make it fit"),
+                    HasSubstr("(sharding and offload were not tried: this engine runs ZeRO and "
+                              "offload on cpu only)"),
+                    Not(HasSubstr("fit with"))));
 }
 
 TEST(PlannerTest, SeventyBillionOnEightGpus) {
