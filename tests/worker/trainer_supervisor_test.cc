@@ -350,6 +350,10 @@ TEST_F(TrainerSupervisorFakeTest, TheTrainersOwnErrorLeadsTheFailure) {
   ASSERT_EQ(end.kind, v1::RANK_EVENT_FAILED);
   EXPECT_THAT(end.error, ::testing::StartsWith("data.train: /d/x.jsonl: line 3: not JSON (the "
                                                "trainer exited with code 1)"));
+  // Said once (issue #32): the trainer's last line, which restates it, is not repeated.
+  EXPECT_EQ(end.error,
+            "data.train: /d/x.jsonl: line 3: not JSON (the trainer exited with code 1); its "
+            "output: lathe logs job-1 --attempt 3 --rank 1");
   EXPECT_EQ(end.failure, v1::FAILURE_KIND_USER);  // the same data fails on any machine
 }
 

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <filesystem>
 #include <system_error>
+#include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -313,7 +315,7 @@ void TrainerSupervisor::OnExit(const ExitStatus& status) {
           event.error += " (not by the agent; the kernel's out-of-memory killer is a common cause)";
         }
       }
-      event.error += TailText();
+      event.error += TailText(trainer_error_);
     }
   }
   if (event.kind == v1::RANK_EVENT_SUCCEEDED) {
@@ -334,12 +336,17 @@ void TrainerSupervisor::AddToTail(absl::string_view line) {
   while (tail_.size() > static_cast<size_t>(options_.log_tail_lines)) tail_.pop_front();
 }
 
-std::string TrainerSupervisor::TailText() const {
+std::string TrainerSupervisor::TailText(absl::string_view error) const {
   if (tail_.empty()) return "; no log output";
-  return absl::StrCat("; last ", tail_.size() == 1 ? "line" : absl::StrCat(tail_.size(), " lines"),
-                      " of its output (all of it: lathe logs ", assignment_.job_id(), " --attempt ",
-                      assignment_.generation(), " --rank ", assignment_.rank(), "):\n",
-                      absl::StrJoin(tail_, "\n"));
+  std::vector<absl::string_view> lines;
+  for (const std::string& line : tail_) {
+    if (error.empty() || !absl::EndsWith(line, error)) lines.push_back(line);
+  }
+  const std::string logs = absl::StrCat("lathe logs ", assignment_.job_id(), " --attempt ",
+                                        assignment_.generation(), " --rank ", assignment_.rank());
+  if (lines.empty()) return absl::StrCat("; its output: ", logs);
+  return absl::StrCat("; last ", lines.size() == 1 ? "line" : absl::StrCat(lines.size(), " lines"),
+                      " of its output (all of it: ", logs, "):\n", absl::StrJoin(lines, "\n"));
 }
 
 void TrainerSupervisor::Emit(const RankReport& event) {

@@ -138,7 +138,9 @@ class TrainerSupervisor {
   // SIGTERM now, SIGKILL from killer_ after cancel_grace. REQUIRES: child_ is set.
   void SignalCancel();
   void AddToTail(absl::string_view line) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  std::string TailText() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // "; last N lines of its output ...": the tail, less lines that only repeat `error` (the
+  // trainer's last line restates its error event).
+  std::string TailText(absl::string_view error) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Emit(const RankReport& event);
 
   const v1::Assignment assignment_;
