@@ -1,4 +1,4 @@
-// The job spec: what a user asks Lathe to do (DESIGN.md, "Job spec"). Written in YAML or
+// The job spec: what a user asks Lathe to do (docs/job-spec.md). Written in YAML or
 // JSON; the proto JobSpec mirrors it. This module parses and validates the spec on its own
 // (field types, ranges, required fields, unknown fields). Checks that need the model or
 // the data (targets present, seq_len within max_position_embeddings, token ids within the

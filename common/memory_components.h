@@ -1,4 +1,4 @@
-// The eight memory components of DESIGN.md ("Memory accounting"), defined once: the planner's
+// The eight memory components (docs/training.md, "Outputs"), defined once: the planner's
 // estimate, the trainer's measurement (worker/engine/memory_tracker.h), the proto
 // MemoryBreakdown (common/proto/memory_breakdown.h), the CLI and the Prometheus label
 // `component` all use these names, in this order.

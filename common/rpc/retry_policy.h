@@ -2,7 +2,7 @@
 // reporter, the trainers' rendezvous store) retries a failed call: which codes mean "the same
 // call may succeed if tried again", and how long to wait between tries.
 //
-// Retryable codes (DESIGN.md, "Errors and logs"): UNAVAILABLE (the coordinator is down,
+// Retryable codes (docs/architecture.md, "Errors, retries, time"): UNAVAILABLE (the coordinator is down,
 // restarting or unreachable) and DEADLINE_EXCEEDED (it did not answer in time). Every call
 // Lathe retries is idempotent (SubmitJob carries a request id; reports and rendezvous writes
 // may repeat), so a call that timed out after the server acted may safely go again. No other

@@ -1,5 +1,5 @@
 // The planner's memory model (issue #11, docs/planner.md): the bytes one rank holds at the
-// peak of a training step, in the eight components of DESIGN.md, for a job and one point of
+// peak of a training step, in the eight memory components (common/memory_components.h), for a job and one point of
 // the strategy space. Model states come from model_states.h; activations and the loss peak
 // follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc, kernels/ops/),
 // with the backward pass's transient buffers calibrated against the tracking allocator

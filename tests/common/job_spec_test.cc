@@ -97,7 +97,7 @@ constexpr char kFullJson[] = R"json({
 }
 )json";
 
-// The example in DESIGN.md, comments included.
+// A full example, comments included.
 constexpr char kDesignExample[] = R"yaml(
 name: demo-lora
 model: {path: /models/qwen2.5-0.5b}          # HF dir: config.json + *.safetensors (+ index)

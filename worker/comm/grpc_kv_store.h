@@ -1,5 +1,5 @@
 // A KvStore backed by the coordinator's lathe.v1.RendezvousService: the store through
-// which the trainer ranks of one attempt rendezvous (DESIGN.md, flow of a job, step 4).
+// which the trainer ranks of one attempt rendezvous (docs/architecture.md, "The path of a job").
 // Every key lives in the scope of one job and generation; the coordinator refuses a stale
 // generation with FAILED_PRECONDITION, which this store passes on.
 //

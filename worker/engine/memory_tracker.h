@@ -1,4 +1,4 @@
-// Exact accounting of libtorch's CPU memory by component (DESIGN.md, "Memory accounting").
+// Exact accounting of libtorch's CPU memory by component (docs/training.md, "Outputs").
 //
 // MemoryTracker is a c10::Allocator installed as libtorch's CPU allocator. It forwards every
 // allocation to the allocator that was current before it (normally c10's default CPU
