@@ -54,6 +54,14 @@ absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto)
   LATHE_ASSIGN_OR_RETURN(JobSpec spec, JobSpecFromProto(proto, "spec"));
   LATHE_RETURN_IF_ERROR(Annotate(CheckEngineSupports(spec), "spec"));
   LATHE_RETURN_IF_ERROR(CanonicalizePaths(spec));
+  if (std::error_code error; !fs::exists(spec.model.path, error)) {
+    // "Qwen/Qwen2.5-0.5B" in a spec is a relative path here, not a hub id (issue #32).
+    return SpecError("model.path",
+                     absl::StrCat(spec.model.path,
+                                  " does not exist: a model is read from a local directory (a "
+                                  "Hugging Face hub model must be downloaded first, e.g. "
+                                  "`huggingface-cli download ORG/NAME --local-dir DIR`)"));
+  }
   absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
   if (!model.ok()) return SpecError("model.path", model.status().message());
   if (spec.data.seq_len > model->max_position_embeddings) {

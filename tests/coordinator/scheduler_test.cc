@@ -1131,6 +1131,16 @@ TEST_F(JobManagerTest, AnOutputIsComparedCanonicallyAndNeverNests) {
   EXPECT_EQ(b->status().spec().model().path(), std::filesystem::canonical(spec_.model.path));
 }
 
+// Issue #32: a hub id in model.path fails as a missing path; it says that only local
+// directories are read, and how to get one.
+TEST_F(JobManagerTest, AMissingModelDirectorySaysModelsAreLocal) {
+  v1::JobSpec spec = JobSpecToProto(spec_);
+  spec.mutable_model()->set_path(dir_.path() + "/Qwen/Qwen2.5-0.5B");
+  ExpectRefused(spec, "spec: model.path: " + std::filesystem::canonical(dir_.path()).string() +
+                          "/Qwen/Qwen2.5-0.5B does not exist: a model is read from a local "
+                          "directory (a Hugging Face hub model must be downloaded first");
+}
+
 TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   const v1::JobSpec spec = JobSpecToProto(spec_);
   v1::JobSpec sharded_mezo = spec;
