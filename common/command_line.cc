@@ -35,6 +35,13 @@ absl::StatusOr<double> ParsedFlags::GetDouble(absl::string_view name, double fal
   return value;
 }
 
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (const std::string& arg : args) {
+    if (arg == "--help" || arg == "-h") return true;
+  }
+  return false;
+}
+
 absl::StatusOr<ParsedFlags> ParseFlags(const std::vector<std::string>& args,
                                        const std::vector<FlagSpec>& specs) {
   ParsedFlags parsed;

@@ -52,6 +52,10 @@ absl::StatusOr<ParsedFlags> ParseFlags(const std::vector<std::string>& args,
 // "  --name VALUE   help" lines for a usage message.
 std::string FlagsHelp(const std::vector<FlagSpec>& specs);
 
+// Whether `args` ask for help (--help or -h), which every command answers with its usage on
+// stdout and exit code 0, whatever else they hold.
+bool WantsHelp(const std::vector<std::string>& args);
+
 }  // namespace lathe
 
 #endif  // LATHE_COMMON_COMMAND_LINE_H_

@@ -630,6 +630,10 @@ int Main(int argc, char** argv) {
                                        : command == "merge" ? &kMergeFlags
                                                             : nullptr;
   if (specs == nullptr) return Usage();
+  if (WantsHelp({argv + 2, argv + argc})) {
+    std::cout << "usage: lathe-worker " << command << " [flags]\n" << FlagsHelp(*specs);
+    return 0;
+  }
   absl::StatusOr<ParsedFlags> flags = ParseFlags({argv + 2, argv + argc}, *specs);
   if (!flags.ok()) {
     std::cerr << "lathe-worker " << command << ": " << flags.status().message() << "\n";

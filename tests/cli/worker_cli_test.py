@@ -74,6 +74,18 @@ class WorkerTrainBadInputTest(unittest.TestCase):
         shutil.copytree(self.model, copy)
         return copy
 
+    def test_every_command_answers_help(self):
+        # Issue #32: `lathe-synth model --help` said "unknown flag --help".
+        for command in (("lathe-worker", "train"), ("lathe-worker", "score"),
+                        ("lathe-worker", "merge"), ("lathe-synth", "model"),
+                        ("lathe-synth", "data"), ("lathe-synth", "adapter"),
+                        ("lathe-synth", "tokenizer")):
+            for flag in ("--help", "-h"):
+                result = run(*command, flag)
+                self.assertEqual(result.returncode, 0, (command, flag, result.stderr))
+                self.assertIn(f"usage: {command[0]} {command[1]} [flags]", result.stdout)
+                self.assertIn("  --", result.stdout)
+
     def test_missing_spec(self):
         self.expect_error(os.path.join(self.dir, "nope.yaml"), "nope.yaml")
 

@@ -282,6 +282,10 @@ int Main(int argc, char** argv) {
                                        : command == "tokenizer" ? &kTokenizerFlags
                                                                 : nullptr;
   if (specs == nullptr) return Usage();
+  if (WantsHelp(args)) {
+    std::cout << "usage: lathe-synth " << command << " [flags]\n" << FlagsHelp(*specs);
+    return 0;
+  }
   absl::StatusOr<ParsedFlags> flags = ParseFlags(args, *specs);
   if (!flags.ok()) {
     std::cerr << "lathe-synth " << command << ": " << flags.status().message() << "\n";
