@@ -403,9 +403,9 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
                           result.steps, result.seconds, result.tokens_per_second,
                           result.peak_rss_bytes / 1048576.0);
   if (result.eval_loss) text << absl::StrFormat("eval loss %.4f\n", *result.eval_loss);
-  text << (result.adapter_dir.empty() ? "model: " + result.model_dir
-                                      : "adapter: " + result.adapter_dir)
-       << std::endl;
+  // Rank 0 writes the output; the other ranks have none to name.
+  if (!result.adapter_dir.empty()) text << "adapter: " << result.adapter_dir << std::endl;
+  if (!result.model_dir.empty()) text << "model: " << result.model_dir << std::endl;
   return absl::OkStatus();
 }
 

@@ -189,11 +189,18 @@ class WorkerTrainBadInputTest(unittest.TestCase):
              "--world-size", "2", "--rendezvous-dir", rendezvous, "--threads", "1",
              "--collective-timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True) for r in range(2)]
+        outs = []
         for proc in procs:
             out, err = proc.communicate(timeout=120)
             self.assertEqual(proc.returncode, 0, err)
+            outs.append(out)
         self.assertTrue(os.path.isfile(os.path.join(self.output, "adapter",
                                                     "adapter_model.safetensors")))
+        # Rank 0 names the adapter it wrote; rank 1 wrote none and names nothing (issue #32:
+        # its log ended with an empty "model: " line).
+        self.assertIn(f"adapter: {self.output}/adapter", outs[0])
+        self.assertNotIn("model:", outs[1])
+        self.assertNotIn("adapter:", outs[1])
 
     def test_usage_error_exits_2(self):
         result = run("lathe-worker", "train", "--no-such-flag")
