@@ -32,7 +32,9 @@ std::string WatchPrinter::StatusLine(const v1::JobStatus& status, absl::Time now
         if (p->tokens_per_second() > 0) {
           absl::StrAppend(&line, absl::StrFormat(" tokens/s %.0f", p->tokens_per_second()));
         }
-      } else if (!status.attempts().empty()) {
+      } else if (!status.attempts().empty() &&
+                 status.attempts().rbegin()->state() != v1::ATTEMPT_STATE_RUNNING) {
+        // "RUNNING STARTING"; never "RUNNING RUNNING".
         absl::StrAppend(&line, " ", AttemptStateName(status.attempts().rbegin()->state()));
       }
       if (Generation(status) > 1) absl::StrAppend(&line, " attempt ", Generation(status));
@@ -94,10 +96,18 @@ void WatchPrinter::Update(const v1::JobStatus& status, absl::Time now) {
       out_ << JsonLine(JobJson(status)) << "\n";
       out_.flush();
       return;
-    case WatchFormat::kLines:
-      out_ << StatusLine(status, now) << "\n";
+    case WatchFormat::kLines: {
+      // An update that changes nothing the line shows (a heartbeat's, the status after the
+      // last step) is not printed again: the line without its timestamp is compared.
+      const std::string line = StatusLine(status, now);
+      const std::string shown = line.substr(std::min(line.find(' '), line.size()));
+      if (have_previous_ && shown == previous_line_) return;
+      have_previous_ = true;
+      previous_line_ = shown;
+      out_ << line << "\n";
       out_.flush();
       return;
+    }
     case WatchFormat::kProgressBar:
       break;
   }

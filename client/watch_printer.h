@@ -63,6 +63,7 @@ class WatchPrinter {
   v1::JobState previous_state_ = v1::JOB_STATE_UNSPECIFIED;
   int64_t previous_generation_ = 0;
   std::string previous_reason_;
+  std::string previous_line_;  // kLines: the last line printed, without its timestamp
 
   // Width of the bar currently on screen; 0 when none.
   size_t bar_width_ = 0;

@@ -686,6 +686,25 @@ TEST_F(CliTest, WatchToSuccessPrintsOneLinePerUpdate) {
   EXPECT_THAT(result.out, Not(HasSubstr("\r")));
 }
 
+// Issue #32: `watch` printed "RUNNING RUNNING" for a started attempt without a step yet, and
+// printed the last step's line again for an update that changed nothing it shows.
+TEST_F(CliTest, WatchPrintsNeitherAStateTwiceNorALineAgain) {
+  v1::JobStatus started = RunningJob("job-1", 12, 1'700'000'005'000);
+  started.mutable_attempts(0)->clear_progress();
+  started.mutable_attempts(0)->set_state(v1::ATTEMPT_STATE_RUNNING);
+  v1::JobStatus step = RunningJob("job-1", 12, 1'700'000'010'000);
+  v1::JobStatus same_step = RunningJob("job-1", 12, 1'700'000'011'000);
+  jobs_.SetWatchUpdates(
+      "job-1", {started, step, same_step, FinishedJob("job-1", v1::JOB_STATE_SUCCEEDED, "")});
+  CliResult result = Run({"watch", "job-1"});
+  EXPECT_EQ(result.code, 0) << result.err;
+  std::vector<std::string> lines = absl::StrSplit(result.out, '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u) << result.out;
+  EXPECT_EQ(lines[0], "2023-11-14T22:13:25Z RUNNING");
+  EXPECT_EQ(lines[1], "2023-11-14T22:13:30Z RUNNING step 12/100 loss 3.2110 tokens/s 1234");
+  EXPECT_THAT(lines[2], StartsWith("2023-11-14T22:15:00Z SUCCEEDED"));
+}
+
 TEST_F(CliTest, WatchToFailureExitsOneWithTheReason) {
   jobs_.SetWatchUpdates("job-1", {RunningJob("job-1", 12, 1'700'000'010'000),
                                   FinishedJob("job-1", v1::JOB_STATE_FAILED,
