@@ -463,6 +463,12 @@ int UsageError(std::ostream& err, absl::string_view message, absl::string_view u
   return kExitUsage;
 }
 
+// A flag's value that cannot be used (a file that is missing, say): the message alone.
+int ArgumentError(std::ostream& err, absl::string_view message) {
+  err << "lathe: " << message << "\n";
+  return kExitUsage;
+}
+
 // The global flag `arg` names ("--output" or "--output=json"), or null.
 const FlagSpec* GlobalFlagOf(absl::string_view arg) {
   if (!absl::StartsWith(arg, "--")) return nullptr;
@@ -577,12 +583,13 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
   }
   absl::StatusOr<std::string> token =
       ResolveToken(flags->Get("token"), flags->Get("token-file"), "--token-file", kTokenEnv);
-  if (!token.ok()) return UsageError(err, token.status().message(), usage);
+  // The flags were right; what they name is not: one line, no usage (issue #32).
+  if (!token.ok()) return ArgumentError(err, token.status().message());
   JobClientOptions client_options;
   client_options.token = *std::move(token);
   absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
       MakeChannelCredentials(ClientTlsFilesFrom(*flags));
-  if (!credentials.ok()) return UsageError(err, credentials.status().message(), usage);
+  if (!credentials.ok()) return ArgumentError(err, credentials.status().message());
   const JobClient client(grpc::CreateChannel(address, *credentials), address, client_options);
   inv.positional = flags->positional();
   inv.flags = *std::move(flags);

@@ -508,7 +508,8 @@ TEST_F(CliTest, TheTokenComesFromTheFlagTheFileOrTheEnvironment) {
                           "Bearer env-token-0123456789", "Bearer flag-token-0123456789"));
   CliResult missing = Run({"list", "--token-file", dir_.Path("nope")});
   EXPECT_EQ(missing.code, 2);
-  EXPECT_THAT(missing.err, HasSubstr("--token-file: " + dir_.Path("nope") + ": no such file"));
+  EXPECT_EQ(missing.err, "lathe: --token-file: " + dir_.Path("nope") + ": no such file\n")
+      << "one line, without the usage (issue #32)";
 }
 
 TEST_F(CliTest, ListJsonIsAnArrayOfJobObjects) {
