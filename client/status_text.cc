@@ -99,6 +99,9 @@ std::string PlanText(const v1::Plan& plan) {
                    DeviceName(plan.device()), ", ZeRO-", plan.zero_stage(), ", ", batching, ", ",
                    plan.total_steps(), " steps, ", PrecisionText(plan.precision()));
   std::vector<std::string> options;
+  // What the planner may have chosen for the user (memory techniques); the spec's own
+  // method shows in the spec.
+  if (plan.method() == v1::METHOD_QLORA) options.push_back("QLoRA (NF4 frozen projections)");
   if (plan.offload_optimizer()) options.push_back("offload optimizer");
   if (plan.offload_params()) options.push_back("offload params");
   if (plan.activation_checkpointing()) options.push_back("activation checkpointing");
@@ -354,8 +357,12 @@ std::string WorkerTable(const std::vector<v1::WorkerStatus>& workers, absl::Time
 std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candidates) {
   std::string out;
   AppendField(&out, "plan", PlanText(response.plan()));
+  // The peak the plan predicts, then the budget it was fitted to (issue #32: the budget
+  // alone read as the prediction).
   AppendField(&out, "predicted",
-              absl::StrFormat("%.0f tokens/s; memory per rank %s", response.tokens_per_second(),
+              absl::StrFormat("%.0f tokens/s; peak %s per rank of %s", response.tokens_per_second(),
+                              FormatBytes(CorrectedTotal(response.plan().predicted_memory(),
+                                                         response.plan().memory_correction())),
                               FormatBytes(response.memory_per_rank())));
   std::vector<Row> memory = {{"component", "bytes/rank (at the step's peak)"}};
   for (const auto& [name, bytes] : MemoryComponents(response.plan().predicted_memory())) {

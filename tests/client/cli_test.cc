@@ -1084,6 +1084,7 @@ v1::PlanJobResponse APlan() {
   plan->set_gradient_accumulation(1);
   plan->set_total_steps(10);
   plan->set_explanation("planner: ZeRO-0, micro-batch 4, the fastest of 2");
+  plan->set_method(v1::METHOD_QLORA);  // chosen by the planner: said in the plan's text
   plan->mutable_predicted_memory()->set_weights(3ull << 30);
   plan->mutable_predicted_memory()->set_total(4ull << 30);
   plan->set_memory_correction(1.25);
@@ -1115,7 +1116,8 @@ TEST_F(CliTest, PlanAsksTheCoordinatorAndPrintsTheChoiceAndTheAlternatives) {
   ASSERT_EQ(jobs_.plan_requests().size(), 1u);
   EXPECT_EQ(jobs_.plan_requests()[0].spec().model().path(),
             std::filesystem::current_path().string() + "/models/tiny");
-  EXPECT_THAT(result.out, AllOf(HasSubstr("1500 tokens/s; memory per rank 16.0 GiB"),
+  EXPECT_THAT(result.out, AllOf(HasSubstr("1500 tokens/s; peak 5.00 GiB per rank of 16.0 GiB"),
+                                HasSubstr("QLoRA (NF4 frozen projections)"),
                                 HasSubstr("planned (x1.250)  5.00 GiB"),
                                 HasSubstr("50% slower (compute)"), HasSubstr("chosen")));
   // The chosen row's peak is the corrected one.
