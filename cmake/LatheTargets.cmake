@@ -1,8 +1,17 @@
 # Warning flags for Lathe's own targets. Generated code and third-party headers are
 # exempt (they are included as SYSTEM or compiled in their own targets).
+# LATHE_WERROR OFF keeps the warnings but lets them pass: scripts/gpu-check builds on a lent GPU
+# machine's image, whose compiler is not Debian 12's GCC 12 (a warning a newer GCC adds must not
+# cost the lease). CI's builds keep it ON.
+option(LATHE_WERROR "Warnings of Lathe's own targets are errors" ON)
+if(LATHE_WERROR)
+  set(LATHE_WERROR_FLAG -Werror)
+else()
+  set(LATHE_WERROR_FLAG -Wno-error)
+endif()
 function(lathe_warnings target)
   target_compile_options(${target} PRIVATE
-    -Wall -Wextra -Wshadow -Wnon-virtual-dtor -Werror)
+    -Wall -Wextra -Wshadow -Wnon-virtual-dtor ${LATHE_WERROR_FLAG})
 endfunction()
 
 # Own library: warnings, include root at the source tree.
