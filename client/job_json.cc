@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/ascii.h"
@@ -220,6 +222,8 @@ nlohmann::ordered_json PlanResponseJson(const v1::PlanJobResponse& response) {
   return Json{{"plan", PlanJson(response.plan())},
               {"tokens_per_second", Number(response.tokens_per_second())},
               {"memory_per_rank", response.memory_per_rank()},
+              {"warnings",
+               std::vector<std::string>(response.warnings().begin(), response.warnings().end())},
               {"candidates", std::move(candidates)}};
 }
 

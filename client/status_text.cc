@@ -373,6 +373,7 @@ std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candi
     memory.push_back(*std::move(row));
   }
   AppendField(&out, "memory/rank", RenderTable(memory));
+  for (const std::string& warning : response.warnings()) AppendField(&out, "warning", warning);
   std::vector<Row> rows = {
       {"ZERO", "OFFLOAD", "CKPT", "LOSS", "MICRO", "PEAK/RANK", "STEP", "VERDICT"}};
   size_t shown = 0;

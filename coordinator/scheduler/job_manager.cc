@@ -112,7 +112,22 @@ std::pair<std::string, DeviceRates> JobManager::PoolFor(const JobSpec& spec) con
 
 absl::StatusOr<v1::PlanJobResponse> JobManager::Plan(const v1::PlanJobRequest& request) const {
   LATHE_ASSIGN_OR_RETURN(Admitted admitted, Admit(request.spec()));
-  return PlanResultToProto(admitted.plan, admitted.memory_per_rank);
+  v1::PlanJobResponse response = PlanResultToProto(admitted.plan, admitted.memory_per_rank);
+  // A job needs all its ranks placed at once (gang scheduling): with fewer slots registered
+  // it would wait in the queue until more workers register (issue #32).
+  const bool cuda = admitted.spec.resources.device == DeviceKind::kCuda;
+  int64_t slots = 0;
+  for (const v1::WorkerStatus& w : scheduler_->ListWorkers()) {
+    if ((w.device() == v1::DEVICE_CUDA) == cuda && w.state() != v1::WORKER_STATE_LOST) {
+      slots += w.slots();
+    }
+  }
+  if (admitted.spec.resources.ranks > slots) {
+    response.add_warnings(absl::StrCat(
+        "needs ", admitted.spec.resources.ranks, " ", cuda ? "cuda" : "cpu", " slots at once; ",
+        slots, " registered: it would wait in the queue until more workers register"));
+  }
+  return response;
 }
 
 absl::StatusOr<v1::GetPlanHistoryResponse> JobManager::PlanHistory(

@@ -904,6 +904,7 @@ constexpr char kJsonSchema[] = R"({
   },
   "plan_report": {
     "plan": "object", "tokens_per_second": "number", "memory_per_rank": "integer",
+    "warnings": ["string"],
     "candidates": [{
       "zero_stage": "integer", "offload_optimizer": "boolean", "offload_params": "boolean",
       "activation_checkpointing": "boolean", "chunked_loss": "boolean",
@@ -1090,6 +1091,7 @@ v1::PlanJobResponse APlan() {
   plan->set_memory_correction(1.25);
   response.set_tokens_per_second(1500);
   response.set_memory_per_rank(16ull << 30);
+  response.add_warnings("needs 2 cpu slots at once; 1 registered: it would wait");
   v1::PlanCandidate* chosen = response.add_candidates();
   chosen->set_micro_batch(4);
   *chosen->mutable_memory() = plan->predicted_memory();
@@ -1118,6 +1120,7 @@ TEST_F(CliTest, PlanAsksTheCoordinatorAndPrintsTheChoiceAndTheAlternatives) {
             std::filesystem::current_path().string() + "/models/tiny");
   EXPECT_THAT(result.out, AllOf(HasSubstr("1500 tokens/s; peak 5.00 GiB per rank of 16.0 GiB"),
                                 HasSubstr("QLoRA (NF4 frozen projections)"),
+                                HasSubstr("warning      needs 2 cpu slots at once; 1 registered"),
                                 HasSubstr("planned (x1.250)  5.00 GiB"),
                                 HasSubstr("50% slower (compute)"), HasSubstr("chosen")));
   // The chosen row's peak is the corrected one.

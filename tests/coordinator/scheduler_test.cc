@@ -1141,6 +1141,23 @@ TEST_F(JobManagerTest, AMissingModelDirectorySaysModelsAreLocal) {
                           "directory (a Hugging Face hub model must be downloaded first");
 }
 
+// Issue #32: a plan whose ranks outnumber the registered slots says the job would wait.
+TEST_F(JobManagerTest, APlanWarnsWhenTooFewSlotsAreRegistered) {
+  JobManager manager(scheduler_.get(), {});
+  v1::PlanJobRequest request;
+  *request.mutable_spec() = JobSpecToProto(spec_);
+  request.mutable_spec()->mutable_resources()->set_ranks(2);
+  Register("w1");
+  absl::StatusOr<v1::PlanJobResponse> plan = manager.Plan(request);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->warnings_size(), 1);
+  EXPECT_EQ(plan->warnings(0),
+            "needs 2 cpu slots at once; 1 registered: it would wait in the queue until more "
+            "workers register");
+  Register("w2");
+  EXPECT_EQ(manager.Plan(request)->warnings_size(), 0);
+}
+
 TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   const v1::JobSpec spec = JobSpecToProto(spec_);
   v1::JobSpec sharded_mezo = spec;
