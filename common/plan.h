@@ -1,6 +1,7 @@
 // How a job runs: the plan the coordinator makes at submit and the trainer follows
-// (docs/architecture.md, "The path of a job"). It mirrors lathe.v1.Plan (common/proto/job_spec_proto.h
-// converts); the engine takes this struct so that it builds without protobuf.
+// (docs/architecture.md, "The path of a job"). It mirrors lathe.v1.Plan
+// (common/proto/job_spec_proto.h converts); the engine takes this struct so that it builds without
+// protobuf.
 //
 // The coordinator's planner (coordinator/planner/, docs/planner.md) makes the plans of
 // submitted jobs, starting from PlanFromSpec's fields. PlanFromSpec alone is the plan of

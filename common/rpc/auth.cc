@@ -118,8 +118,9 @@ absl::StatusOr<Authenticator> Authenticator::FromText(absl::string_view text,
     // deploy/k8s ships placeholders; applied as they are, anyone who read the manifests
     // would hold every role (issue #32).
     if (absl::StartsWithIgnoreCase(fields[2], "replace-me")) {
-      return error(absl::StrCat("the token of ", fields[1],
-                                " is the example value from deploy/: replace it with one of your own"));
+      return error(
+          absl::StrCat("the token of ", fields[1],
+                       " is the example value from deploy/: replace it with one of your own"));
     }
     caller.name = std::string(fields[1]);
     entry.digest = Sha256Hex(fields[2]);

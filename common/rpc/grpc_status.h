@@ -1,6 +1,7 @@
 // The one conversion between absl::Status (every module boundary in Lathe) and grpc::Status
 // (the wire). Codes are the same numbers in both (absl mirrors gRPC's canonical codes), so a
-// code chosen by the domain (docs/architecture.md, "Errors, retries, time") reaches the caller unchanged.
+// code chosen by the domain (docs/architecture.md, "Errors, retries, time") reaches the caller
+// unchanged.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_COMMON_RPC_GRPC_STATUS_H_

@@ -2,8 +2,8 @@
 // reporter, the trainers' rendezvous store) retries a failed call: which codes mean "the same
 // call may succeed if tried again", and how long to wait between tries.
 //
-// Retryable codes (docs/architecture.md, "Errors, retries, time"): UNAVAILABLE (the coordinator is down,
-// restarting or unreachable) and DEADLINE_EXCEEDED (it did not answer in time). Every call
+// Retryable codes (docs/architecture.md, "Errors, retries, time"): UNAVAILABLE (the coordinator is
+// down, restarting or unreachable) and DEADLINE_EXCEEDED (it did not answer in time). Every call
 // Lathe retries is idempotent (SubmitJob carries a request id; reports and rendezvous writes
 // may repeat), so a call that timed out after the server acted may safely go again. No other
 // code is retried: RESOURCE_EXHAUSTED means "does not fit", ABORTED "restart the attempt",

@@ -1,10 +1,10 @@
 // The planner's memory model (issue #11, docs/planner.md): the bytes one rank holds at the
-// peak of a training step, in the eight memory components (common/memory_components.h), for a job and one point of
-// the strategy space. Model states come from model_states.h; activations and the loss peak
-// follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc, kernels/ops/),
-// with the backward pass's transient buffers calibrated against the tracking allocator
-// (bench/planner_accuracy.py). The step's peak is the largest of three moments: the end of
-// the forward pass (inside the loss), the backward pass, and the optimizer step.
+// peak of a training step, in the eight memory components (common/memory_components.h), for a job
+// and one point of the strategy space. Model states come from model_states.h; activations and the
+// loss peak follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc,
+// kernels/ops/), with the backward pass's transient buffers calibrated against the tracking
+// allocator (bench/planner_accuracy.py). The step's peak is the largest of three moments: the end
+// of the forward pass (inside the loss), the backward pass, and the optimizer step.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_

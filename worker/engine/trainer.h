@@ -119,9 +119,9 @@ struct StepReport {
   std::string products;
   PhaseSeconds phases;
   PhaseProducts phase_products{};
-  // Memory of this rank at the step's peak, by component (common/memory_components.h), in bytes; the
-  // components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped
-  // from the model file count as weights); on CUDA see CudaStepMemory.
+  // Memory of this rank at the step's peak, by component (common/memory_components.h), in bytes;
+  // the components sum to peak_bytes. On the CPU measured by the MemoryTracker (weights mapped from
+  // the model file count as weights); on CUDA see CudaStepMemory.
   std::array<int64_t, kNumMemoryComponents> memory_at_peak{};
   int64_t peak_bytes = 0;
 };
