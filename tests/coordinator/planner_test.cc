@@ -112,11 +112,12 @@ TEST(MemoryModelTest, AttentionMemoryFollowsWhatRuns) {
     const char* device;
     int64_t seq_len;
     bool fused;
-    bool linear;
+    double more_than;  // the activations' growth on doubling the sequence; 0: linear (2x)
   };
-  for (const Case& c : {Case{"cuda", 256, true, true}, Case{"cuda", 2048, false, false},
-                        Case{"cpu", 512, true, true}, Case{"cpu", 128, true, false},
-                        Case{"cpu", 2048, false, false}}) {
+  // Measured: 3.10 for 2048 tokens unfused, 2.18 for 128 (the T x T part still small there).
+  for (const Case& c :
+       {Case{"cuda", 256, true, 0}, Case{"cuda", 2048, false, 2.2}, Case{"cpu", 512, true, 0},
+        Case{"cpu", 128, true, 2.1}, Case{"cpu", 2048, false, 2.2}}) {
     SCOPED_TRACE(absl::StrCat(c.device, " ", c.seq_len, c.fused ? " fused" : " unfused"));
     JobShape job = Job(Shape("llama-3.2-1b"),
                        Spec(absl::StrCat("resources: {ranks: 1, device: ", c.device, "}\n")));
@@ -128,10 +129,10 @@ TEST(MemoryModelTest, AttentionMemoryFollowsWhatRuns) {
     const double growth =
         static_cast<double>(Component(Estimate(longer, p), MemoryComponent::kActivations)) /
         static_cast<double>(Component(Estimate(job, p), MemoryComponent::kActivations));
-    if (c.linear) {
+    if (c.more_than == 0) {
       EXPECT_NEAR(growth, 2.0, 0.01);
     } else {
-      EXPECT_GT(growth, 2.05);
+      EXPECT_GT(growth, c.more_than);
     }
   }
 }
