@@ -166,6 +166,22 @@ absl::Status AtomicFileWriter::Commit() {
   return SyncDirectory(ParentDirectory(path_));
 }
 
+absl::Status CopyModelSideFiles(const std::string& from, const std::string& to) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt",
+                           "chat_template.jinja", "generation_config.json"}) {
+    const std::string source = from + "/" + name;
+    std::error_code error;
+    if (!std::filesystem::exists(source, error)) continue;
+    absl::StatusOr<std::string> bytes = ReadFile(source);
+    if (!bytes.ok()) return bytes.status();
+    if (absl::Status written = WriteFileAtomically(to + "/" + name, *bytes); !written.ok()) {
+      return written;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckNoFinishedRun(const std::string& output) {
   for (const char* finished : {"adapter/adapter_config.json", "model/config.json"}) {
     std::error_code error;

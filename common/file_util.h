@@ -34,6 +34,12 @@ absl::Status SyncDirectory(const std::string& dir);
 // coordinator's SubmitJob both refuse such a job with this message.
 absl::Status CheckNoFinishedRun(const std::string& output);
 
+// Copies the files of the Hugging Face model directory `from` that go with its weights and
+// config (the tokenizer, its special tokens and chat template, the generation settings),
+// those it has, into `to`, each atomically: an exported or merged model stays a usable model
+// directory. INTERNAL (with errno text and the path) on I/O errors.
+absl::Status CopyModelSideFiles(const std::string& from, const std::string& to);
+
 // Writes one file atomically in pieces, for contents too large to hold in memory at once
 // (WriteFileAtomically is built on it):
 //

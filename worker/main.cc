@@ -484,12 +484,6 @@ const std::vector<FlagSpec> kMergeFlags = {
     {"output", true, "table | json (default table)"},
 };
 
-// The files of a model directory besides its weights and config that a merged model keeps.
-constexpr const char* kModelSideFiles[] = {
-    "tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json",
-    "tokenizer.model", "added_tokens.json",     "vocab.json",
-    "merges.txt",      "chat_template.jinja",   "generation_config.json"};
-
 // `lathe-worker merge`: the base model with the adapter folded in, as a Hugging Face model
 // directory that AutoModelForCausalLM.from_pretrained loads: the base's dtype, safetensors
 // files of at most --max-shard-bytes (with model.safetensors.index.json when there are
@@ -574,12 +568,7 @@ absl::Status Merge(const ParsedFlags& flags, bool json) {
     base_config["torch_dtype"] = dtype_name;
   }
   LATHE_RETURN_IF_ERROR(WriteFileAtomically(out + "/config.json", base_config.dump(2) + "\n"));
-  for (const char* name : kModelSideFiles) {
-    const std::string from = model_dir + "/" + name;
-    if (!std::filesystem::exists(from, error)) continue;
-    LATHE_ASSIGN_OR_RETURN(std::string bytes, ReadFile(from));
-    LATHE_RETURN_IF_ERROR(WriteFileAtomically(out + "/" + name, bytes));
-  }
+  LATHE_RETURN_IF_ERROR(CopyModelSideFiles(model_dir, out));
   if (json) {
     std::cout << nlohmann::json{{"out", out}, {"dtype", dtype_name}, {"files", shards}}.dump()
               << std::endl;

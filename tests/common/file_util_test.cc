@@ -160,6 +160,19 @@ TEST_F(FileUtilTest, ConcurrentWritersUseDistinctTempFiles) {
   EXPECT_EQ(*ReadFile(Path("f")), "second");
 }
 
+TEST_F(FileUtilTest, ModelSideFilesAreCopiedWhereTheyExist) {
+  std::filesystem::create_directories(Path("base"));
+  std::filesystem::create_directories(Path("out"));
+  ASSERT_TRUE(WriteFileAtomically(Path("base/tokenizer.json"), "{}").ok());
+  ASSERT_TRUE(WriteFileAtomically(Path("base/generation_config.json"), "{\"a\": 1}").ok());
+  ASSERT_TRUE(WriteFileAtomically(Path("base/model.safetensors"), "weights").ok());
+  ASSERT_TRUE(CopyModelSideFiles(Path("base"), Path("out")).ok());
+  EXPECT_EQ(*ReadFile(Path("out/tokenizer.json")), "{}");
+  EXPECT_EQ(*ReadFile(Path("out/generation_config.json")), "{\"a\": 1}");
+  EXPECT_FALSE(std::filesystem::exists(Path("out/model.safetensors")));
+  EXPECT_FALSE(std::filesystem::exists(Path("out/special_tokens_map.json")));
+}
+
 TEST_F(FileUtilTest, SyncDirectory) {
   EXPECT_TRUE(SyncDirectory(dir_).ok());
   EXPECT_THAT(SyncDirectory(Path("absent")), StatusIs(absl::StatusCode::kInternal, Path("absent")));

@@ -572,15 +572,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
       LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
     }
     if (options_.rank != 0 || result.model_dir.empty()) return absl::OkStatus();
-    // The tokenizer travels with the model, so that the output is a usable model directory.
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
-      const fs::path from = fs::path(spec_.model.path) / name;
-      if (!fs::exists(from)) continue;
-      LATHE_ASSIGN_OR_RETURN(std::string bytes, ReadFile(from.string()));
-      LATHE_RETURN_IF_ERROR(
-          WriteFileAtomically((fs::path(result.model_dir) / name).string(), bytes));
-    }
-    return absl::OkStatus();
+    return CopyModelSideFiles(spec_.model.path, result.model_dir);
   };
   // Rank 0 writes under the fence: a stale attempt exports nothing.
   LATHE_RETURN_IF_ERROR(options_.rank == 0 ? checkpoints_->Fenced(export_output) : export_output());
