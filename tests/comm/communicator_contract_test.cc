@@ -1,8 +1,10 @@
 // The Communicator contract (worker/comm/communicator.h), run against every backend: the
 // fake in-process group and gloo over a MemoryKvStore on 127.0.0.1, for groups of 1 to 4
-// ranks (threads). Built with LATHE_CONTRACT_NCCL (the gpu-labelled nccl_contract_test) it
-// runs against NCCL instead, one GPU per rank, through host-staging adapters; a group larger
-// than the GPUs the machine has is skipped.
+// ranks (threads). Built with LATHE_CONTRACT_CUDA (the gpu-labelled cuda_contract_test) it
+// runs against the backends of device memory instead, through host-staging adapters: NCCL,
+// one GPU per rank (a group larger than the GPUs the machine has is skipped); the CUDA
+// single-rank communicator; and the fake group staged through pinned host memory
+// (cuda_communicator.h), every rank on GPU 0.
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -20,10 +22,11 @@
 #include "worker/comm/fake_communicator.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/memory_kv_store.h"
-#ifdef LATHE_CONTRACT_NCCL
+#ifdef LATHE_CONTRACT_CUDA
 #include <cuda_runtime_api.h>
 
 #include "tests/comm/host_staged_communicator.h"
+#include "worker/comm/cuda_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 #endif
 
@@ -363,7 +366,26 @@ TEST_P(CommunicatorTimeoutTest, AMissingPeerIsDeadlineExceededWithinTheTimeout) 
   }
 }
 
-#ifdef LATHE_CONTRACT_NCCL
+#ifdef LATHE_CONTRACT_CUDA
+int VisibleGpus() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  return devices;
+}
+
+// Each device communicator behind the adapter that lets the suite pass host buffers.
+Group OverHost(std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> results,
+               const std::vector<int>& devices) {
+  Group group;
+  for (size_t r = 0; r < results.size(); ++r) {
+    EXPECT_TRUE(results[r].ok()) << results[r].status();
+    if (!results[r].ok()) return {};
+    group.push_back(std::make_unique<lathe::testing::HostStagedCommunicator>(*std::move(results[r]),
+                                                                             devices[r]));
+  }
+  return group;
+}
+
 // Ranks are threads, rank r on GPU r.
 Group MakeNcclGroup(int world_size, absl::Duration timeout) {
   MemoryKvStore store;
@@ -375,28 +397,46 @@ Group MakeNcclGroup(int world_size, absl::Duration timeout) {
     options.timeout = timeout;
     results[rank] = ConnectNccl(&store, rank, world_size, options);
   });
-  Group group;
-  for (int r = 0; r < world_size; ++r) {
-    EXPECT_TRUE(results[r].ok()) << results[r].status();
-    if (!results[r].ok()) return {};
-    group.push_back(
-        std::make_unique<lathe::testing::HostStagedCommunicator>(*std::move(results[r]), r));
-  }
-  return group;
+  std::vector<int> devices;
+  for (int r = 0; r < world_size; ++r) devices.push_back(r);
+  return OverHost(std::move(results), devices);
 }
 
 std::string NcclUnavailable(int world_size) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess) devices = 0;
+  const int devices = VisibleGpus();
   if (devices >= world_size) return "";
   return absl::StrCat("NCCL: ", world_size, " ranks need ", world_size, " GPUs, ", devices,
                       " visible");
 }
 
+// The fake in-process group, each rank's calls staged through pinned host memory, every
+// rank on GPU 0 (as two ranks sharing a GPU over gloo).
+Group MakeCudaStagedGroup(int world_size, absl::Duration timeout) {
+  FakeGroupOptions options;
+  options.timeout = timeout;
+  std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> results;
+  for (std::unique_ptr<Communicator>& host : MakeFakeGroup(world_size, options)) {
+    results.push_back(MakeCudaStagedCommunicator(std::move(host), {}));
+  }
+  return OverHost(std::move(results), std::vector<int>(world_size, 0));
+}
+
+std::string NeedsAGpu(int) { return VisibleGpus() > 0 ? "" : "no GPU visible"; }
+
 std::vector<ContractParam> AllBackends() {
   const Backend nccl{"Nccl", MakeNcclGroup, NcclUnavailable};
-  std::vector<ContractParam> params;
-  for (int n : {1, 2, 3, 4}) params.push_back({nccl, n});
+  const Backend staged{"CudaStaged", MakeCudaStagedGroup, NeedsAGpu};
+  const Backend single{"CudaSingleRank",
+                       [](int, absl::Duration) {
+                         std::vector<absl::StatusOr<std::unique_ptr<Communicator>>> one;
+                         one.push_back(MakeCudaSingleRankCommunicator({}));
+                         return OverHost(std::move(one), {0});
+                       },
+                       NeedsAGpu};
+  std::vector<ContractParam> params = {{single, 1}};
+  for (const Backend& backend : {nccl, staged}) {
+    for (int n : {1, 2, 3, 4}) params.push_back({backend, n});
+  }
   return params;
 }
 #else
@@ -431,11 +471,11 @@ std::vector<ContractParam> AllBackends() {
 INSTANTIATE_TEST_SUITE_P(Backends, CommunicatorContractTest, ::testing::ValuesIn(AllBackends()),
                          ParamName);
 
-// One backend per kind: the params of AllBackends come in fours (1 to 4 ranks).
+// One backend per kind that makes groups of two (the single-rank ones cannot miss a peer).
 std::vector<Backend> EachBackend() {
   std::vector<Backend> backends;
   for (const ContractParam& param : AllBackends()) {
-    if (param.world_size == 1) backends.push_back(param.backend);
+    if (param.world_size == 2) backends.push_back(param.backend);
   }
   return backends;
 }

@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/comm/rendezvous_server.h"
 #include "tests/testing/status_matchers.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/grpc_kv_store.h"

@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/comm/comm_test_util.h"
+#include "tests/comm/rendezvous_server.h"
 #include "tests/testing/status_matchers.h"
 #include "tests/testing/temp_dir.h"
 #include "worker/comm/file_kv_store.h"

@@ -54,6 +54,13 @@ size_t CommDTypeSize(CommDType dtype);
 // "float32", "float64", "int64".
 absl::string_view CommDTypeName(CommDType dtype);
 
+// Where a communicator's buffers live. A CUDA job's ranks pass device pointers: NCCL, or a
+// host backend staged through pinned host memory (cuda_communicator.h).
+enum class CommMemory {
+  kHost,
+  kCuda,
+};
+
 // A collective started by one of Communicator's Start* calls. REQUIRES: waited for or
 // destroyed before its communicator.
 class CommWork {
@@ -77,6 +84,8 @@ class Communicator {
   // This rank, in [0, world_size()).
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
+  // Where every buffer passed to this communicator must be.
+  virtual CommMemory memory() const { return CommMemory::kHost; }
 
   // Replaces data[0, count) on every rank by the element-wise sum over all ranks.
   // REQUIRES: data holds count elements of dtype (may be null when count is 0).

@@ -90,10 +90,13 @@ class NcclWork final : public CommWork {
 
 class NcclCommunicator final : public StartedCommunicator {
  public:
-  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, int device, int rank, int world_size,
+  NcclCommunicator(ncclComm_t comm, cudaStream_t stream, cudaEvent_t ready,
+                   cudaStream_t caller_stream, int device, int rank, int world_size,
                    absl::Duration timeout)
       : comm_(comm),
         stream_(stream),
+        ready_(ready),
+        caller_stream_(caller_stream),
         device_(device),
         rank_(rank),
         world_size_(world_size),
@@ -117,11 +120,13 @@ class NcclCommunicator final : public StartedCommunicator {
       }
     }
     cudaFree(barrier_);
+    cudaEventDestroy(ready_);
     cudaStreamDestroy(stream_);
   }
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_size_; }
+  CommMemory memory() const override { return CommMemory::kCuda; }
 
   absl::Status Broadcast(void* data, size_t bytes, int root) override {
     LATHE_RETURN_IF_ERROR(comm_internal::CheckBroadcastArgs(data, bytes, root, world_size_));
@@ -208,14 +213,17 @@ class NcclCommunicator final : public StartedCommunicator {
   }
 
  private:
-  // Enqueues one collective on the stream, then an event after it.
+  // Enqueues one collective on the stream, after the caller's stream's work so far (ready_,
+  // recorded there, is waited for on ours), then an event after it.
   template <typename Fn>
   std::unique_ptr<CommWork> Enqueue(absl::string_view op, Fn&& fn) {
     const std::string what = absl::StrCat(op, " on rank ", rank_, " of ", world_size_);
     absl::MutexLock lock(&mu_);
     if (!broken_.ok()) return FinishedWork(Broken(what));
     cudaSetDevice(device_);
-    absl::Status status = NcclStatus(fn(), what);
+    absl::Status status = CudaStatus(cudaEventRecord(ready_, caller_stream_), what);
+    if (status.ok()) status = CudaStatus(cudaStreamWaitEvent(stream_, ready_, 0), what);
+    if (status.ok()) status = NcclStatus(fn(), what);
     if (status.ok()) status = AwaitComm(comm_, absl::Now() + timeout_, what);
     cudaEvent_t event = nullptr;
     if (status.ok()) {
@@ -246,6 +254,8 @@ class NcclCommunicator final : public StartedCommunicator {
   absl::Mutex mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_);  // null once aborted
   cudaStream_t stream_;
+  cudaEvent_t ready_;                 // reused: recorded and waited for under mu_
+  const cudaStream_t caller_stream_;  // null: the legacy default stream
   const int device_;
   const int rank_;
   const int world_size_;
@@ -306,6 +316,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(KvStore* store, int ra
   cudaStream_t stream = nullptr;
   LATHE_RETURN_IF_ERROR(
       CudaStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), where));
+  cudaEvent_t ready = nullptr;
+  if (absl::Status made =
+          CudaStatus(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), where);
+      !made.ok()) {
+    cudaStreamDestroy(stream);
+    return made;
+  }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // so that a peer that never comes cannot hang this rank
   ncclComm_t comm = nullptr;
@@ -314,11 +331,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> ConnectNccl(KvStore* store, int ra
   if (status.ok()) status = AwaitComm(comm, absl::Now() + options.timeout, where);
   if (!status.ok()) {
     if (comm != nullptr) ncclCommAbort(comm);
+    cudaEventDestroy(ready);
     cudaStreamDestroy(stream);
     return status;
   }
-  return std::make_unique<NcclCommunicator>(comm, stream, options.device, rank, world_size,
-                                            options.timeout);
+  return std::make_unique<NcclCommunicator>(comm, stream, ready,
+                                            static_cast<cudaStream_t>(options.stream),
+                                            options.device, rank, world_size, options.timeout);
 #else
   return absl::FailedPreconditionError(absl::StrCat(
       "nccl: this build of Lathe has no NCCL (found with the CUDA toolkit), so a group of ",

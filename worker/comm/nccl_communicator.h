@@ -1,7 +1,9 @@
 // The GPU backend of Communicator: NCCL on CUDA device memory. Every buffer passed to its
 // calls is a device pointer on the communicator's device; the collectives run on a stream
-// of its own, in the order they were issued, and a Start* handle's Wait returns when the
-// collective's work on that stream has finished.
+// of its own, in the order they were issued, each after the work the caller's stream
+// (NcclOptions::stream) had enqueued when it was called (an event, not a device-wide sync),
+// and a Start* handle's Wait returns when the collective's work on that stream has finished:
+// its output may then be read by work enqueued afterwards on any stream.
 //
 // ConnectNccl meets the other ranks through a KvStore: rank 0 creates NCCL's unique id and
 // publishes it under "<key_prefix>/id"; every rank then creates its communicator
@@ -30,6 +32,9 @@ namespace lathe {
 
 struct NcclOptions {
   int device = 0;  // the CUDA device of this rank (as the process sees it)
+  // The stream (a cudaStream_t) whose work writes the buffers passed in: each collective
+  // waits for what it had enqueued. Null: the legacy default stream, libtorch's default.
+  void* stream = nullptr;
   absl::Duration timeout = absl::Seconds(60);
   // Namespace of this communicator's keys in the store: one per communicator sharing a store.
   std::string key_prefix = "nccl";
