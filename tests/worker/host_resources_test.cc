@@ -102,6 +102,15 @@ TEST(HostResourcesTest, SlotsFollowCudaVisibleDevices) {
   EXPECT_THAT(short_list.message(), HasSubstr("names only 1"));
 }
 
+// Issue #29: a cuda agent without --slots offers each GPU it may use as a slot.
+TEST(HostResourcesTest, ACudaAgentHasASlotPerGpuByDefault) {
+  const std::vector<GpuInfo> eight(8);
+  EXPECT_EQ(DefaultCudaSlots("", eight), 8);
+  EXPECT_EQ(DefaultCudaSlots("2, 5", eight), 2);  // CUDA_VISIBLE_DEVICES narrows them
+  EXPECT_EQ(DefaultCudaSlots("GPU-aaaa", {}), 1);
+  EXPECT_EQ(DefaultCudaSlots("", {}), 1);  // nvidia-smi failed: one, as before
+}
+
 TEST(HostResourcesTest, DescribesSlotDevices) {
   std::vector<GpuInfo> gpus = {{0, "GPU-aaaa", "NVIDIA A100", 80ull << 30},
                                {1, "GPU-bbbb", "NVIDIA H200", 141ull << 30}};

@@ -35,7 +35,8 @@ const std::vector<FlagSpec> kAgentFlags = {
     {"coordinator", true,
      "coordinator host:port (default $LATHE_COORDINATOR, else 127.0.0.1:7070)"},
     {"device", true, "cpu | cuda (default cpu)"},
-    {"slots", true, "ranks run at once: GPUs, or CPU slots (default 1)"},
+    {"slots", true,
+     "ranks run at once: GPUs, or CPU slots (default: cuda, one per GPU visible; cpu, 1)"},
     {"worker-id", true, "name to register under (default <hostname>-<device>)"},
     {"work-dir", true, "per-rank specs and logs (default /tmp/lathe-worker-<worker-id>)"},
     {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
@@ -143,8 +144,6 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
   std::vector<GpuInfo> gpus;
   if (options.device == v1::DEVICE_CUDA) {
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    LATHE_ASSIGN_OR_RETURN(slot_devices,
-                           SlotCudaDevices(visible != nullptr ? visible : "", options.slots));
     absl::StatusOr<std::vector<GpuInfo>> found = QueryGpus(launcher);
     if (found.ok()) {
       gpus = *std::move(found);
@@ -152,6 +151,11 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
       spdlog::warn("worker={} GPU names and memory unknown: {}", options.worker_id,
                    found.status().ToString());
     }
+    if (!flags.Has("slots")) {
+      options.slots = DefaultCudaSlots(visible != nullptr ? visible : "", gpus);
+    }
+    LATHE_ASSIGN_OR_RETURN(slot_devices,
+                           SlotCudaDevices(visible != nullptr ? visible : "", options.slots));
     for (const std::string& cuda_device : slot_devices) {
       // Each trainer sees only its slot's GPU, numbered as nvidia-smi numbers them.
       options.slot_environment.push_back(

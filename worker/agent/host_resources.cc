@@ -1,5 +1,6 @@
 #include "worker/agent/host_resources.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -61,6 +62,13 @@ absl::StatusOr<std::vector<GpuInfo>> QueryGpus(ProcessLauncher& launcher) {
         absl::StrCat("nvidia-smi ", status.ToString(), ": ", absl::StripAsciiWhitespace(err)));
   }
   return ParseNvidiaSmiGpus(out);
+}
+
+int64_t DefaultCudaSlots(absl::string_view visible_devices, const std::vector<GpuInfo>& gpus) {
+  const std::vector<absl::string_view> entries =
+      absl::StrSplit(visible_devices, ',', absl::SkipWhitespace());
+  if (!entries.empty()) return static_cast<int64_t>(entries.size());
+  return std::max<int64_t>(1, static_cast<int64_t>(gpus.size()));
 }
 
 absl::StatusOr<std::vector<std::string>> SlotCudaDevices(absl::string_view visible_devices,

@@ -69,6 +69,11 @@ class GpuMemoryProbe {
   bool failing_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// The slots of a cuda agent started without --slots: one per GPU it may use, that is each
+// entry of `visible_devices` (its CUDA_VISIBLE_DEVICES) when that is set, else each GPU
+// nvidia-smi lists (`gpus`), else 1.
+int64_t DefaultCudaSlots(absl::string_view visible_devices, const std::vector<GpuInfo>& gpus);
+
 // The CUDA device each slot uses, as CUDA_VISIBLE_DEVICES entries: slot i gets entry i of
 // `visible_devices` (the agent's own CUDA_VISIBLE_DEVICES, comma-separated) when that is
 // set, else "i". INVALID_ARGUMENT when `visible_devices` lists fewer than `slots` devices.
