@@ -37,8 +37,6 @@ const EngineCapabilities& Engine() {
       /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
       /*max_zero_stage=*/3,
       /*offload=*/true,
-      /*max_cuda_ranks=*/1,
-      /*cuda_sharding=*/false,
   };
   return *kEngine;
 }
@@ -60,25 +58,11 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
   if (!Contains(caps.devices, spec.resources.device)) {
     return Unsupported("resources.device", spec.resources.device, caps.devices, DeviceKindName);
   }
-  if (spec.resources.device == DeviceKind::kCuda && spec.resources.ranks > caps.max_cuda_ranks) {
-    return absl::UnimplementedError(
-        absl::StrCat("resources.ranks: ", spec.resources.ranks,
-                     " ranks on cuda are not supported by this engine yet (at most ",
-                     caps.max_cuda_ranks, ": several CUDA ranks need the NCCL backend)"));
-  }
   const StrategySpec& s = spec.strategy;
   if (!s.automatic && s.zero_stage > caps.max_zero_stage) {
     return absl::UnimplementedError(absl::StrCat(
         "strategy.zero_stage: ", s.zero_stage,
         " is not supported by this engine yet (supported: 0 to ", caps.max_zero_stage, ")"));
-  }
-  if (!s.automatic && spec.resources.device == DeviceKind::kCuda && !caps.cuda_sharding &&
-      (s.zero_stage > 0 || s.offload_optimizer || s.offload_params)) {
-    return absl::UnimplementedError(absl::StrCat(
-        "strategy.zero_stage: ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " with offload" : "",
-        " on cuda is not supported by this engine yet (sharding and offload run on cpu; on "
-        "cuda they wait for collectives on device memory, docs/sharding.md)"));
   }
   if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
       spec.method == Method::kMezo) {

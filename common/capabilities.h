@@ -27,10 +27,7 @@ struct EngineCapabilities {
   std::vector<OptimizerKind> optimizers;
   std::vector<DeviceKind> devices;
   int64_t max_zero_stage = 0;
-  bool offload = false;        // offload_optimizer, offload_params
-  int64_t max_cuda_ranks = 1;  // several CUDA ranks need the NCCL backend
-  // ZeRO stages above 0 and offload also on cuda (they run on cpu whenever allowed above).
-  bool cuda_sharding = false;
+  bool offload = false;  // offload_optimizer, offload_params
 };
 
 // This build's engine.

@@ -42,8 +42,10 @@
 #include "worker/agent/agent_main.h"
 #include "worker/comm/grpc_kv_store.h"
 #endif
+#include "worker/comm/cuda_communicator.h"
 #include "worker/comm/file_kv_store.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/nccl_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/memory_tracker.h"
@@ -88,6 +90,9 @@ const std::vector<FlagSpec> kTrainFlags = {
      "seconds a collective waits for the other ranks before it fails (default: the task's, "
      "else 60)"},
     {"prefetch", true, "on | off: ZeRO-3 gathers the next unit while one computes (default on)"},
+    {"collectives", true,
+     "nccl | gloo: how several ranks talk (default: nccl on cuda, gloo on cpu; gloo on cuda "
+     "stages each call through host memory, as when ranks share a GPU)"},
     {"peak-flops", true,
      "the device's peak FLOP/s for MFU (default: the task's, else looked up (CUDA) or measured "
      "(CPU))"},
@@ -101,6 +106,7 @@ struct TrainJob {
   std::string rendezvous_address;
   std::string rendezvous_dir;                             // --spec with several ranks
   absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
+  bool nccl = false;  // several ranks on cuda: NCCL, else gloo (staged on cuda)
 };
 
 // The spec's paths this process opened below the allowed roots, and what they stand for.
@@ -191,6 +197,17 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
         absl::StrCat("--prefetch: expected on or off, got \"", prefetch, "\""));
   }
   job.options.prefetch = prefetch == "on";
+  const bool cuda = job.plan.device == DeviceKind::kCuda;
+  const std::string collectives = flags.Get("collectives", cuda ? "nccl" : "gloo");
+  if (collectives != "nccl" && collectives != "gloo") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--collectives: expected nccl or gloo, got \"", collectives, "\""));
+  }
+  if (collectives == "nccl" && !cuda) {
+    return absl::InvalidArgumentError(
+        "--collectives: nccl needs resources.device cuda (NCCL reduces GPU memory)");
+  }
+  job.nccl = collectives == "nccl";
   return job;
 }
 
@@ -321,11 +338,23 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
           "several ranks need a place to meet: --rendezvous-dir with --spec, or a task that "
           "names its rendezvous_address and job_id");
     }
-    GlooOptions gloo;
-    gloo.timeout = job.collective_timeout;
-    absl::StatusOr<std::unique_ptr<Communicator>> connected =
-        ConnectGloo(store.get(), static_cast<int>(job.options.rank),
-                    static_cast<int>(job.options.world_size), gloo);
+    const int rank = static_cast<int>(job.options.rank);
+    const int world = static_cast<int>(job.options.world_size);
+    // A CUDA rank uses the device its slot's CUDA_VISIBLE_DEVICES leaves it: device 0, on
+    // libtorch's default stream.
+    absl::StatusOr<std::unique_ptr<Communicator>> connected;
+    if (job.nccl) {
+      NcclOptions nccl;
+      nccl.timeout = job.collective_timeout;
+      connected = ConnectNccl(store.get(), rank, world, nccl);
+    } else {
+      GlooOptions gloo;
+      gloo.timeout = job.collective_timeout;
+      connected = ConnectGloo(store.get(), rank, world, gloo);
+      if (connected.ok() && spec.resources.device == DeviceKind::kCuda) {
+        connected = MakeCudaStagedCommunicator(*std::move(connected), {});
+      }
+    }
     if (!connected.ok()) return Annotate(connected.status(), "connecting the ranks");
     comm = *std::move(connected);
     job.options.comm = comm.get();

@@ -55,12 +55,8 @@ absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_vie
     options.rates.memory_bytes = *host / static_cast<uint64_t>(spec.resources.ranks);
   }
   const EngineCapabilities& caps = Engine();
-  options.max_zero_stage = cuda && !caps.cuda_sharding ? 0 : caps.max_zero_stage;
-  options.offload = caps.offload && (!cuda || caps.cuda_sharding);
-  if (cuda && !caps.cuda_sharding) {
-    options.without_sharding_because =
-        "this engine runs ZeRO and offload on cpu only, not yet on cuda";
-  }
+  options.max_zero_stage = caps.max_zero_stage;
+  options.offload = caps.offload;
   return options;
 }
 

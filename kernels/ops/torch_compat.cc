@@ -31,7 +31,12 @@ std::optional<CudaMemory> CudaMemoryOf(int device) {
 void ResetCudaPeak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats(device); }
 
 std::string CudaDeviceName(int device) { return at::cuda::getDeviceProperties(device)->name; }
+
+void SynchronizeStream(const at::Device& device) {
+  if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
+}
 #else
+void SynchronizeStream(const at::Device&) {}
 std::optional<CudaMemory> CudaMemoryOf(int) { return std::nullopt; }
 void ResetCudaPeak(int) {}
 std::string CudaDeviceName(int) { return ""; }

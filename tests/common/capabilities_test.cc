@@ -52,6 +52,15 @@ TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
   spec.resources.device = DeviceKind::kCuda;
   spec.resources.ranks = 1;
   EXPECT_TRUE(CheckEngineSupports(spec).ok());
+  // Issue #29: several CUDA ranks (NCCL) and ZeRO with offload on CUDA.
+  spec.resources.ranks = 8;
+  spec.train.global_batch = 8;
+  for (int64_t stage : {0, 1, 2, 3}) {
+    spec.strategy.zero_stage = stage;
+    spec.strategy.offload_optimizer = stage > 0;
+    spec.strategy.offload_params = stage == 3;
+    EXPECT_TRUE(CheckEngineSupports(spec).ok()) << stage;
+  }
 }
 
 struct UnsupportedCase {
@@ -82,20 +91,14 @@ INSTANTIATE_TEST_SUITE_P(
                         },
                         "strategy.zero_stage: 3 with method mezo is not supported by this engine "
                         "yet"},
-        UnsupportedCase{"ZeroOnCuda",
+        UnsupportedCase{"ShardedMezoOnCuda",
                         [](JobSpec* s) {
+                          s->method = Method::kMezo;
                           s->resources.device = DeviceKind::kCuda;
                           s->strategy.automatic = false;
-                          s->strategy.zero_stage = 3;
+                          s->strategy.zero_stage = 2;
                         },
-                        "strategy.zero_stage: 3 on cuda is not supported by this engine yet"},
-        UnsupportedCase{"SeveralCudaRanks",
-                        [](JobSpec* s) {
-                          s->resources.device = DeviceKind::kCuda;
-                          s->resources.ranks = 2;
-                          s->train.global_batch = 8;
-                        },
-                        "resources.ranks: 2 ranks on cuda are not supported"}),
+                        "strategy.zero_stage: 2 with method mezo is not supported"}),
     [](const ::testing::TestParamInfo<UnsupportedCase>& param) { return param.param.name; });
 
 TEST(CapabilitiesTest, ModelTypesComeFromTheList) {

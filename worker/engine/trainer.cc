@@ -20,6 +20,7 @@
 #include "kernels/ops/matmul.h"
 #include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
+#include "worker/comm/cuda_communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/evaluation.h"
 #include "worker/engine/loss_scaler.h"
@@ -61,6 +62,15 @@ absl::Status CheckSupported(const JobSpec& spec, const Plan& plan, const Trainer
   if (plan.device == DeviceKind::kCuda && !at::hasCUDA()) {
     return absl::FailedPreconditionError(
         "resources.device: cuda: this worker's libtorch has no CUDA support or sees no GPU");
+  }
+  // A CUDA job's collectives take device memory (NCCL, or a host backend staged through the
+  // host: worker/comm/cuda_communicator.h); a CPU job's take host memory.
+  const CommMemory memory =
+      plan.device == DeviceKind::kCuda ? CommMemory::kCuda : CommMemory::kHost;
+  if (options.world_size > 1 && options.comm->memory() != memory) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "resources.device: ", DeviceKindName(plan.device), ": this rank's communicator takes ",
+        memory == CommMemory::kCuda ? "host" : "device", " memory"));
   }
   return absl::OkStatus();
 }
@@ -348,7 +358,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   if (plan.zero_stage > 0) {
     Communicator* comm = options.comm;
     if (comm == nullptr) {
-      trainer->own_comm_ = MakeSingleRankCommunicator();
+      if (plan.device == DeviceKind::kCuda) {
+        LATHE_ASSIGN_OR_RETURN(trainer->own_comm_, MakeCudaSingleRankCommunicator({}));
+      } else {
+        trainer->own_comm_ = MakeSingleRankCommunicator();
+      }
       comm = trainer->own_comm_.get();
     }
     ShardOptions shard;
@@ -639,7 +653,21 @@ bool Trainer::Evaluates() const {
 
 absl::Status Trainer::SumAcrossRanks(double* value, absl::string_view what) {
   if (options_.world_size == 1) return absl::OkStatus();
-  return Annotate(options_.comm->AllReduceSum(value, 1, CommDType::kFloat64), what);
+  if (options_.comm->memory() == CommMemory::kHost) {
+    return Annotate(options_.comm->AllReduceSum(value, 1, CommDType::kFloat64), what);
+  }
+  at::Tensor staged =
+      at::full({1}, *value, at::TensorOptions(at::kDouble).device(model_->options().device));
+  LATHE_RETURN_IF_ERROR(SumAcrossRanks(staged, what));
+  *value = staged.item<double>();
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SumAcrossRanks(const at::Tensor& values, absl::string_view what) {
+  if (options_.world_size == 1) return absl::OkStatus();
+  return Annotate(options_.comm->AllReduceSum(
+                      values.data_ptr(), static_cast<size_t>(values.numel()), CommDType::kFloat64),
+                  what);
 }
 
 absl::Status Trainer::AllRanksOk(const absl::Status& status, absl::string_view what) {
@@ -715,7 +743,8 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
   if (targets == 0) return absl::OkStatus();  // nothing to learn from: no update
   report.loss_scale = scaler.scale();
   const at::Device device = model_->options().device;
-  double loss_sum = 0.0;
+  // Summed on the device (float64, as the host would), read once the ranks' sums are in.
+  at::Tensor loss_sum = at::zeros({1}, at::TensorOptions(at::kDouble).device(device));
   const int64_t per_rank = train.global_batch / options_.world_size;
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
@@ -736,7 +765,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
     // Normalised over the whole step's targets, so that accumulation does not change the
     // update; multiplied by the loss scale (1 unless fp16).
     (loss * (scaler.scale() / static_cast<double>(targets))).backward();
-    loss_sum += loss.item<double>();
+    loss_sum += loss.detach().to(at::kDouble);
     phases.backward += lap(ProductPhase::kBackward);
   }
   {
@@ -748,7 +777,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
       LATHE_RETURN_IF_ERROR(AllReduceGradients(*optimizer));
     }
     const double reduce_seconds = lap();
-    LATHE_RETURN_IF_ERROR(SumAcrossRanks(&loss_sum, "summing the loss across ranks"));
+    LATHE_RETURN_IF_ERROR(SumAcrossRanks(loss_sum, "summing the loss across ranks"));
     // Sharded: the time blocked on every collective of the step so far, those inside forward
     // and backward (and so inside those phases too) included; the optimizer's come below.
     phases.comm += (sharded_ ? sharded_->TakeCommSeconds() : reduce_seconds) + lap();
@@ -757,7 +786,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
     sharded_ ? sharded_->ScaleGrads(factor) : optimizer->ScaleGrads(factor);
   };
   auto zero_grads = [&] { sharded_ ? sharded_->ZeroGrad() : optimizer->ZeroGrad(); };
-  report.loss = loss_sum / static_cast<double>(targets);
+  report.loss = loss_sum.item<double>() / static_cast<double>(targets);
   if (scaler.scale() != 1.0) scale_grads(1.0 / scaler.scale());
   if (sharded_) {
     LATHE_ASSIGN_OR_RETURN(report.grad_norm, sharded_->GradNorm());

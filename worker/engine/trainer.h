@@ -204,6 +204,9 @@ class Trainer {
   absl::Status AllReduceGradients(Optimizer& optimizer);
   // Sums `*value` across the ranks (a no-op on one rank).
   absl::Status SumAcrossRanks(double* value, absl::string_view what);
+  // The same for float64 tensors where the communicator's buffers live (the device of a
+  // CUDA job), in place.
+  absl::Status SumAcrossRanks(const at::Tensor& values, absl::string_view what);
   // OK when `status` is OK on every rank; else this rank's error, or ABORTED naming `what`
   // when only other ranks failed. A collective.
   absl::Status AllRanksOk(const absl::Status& status, absl::string_view what);

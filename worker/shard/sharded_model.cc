@@ -126,7 +126,6 @@ absl::Status ShardedModel::Init() {
   world_ = comm_->world_size();
   tied_ = model_->config().tie_word_embeddings;
   const bool stage3 = options_.stage == 3;
-  const at::Device slice_device = options_.offload_params ? at::Device(at::kCPU) : device();
   const at::ScalarType weight_dtype = model_->options().weight_dtype;
   anchor_ = at::empty({0}, at::kFloat).set_requires_grad(true);
   units_.resize(model_->num_units());
@@ -155,7 +154,9 @@ absl::Status ShardedModel::Init() {
         at::Tensor slice;
         {
           MemoryScope scope(component);
-          slice = at::zeros({shard}, at::TensorOptions(dtype).device(slice_device));
+          slice = options_.offload_params
+                      ? at::zeros({shard}, HostOptions(dtype))
+                      : at::zeros({shard}, at::TensorOptions(dtype).device(device()));
         }
         const FlatRange owned = OwnedRange(layout.numel, rank_, world_);
         const int64_t base = rank_ * shard;
@@ -229,9 +230,10 @@ absl::Status ShardedModel::Init() {
     // The optimizer's slice: the parameter slice itself, or a host copy of it when the
     // optimizer is offloaded (with offload_params the slice is in host memory already).
     MemoryScope scope(MemoryComponent::kOptimizer);
-    u.master = options_.offload_optimizer
-                   ? u.param_slice.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
-                   : u.param_slice;
+    u.master =
+        options_.offload_optimizer
+            ? at::empty({u.param_slice.numel()}, HostOptions(at::kFloat)).copy_(u.param_slice)
+            : u.param_slice;
     const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
     const int64_t base_t = rank_ * u.trainable_shard;
     std::vector<NamedParameter> params;
@@ -295,9 +297,10 @@ void ShardedModel::StartGather(int64_t unit) {
         std::pair{&u.trainable_slice, &u.trainable_whole}, std::pair{&u.nf4_slice, &u.nf4_whole}}) {
     if (!whole->defined() || whole->numel() == 0) continue;
     AllocateStorage(*whole);
-    // Offloaded slices travel to the device first: the same path on a CPU job, a copy.
+    // Offloaded slices travel to the device first (from pinned memory, on the compute stream,
+    // which the collective waits for): the same path on a CPU job, a copy.
     at::Tensor in = options_.offload_params
-                        ? slice->to(device(), /*non_blocking=*/false, /*copy=*/true)
+                        ? slice->to(device(), /*non_blocking=*/true, /*copy=*/true)
                         : *slice;
     u.gathers.push_back(comm_->StartAllGather(in.data_ptr(), whole->data_ptr(),
                                               static_cast<size_t>(in.numel()) * in.element_size()));
@@ -517,12 +520,16 @@ absl::StatusOr<double> ShardedModel::GradNorm() {
           u.grad_slice.slice(0, part.begin - owned.begin, part.end - owned.begin).norm(2));
     }
   }
-  double local = norms.empty() ? 0.0 : at::stack(norms).norm(2).item<double>();
-  double sum_squares = local * local;
-  LATHE_RETURN_IF_ERROR(
-      Annotate(Timed([&] { return comm_->AllReduceSum(&sum_squares, 1, CommDType::kFloat64); }),
-               "summing the gradient norm across ranks"));
-  return std::sqrt(sum_squares);
+  // The sum of squares stays where the gradients are (NCCL reduces device memory) until
+  // the reduced value is read.
+  const at::Tensor local = norms.empty()
+                               ? at::zeros({1}, at::TensorOptions(at::kDouble).device(device()))
+                               : at::stack(norms).norm(2).to(at::kDouble).reshape({1});
+  const at::Tensor sum_squares = local * local;
+  LATHE_RETURN_IF_ERROR(Annotate(
+      Timed([&] { return comm_->AllReduceSum(sum_squares.data_ptr(), 1, CommDType::kFloat64); }),
+      "summing the gradient norm across ranks"));
+  return std::sqrt(sum_squares.item<double>());
 }
 
 void ShardedModel::ScaleGrads(double factor) {
@@ -543,6 +550,16 @@ absl::Status ShardedModel::Step(double lr) {
   at::NoGradGuard no_grad;
   ++optimizer_steps_;
   try {
+    // Offloaded: every unit's gradient slice to the host (pinned) at once, then one wait.
+    std::vector<at::Tensor> host_grads(units_.size());
+    for (int64_t index = 0; index < num_units(); ++index) {
+      Unit& u = units_[index];
+      if (u.pieces.empty() || !u.grad_slice.defined() || u.master.device() == device()) continue;
+      MemoryScope scope(MemoryComponent::kOptimizer);
+      host_grads[index] = at::empty({u.grad_slice.numel()}, HostOptions(at::kFloat))
+                              .copy_(u.grad_slice, /*non_blocking=*/true);
+    }
+    SynchronizeStream(device());
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
       if (u.pieces.empty()) continue;
@@ -551,15 +568,18 @@ absl::Status ShardedModel::Step(double lr) {
       const bool offloaded = !u.master.is_same(u.param_slice);
       std::vector<at::Tensor> grads(u.pieces.size());
       if (u.grad_slice.defined()) {
-        const at::Tensor grad =
-            offloaded ? u.grad_slice.to(u.master.device(), false, /*copy=*/true) : u.grad_slice;
+        const at::Tensor grad = host_grads[index].defined() ? host_grads[index]
+                                : offloaded ? u.grad_slice.to(u.master.device(), false, true)
+                                            : u.grad_slice;
         for (size_t i = 0; i < u.pieces.size(); ++i) {
           grads[i] = grad.slice(0, u.pieces[i].begin, u.pieces[i].end);
         }
       }
       u.optimizer->Step(lr, grads);
       if (!u.grad_slice.defined()) continue;
-      if (offloaded) u.param_slice.copy_(u.master);
+      // From pinned memory, asynchronous on the device: the next step's first wait on the
+      // stream comes before the host writes the master again.
+      if (offloaded) u.param_slice.copy_(u.master, /*non_blocking=*/true);
       if (options_.stage < 3) {
         // Every rank's updated slice into every rank's whole parameters (in place).
         const size_t bytes = static_cast<size_t>(u.trainable_shard) * sizeof(float);

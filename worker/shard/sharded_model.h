@@ -198,6 +198,10 @@ class ShardedModel final : public UnitHooks {
   void DrainOneReduce();
   void ReleaseUse(int64_t use);
   at::Device device() const { return model_->options().device; }
+  // Host memory for offloaded state: pinned on a CUDA job, so that copies are asynchronous.
+  at::TensorOptions HostOptions(at::ScalarType dtype) const {
+    return at::TensorOptions(dtype).device(at::kCPU).pinned_memory(device().is_cuda());
+  }
 
   CausalLm* model_;
   Communicator* comm_;
