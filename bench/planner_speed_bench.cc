@@ -4,7 +4,7 @@
 // target: under 100 ms for 70B on 8 GPUs. Prints one markdown row per case for
 // bench/RESULTS.md.
 //
-//   build/bin/planner_speed_bench [CONFIG_DIR]   (default tests/coordinator/data/configs)
+//   build/bin/planner_speed_bench [CONFIG_DIR]   (default tests/planner/data/configs)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,7 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
-#include "coordinator/planner/planner.h"
+#include "planner/planner.h"
 
 namespace {
 
@@ -83,5 +83,5 @@ int Run(const std::string& dir) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  return Run(argc > 1 ? argv[1] : "tests/coordinator/data/configs");
+  return Run(argc > 1 ? argv[1] : "tests/planner/data/configs");
 }

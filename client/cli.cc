@@ -27,7 +27,7 @@
 #include "common/rpc/auth.h"
 #include "common/rpc/tls.h"
 #include "common/status_macros.h"
-#include "coordinator/planner/plan_proto.h"
+#include "planner/plan_proto.h"
 #include "grpcpp/create_channel.h"
 #include "nlohmann/json.hpp"
 

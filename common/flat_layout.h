@@ -1,6 +1,6 @@
 // How a unit's tensors are laid out in one flat buffer and split across ranks
 // (docs/sharding.md): used by the engine's ZeRO layer (worker/shard) and by the planner
-// (coordinator/planner/model_states.h), so that both slice alike.
+// (planner/model_states.h), so that both slice alike.
 //
 // A unit's tensors of one kind (frozen or trainable) are concatenated, in the model's fixed
 // order, into a flat buffer of `numel` elements. The buffer is padded to world * shard_numel

@@ -1,6 +1,6 @@
 // Typed, checked access to the keys of a JSON object (a Hugging Face config.json), with
 // errors that name the file and the key. Shared by the engine's model config
-// (common/model_config.h) and the planner's model shape (coordinator/planner/).
+// (common/model_config.h) and the planner's model shape (planner/).
 //
 // Thread-safety: a ConfigFields reads a JSON value it does not own; use it on one thread.
 #ifndef LATHE_COMMON_JSON_FIELDS_H_

@@ -3,7 +3,7 @@
 // (common/proto/job_spec_proto.h converts); the engine takes this struct so that it builds without
 // protobuf.
 //
-// The coordinator's planner (coordinator/planner/, docs/planner.md) makes the plans of
+// The coordinator's planner (planner/, docs/planner.md) makes the plans of
 // submitted jobs, starting from PlanFromSpec's fields. PlanFromSpec alone is the plan of
 // `lathe-worker train --spec` without a coordinator: the spec's explicit strategy (fields
 // given as `auto` at their defaults), or for "strategy: auto" no sharding, no offload and no
@@ -66,7 +66,7 @@ struct Plan {
   std::optional<OptimizerKind> optimizer;
   MemoryBytes predicted_memory;  // the memory model's; zero until the planner predicts
   // What the planner multiplied predicted_memory.total by, learned from the measured peaks
-  // of earlier attempts under calibration_key (coordinator/planner/calibration.h).
+  // of earlier attempts under calibration_key (planner/calibration.h).
   double memory_correction = 1.0;
   std::string calibration_key;
   std::string explanation;  // why this plan, in a sentence or two

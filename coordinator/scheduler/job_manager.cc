@@ -18,7 +18,7 @@
 #include "common/plan.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
-#include "coordinator/planner/plan_proto.h"
+#include "planner/plan_proto.h"
 
 namespace lathe {
 namespace {

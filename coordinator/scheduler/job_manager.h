@@ -1,9 +1,9 @@
 // Admission of jobs: validates a submitted spec (every field, what the engine can run, then
-// the paths and the model it names), plans it (coordinator/planner/: the strategy, the
+// the paths and the model it names), plans it (planner/: the strategy, the
 // memory per rank it predicts), makes its id, and hands it to the Scheduler. Also answers
 // PlanJob with the same checks and plan, storing nothing, and pages job lists.
 //
-// A job is planned for the pool (coordinator/planner/device_pools.h) of the registered
+// A job is planned for the pool (planner/device_pools.h) of the registered
 // worker of its device where a rank would have the most memory, and with that memory: a
 // GPU's, or a CPU host's divided by the job's ranks; the spec's resources.memory_per_rank
 // overrides it. With no such worker yet: the cpu pool and the coordinator host's memory
@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "coordinator/planner/planner.h"
+#include "planner/planner.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "lathe/v1/coordinator.pb.h"
 

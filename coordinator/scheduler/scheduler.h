@@ -62,7 +62,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "coordinator/planner/calibration.h"
+#include "planner/calibration.h"
 #include "coordinator/store/store.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
@@ -261,7 +261,7 @@ class Scheduler {
 
   // The memory corrections learned from every ended attempt that ran at least one step: its
   // rank's largest measured peak against the plan's prediction, under the plan's
-  // calibration key (coordinator/planner/calibration.h). Rebuilt from the store on start.
+  // calibration key (planner/calibration.h). Rebuilt from the store on start.
   MemoryCalibration Calibration() const;
   // Those attempts of the jobs the requester sees, newest `limit` first (by end time), and
   // the corrections (of every job: they are the cluster's).

@@ -23,7 +23,7 @@
 #include "coordinator/api/services.h"
 #include "coordinator/logs/log_store.h"
 #include "coordinator/metrics/coordinator_metrics.h"
-#include "coordinator/planner/device_pools.h"
+#include "planner/device_pools.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"

@@ -643,7 +643,7 @@ class ServicesTest(ClusterTest):
                                      "must be > 0, got -1\n")
         default = self.cluster.lathe("--output", "json", "plan", self.spec("rated"))
         self.assertEqual(default.returncode, 0, default.stderr)
-        # Twice the default CPU rate (80 GFLOP/s, coordinator/planner/device_pools.cc): one
+        # Twice the default CPU rate (80 GFLOP/s, planner/device_pools.cc): one
         # rank's compute-bound step halves.
         with open(rates, "w") as f:
             f.write('{"cpu": {"flops": 1.6e11}}')

@@ -1,12 +1,12 @@
-// The planner's model-state formulas (coordinator/planner/model_states.h) against what the
+// The planner's model-state formulas (planner/model_states.h) against what the
 // engine's ZeRO layer actually allocates (ShardedModel::bytes()), rank by rank, for every
 // stage, rank count and method, on sizes no rank count divides.
 #include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
-#include "coordinator/planner/model_shape.h"
-#include "coordinator/planner/model_states.h"
+#include "planner/model_shape.h"
+#include "planner/model_states.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"

@@ -1,4 +1,4 @@
-#include "coordinator/planner/plan_proto.h"
+#include "planner/plan_proto.h"
 
 #include "absl/strings/str_cat.h"
 #include "common/capabilities.h"

@@ -1,4 +1,4 @@
-#include "coordinator/planner/model_shape.h"
+#include "planner/model_shape.h"
 
 #include <algorithm>
 #include <nlohmann/json.hpp>

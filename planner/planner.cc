@@ -1,4 +1,4 @@
-#include "coordinator/planner/planner.h"
+#include "planner/planner.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,8 +8,8 @@
 #include "absl/strings/str_join.h"
 #include "common/flops.h"
 #include "common/model_config.h"
-#include "coordinator/planner/calibration.h"
-#include "coordinator/planner/model_states.h"
+#include "planner/calibration.h"
+#include "planner/model_states.h"
 
 namespace lathe {
 namespace {

@@ -8,7 +8,7 @@
 #define LATHE_COORDINATOR_PLANNER_PLAN_PROTO_H_
 
 #include "absl/status/statusor.h"
-#include "coordinator/planner/planner.h"
+#include "planner/planner.h"
 #include "lathe/v1/coordinator.pb.h"
 
 namespace lathe {

@@ -1,4 +1,4 @@
-#include "coordinator/planner/device_pools.h"
+#include "planner/device_pools.h"
 
 #include <nlohmann/json.hpp>
 

@@ -4,7 +4,7 @@
 // configs are refused. The engine trains a subset of these (common/capabilities.h); the
 // planner can size them all, so that it can say what a job would need before anything runs.
 //
-// No libtorch, no I/O: pure functions (coordinator/planner/ builds with the coordinator).
+// No libtorch, no I/O: pure functions (planner/ builds with the coordinator).
 //
 // Thread-safety: plain values and pure functions.
 #ifndef LATHE_COORDINATOR_PLANNER_MODEL_SHAPE_H_

@@ -1,11 +1,11 @@
-#include "coordinator/planner/memory_model.h"
+#include "planner/memory_model.h"
 
 #include <algorithm>
 #include <limits>
 #include <numeric>
 
 #include "common/flat_layout.h"
-#include "coordinator/planner/model_states.h"
+#include "planner/model_states.h"
 #include "kernels/cpu/linear_cross_entropy.h"
 
 namespace lathe {

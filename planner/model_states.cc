@@ -1,4 +1,4 @@
-#include "coordinator/planner/model_states.h"
+#include "planner/model_states.h"
 
 #include <algorithm>
 

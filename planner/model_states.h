@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
-#include "coordinator/planner/model_shape.h"
+#include "planner/model_shape.h"
 
 namespace lathe {
 

@@ -1,7 +1,7 @@
 // The planner's model shapes against the parameter counts of real models: their config.json
-// shape fields are in tests/coordinator/data/configs/, the counts are those of the published
+// shape fields are in tests/planner/data/configs/, the counts are those of the published
 // checkpoints (sum of every tensor in their safetensors).
-#include "coordinator/planner/model_shape.h"
+#include "planner/model_shape.h"
 
 #include "common/file_util.h"
 #include "common/status_macros.h"
@@ -17,7 +17,7 @@ using testing::SourcePath;
 using testing::StatusIs;
 
 absl::StatusOr<ModelShape> ShapeOf(const std::string& name) {
-  const std::string path = SourcePath("tests/coordinator/data/configs/" + name + ".json");
+  const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
   LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   return ParseModelShape(text, path);
 }

@@ -1,6 +1,6 @@
-// The strategy search and the memory model's structure (coordinator/planner/planner.h,
+// The strategy search and the memory model's structure (planner/planner.h,
 // memory_model.h). The model's numbers against the engine are bench/planner_accuracy.py's.
-#include "coordinator/planner/planner.h"
+#include "planner/planner.h"
 
 #include <string>
 
@@ -23,7 +23,7 @@ using testing::SourcePath;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 
 ModelShape Shape(const std::string& name) {
-  const std::string path = SourcePath("tests/coordinator/data/configs/" + name + ".json");
+  const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
   absl::StatusOr<std::string> text = ReadFile(path);
   EXPECT_TRUE(text.ok()) << text.status();
   absl::StatusOr<ModelShape> shape = ParseModelShape(*text, path);

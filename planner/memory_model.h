@@ -17,8 +17,8 @@
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "common/plan.h"
-#include "coordinator/planner/model_shape.h"
-#include "coordinator/planner/model_states.h"
+#include "planner/model_shape.h"
+#include "planner/model_states.h"
 
 namespace lathe {
 

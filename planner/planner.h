@@ -19,10 +19,10 @@
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
 #include "common/plan.h"
-#include "coordinator/planner/calibration.h"
-#include "coordinator/planner/device_pools.h"
-#include "coordinator/planner/memory_model.h"
-#include "coordinator/planner/model_shape.h"
+#include "planner/calibration.h"
+#include "planner/device_pools.h"
+#include "planner/memory_model.h"
+#include "planner/model_shape.h"
 
 namespace lathe {
 

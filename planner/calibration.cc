@@ -1,4 +1,4 @@
-#include "coordinator/planner/calibration.h"
+#include "planner/calibration.h"
 
 #include <vector>
 

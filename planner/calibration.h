@@ -20,7 +20,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
-#include "coordinator/planner/memory_model.h"
+#include "planner/memory_model.h"
 
 namespace lathe {
 
