@@ -50,7 +50,7 @@
 #include "worker/engine/evaluation.h"
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/text_record_encoder.h"
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 #include "worker/engine/weights.h"
 
 namespace lathe {

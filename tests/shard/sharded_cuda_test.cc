@@ -26,7 +26,7 @@
 #include "worker/comm/cuda_communicator.h"
 #include "worker/comm/file_kv_store.h"
 #include "worker/comm/gloo_communicator.h"
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 
 namespace lathe {
 namespace {

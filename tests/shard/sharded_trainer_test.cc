@@ -16,7 +16,7 @@
 #include "tests/testing/tiny_model.h"
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 #include "worker/shard/sharded_model.h"
 #include "worker/tools/synthetic.h"
 

@@ -1,4 +1,4 @@
-#include "worker/engine/mezo.h"
+#include "worker/train/mezo.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 

@@ -8,7 +8,7 @@
 #include "tests/testing/tiny_model.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/memory_tracker.h"
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 
 namespace lathe {
 namespace {

@@ -1,4 +1,4 @@
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 
 #include <algorithm>
 #include <filesystem>

@@ -1,4 +1,4 @@
-#include "worker/engine/trainer.h"
+#include "worker/train/trainer.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <sys/resource.h>
@@ -26,7 +26,7 @@
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
-#include "worker/engine/mezo.h"
+#include "worker/train/mezo.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"

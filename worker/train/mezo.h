@@ -4,8 +4,8 @@
 // no gradients, no optimizer state and no activations past their block.
 //
 // Thread-safety: free functions; not for concurrent use on the same parameters.
-#ifndef LATHE_WORKER_ENGINE_MEZO_H_
-#define LATHE_WORKER_ENGINE_MEZO_H_
+#ifndef LATHE_WORKER_TRAIN_MEZO_H_
+#define LATHE_WORKER_TRAIN_MEZO_H_
 
 #include <cstdint>
 #include <vector>
@@ -34,4 +34,4 @@ void MezoUpdate(const std::vector<NamedParameter>& params, uint64_t seed, double
 
 }  // namespace lathe
 
-#endif  // LATHE_WORKER_ENGINE_MEZO_H_
+#endif  // LATHE_WORKER_TRAIN_MEZO_H_

@@ -15,8 +15,8 @@
 // no output.
 //
 // Thread-safety: not thread-safe; one thread drives a Trainer.
-#ifndef LATHE_WORKER_ENGINE_TRAINER_H_
-#define LATHE_WORKER_ENGINE_TRAINER_H_
+#ifndef LATHE_WORKER_TRAIN_TRAINER_H_
+#define LATHE_WORKER_TRAIN_TRAINER_H_
 
 #include <array>
 #include <atomic>
@@ -192,7 +192,7 @@ class Trainer {
   // grad_norm, loss_scale and skipped. `optimizer` is null when sharded_ holds the optimizer.
   // Throws c10::Error from libtorch.
   // One MeZO step (method mezo) on `batch`: two forward passes, the update along the step's
-  // direction (worker/engine/mezo.h). `params` in MeZO's order.
+  // direction (worker/train/mezo.h). `params` in MeZO's order.
   absl::Status TrainZerothOrder(const std::vector<Sequence>& batch,
                                 const std::vector<NamedParameter>& params, StepReport& report);
   absl::Status TrainOn(const std::vector<Sequence>& batch, Optimizer* optimizer, LossScaler& scaler,
@@ -243,4 +243,4 @@ class Trainer {
 
 }  // namespace lathe
 
-#endif  // LATHE_WORKER_ENGINE_TRAINER_H_
+#endif  // LATHE_WORKER_TRAIN_TRAINER_H_
