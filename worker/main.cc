@@ -50,8 +50,8 @@
 #include "worker/engine/evaluation.h"
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/text_record_encoder.h"
-#include "worker/train/trainer.h"
 #include "worker/engine/weights.h"
+#include "worker/train/trainer.h"
 
 namespace lathe {
 namespace {
@@ -112,6 +112,7 @@ struct TrainJob {
 // The spec's paths this process opened below the allowed roots, and what they stand for.
 PinnedPaths g_pinned;
 
+#ifdef LATHE_WITH_AGENT  // tasks come from the agent
 // Each path of a task's spec opened again below the coordinator's allowed roots without
 // following a symbolic link (common/allowed_roots.h), and read and written through that from
 // here on: a link swapped in after the submission is refused, and one swapped in later is
@@ -128,6 +129,7 @@ absl::Status PinSpecPaths(const std::vector<std::string>& roots, JobSpec* spec) 
   }
   return absl::OkStatus();
 }
+#endif
 
 absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
   TrainJob job;
