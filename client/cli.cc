@@ -27,9 +27,10 @@
 #include "common/rpc/auth.h"
 #include "common/rpc/tls.h"
 #include "common/status_macros.h"
-#include "planner/plan_proto.h"
 #include "grpcpp/create_channel.h"
 #include "nlohmann/json.hpp"
+#include "planner/plan_proto.h"
+#include "planner/plan_spec.h"
 
 namespace lathe {
 namespace {

@@ -10,8 +10,8 @@
 //
 // Thread-safety: MemoryCalibration is a plain value (copy it to read it from another thread);
 // CalibrationKey is a pure function.
-#ifndef LATHE_COORDINATOR_PLANNER_CALIBRATION_H_
-#define LATHE_COORDINATOR_PLANNER_CALIBRATION_H_
+#ifndef LATHE_PLANNER_CALIBRATION_H_
+#define LATHE_PLANNER_CALIBRATION_H_
 
 #include <cstdint>
 #include <deque>
@@ -52,4 +52,4 @@ class MemoryCalibration {
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_CALIBRATION_H_
+#endif  // LATHE_PLANNER_CALIBRATION_H_

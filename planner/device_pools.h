@@ -5,8 +5,8 @@
 // h100 and h200; the coordinator's --device-rates file overrides them and adds pools.
 //
 // Thread-safety: plain values and pure functions.
-#ifndef LATHE_COORDINATOR_PLANNER_DEVICE_POOLS_H_
-#define LATHE_COORDINATOR_PLANNER_DEVICE_POOLS_H_
+#ifndef LATHE_PLANNER_DEVICE_POOLS_H_
+#define LATHE_PLANNER_DEVICE_POOLS_H_
 
 #include <cstdint>
 #include <map>
@@ -48,4 +48,4 @@ std::string PoolOf(const DevicePools& pools, bool cuda, absl::string_view device
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_DEVICE_POOLS_H_
+#endif  // LATHE_PLANNER_DEVICE_POOLS_H_

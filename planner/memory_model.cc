@@ -5,8 +5,8 @@
 #include <numeric>
 
 #include "common/flat_layout.h"
-#include "planner/model_states.h"
 #include "kernels/cpu/linear_cross_entropy.h"
+#include "planner/model_states.h"
 
 namespace lathe {
 namespace {

@@ -7,8 +7,8 @@
 // of the forward pass (inside the loss), the backward pass, and the optimizer step.
 //
 // Thread-safety: pure functions.
-#ifndef LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_
-#define LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_
+#ifndef LATHE_PLANNER_MEMORY_MODEL_H_
+#define LATHE_PLANNER_MEMORY_MODEL_H_
 
 #include <cstdint>
 #include <string>
@@ -70,4 +70,4 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_MEMORY_MODEL_H_
+#endif  // LATHE_PLANNER_MEMORY_MODEL_H_

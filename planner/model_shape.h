@@ -7,8 +7,8 @@
 // No libtorch, no I/O: pure functions (planner/ builds with the coordinator).
 //
 // Thread-safety: plain values and pure functions.
-#ifndef LATHE_COORDINATOR_PLANNER_MODEL_SHAPE_H_
-#define LATHE_COORDINATOR_PLANNER_MODEL_SHAPE_H_
+#ifndef LATHE_PLANNER_MODEL_SHAPE_H_
+#define LATHE_PLANNER_MODEL_SHAPE_H_
 
 #include <cstdint>
 #include <string>
@@ -67,4 +67,4 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json, absl::
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_MODEL_SHAPE_H_
+#endif  // LATHE_PLANNER_MODEL_SHAPE_H_

@@ -4,8 +4,8 @@
 // every block, the final norm with the head. Activations and the loss peak are not here.
 //
 // Thread-safety: pure functions.
-#ifndef LATHE_COORDINATOR_PLANNER_MODEL_STATES_H_
-#define LATHE_COORDINATOR_PLANNER_MODEL_STATES_H_
+#ifndef LATHE_PLANNER_MODEL_STATES_H_
+#define LATHE_PLANNER_MODEL_STATES_H_
 
 #include <cstdint>
 #include <string>
@@ -109,4 +109,4 @@ ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weig
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_MODEL_STATES_H_
+#endif  // LATHE_PLANNER_MODEL_STATES_H_

@@ -9,8 +9,8 @@
 // earlier attempts like it (calibration.h), when the caller passes those.
 //
 // Thread-safety: pure functions.
-#ifndef LATHE_COORDINATOR_PLANNER_PLANNER_H_
-#define LATHE_COORDINATOR_PLANNER_PLANNER_H_
+#ifndef LATHE_PLANNER_PLANNER_H_
+#define LATHE_PLANNER_PLANNER_H_
 
 #include <cstdint>
 #include <string>
@@ -66,4 +66,4 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
 
 }  // namespace lathe
 
-#endif  // LATHE_COORDINATOR_PLANNER_PLANNER_H_
+#endif  // LATHE_PLANNER_PLANNER_H_

@@ -6,6 +6,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#if LATHE_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -21,6 +25,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/allowed_roots.h"
@@ -33,6 +38,8 @@
 #include "common/status_macros.h"
 #include "kernels/ops/torch_compat.h"
 #include "nlohmann/json.hpp"
+#include "planner/device_pools.h"
+#include "planner/plan_spec.h"
 #ifdef LATHE_WITH_AGENT  // not in LATHE_ENGINE_ONLY builds (no gRPC, no protobuf)
 #include "common/proto/job_spec_proto.h"
 #include "common/proto/memory_breakdown.h"
@@ -131,6 +138,45 @@ absl::Status PinSpecPaths(const std::vector<std::string>& roots, JobSpec* spec) 
 }
 #endif
 
+// The total memory of CUDA device `index`; 0 in a libtorch without CUDA.
+uint64_t CudaTotalMemory(int index) {
+#if LATHE_TORCH_CUDA
+  return at::cuda::getDeviceProperties(index)->totalGlobalMem;
+#else
+  (void)index;
+  return 0;
+#endif
+}
+
+// Whether `spec` leaves a choice to the planner: `strategy: auto`, a strategy field given as
+// `auto`, or `micro_batch: auto`.
+bool LeavesChoicesToPlanner(const JobSpec& spec) {
+  return spec.strategy.automatic || !spec.strategy.auto_fields.empty() ||
+         spec.train.micro_batch == 0;
+}
+
+// The plan of a spec run alone (--spec). When the spec fixes every choice it is the spec's
+// own (PlanFromSpec); otherwise the planner makes it as `lathe plan --local` does, for this
+// machine: the CPU pool with this host's memory over the ranks, or this GPU's pool and memory
+// (resources.memory_per_rank, when given, instead). So `zero_stage: auto` is what the
+// coordinator would choose, never silently 0.
+absl::StatusOr<Plan> PlanSpecHere(const JobSpec& spec) {
+  if (!LeavesChoicesToPlanner(spec)) return PlanFromSpec(spec);
+  const bool cuda = spec.resources.device == DeviceKind::kCuda;
+  const DevicePools pools = DefaultPools();
+  if (cuda && !at::hasCUDA()) {
+    return absl::FailedPreconditionError(
+        "resources.device: cuda: this worker's libtorch has no CUDA support or sees no GPU");
+  }
+  const std::string pool = PoolOf(pools, cuda, cuda ? CudaDeviceName(0) : "");
+  DeviceRates rates = pools.at(pool);
+  if (cuda && rates.memory_bytes == 0) rates.memory_bytes = CudaTotalMemory(0);
+  LATHE_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFor(spec, pool, rates));
+  absl::StatusOr<PlanResult> result = PlanSpec(spec, options);
+  if (!result.ok()) return Annotate(result.status(), "planning the spec's auto fields here");
+  return result->plan;
+}
+
 absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
   TrainJob job;
   if (flags.Has("spec") == flags.Has("task")) {
@@ -138,7 +184,7 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
   }
   if (flags.Has("spec")) {
     LATHE_ASSIGN_OR_RETURN(job.spec, LoadJobSpec(flags.Get("spec")));
-    job.plan = PlanFromSpec(job.spec);
+    LATHE_ASSIGN_OR_RETURN(job.plan, PlanSpecHere(job.spec));
     LATHE_ASSIGN_OR_RETURN(job.options.rank, flags.GetInt("rank", 0));
     LATHE_ASSIGN_OR_RETURN(job.options.world_size, flags.GetInt("world-size", 1));
     job.rendezvous_dir = flags.Get("rendezvous-dir", "");
@@ -390,6 +436,11 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
         spec.name, trainer->total_steps(), spec.train.global_batch, plan.micro_batch,
         plan.gradient_accumulation, plan.ranks,
         plan.activation_checkpointing ? ", activation checkpointing" : "");
+    // The planner's line ("planner: ZeRO-2, micro-batch 4, ...") or the spec's own.
+    if (!plan.explanation.empty()) {
+      text << (absl::StartsWith(plan.explanation, "planner:") ? "" : "plan: ")
+           << plan.explanation << "\n";
+    }
   }
   // Whoever reads the output (the agent) is gone when a write fails: stop after the next
   // step with a checkpoint rather than train on unheard (docs/reliability.md).

@@ -19,6 +19,7 @@
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
 #include "planner/plan_proto.h"
+#include "planner/plan_spec.h"
 
 namespace lathe {
 namespace {

@@ -202,6 +202,29 @@ class WorkerTrainBadInputTest(unittest.TestCase):
         self.assertNotIn("model:", outs[1])
         self.assertNotIn("adapter:", outs[1])
 
+    def test_auto_fields_are_planned_here_never_silently_zero(self):
+        # Issue #30: `zero_stage: auto` (and `strategy: auto`) with --spec run the planner as
+        # `lathe plan --local` does; it used to become stage 0 without a word.
+        spec = self.write("job.json", json.dumps(self.spec(
+            resources={"ranks": 1, "device": "cpu", "memory_per_rank": "8GiB"},
+            strategy={"zero_stage": "auto", "offload_optimizer": False,
+                      "activation_checkpointing": "auto"})))
+        result = run("lathe-worker", "train", "--spec", spec, "--threads", "1")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertRegex(result.stdout, r"(?m)^planner: ZeRO-\d+.*configurations that fit")
+        fixed = self.write("fixed.json", json.dumps(self.spec(
+            strategy={"zero_stage": 0, "activation_checkpointing": False}, train={
+                "steps": 2, "global_batch": 2, "micro_batch": 1, "lr": 1e-3},
+            output=os.path.join(self.dir, "fixed"))))
+        result = run("lathe-worker", "train", "--spec", fixed, "--threads", "1")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("plan: the spec's explicit strategy", result.stdout)
+
+    def test_collectives_flag(self):
+        self.expect_flag_error(self.spec(), ["--collectives", "mpi"], "--collectives", "mpi")
+        self.expect_flag_error(self.spec(), ["--collectives", "nccl"], "--collectives",
+                               "cuda")
+
     def test_usage_error_exits_2(self):
         result = run("lathe-worker", "train", "--no-such-flag")
         self.assertEqual(result.returncode, 2)
