@@ -128,5 +128,39 @@ TEST(LogShipperTest, DeclaresWhatOverflowedWhileTheCoordinatorWasAway) {
   EXPECT_EQ(service.received, "[200 lost]" + all.substr(200));
 }
 
+// What the agent waits for before it may remove a finished rank's folder (its local log).
+TEST(LogShipperTest, SaysWhenARanksLogHasAllGone) {
+  Coordinator coordinator;
+  FakeWorkerService& service = coordinator.service;
+  {
+    absl::MutexLock lock(&service.mu);
+    service.unavailable = 1 << 30;  // away
+  }
+  LogShipperOptions options;
+  options.period = absl::Milliseconds(5);
+  LogShipper shipper(coordinator.stub.get(), options);
+  EXPECT_TRUE(shipper.Shipped("job-1", 1, 0));  // no log at all
+  shipper.AppendLine("w1", "job-1", 1, 0, "step 1");
+  shipper.AppendLine("w1", "refused", 1, 0, "step 1");
+  shipper.Finished("job-1", 1, 0);
+  shipper.Finished("refused", 1, 0);
+  absl::SleepFor(absl::Milliseconds(50));  // a few periods: nothing is taken
+  EXPECT_FALSE(shipper.Shipped("job-1", 1, 0));
+  EXPECT_FALSE(shipper.Shipped("refused", 1, 0));
+  {
+    absl::MutexLock lock(&service.mu);
+    service.unavailable = 0;  // back
+  }
+  const absl::Time limit = absl::Now() + absl::Seconds(60);
+  while (!(shipper.Shipped("job-1", 1, 0) && shipper.Shipped("refused", 1, 0)) &&
+         absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_TRUE(shipper.Shipped("job-1", 1, 0));
+  EXPECT_TRUE(shipper.Shipped("refused", 1, 0));  // refused: dropped, done with
+  absl::MutexLock lock(&service.mu);
+  EXPECT_EQ(service.received, "step 1\n");
+}
+
 }  // namespace
 }  // namespace lathe

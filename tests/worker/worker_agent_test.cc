@@ -1,11 +1,14 @@
 #include "worker/agent/worker_agent.h"
 
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <string>
@@ -678,6 +681,61 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
   EXPECT_TRUE(StopAgent().ok());
 }
 
+// Issue #32: a finished rank's folder goes once its log is shipped and the retention has
+// passed (0 here); a running rank's folder stays.
+TEST_F(WorkerAgentTest, RemovesAFinishedRanksFolder) {
+  WorkerAgentOptions options = Options();
+  options.keep_attempt_dirs = absl::ZeroDuration();
+  StartAgent(std::move(options));
+  service_.Assign(MakeAssignment("sleep-5", 1, 0, 0));
+  service_.Assign(MakeAssignment("ok-5", 2, 0, 1));
+  ASSERT_TRUE(service_.WaitUntil(Reported("ok-5", v1::RANK_EVENT_SUCCEEDED)));
+  const std::filesystem::path finished = dir_.Path("work/ok-5-g2-r0");
+  const absl::Time limit = absl::Now() + testing::kWaitLimit;
+  while (std::filesystem::exists(finished) && absl::Now() < limit) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_FALSE(std::filesystem::exists(finished));
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("work/sleep-5-g1-r0/task.json")));
+  EXPECT_TRUE(StopAgent().ok());
+}
+
+// With the default retention (24 h, and a clock that does not move) the folder stays; at
+// start the agent removes the attempt folders an earlier run left more than 24 h ago.
+TEST_F(WorkerAgentTest, KeepsFinishedFoldersForTheRetentionAndSweepsOldOnesAtStart) {
+  const std::string old_dir = dir_.Path("work/old-1-g1-r0");
+  const std::string recent_dir = dir_.Path("work/recent-1-g1-r0");
+  for (const std::string& path : {old_dir, recent_dir}) {
+    std::filesystem::create_directories(path);
+    std::ofstream(path + "/trainer.log") << "step 1\n";
+  }
+  auto set_modified = [](const std::string& path, absl::Time when) {
+    const timespec t = absl::ToTimespec(when);
+    const timespec times[2] = {t, t};
+    ASSERT_EQ(utimensat(AT_FDCWD, path.c_str(), times, AT_SYMLINK_NOFOLLOW), 0) << path;
+  };
+  set_modified(old_dir + "/trainer.log", clock_.Now() - absl::Hours(25));
+  set_modified(old_dir, clock_.Now() - absl::Hours(25));
+  set_modified(recent_dir + "/trainer.log", clock_.Now() - absl::Hours(1));
+  set_modified(recent_dir, clock_.Now() - absl::Hours(1));
+  const std::string foreign = dir_.Write("work/notes.txt", "mine");
+
+  StartAgent(Options());
+  service_.Assign(MakeAssignment("ok-6", 1, 0, 0));
+  ASSERT_TRUE(service_.WaitUntil(Reported("ok-6", v1::RANK_EVENT_SUCCEEDED)));
+  size_t seen = service_.HeartbeatCount();
+  ASSERT_TRUE(service_.WaitUntil(HeartbeatShows(0, "", seen)));
+  seen = service_.HeartbeatCount();
+  ASSERT_TRUE(service_.WaitUntil([seen](const FakeWorkerService& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return s.heartbeats().size() >= seen + 3;
+  }));
+  EXPECT_TRUE(std::filesystem::exists(dir_.Path("work/ok-6-g1-r0/trainer.log")));
+  EXPECT_FALSE(std::filesystem::exists(old_dir));
+  EXPECT_TRUE(std::filesystem::exists(recent_dir));
+  EXPECT_TRUE(std::filesystem::exists(foreign));
+  EXPECT_TRUE(StopAgent().ok());
+}
+
 TEST_F(WorkerAgentTest, BadOptionsAreRefused) {
   WorkerAgentOptions options = Options();
   options.slots = 0;
@@ -685,6 +743,13 @@ TEST_F(WorkerAgentTest, BadOptionsAreRefused) {
   absl::Status status = agent.Run();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("slots"));
+
+  options = Options();
+  options.keep_attempt_dirs = absl::Seconds(-1);
+  WorkerAgent negative(std::move(options), nullptr, &launcher_, &clock_);
+  status = negative.Run();
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("keep_attempt_dirs"));
 }
 
 }  // namespace

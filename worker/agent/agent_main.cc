@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "common/command_line.h"
 #include "common/fd_limit.h"
 #include "common/http/http_endpoints.h"
@@ -39,6 +40,9 @@ const std::vector<FlagSpec> kAgentFlags = {
      "ranks run at once: GPUs, or CPU slots (default: cuda, one per GPU visible; cpu, 1)"},
     {"worker-id", true, "name to register under (default <hostname>-<device>)"},
     {"work-dir", true, "per-rank specs and logs (default /tmp/lathe-worker-<worker-id>)"},
+    {"keep-attempt-dirs", true,
+     "how long a finished rank's folder stays in the work dir once its log is with the "
+     "coordinator, e.g. 30m, 24h, 0 (remove at once), inf (keep) (default 24h)"},
     {"trainer-threads", true, "intra-op threads per trainer, passed as --threads (default all)"},
     {"collective-timeout", true,
      "seconds a trainer's collective waits for the other ranks before it fails (default 60)"},
@@ -97,6 +101,12 @@ absl::StatusOr<WorkerAgentOptions> OptionsFromFlags(const ParsedFlags& flags,
   TrainerSupervisorOptions& trainer = options.trainer;
   trainer.coordinator_address = coordinator;
   trainer.work_dir = flags.Get("work-dir", absl::StrCat("/tmp/lathe-worker-", options.worker_id));
+  const std::string keep = flags.Get("keep-attempt-dirs", "24h");
+  if (!absl::ParseDuration(keep, &options.keep_attempt_dirs) ||
+      options.keep_attempt_dirs < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--keep-attempt-dirs: expected a duration >= 0 such as 30m, 24h or 0, got \"", keep, "\""));
+  }
   LATHE_ASSIGN_OR_RETURN(trainer.trainer_threads, flags.GetInt("trainer-threads", 0));
   if (trainer.trainer_threads < 0) {
     return absl::InvalidArgumentError(

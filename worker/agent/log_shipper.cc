@@ -39,6 +39,12 @@ void LogShipper::Finished(const std::string& job_id, int64_t generation, int64_t
   if (it != logs_.end()) it->second.finished = true;
 }
 
+bool LogShipper::Shipped(const std::string& job_id, int64_t generation, int64_t rank) {
+  absl::MutexLock lock(&mu_);
+  auto it = logs_.find({job_id, generation, rank});
+  return it == logs_.end() || it->second.pending.empty();
+}
+
 void LogShipper::Stop() {
   {
     absl::MutexLock lock(&mu_);

@@ -48,6 +48,10 @@ class LogShipper {
   // The rank ended: its log is forgotten once what is pending has gone.
   void Finished(const std::string& job_id, int64_t generation, int64_t rank);
 
+  // True when nothing of that rank's log waits to be sent: all of it was delivered, refused
+  // or dropped (or there was none).
+  bool Shipped(const std::string& job_id, int64_t generation, int64_t rank);
+
   // Sends what is pending once more, then stops the thread. Idempotent.
   void Stop();
 

@@ -57,7 +57,8 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInte
       launcher_(launcher),
       clock_(clock),
       reporter_(stub, ReporterOptions(options_)),
-      shipper_(stub, ShipperOptions(options_)) {
+      shipper_(stub, ShipperOptions(options_)),
+      pruner_(options_.trainer.work_dir, options_.keep_attempt_dirs, clock) {
   absl::MutexLock lock(&mu_);
   worker_id_ = options_.worker_id;
   slots_.resize(static_cast<size_t>(std::max<int64_t>(0, options_.slots)));
@@ -82,6 +83,10 @@ absl::Status WorkerAgent::ValidateOptions() const {
   if (options_.trainer.trainer_binary.empty()) {
     return absl::InvalidArgumentError("trainer_binary: must be set");
   }
+  if (options_.keep_attempt_dirs < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "keep_attempt_dirs: must be >= 0, got ", absl::FormatDuration(options_.keep_attempt_dirs)));
+  }
   return absl::OkStatus();
 }
 
@@ -99,6 +104,7 @@ absl::Status WorkerAgent::Run() {
     return absl::InternalError(
         absl::StrCat("creating work directory ", options_.trainer.work_dir, ": ", error.message()));
   }
+  pruner_.SweepLeftovers([this](const std::string& name) { return HoldsAttemptDir(name); });
   Backoff backoff(options_.reconnect);
   bool registered_once = false;
   const absl::Time started = clock_->Now();
@@ -108,6 +114,7 @@ absl::Status WorkerAgent::Run() {
       if (shutdown_) break;
     }
     DestroyRetired();
+    PruneAttemptDirs();
     // The first registration fails fast, so that a misconfiguration shows at once.
     absl::StatusOr<v1::RegisterWorkerResponse> registration = Register(registered_once);
     if (!registration.ok()) {
@@ -231,6 +238,7 @@ grpc::Status WorkerAgent::RunSession(const v1::RegisterWorkerResponse& registrat
   bool silent = false;
   while (true) {
     DestroyRetired();
+    PruneAttemptDirs();
     if (!stream->Write(BuildHeartbeat())) break;
     absl::MutexLock lock(&mu_);
     auto stop = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return shutdown_ || stream_ended_; };
@@ -470,7 +478,35 @@ void WorkerAgent::DestroyRetired() {
     absl::MutexLock lock(&mu_);
     retired.swap(retired_);
   }
+  std::vector<v1::Assignment> ended;
+  for (const auto& trainer : retired) ended.push_back(RankOf(trainer->assignment()));
   // Destroyed here, outside the lock (a destructor joins the trainer's reader thread).
+  retired.clear();
+  for (const v1::Assignment& rank : ended) {
+    // Its trainer has ended; the folder holds the local copy of the log until it is shipped.
+    pruner_.Ended(
+        AttemptDirPruner::DirName(rank.job_id(), rank.generation(), rank.rank()),
+        [this, rank] { return shipper_.Shipped(rank.job_id(), rank.generation(), rank.rank()); });
+  }
+}
+
+void WorkerAgent::PruneAttemptDirs() {
+  pruner_.Prune([this](const std::string& name) { return HoldsAttemptDir(name); });
+}
+
+bool WorkerAgent::HoldsAttemptDir(const std::string& name) const {
+  auto is = [&name](const v1::Assignment& a) {
+    return AttemptDirPruner::DirName(a.job_id(), a.generation(), a.rank()) == name;
+  };
+  absl::MutexLock lock(&mu_);
+  for (const Slot& slot : slots_) {
+    if (slot.trainer != nullptr && is(slot.trainer->assignment())) return true;
+    if (slot.next && is(*slot.next)) return true;
+  }
+  for (const auto& trainer : retired_) {
+    if (is(trainer->assignment())) return true;
+  }
+  return false;
 }
 
 void WorkerAgent::SleepUnlessShutdown(absl::Duration duration) {

@@ -27,6 +27,13 @@
 // retry ends Run with that error. A trainer that crashes is a FAILED report; nothing it does
 // stops the agent.
 //
+// Work directory: each rank runs in `<trainer.work_dir>/<job>-g<generation>-r<rank>/`
+// (TrainerSupervisor). Once its trainer has ended (its end reported and the supervisor
+// destroyed) and its log has been shipped to the coordinator or declared lost, the folder is
+// removed keep_attempt_dirs later (AttemptDirPruner); Run also removes, when it starts, the
+// attempt folders an earlier run left that were last written more than keep_attempt_dirs ago.
+// The folder of a rank the agent holds is never removed.
+//
 // Thread-safety: thread-safe. Run blocks on the calling thread; Shutdown may be called from
 // any thread (not from a signal handler).
 #ifndef LATHE_WORKER_AGENT_WORKER_AGENT_H_
@@ -50,6 +57,7 @@
 #include "grpcpp/client_context.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
+#include "worker/agent/attempt_dir_pruner.h"
 #include "worker/agent/log_shipper.h"
 #include "worker/agent/process_launcher.h"
 #include "worker/agent/progress_reporter.h"
@@ -71,6 +79,9 @@ struct WorkerAgentOptions {
   TrainerSupervisorOptions trainer;
   // Extra environment per slot, e.g. CUDA_VISIBLE_DEVICES; slot i uses entry i when present.
   std::vector<std::vector<std::pair<std::string, std::string>>> slot_environment;
+  // How long a finished rank's folder stays in trainer.work_dir once its log has been shipped
+  // (0: removed within a heartbeat interval; InfiniteDuration: kept). Must be >= 0.
+  absl::Duration keep_attempt_dirs = absl::Hours(24);
 
   // Heartbeat interval when the coordinator's registration answer gives none.
   absl::Duration default_heartbeat_interval = absl::Seconds(2);
@@ -146,7 +157,12 @@ class WorkerAgent {
   // The end of `assignment` was reported: the slot is free (or starts its next trainer).
   void ReleaseSlot(const v1::Assignment& assignment);
   void StopTrainers();
+  // Destroys the retired trainers and hands their folders to the pruner.
   void DestroyRetired();
+  // Removes the folders of attempts that ended long enough ago. Run thread only.
+  void PruneAttemptDirs();
+  // Whether a slot holds (runs, or is to run) the rank whose folder is `name`.
+  bool HoldsAttemptDir(const std::string& name) const;
   // Waits `duration` or until Shutdown.
   void SleepUnlessShutdown(absl::Duration duration);
   std::string worker_id() const;
@@ -159,6 +175,8 @@ class WorkerAgent {
   ProgressReporter reporter_;
   // The trainers' output for the coordinator (`lathe logs`); before the slots too.
   LogShipper shipper_;
+  // Finished attempts' folders; used by the Run thread only (and the destructor).
+  AttemptDirPruner pruner_;
 
   mutable absl::Mutex mu_;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
