@@ -109,27 +109,6 @@ bool SameRanks(const std::vector<v1::SlotStatus>& before,
   return true;
 }
 
-// The staged batches as one: the newest record of each job and worker.
-StoreBatch Merge(const std::deque<std::pair<uint64_t, StoreBatch>>& batches) {
-  std::map<std::string, const v1::JobStatus*> jobs;
-  std::map<std::string, const v1::WorkerStatus*> workers;  // null: deleted
-  for (const auto& [sequence, batch] : batches) {
-    for (const v1::JobStatus& job : batch.jobs) jobs[job.job_id()] = &job;
-    for (const v1::WorkerStatus& worker : batch.workers) workers[worker.worker_id()] = &worker;
-    for (const std::string& id : batch.deleted_workers) workers[id] = nullptr;
-  }
-  StoreBatch merged;
-  for (const auto& [id, job] : jobs) merged.jobs.push_back(*job);
-  for (const auto& [id, worker] : workers) {
-    if (worker != nullptr) {
-      merged.workers.push_back(*worker);
-    } else {
-      merged.deleted_workers.push_back(id);
-    }
-  }
-  return merged;
-}
-
 }  // namespace
 
 void DurationHistogram::Observe(absl::Duration value) {
@@ -142,7 +121,7 @@ void DurationHistogram::Observe(absl::Duration value) {
 }
 
 Scheduler::Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options)
-    : store_(store), clock_(clock), options_(options) {
+    : store_(store), clock_(clock), options_(options), commit_(store) {
   counters_.pass_seconds =
       DurationHistogram({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1});
   counters_.queue_seconds = DurationHistogram({1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600});
@@ -252,7 +231,7 @@ void Scheduler::Settle() {
     sequence = Stage();
     notify.swap(mail_waiting_);
   }
-  absl::Status durable = WaitDurable(sequence);
+  absl::Status durable = commit_.WaitDurable(sequence);
   if (!durable.ok()) {
     // Retried by every Settle (10 a second): logged when it changes, else every minute.
     absl::MutexLock lock(&mu_);
@@ -352,41 +331,7 @@ uint64_t Scheduler::Stage() {
   dirty_jobs_.clear();
   dirty_workers_.clear();
   deleted_workers_.clear();
-  absl::MutexLock lock(&write_mu_);
-  if (batch.empty()) return staged_sequence_;
-  staged_.emplace_back(++staged_sequence_, std::move(batch));
-  return staged_sequence_;
-}
-
-absl::Status Scheduler::WaitDurable(uint64_t sequence) {
-  absl::MutexLock lock(&write_mu_);
-  while (durable_sequence_.load() < sequence) {
-    if (writing_) {
-      // Another caller is writing: its batch may hold ours; else ours is next.
-      write_mu_.Await(absl::Condition(
-          +[](bool* writing) { return !*writing; }, &writing_));
-      continue;
-    }
-    if (staged_.empty()) {
-      return absl::InternalError(absl::StrCat("batch ", sequence, " was never staged"));
-    }
-    std::deque<std::pair<uint64_t, StoreBatch>> batches;
-    batches.swap(staged_);
-    const uint64_t last = batches.back().first;
-    writing_ = true;
-    write_mu_.Unlock();
-    absl::Status status = store_->Write(Merge(batches));
-    write_mu_.Lock();
-    writing_ = false;
-    if (!status.ok()) {  // written with the next ones
-      for (auto it = batches.rbegin(); it != batches.rend(); ++it) {
-        staged_.push_front(std::move(*it));
-      }
-      return status;
-    }
-    durable_sequence_.store(last);
-  }
-  return absl::OkStatus();
+  return commit_.Stage(std::move(batch));
 }
 
 void Scheduler::NotifyMail(const std::set<std::string>& workers) {
@@ -626,11 +571,7 @@ std::optional<std::string> Scheduler::TryPlace(JobState& job) {
   attempt->set_started_unix_ms(NowMs());
   *attempt->mutable_predicted_memory() = job.status.plan().predicted_memory();
   // Deliverable once the batch with this placement is durable: the next one staged.
-  uint64_t batch;
-  {
-    absl::MutexLock lock(&write_mu_);
-    batch = staged_sequence_ + 1;
-  }
+  const uint64_t batch = commit_.NextSequence();
   const std::string& job_id = job.status.job_id();
   int64_t rank = 0;
   for (Pick& pick : picks) {
@@ -887,7 +828,7 @@ absl::StatusOr<v1::JobStatus> Scheduler::CancelJob(absl::string_view job_id,
     result = View(job);
     sequence = Stage();
   }
-  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));
   return result;
 }
 
@@ -1131,7 +1072,7 @@ absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRe
   const bool report =
       changed || mailbox.reconcile ||
       (!mailbox.running.empty() && now - mailbox.last_report > options_.heartbeat_timeout);
-  TakeDeliverable(mailbox, durable_sequence_.load(), &response);
+  TakeDeliverable(mailbox, commit_.Durable(), &response);
   if (report) {
     reports_.push_back(
         {request.worker_id(), mailbox.session_id, mailbox.running, mailbox.reconcile});
@@ -1149,7 +1090,7 @@ v1::HeartbeatResponse Scheduler::TakeMail(absl::string_view worker_id,
   if (it == mail_.end() || it->second.session_id.empty() || it->second.session_id != session_id) {
     return response;
   }
-  TakeDeliverable(it->second, durable_sequence_.load(), &response);
+  TakeDeliverable(it->second, commit_.Durable(), &response);
   return response;
 }
 
@@ -1225,7 +1166,7 @@ absl::Status Scheduler::ReportProgress(const v1::ReportProgressRequest& request)
     sequence = Stage();
   }
   // A rank's start and end are durable before the agent hears they were received.
-  if (acknowledge) LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  if (acknowledge) LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));
   return status;
 }
 
@@ -1507,7 +1448,7 @@ absl::StatusOr<v1::WorkerStatus> Scheduler::DrainWorker(absl::string_view worker
     result = worker.status;
     sequence = Stage();
   }
-  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));
   return result;
 }
 
@@ -1534,7 +1475,7 @@ absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
     }
     sequence = Stage();
   }
-  LATHE_RETURN_IF_ERROR(WaitDurable(sequence));
+  LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));
   spdlog::info("worker={} removed", std::string(worker_id));
   return absl::OkStatus();
 }

@@ -30,15 +30,16 @@
 //     in global order and stops a class at its first job that does not fit (capacity only
 //     shrinks during a pass), so it costs O((placed + classes) log), not O(queued).
 //   - Why a queued job waits is derived state: kept per class, shown on read, never written.
-//   - Durable writes are batched: changes mark jobs and workers dirty, each operation stages
-//     one batch, and whoever waits for durability writes every staged batch in one
-//     transaction (group commit). Acknowledged changes (a job created, cancelled or ended, a
+//   - Durable writes are batched (group_commit.h): changes mark jobs and workers dirty, each
+//     operation stages one batch, and whoever waits for durability writes every staged batch
+//     in one transaction. Acknowledged changes (a job created, cancelled or ended, a
 //     worker drained or removed) are durable before their call returns; a placement is
 //     durable before its assignment can be delivered; progress is written behind, at most
 //     once a second per job.
 //
 // Thread-safety: thread-safe. Lock order: mu_ (the state), then mail_mu_ (mailboxes, the
-// heartbeat reports, the pass request), then write_mu_ (staged batches).
+// heartbeat reports, the pass request), then the GroupCommit's (staged batches: taken with mu_
+// held by Stage, alone by WaitDurable, never held while taking another lock).
 #ifndef LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 
@@ -62,10 +63,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/clock.h"
-#include "planner/calibration.h"
+#include "coordinator/scheduler/group_commit.h"
 #include "coordinator/store/store.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
+#include "planner/calibration.h"
 
 namespace lathe {
 
@@ -412,9 +414,6 @@ class Scheduler {
   // Moves the dirty jobs and workers into a staged batch; returns the sequence that is
   // durable once everything staged so far is.
   uint64_t Stage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Writes every staged batch up to `sequence` (with any staged after it) unless another
-  // caller already is; returns when they are durable, or the store's error.
-  absl::Status WaitDurable(uint64_t sequence) ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
   // Tells the listeners of `workers` that they have mail.
   void NotifyMail(const std::set<std::string>& workers) ABSL_LOCKS_EXCLUDED(mu_, mail_mu_);
 
@@ -422,7 +421,7 @@ class Scheduler {
   const Clock* const clock_;
   const SchedulerOptions options_;
 
-  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(mail_mu_, write_mu_);
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(mail_mu_);
   std::map<std::string, JobState, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string, std::less<>> request_ids_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> pending_requests_ ABSL_GUARDED_BY(mu_);  // AddJob writing them
@@ -461,16 +460,13 @@ class Scheduler {
   std::string acting_ ABSL_GUARDED_BY(mu_);
   absl::Time last_write_error_logged_ ABSL_GUARDED_BY(mu_);
 
-  mutable absl::Mutex mail_mu_ ABSL_ACQUIRED_BEFORE(write_mu_);
+  mutable absl::Mutex mail_mu_;
   std::map<std::string, Mailbox, std::less<>> mail_ ABSL_GUARDED_BY(mail_mu_);
   std::vector<HeartbeatReport> reports_ ABSL_GUARDED_BY(mail_mu_);
   bool pass_requested_ ABSL_GUARDED_BY(mail_mu_) = false;
 
-  absl::Mutex write_mu_;
-  uint64_t staged_sequence_ ABSL_GUARDED_BY(write_mu_) = 0;
-  std::deque<std::pair<uint64_t, StoreBatch>> staged_ ABSL_GUARDED_BY(write_mu_);
-  bool writing_ ABSL_GUARDED_BY(write_mu_) = false;
-  std::atomic<uint64_t> durable_sequence_{0};
+  // The staged batches and their writes; its own lock, after mu_.
+  GroupCommit commit_;
 };
 
 }  // namespace lathe
