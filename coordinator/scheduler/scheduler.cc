@@ -6,8 +6,6 @@
 #include <tuple>
 #include <utility>
 
-#include "absl/random/random.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -21,40 +19,8 @@
 namespace lathe {
 namespace {
 
-// Bounds on what workers send: a registration or a report is untrusted input, and whatever
-// the coordinator keeps of it must stay small.
-constexpr size_t kMaxWorkerIdBytes = 128;
-constexpr int64_t kMaxSlots = 1024;
-constexpr size_t kMaxShortFieldBytes = 256;  // address, version, device names
+// A rank's error is untrusted input: whatever the coordinator keeps of it stays small.
 constexpr size_t kMaxErrorBytes = 16 << 10;
-
-absl::Status CheckRegistration(const v1::RegisterWorkerRequest& request) {
-  const std::string& id = request.worker_id();
-  if (id.empty() || id.size() > kMaxWorkerIdBytes || !std::all_of(id.begin(), id.end(), [](char c) {
-        return absl::ascii_isalnum(c) || c == '.' || c == '_' || c == '-';
-      })) {
-    return absl::InvalidArgumentError(absl::StrCat("worker_id: must be 1 to ", kMaxWorkerIdBytes,
-                                                   " characters from A-Z a-z 0-9 . _ -"));
-  }
-  if (request.slots() < 1 || request.slots() > kMaxSlots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("slots: must be 1 to ", kMaxSlots, ", got ", request.slots()));
-  }
-  if (request.devices_size() > kMaxSlots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("devices: at most ", kMaxSlots, ", got ", request.devices_size()));
-  }
-  bool short_fields = request.address().size() <= kMaxShortFieldBytes &&
-                      request.version().size() <= kMaxShortFieldBytes;
-  for (const v1::DeviceInfo& d : request.devices()) {
-    short_fields = short_fields && d.name().size() <= kMaxShortFieldBytes;
-  }
-  if (!short_fields) {
-    return absl::InvalidArgumentError(absl::StrCat("address, version and device names: at most ",
-                                                   kMaxShortFieldBytes, " bytes each"));
-  }
-  return absl::OkStatus();
-}
 
 // `path` without "." and ".." and a trailing slash, for comparing directories.
 std::string NormalPath(const std::string& path) {
@@ -94,21 +60,6 @@ void Learn(const v1::Plan& plan, const v1::Attempt& attempt, MemoryCalibration& 
                      attempt.peak_memory().total());
 }
 
-// Whether two heartbeats list the same ranks.
-bool SameRanks(const std::vector<v1::SlotStatus>& before,
-               const google::protobuf::RepeatedPtrField<v1::SlotStatus>& now) {
-  if (before.size() != static_cast<size_t>(now.size())) return false;
-  for (size_t i = 0; i < before.size(); ++i) {
-    const v1::SlotStatus& a = before[i];
-    const v1::SlotStatus& b = now[static_cast<int>(i)];
-    if (a.slot() != b.slot() || a.job_id() != b.job_id() || a.generation() != b.generation() ||
-        a.rank() != b.rank()) {
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
 void DurationHistogram::Observe(absl::Duration value) {
@@ -121,7 +72,11 @@ void DurationHistogram::Observe(absl::Duration value) {
 }
 
 Scheduler::Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options)
-    : store_(store), clock_(clock), options_(options), commit_(store) {
+    : store_(store),
+      clock_(clock),
+      options_(options),
+      registry_(clock, options.heartbeat_timeout),
+      commit_(store) {
   counters_.pass_seconds =
       DurationHistogram({0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1});
   counters_.queue_seconds = DurationHistogram({1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600});
@@ -142,10 +97,7 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const
     worker.status = std::move(status);
     worker.status.set_busy_slots(0);
     worker.status.clear_running();
-    absl::MutexLock mail_lock(&s.mail_mu_);
-    Mailbox& mailbox = s.mail_[worker.status.worker_id()];
-    mailbox.live = worker.status.state() != v1::WORKER_STATE_LOST;
-    mailbox.last_heartbeat = now;  // a grace period to register again
+    s.registry_.Restore(worker.status.worker_id(), worker.status.state() != v1::WORKER_STATE_LOST);
   }
   for (v1::JobStatus& status : jobs) {
     JobState& job = s.jobs_[status.job_id()];
@@ -190,16 +142,16 @@ absl::StatusOr<std::unique_ptr<Scheduler>> Scheduler::Create(Store* store, const
 // --- the scheduling loop --------------------------------------------------------------
 
 void Scheduler::RequestPass() {
-  absl::MutexLock lock(&mail_mu_);
+  absl::MutexLock lock(&work_mu_);
   pass_requested_ = true;
 }
 
 void Scheduler::WaitForWork(absl::Duration timeout) const {
-  auto work = [this]() ABSL_SHARED_LOCKS_REQUIRED(mail_mu_) {
-    return pass_requested_ || !reports_.empty();
+  auto work = [this]() ABSL_SHARED_LOCKS_REQUIRED(work_mu_) {
+    return pass_requested_ || reports_waiting_;
   };
-  mail_mu_.LockWhenWithTimeout(absl::Condition(&work), timeout);
-  mail_mu_.Unlock();
+  work_mu_.LockWhenWithTimeout(absl::Condition(&work), timeout);
+  work_mu_.Unlock();
 }
 
 void Scheduler::Settle() {
@@ -207,16 +159,17 @@ void Scheduler::Settle() {
   std::set<std::string> notify;
   {
     absl::MutexLock lock(&mu_);
-    std::vector<HeartbeatReport> reports;
     {
-      absl::MutexLock mail_lock(&mail_mu_);
-      reports.swap(reports_);
+      // Cleared before the reports are taken: one left after this still wakes the loop.
+      absl::MutexLock work_lock(&work_mu_);
+      reports_waiting_ = false;
     }
-    for (const HeartbeatReport& report : reports) ProcessReport(report);
+    const std::vector<WorkerRegistry::Report> reports = registry_.TakeReports();
+    for (const WorkerRegistry::Report& report : reports) ProcessReport(report);
     stats_.heartbeat_reports += static_cast<int64_t>(reports.size());
     bool pass = false;
     {
-      absl::MutexLock mail_lock(&mail_mu_);
+      absl::MutexLock work_lock(&work_mu_);
       std::swap(pass, pass_requested_);
     }
     if (pass) {
@@ -229,7 +182,8 @@ void Scheduler::Settle() {
       stats_.longest = std::max(stats_.longest, took);
     }
     sequence = Stage();
-    notify.swap(mail_waiting_);
+    // Every mail posted so far is in a batch up to `sequence` (posts happen under mu_).
+    notify = registry_.TakeWaiting();
   }
   absl::Status durable = commit_.WaitDurable(sequence);
   if (!durable.ok()) {
@@ -245,7 +199,7 @@ void Scheduler::Settle() {
     }
     return;  // assignments wait for their placement to be durable
   }
-  NotifyMail(notify);
+  registry_.Notify(notify);
 }
 
 PassStats Scheduler::TakePassStats() {
@@ -258,7 +212,7 @@ PassStats Scheduler::TakePassStats() {
 SchedulerSnapshot Scheduler::Snapshot(absl::Duration grace) const {
   absl::MutexLock lock(&mu_);
   SchedulerSnapshot snapshot = counters_;
-  snapshot.heartbeats = heartbeats_.load(std::memory_order_relaxed);
+  snapshot.heartbeats = registry_.heartbeats();
   for (const auto& [state, sequences] : by_state_) {
     snapshot.jobs[state] = static_cast<int64_t>(sequences.size());
   }
@@ -332,21 +286,6 @@ uint64_t Scheduler::Stage() {
   dirty_workers_.clear();
   deleted_workers_.clear();
   return commit_.Stage(std::move(batch));
-}
-
-void Scheduler::NotifyMail(const std::set<std::string>& workers) {
-  std::vector<std::shared_ptr<MailListener>> listeners;
-  {
-    absl::MutexLock lock(&mail_mu_);
-    for (const std::string& id : workers) {
-      auto mailbox = mail_.find(id);
-      if (mailbox == mail_.end()) continue;
-      if (std::shared_ptr<MailListener> listener = mailbox->second.listener.lock()) {
-        listeners.push_back(std::move(listener));
-      }
-    }
-  }
-  for (const std::shared_ptr<MailListener>& listener : listeners) listener->OnMail();
 }
 
 // --- indexes --------------------------------------------------------------------------
@@ -594,10 +533,7 @@ std::optional<std::string> Scheduler::TryPlace(JobState& job) {
       for (const std::string& root : options_.allowed_roots) a.add_allowed_roots(root);
       ++rank;
     }
-    absl::MutexLock lock(&mail_mu_);
-    Mailbox& mailbox = mail_[worker_id];
-    for (v1::Assignment& a : assignments) mailbox.assignments.emplace_back(batch, std::move(a));
-    mail_waiting_.insert(worker_id);
+    registry_.Post(worker_id, batch, std::move(assignments));
   }
   ++counters_.attempts_started;
   counters_.queue_seconds.Observe(clock_->Now() - job.queued_since);
@@ -881,27 +817,10 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
     }
     // Drop the assignment if it was never delivered; otherwise stop the trainer. The slot
     // stays busy until the worker says the rank is gone.
-    bool undelivered = false;
-    {
-      absl::MutexLock lock(&mail_mu_);
-      Mailbox& mailbox = mail_[p.worker_id()];
-      auto& pending = mailbox.assignments;
-      auto it = std::find_if(pending.begin(), pending.end(), [&](const auto& a) {
-        return a.second.job_id() == job_id && a.second.generation() == attempt->generation() &&
-               a.second.rank() == p.rank();
-      });
-      if (it != pending.end()) {
-        pending.erase(it);
-        undelivered = true;
-      } else {
-        v1::Cancellation& c = mailbox.cancellations.emplace_back();
-        c.set_job_id(job_id);
-        c.set_generation(attempt->generation());
-        c.set_reason(reason);
-        mail_waiting_.insert(p.worker_id());
-      }
+    if (registry_.WithdrawOrCancel(p.worker_id(), job_id, attempt->generation(), p.rank(),
+                                   reason)) {
+      FreeSlot(p.worker_id(), p.slot());
     }
-    if (undelivered) FreeSlot(p.worker_id(), p.slot());
   }
   job.status.set_reason(reason);
   SetJobState(job, job_state);
@@ -958,30 +877,12 @@ void Scheduler::FailAttempt(JobState& job, const std::string& reason, v1::Failur
 
 absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
     const v1::RegisterWorkerRequest& request) {
-  LATHE_RETURN_IF_ERROR(CheckRegistration(request));
+  LATHE_RETURN_IF_ERROR(WorkerRegistry::CheckRegistration(request));
   absl::MutexLock lock(&mu_);
-  {
-    // Another agent under a live session's worker id (issue #27): its heartbeats still arrive
-    // on an open stream within the timeout. Taking the id over would fail that agent's
-    // attempts, and the two would take it from each other in turn. An agent that died has
-    // closed its stream (or stopped its heartbeats), so a restarted one gets in.
-    absl::MutexLock mail_lock(&mail_mu_);
-    auto it = mail_.find(request.worker_id());
-    if (it != mail_.end() && it->second.live && !it->second.session_id.empty() &&
-        !it->second.listener.expired()) {
-      const absl::Duration silence = clock_->Now() - it->second.last_heartbeat;
-      if (silence <= options_.heartbeat_timeout) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            "worker ", request.worker_id(),
-            " is registered by a live agent (its heartbeat stream is open, the last heartbeat ",
-            absl::StrFormat("%.1fs", absl::ToDoubleSeconds(silence)),
-            " ago): give this agent another --worker-id, or stop the other"));
-      }
-    }
-  }
+  // ALREADY_EXISTS while another live agent holds the id (issue #27).
+  LATHE_ASSIGN_OR_RETURN(std::string session, registry_.Open(request.worker_id()));
   WorkerState& worker = workers_[request.worker_id()];
-  worker.session_id = absl::StrFormat("%s/%d/%016x", request.worker_id(), ++next_session_,
-                                      absl::Uniform<uint64_t>(absl::BitGen()));
+  worker.session_id = std::move(session);
   v1::WorkerStatus& s = worker.status;
   s.set_worker_id(request.worker_id());
   // A drained worker stays drained when its agent registers again.
@@ -996,20 +897,7 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   // Not acknowledged durably: a registration lost in a crash is simply made again, and the
   // record is written with the first placement on the worker at the latest.
   MarkWorkerDirty(worker);
-  {
-    absl::MutexLock mail_lock(&mail_mu_);
-    Mailbox& mailbox = mail_[request.worker_id()];
-    mailbox.session_id = worker.session_id;
-    mailbox.live = true;
-    mailbox.last_heartbeat = clock_->Now();
-    mailbox.last_heartbeat_unix_ms = s.last_heartbeat_unix_ms();
-    mailbox.running.clear();
-    mailbox.listener.reset();  // the new session's stream opens with its first heartbeat
-    mailbox.reconcile = true;
-    mailbox.reconciling = true;
-    mailbox.delivered.clear();
-    pass_requested_ = true;
-  }
+  RequestPass();
   spdlog::info("worker={} registered: {} {} slots", request.worker_id(), DeviceName(s.device()),
                request.slots());
   v1::RegisterWorkerResponse response;
@@ -1020,123 +908,49 @@ absl::StatusOr<v1::RegisterWorkerResponse> Scheduler::RegisterWorker(
   return response;
 }
 
-namespace {
-
-// Moves the deliverable mail (assignments whose placement is durable) into `response`.
-template <typename Mailbox>
-void TakeDeliverable(Mailbox& mailbox, uint64_t durable, v1::HeartbeatResponse* response) {
-  auto& pending = mailbox.assignments;
-  auto kept = pending.begin();
-  for (auto& a : pending) {
-    if (a.first <= durable) {
-      if (mailbox.reconciling) {
-        mailbox.delivered.emplace_back(a.second.job_id(), a.second.generation());
-      }
-      *response->add_assignments() = std::move(a.second);
-    } else {
-      *kept++ = std::move(a);
-    }
-  }
-  pending.erase(kept, pending.end());
-  for (v1::Cancellation& c : mailbox.cancellations) *response->add_cancellations() = std::move(c);
-  mailbox.cancellations.clear();
-}
-
-}  // namespace
-
 absl::StatusOr<v1::HeartbeatResponse> Scheduler::Heartbeat(const v1::HeartbeatRequest& request,
                                                            std::shared_ptr<MailListener> listener) {
-  if (request.slots_size() > kMaxSlots) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("slots: at most ", kMaxSlots, ", got ", request.slots_size()));
-  }
-  v1::HeartbeatResponse response;
-  response.set_in_reply_to(request.sequence());
-  absl::MutexLock lock(&mail_mu_);
-  auto it = mail_.find(request.worker_id());
-  if (it == mail_.end() || it->second.session_id.empty() ||
-      it->second.session_id != request.session_id()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "worker ", request.worker_id(), ": unknown or expired session; register again"));
-  }
-  Mailbox& mailbox = it->second;
-  heartbeats_.fetch_add(1, std::memory_order_relaxed);
-  const absl::Time now = clock_->Now();
-  mailbox.last_heartbeat = now;
-  mailbox.last_heartbeat_unix_ms = absl::ToUnixMillis(now);
-  if (listener != nullptr) mailbox.listener = listener;
-  const bool changed = !SameRanks(mailbox.running, request.slots());
-  if (changed) mailbox.running.assign(request.slots().begin(), request.slots().end());
-  // The scheduler looks at what the worker runs when it changed, after a registration, and
-  // now and then while it runs something (a cancellation may have been lost).
-  const bool report =
-      changed || mailbox.reconcile ||
-      (!mailbox.running.empty() && now - mailbox.last_report > options_.heartbeat_timeout);
-  TakeDeliverable(mailbox, commit_.Durable(), &response);
-  if (report) {
-    reports_.push_back(
-        {request.worker_id(), mailbox.session_id, mailbox.running, mailbox.reconcile});
-    mailbox.reconcile = false;
-    mailbox.last_report = now;
+  bool reported = false;
+  absl::StatusOr<v1::HeartbeatResponse> response =
+      registry_.Heartbeat(request, std::move(listener), commit_.Durable(), &reported);
+  if (reported) {
+    absl::MutexLock lock(&work_mu_);
+    reports_waiting_ = true;
   }
   return response;
 }
 
 v1::HeartbeatResponse Scheduler::TakeMail(absl::string_view worker_id,
                                           absl::string_view session_id) {
-  v1::HeartbeatResponse response;
-  absl::MutexLock lock(&mail_mu_);
-  auto it = mail_.find(worker_id);
-  if (it == mail_.end() || it->second.session_id.empty() || it->second.session_id != session_id) {
-    return response;
-  }
-  TakeDeliverable(it->second, commit_.Durable(), &response);
-  return response;
+  return registry_.TakeMail(worker_id, session_id, commit_.Durable());
 }
 
-void Scheduler::ProcessReport(const HeartbeatReport& report) {
+void Scheduler::ProcessReport(const WorkerRegistry::Report& report) {
   auto it = workers_.find(report.worker_id);
   if (it == workers_.end() || it->second.session_id != report.session_id) return;
   WorkerState& worker = it->second;
+  // Ranks of attempts that are no longer current are told to stop.
   std::set<int64_t> reported;
-  std::set<std::string> lost_jobs;
-  {
-    absl::MutexLock lock(&mail_mu_);
-    Mailbox& mailbox = mail_[report.worker_id];
-    for (const v1::SlotStatus& slot : report.running) {
-      if (slot.job_id().empty()) continue;
-      reported.insert(slot.slot());
-      if (IsActiveAttemptLocked(slot.job_id(), slot.generation())) continue;
-      const bool pending =
-          std::any_of(mailbox.cancellations.begin(), mailbox.cancellations.end(),
-                      [&](const v1::Cancellation& c) {
-                        return c.job_id() == slot.job_id() && c.generation() == slot.generation();
-                      });
-      if (!pending) {
-        v1::Cancellation& c = mailbox.cancellations.emplace_back();
-        c.set_job_id(slot.job_id());
-        c.set_generation(slot.generation());
-        c.set_reason("the attempt is no longer current");
-        mail_waiting_.insert(report.worker_id);
-      }
+  std::vector<WorkerRegistry::AttemptRef> stale;
+  for (const v1::SlotStatus& slot : report.running) {
+    if (slot.job_id().empty()) continue;
+    reported.insert(slot.slot());
+    if (!IsActiveAttemptLocked(slot.job_id(), slot.generation())) {
+      stale.emplace_back(slot.job_id(), slot.generation());
     }
-    // After a registration: ranks placed here that the worker does not run, was not sent
-    // since (in an answer or pushed) and will not receive are lost.
-    if (report.reconcile) {
-      for (const auto& [slot, ref] : worker.busy) {
-        if (reported.count(slot) || !IsActiveAttemptLocked(ref.job_id, ref.generation)) continue;
-        auto same = [&](const std::string& job, int64_t generation) {
-          return job == ref.job_id && generation == ref.generation;
-        };
-        const bool delivered = std::any_of(mailbox.delivered.begin(), mailbox.delivered.end(),
-                                           [&](const auto& d) { return same(d.first, d.second); });
-        const bool pending = std::any_of(
-            mailbox.assignments.begin(), mailbox.assignments.end(),
-            [&](const auto& a) { return same(a.second.job_id(), a.second.generation()); });
-        if (!delivered && !pending) lost_jobs.insert(ref.job_id);
-      }
-      mailbox.reconciling = false;
-      mailbox.delivered.clear();
+  }
+  registry_.CancelUnlessPending(report.worker_id, stale, "the attempt is no longer current");
+  // After a registration: ranks placed here that the worker does not run, was not sent
+  // since (in an answer or pushed) and will not receive are lost.
+  std::set<std::string> lost_jobs;
+  if (report.reconcile) {
+    std::vector<WorkerRegistry::AttemptRef> placed;
+    for (const auto& [slot, ref] : worker.busy) {
+      if (reported.count(slot) || !IsActiveAttemptLocked(ref.job_id, ref.generation)) continue;
+      placed.emplace_back(ref.job_id, ref.generation);
+    }
+    for (const auto& [job_id, generation] : registry_.Reconcile(report.worker_id, placed)) {
+      lost_jobs.insert(job_id);
     }
   }
   for (const std::string& job_id : lost_jobs) {
@@ -1290,15 +1104,7 @@ void Scheduler::MarkLost(WorkerState& worker, const std::string& reason) {
   ++counters_.workers_lost;
   worker.status.set_state(v1::WORKER_STATE_LOST);
   worker.session_id.clear();
-  {
-    absl::MutexLock lock(&mail_mu_);
-    Mailbox& mailbox = mail_[id];
-    mailbox.session_id.clear();
-    mailbox.live = false;
-    mailbox.running.clear();
-    mailbox.assignments.clear();
-    mailbox.cancellations.clear();
-  }
+  registry_.Lose(id);
   IndexWorker(worker);
   MarkWorkerDirty(worker);
   std::set<std::string> failed;
@@ -1314,16 +1120,7 @@ void Scheduler::MarkLost(WorkerState& worker, const std::string& reason) {
 }
 
 void Scheduler::RenewHeartbeatWindows(absl::Duration stall) {
-  const absl::Time now = clock_->Now();
-  int64_t renewed = 0;
-  {
-    absl::MutexLock mail_lock(&mail_mu_);
-    for (auto& [id, mailbox] : mail_) {
-      if (!mailbox.live) continue;
-      mailbox.last_heartbeat = std::max(mailbox.last_heartbeat, now);
-      ++renewed;
-    }
-  }
+  const int64_t renewed = registry_.RenewWindows();
   spdlog::warn(
       "the coordinator stood still for {}: {} workers get a fresh heartbeat window of {} "
       "before any is declared lost",
@@ -1335,16 +1132,7 @@ void Scheduler::CheckHeartbeats() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_->Now();
   // Liveness from the heartbeats' arrival times alone.
-  std::vector<std::pair<std::string, absl::Duration>> silent;
-  {
-    absl::MutexLock mail_lock(&mail_mu_);
-    for (const auto& [id, mailbox] : mail_) {
-      if (mailbox.live && now - mailbox.last_heartbeat > options_.heartbeat_timeout) {
-        silent.emplace_back(id, now - mailbox.last_heartbeat);
-      }
-    }
-  }
-  for (const auto& [id, silence] : silent) {
+  for (const auto& [id, silence] : registry_.Silent()) {
     auto worker = workers_.find(id);
     if (worker == workers_.end() || worker->second.status.state() == v1::WORKER_STATE_LOST) {
       continue;
@@ -1364,17 +1152,9 @@ void Scheduler::CheckHeartbeats() {
 
 std::vector<v1::WorkerStatus> Scheduler::ListWorkers() const {
   absl::MutexLock lock(&mu_);
-  absl::MutexLock mail_lock(&mail_mu_);
   std::vector<v1::WorkerStatus> result;
-  for (const auto& [id, worker] : workers_) {
-    v1::WorkerStatus& status = result.emplace_back(worker.status);
-    auto mailbox = mail_.find(id);
-    if (mailbox == mail_.end() || worker.session_id.empty()) continue;
-    for (const v1::SlotStatus& slot : mailbox->second.running) {
-      if (!slot.job_id().empty()) *status.add_running() = slot;
-    }
-    status.set_last_heartbeat_unix_ms(mailbox->second.last_heartbeat_unix_ms);
-  }
+  for (const auto& [id, worker] : workers_) result.push_back(worker.status);
+  registry_.Describe(result);  // what each one with a session runs, and when it was heard
   return result;
 }
 
@@ -1469,10 +1249,7 @@ absl::Status Scheduler::RemoveWorker(absl::string_view worker_id) {
     dirty_workers_.erase(it->second.status.worker_id());
     deleted_workers_.insert(it->second.status.worker_id());
     workers_.erase(it);
-    {
-      absl::MutexLock mail_lock(&mail_mu_);
-      mail_.erase(std::string(worker_id));
-    }
+    registry_.Remove(std::string(worker_id));
     sequence = Stage();
   }
   LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));

@@ -19,10 +19,10 @@
 // spec, the data, a divergence) fails the job at once.
 //
 // Scale (issue #13; docs/services.md, "At scale"):
-//   - Heartbeats take only the mailbox lock, never the scheduling lock or the store: a
-//     heartbeat records its arrival time (liveness is decided from those alone), takes the
-//     worker's deliverable mail and queues what the scheduler must look at (a change in the
-//     ranks the worker runs). Settle() digests those reports.
+//   - Heartbeats take only the worker registry's lock (worker_registry.h), never the
+//     scheduling lock or the store: a heartbeat records its arrival time (liveness is decided
+//     from those alone), takes the worker's deliverable mail and leaves what the scheduler
+//     must look at (a change in the ranks the worker runs). Settle() digests those reports.
 //   - Passes are incremental and coalesced: a change (a job, a worker, a freed slot) only
 //     requests a pass; Settle() runs one for everything requested since the last. Queued
 //     jobs are indexed by class (device, ranks, memory per rank), each class ordered by
@@ -32,18 +32,24 @@
 //   - Why a queued job waits is derived state: kept per class, shown on read, never written.
 //   - Durable writes are batched (group_commit.h): changes mark jobs and workers dirty, each
 //     operation stages one batch, and whoever waits for durability writes every staged batch
-//     in one transaction. Acknowledged changes (a job created, cancelled or ended, a
-//     worker drained or removed) are durable before their call returns; a placement is
-//     durable before its assignment can be delivered; progress is written behind, at most
-//     once a second per job.
+//     in one transaction. Acknowledged changes (a job created, cancelled or ended, a worker
+//     drained or removed) are durable before their call returns; a placement is durable
+//     before its assignment can be delivered; progress is written behind, at most once a
+//     second per job.
 //
-// Thread-safety: thread-safe. Lock order: mu_ (the state), then mail_mu_ (mailboxes, the
-// heartbeat reports, the pass request), then the GroupCommit's (staged batches: taken with mu_
-// held by Stage, alone by WaitDurable, never held while taking another lock).
+// Thread-safety: thread-safe. Four mutexes:
+//   - mu_: the jobs, the worker records and slots, the indexes, the watches, the dirty sets
+//     and the counters. Never held during a store write (the group commit's or CreateJob).
+//   - the WorkerRegistry's (sessions, liveness, mailboxes, heartbeat reports): taken with mu_
+//     held or alone (a heartbeat), never held while taking another lock.
+//   - the GroupCommit's (staged batches): taken with mu_ held (Stage, so that batches are
+//     staged in the order of the changes) or alone (WaitDurable, which runs without mu_),
+//     never held while taking another lock.
+//   - work_mu_ (the pass request, reports waiting): a leaf, taken with mu_ held or alone.
+// So the order is mu_, then any one of the other three; those three are never held together.
 #ifndef LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 #define LATHE_COORDINATOR_SCHEDULER_SCHEDULER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -64,6 +70,7 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "coordinator/scheduler/group_commit.h"
+#include "coordinator/scheduler/worker_registry.h"
 #include "coordinator/store/store.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
@@ -114,14 +121,6 @@ struct JobPage {
 
 // Called with a job's status after each change, the one copy shared by every watcher of it.
 using JobWatcher = std::function<void(std::shared_ptr<const v1::JobStatus>)>;
-
-// Told when a worker's heartbeat stream has new mail (assignments placed after its last
-// heartbeat). Called without the scheduler's locks; implementations must not block.
-class MailListener {
- public:
-  virtual ~MailListener() = default;
-  virtual void OnMail() = 0;
-};
 
 // Counts of observations at or below each bound (cumulative, Prometheus' histogram), in
 // seconds; plain data, so that the scheduler needs no metrics library.
@@ -232,7 +231,7 @@ class Scheduler {
       const v1::RegisterWorkerRequest& request);
   // Records a heartbeat and returns the worker's deliverable assignments and cancellations;
   // `listener` (may be null) is told when more arrive before the next heartbeat. Takes only
-  // the mailbox lock. FAILED_PRECONDITION when the worker or its session is unknown
+  // the worker registry's lock. FAILED_PRECONDITION when the worker or its session is unknown
   // (register again).
   absl::StatusOr<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request,
                                                   std::shared_ptr<MailListener> listener = nullptr);
@@ -307,8 +306,8 @@ class Scheduler {
     std::string reason;  // why its head did not fit in the last pass; "" when it did
   };
   struct WorkerState {
-    v1::WorkerStatus status;          // running and last_heartbeat_unix_ms live in the mailbox
-    std::string session_id;           // empty: must register again
+    v1::WorkerStatus status;          // running and last_heartbeat_unix_ms live in the registry
+    std::string session_id;           // the registry's session; empty: must register again
     std::map<int64_t, SlotRef> busy;  // slot -> rank placed there
     uint64_t busy_memory = 0;         // the planned peaks of the ranks in `busy`
     // What IndexWorker last counted for this worker.
@@ -328,32 +327,6 @@ class Scheduler {
     int64_t backoff_at = 0;
     absl::Time queued_since;  // submitted or queued again
   };
-  struct Mailbox {
-    std::string session_id;  // empty: no heartbeats accepted
-    bool live = false;       // not lost: liveness is checked
-    absl::Time last_heartbeat;
-    int64_t last_heartbeat_unix_ms = 0;
-    std::vector<v1::SlotStatus> running;  // as of the last heartbeat
-    absl::Time last_report;
-    bool reconcile = false;  // the next heartbeat is the first of a registration
-    // From a registration until Settle has reconciled it: every rank delivered meanwhile
-    // (in answers or pushed), which the worker cannot have been expected to list.
-    bool reconciling = false;
-    std::vector<std::pair<std::string, int64_t>> delivered;  // (job, generation)
-    // An assignment is deliverable once the batch with its placement (that sequence) is
-    // durable.
-    std::vector<std::pair<uint64_t, v1::Assignment>> assignments;
-    std::vector<v1::Cancellation> cancellations;
-    std::weak_ptr<MailListener> listener;
-  };
-  // What a heartbeat leaves for Settle.
-  struct HeartbeatReport {
-    std::string worker_id;
-    std::string session_id;
-    std::vector<v1::SlotStatus> running;
-    bool reconcile = false;  // the first heartbeat of a registration
-  };
-
   Scheduler(Store* store, const Clock* clock, const SchedulerOptions& options);
 
   int64_t NowMs() const;
@@ -380,7 +353,7 @@ class Scheduler {
   void IndexWorker(WorkerState& worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkBusy(WorkerState& worker, int64_t slot, SlotRef ref) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FreeSlot(const std::string& worker_id, int64_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void RequestPass();
+  void RequestPass() ABSL_LOCKS_EXCLUDED(work_mu_);
 
   // Memory a new rank of a job needing `need` bytes per rank would have in `slot`, with
   // `taken` other free slots of this worker already given to the same placement; nullopt
@@ -391,7 +364,7 @@ class Scheduler {
   void RunPass() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places the job when its ranks fit; otherwise returns why not.
   std::optional<std::string> TryPlace(JobState& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ProcessReport(const HeartbeatReport& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ProcessReport(const WorkerRegistry::Report& report) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // ReportProgress under the lock; `*acknowledge` when the change must be durable before
   // the call returns.
   absl::Status ApplyReport(const v1::ReportProgressRequest& request, bool* acknowledge)
@@ -414,20 +387,17 @@ class Scheduler {
   // Moves the dirty jobs and workers into a staged batch; returns the sequence that is
   // durable once everything staged so far is.
   uint64_t Stage() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Tells the listeners of `workers` that they have mail.
-  void NotifyMail(const std::set<std::string>& workers) ABSL_LOCKS_EXCLUDED(mu_, mail_mu_);
 
   Store* const store_;
   const Clock* const clock_;
   const SchedulerOptions options_;
 
-  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(mail_mu_);
+  mutable absl::Mutex mu_ ABSL_ACQUIRED_BEFORE(work_mu_);
   std::map<std::string, JobState, std::less<>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::string, std::less<>> request_ids_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> pending_requests_ ABSL_GUARDED_BY(mu_);  // AddJob writing them
   std::map<std::string, WorkerState, std::less<>> workers_ ABSL_GUARDED_BY(mu_);
   int64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 0;
   MemoryCalibration calibration_ ABSL_GUARDED_BY(mu_);
   // Indexes over jobs_.
   std::map<int64_t, JobState*> by_sequence_ ABSL_GUARDED_BY(mu_);
@@ -449,24 +419,24 @@ class Scheduler {
   std::set<std::string> dirty_jobs_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> dirty_workers_ ABSL_GUARDED_BY(mu_);
   std::set<std::string> deleted_workers_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> mail_waiting_ ABSL_GUARDED_BY(mu_);  // workers with new assignments
   PassStats stats_ ABSL_GUARDED_BY(mu_);
   // Counted since the start, for Snapshot.
   SchedulerSnapshot counters_ ABSL_GUARDED_BY(mu_);
   std::deque<std::pair<int64_t, std::string>> ended_ ABSL_GUARDED_BY(mu_);  // (ms, job id)
-  std::atomic<int64_t> heartbeats_{0};
   std::string last_write_error_ ABSL_GUARDED_BY(mu_);
   // Who makes the changes of the call in progress (a job's history); empty: the coordinator.
   std::string acting_ ABSL_GUARDED_BY(mu_);
   absl::Time last_write_error_logged_ ABSL_GUARDED_BY(mu_);
 
-  mutable absl::Mutex mail_mu_;
-  std::map<std::string, Mailbox, std::less<>> mail_ ABSL_GUARDED_BY(mail_mu_);
-  std::vector<HeartbeatReport> reports_ ABSL_GUARDED_BY(mail_mu_);
-  bool pass_requested_ ABSL_GUARDED_BY(mail_mu_) = false;
-
+  // Sessions, liveness, mailboxes and heartbeat reports; its own lock, after mu_.
+  WorkerRegistry registry_;
   // The staged batches and their writes; its own lock, after mu_.
   GroupCommit commit_;
+
+  // What wakes the scheduling loop (WaitForWork): a leaf lock.
+  mutable absl::Mutex work_mu_;
+  bool pass_requested_ ABSL_GUARDED_BY(work_mu_) = false;
+  bool reports_waiting_ ABSL_GUARDED_BY(work_mu_) = false;  // the registry holds reports
 };
 
 }  // namespace lathe
