@@ -1,6 +1,5 @@
 #include "coordinator/api/services.h"
 
-#include <deque>
 #include <initializer_list>
 #include <memory>
 #include <optional>
@@ -12,6 +11,7 @@
 #include "absl/strings/str_join.h"
 #include "common/proto/job_state.h"
 #include "common/rpc/grpc_status.h"
+#include "coordinator/api/write_queue.h"
 
 namespace lathe {
 namespace {
@@ -144,19 +144,23 @@ void JobServiceImpl::ReleaseWatch(const std::string& host) {
 }
 
 // One WatchJob stream: the scheduler calls OnChange (under its lock) with every new status;
-// the newest one not yet written waits in `pending_`, so a slow reader sees the latest state
+// the newest one not yet written waits in the queue, so a slow reader sees the latest state
 // and never a backlog. The stream ends after a final state is written.
 class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
  public:
+  // A status shared with the scheduler and every other watcher of the job.
+  using JobView = std::shared_ptr<const v1::JobStatus>;
+
   WatchReactor(JobServiceImpl* service, std::string host)
-      : service_(service), host_(std::move(host)) {}
+      : service_(service),
+        host_(std::move(host)),
+        queue_(WriteQueue<JobView>::Keep::kNewest,
+               grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away")) {}
 
   // REQUIRES: called once, right after construction.
   void Start(const std::string& job_id, const Requester& requester) {
     absl::StatusOr<uint64_t> watch = service_->scheduler_->Watch(
-        job_id,
-        [this](std::shared_ptr<const v1::JobStatus> status) { OnChange(std::move(status)); },
-        requester);
+        job_id, [this](JobView status) { OnChange(std::move(status)); }, requester);
     if (!watch.ok()) {
       End(ToGrpcStatus(watch.status()));
       return;
@@ -166,26 +170,9 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
   }
 
   void OnWriteDone(bool ok) override {
-    bool write = false;
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      if (!ok) {
-        ending_ = grpc::Status(grpc::StatusCode::CANCELLED, "the watcher went away");
-      } else if (IsFinalState(current_->state()) && !ending_) {
-        ending_ = grpc::Status::OK;
-      } else if (pending_ && !ending_) {
-        current_ = std::move(pending_);
-        writing_ = write = true;
-      }
-      if (ending_ && !writing_ && !finished_) {
-        finished_ = true;
-        finish = *ending_;
-      }
-    }
-    if (write) StartWrite(current_.get());
-    if (finish) Finish(*finish);
+    const WriteQueue<JobView>::Next next = queue_.WriteDone(ok);
+    if (next.write) StartWrite(queue_.Current().get());
+    if (next.finish) Finish(*next.finish);
   }
 
   void OnCancel() override { End(grpc::Status(grpc::StatusCode::CANCELLED, "cancelled")); }
@@ -202,48 +189,27 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::JobStatus> {
   }
 
  private:
-  void OnChange(std::shared_ptr<const v1::JobStatus> status) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (ending_) return;
-      if (writing_) {
-        pending_ = std::move(status);
-        return;
-      }
-      current_ = std::move(status);
-      writing_ = true;
-    }
+  void OnChange(JobView status) {
+    const bool last = IsFinalState(status->state());
+    if (!queue_.Offer(std::move(status), last)) return;
     // Called under the scheduler's lock, once per watcher of the job: the write (which
-    // serializes the status) runs on the pool. writing_ is already set, so the stream cannot
-    // finish before the task has started the write.
-    if (!service_->pool_.Schedule([this] { StartWrite(current_.get()); })) {
-      StartWrite(current_.get());
+    // serializes the status) runs on the pool. The queue holds the write as in flight, so
+    // the stream cannot finish before the task has started it.
+    if (!service_->pool_.Schedule([this] { StartWrite(queue_.Current().get()); })) {
+      StartWrite(queue_.Current().get());
     }
   }
 
   // Finishes with `status` once no write is in flight.
   void End(grpc::Status status) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (ending_) return;
-      ending_ = status;
-      if (writing_ || finished_) return;  // OnWriteDone finishes
-      finished_ = true;
-    }
-    Finish(status);
+    if (std::optional<grpc::Status> finish = queue_.End(std::move(status))) Finish(*finish);
   }
 
   JobServiceImpl* const service_;
   const std::string host_;
+  WriteQueue<JobView> queue_;
   absl::Mutex mu_;
   uint64_t watch_id_ ABSL_GUARDED_BY(mu_) = 0;
-  // Being written; changed only while no write is in flight. Shared with the scheduler and
-  // every other watcher of the job.
-  std::shared_ptr<const v1::JobStatus> current_;
-  std::shared_ptr<const v1::JobStatus> pending_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> ending_ ABSL_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 grpc::ServerWriteReactor<v1::JobStatus>* JobServiceImpl::WatchJob(
@@ -332,7 +298,11 @@ class HeartbeatReactor final
     : public grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse> {
  public:
   HeartbeatReactor(Scheduler* scheduler, const grpc::Status& denied, Caller caller)
-      : scheduler_(scheduler), caller_(std::move(caller)), mail_(std::make_shared<Mail>(this)) {
+      : scheduler_(scheduler),
+        caller_(std::move(caller)),
+        mail_(std::make_shared<Mail>(this)),
+        queue_(WriteQueue<v1::HeartbeatResponse>::Keep::kEvery,
+               grpc::Status(grpc::StatusCode::CANCELLED, "write failed")) {
     if (!denied.ok()) {
       End(denied);
       return;
@@ -364,24 +334,9 @@ class HeartbeatReactor final
   }
 
   void OnWriteDone(bool ok) override {
-    bool write = false;
-    std::optional<grpc::Status> finish;
-    {
-      absl::MutexLock lock(&mu_);
-      writing_ = false;
-      if (!ok && !ending_) ending_ = grpc::Status(grpc::StatusCode::CANCELLED, "write failed");
-      if (!ending_ && !outbox_.empty()) {
-        current_ = std::move(outbox_.front());
-        outbox_.pop_front();
-        writing_ = write = true;
-      }
-      if (ending_ && !writing_ && !finished_) {
-        finished_ = true;
-        finish = *ending_;
-      }
-    }
-    if (write) StartWrite(&current_);
-    if (finish) Finish(*finish);
+    const WriteQueue<v1::HeartbeatResponse>::Next next = queue_.WriteDone(ok);
+    if (next.write) StartWrite(&queue_.Current());
+    if (next.finish) Finish(*next.finish);
   }
 
   void OnDone() override {
@@ -420,44 +375,24 @@ class HeartbeatReactor final
     if (mail.assignments_size() > 0 || mail.cancellations_size() > 0) Send(std::move(mail));
   }
 
+  // Answers and pushes go out one at a time, in order.
   void Send(v1::HeartbeatResponse response) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (ending_) return;
-      if (writing_) {
-        outbox_.push_back(std::move(response));
-        return;
-      }
-      current_ = std::move(response);
-      writing_ = true;
-    }
-    StartWrite(&current_);
+    if (queue_.Offer(std::move(response))) StartWrite(&queue_.Current());
   }
 
   // Finishes with `status` once no write is in flight.
   void End(const grpc::Status& status) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (ending_) return;
-      ending_ = status;
-      if (writing_ || finished_) return;  // OnWriteDone finishes
-      finished_ = true;
-    }
-    Finish(status);
+    if (std::optional<grpc::Status> finish = queue_.End(status)) Finish(*finish);
   }
 
   Scheduler* const scheduler_;
   const Caller caller_;
   const std::shared_ptr<Mail> mail_;
-  v1::HeartbeatRequest request_;   // the read in flight (one at a time)
-  v1::HeartbeatResponse current_;  // the write in flight
+  v1::HeartbeatRequest request_;  // the read in flight (one at a time)
+  WriteQueue<v1::HeartbeatResponse> queue_;
   absl::Mutex mu_;
   std::string worker_id_ ABSL_GUARDED_BY(mu_);
   std::string session_id_ ABSL_GUARDED_BY(mu_);
-  std::deque<v1::HeartbeatResponse> outbox_ ABSL_GUARDED_BY(mu_);
-  bool writing_ ABSL_GUARDED_BY(mu_) = false;
-  std::optional<grpc::Status> ending_ ABSL_GUARDED_BY(mu_);
-  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace

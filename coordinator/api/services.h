@@ -116,8 +116,10 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* context,
                                            const v1::RegisterWorkerRequest* request,
                                            v1::RegisterWorkerResponse* response) override;
-  // The stream's reads and writes run on gRPC's callback threads and take only the
-  // scheduler's mailbox lock (Scheduler::Heartbeat); new assignments are pushed on it.
+  // The stream's reads and writes run on gRPC's callback threads and take only the worker
+  // registry's lock (Scheduler::Heartbeat, coordinator/scheduler/worker_registry.h); new
+  // assignments are pushed on it. Its writes, like WatchJob's, go through a WriteQueue
+  // (write_queue.h).
   grpc::ServerBidiReactor<v1::HeartbeatRequest, v1::HeartbeatResponse>* Heartbeat(
       grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* ReportProgress(grpc::CallbackServerContext* context,
