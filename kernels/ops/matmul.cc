@@ -153,6 +153,12 @@ std::string ProductsBackend(const at::Device& device) {
   return device.is_cpu() && KernelMultiplies(at::kFloat) ? cpu::MatmulBackend() : "aten";
 }
 
+ProductsSoFar CpuProductsSoFar(bool bf16) {
+  const cpu::MatmulTally tally =
+      cpu::MatmulTotal(bf16 ? cpu::MatmulInput::kBFloat16 : cpu::MatmulInput::kFloat32);
+  return {tally.flops, tally.seconds};
+}
+
 bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k) {
   return m * n * k >= kMinKernelProduct && KernelMultiplies(at::kBFloat16);
 }

@@ -29,6 +29,15 @@ bool NativeBFloat16Product(int64_t m, int64_t n, int64_t k);
 // the CPU, "aten" elsewhere or with LATHE_CPU_ONEDNN=0.
 std::string ProductsBackend(const at::Device& device);
 
+// The FLOPs and seconds of the CPU kernel's products so far in this process (its tally,
+// kernels/cpu/matmul.h), of float32 or of bfloat16 inputs: what the trainer's per-phase
+// product report reads.
+struct ProductsSoFar {
+  double flops = 0.0;
+  double seconds = 0.0;
+};
+ProductsSoFar CpuProductsSoFar(bool bf16);
+
 // a b as a new tensor of a's dtype (a: [m, k], b: [k, n]).
 at::Tensor Matmul(const at::Tensor& a, const at::Tensor& b);
 

@@ -49,8 +49,6 @@ KNOWN_VIOLATIONS = {
     ("kernels/cuda/linear_cross_entropy.cc", "common/status_macros.h"):
         "the raw kernels include no project folder but kernels/, and lathe_kernels_cuda does "
         "not link lathe_common",
-    ("worker/train/trainer.cc", "kernels/cpu/matmul.h"):
-        "the trainer reads the CPU kernel's product tally (MatmulTotal) past kernels/ops/",
 }
 
 

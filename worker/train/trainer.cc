@@ -16,7 +16,6 @@
 #include "common/flops.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/matmul.h"
 #include "kernels/ops/matmul.h"
 #include "nlohmann/json.hpp"
 #include "worker/comm/communicator.h"
@@ -26,11 +25,11 @@
 #include "worker/engine/loss_scaler.h"
 #include "worker/engine/lr_schedule.h"
 #include "worker/engine/memory_tracker.h"
-#include "worker/train/mezo.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/peak_flops.h"
 #include "worker/engine/text_record_encoder.h"
 #include "worker/shard/sharded_model.h"
+#include "worker/train/mezo.h"
 
 namespace lathe {
 namespace {
@@ -113,10 +112,8 @@ std::string OptimizerFingerprint(const TrainSpec& t) {
 std::array<ProductTally, kNumProductTypes> ProductTotals() {
   std::array<ProductTally, kNumProductTypes> totals;
   for (auto type : {ProductType::kFloat32, ProductType::kBFloat16}) {
-    const kernels::cpu::MatmulTally tally = kernels::cpu::MatmulTotal(
-        type == ProductType::kFloat32 ? kernels::cpu::MatmulInput::kFloat32
-                                      : kernels::cpu::MatmulInput::kBFloat16);
-    totals[static_cast<int>(type)] = {tally.flops, tally.seconds};
+    const kernels::ProductsSoFar so_far = kernels::CpuProductsSoFar(type == ProductType::kBFloat16);
+    totals[static_cast<int>(type)] = {so_far.flops, so_far.seconds};
   }
   return totals;
 }
