@@ -3,11 +3,14 @@
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
+#include "common/capabilities.h"
 #include "common/proto/job_spec_proto.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "planner/device_pools.h"
+#include "planner/plan_spec.h"
 #include "tests/testing/forwarding_store.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
@@ -1242,6 +1245,53 @@ TEST_F(JobManagerTest, AGpuJobIsPlannedForTheRegisteredPool) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->memory_per_rank(), 141000000000u);
   EXPECT_THAT(plan->plan().calibration_key(), HasSubstr("| 1 x h200"));
+}
+
+// Issue #32: `lathe plan --local` planned an 8-rank CUDA full fine-tune that the coordinator
+// then refused. Both now take the one capability list and the one planning call
+// (planner/plan_spec.h): the coordinator admits and plans the spec as the CLI plans it here.
+TEST_F(JobManagerTest, TheCoordinatorPlansWhatPlanLocalPlans) {
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  v1::RegisterWorkerRequest worker;
+  worker.set_worker_id("gpus");
+  worker.set_device(v1::DEVICE_CUDA);
+  worker.set_slots(8);
+  for (int i = 0; i < 8; ++i) {
+    v1::DeviceInfo* device = worker.add_devices();
+    device->set_index(i);
+    device->set_name("NVIDIA H100 80GB HBM3");
+    device->set_memory_bytes(80 * kGiB);
+  }
+  ASSERT_TRUE(scheduler_->RegisterWorker(worker).ok());
+  scheduler_->Settle();
+  spec_.method = Method::kFull;
+  spec_.resources.device = DeviceKind::kCuda;
+  spec_.resources.ranks = 8;
+  spec_.train.global_batch = 16;
+  JobManager manager(scheduler_.get(), {});
+  v1::PlanJobRequest request;
+  *request.mutable_spec() = JobSpecToProto(spec_);
+  absl::StatusOr<v1::PlanJobResponse> coordinator = manager.Plan(request);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status();
+
+  absl::StatusOr<DeviceRates> rates = DefaultRates("h100");  // as `lathe plan --local --gpu h100`
+  ASSERT_TRUE(rates.ok());
+  rates->memory_bytes = 80 * kGiB;
+  absl::StatusOr<PlanOptions> options = PlanOptionsFor(spec_, "h100", *rates);
+  ASSERT_TRUE(options.ok()) << options.status();
+  absl::StatusOr<PlanResult> local = PlanSpec(spec_, *options);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_TRUE(CheckEngineSupports(spec_).ok());
+  const v1::Plan& admitted = coordinator->plan();
+  EXPECT_EQ(admitted.ranks(), 8);
+  EXPECT_EQ(admitted.zero_stage(), local->plan.zero_stage);
+  EXPECT_EQ(admitted.offload_optimizer(), local->plan.offload_optimizer);
+  EXPECT_EQ(admitted.activation_checkpointing(), local->plan.activation_checkpointing);
+  EXPECT_EQ(admitted.micro_batch(), local->plan.micro_batch);
+  EXPECT_EQ(admitted.explanation(), local->plan.explanation);
+  // And it is admitted, not refused as "8 ranks on cuda are not supported".
+  absl::StatusOr<v1::SubmitJobResponse> submitted = Submit(JobSpecToProto(spec_));
+  EXPECT_TRUE(submitted.ok()) << submitted.status();
 }
 
 TEST_F(JobManagerTest, AllowedRootsAdmitPathsInside) {
