@@ -1,8 +1,11 @@
 #include "planner/memory_model.h"
 
 #include <algorithm>
+#include <array>
 #include <limits>
-#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/flat_layout.h"
 #include "kernels/cpu/linear_cross_entropy.h"
@@ -115,6 +118,280 @@ int64_t LargestTrainableTensor(const JobShape& job, bool with_embeddings = true)
   return largest;
 }
 
+// The CUDA runtime's allowance, added to every phase of a GPU rank.
+int64_t RuntimeBytes(const JobShape& job) {
+  return job.device == DeviceKind::kCuda ? static_cast<int64_t>(kCudaRuntimeBytes) : 0;
+}
+
+// The bytes of unit u's frozen slice on one of the job's ranks at ZeRO-3: QLoRA slices each
+// block's dense frozen weights and, apart, its NF4 bytes.
+int64_t FrozenSliceBytes(const JobShape& job, const std::vector<UnitElements>& units, int64_t u,
+                         const Widths& w) {
+  const int64_t per_block = job.model.block.attention + job.model.block.mlp;
+  const int64_t last = static_cast<int64_t>(units.size()) - 1;
+  const bool nf4 = job.method == Method::kQLora && u > 0 && u < last;
+  return w.weight * ShardNumel(units[u].frozen - (nf4 ? per_block : 0), job.ranks) +
+         (nf4 ? ShardNumel(Nf4Bytes(per_block), job.ranks) : 0);
+}
+
+// The model states one rank holds through the step: model_states.h's for AdamW, then this
+// job's own. On the CPU, offloading moves nothing out of the memory the ranks share.
+struct RankStates {
+  ModelStateBytes bytes;
+  bool offload_optimizer = false;  // CUDA only
+  bool paged = false;              // paged on CUDA at stage 0: the state lives in host memory
+};
+
+absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const StrategyPoint& p,
+                                        const std::vector<UnitElements>& units, const Widths& w) {
+  const bool cuda = job.device == DeviceKind::kCuda;
+  const ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
+                              p.offload_params && cuda};
+  RankStates rank;
+  rank.offload_optimizer = choice.offload_optimizer;
+  ModelStateBytes& states = rank.bytes;
+  states = ModelStates(units, w.weight, choice);
+  if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
+  // QLoRA: the projections' frozen weights in NF4, half a byte per weight, a byte per block
+  // of 64, four bytes per 256 blocks (docs/kernels.md "NF4"); at ZeRO-3 sliced as
+  // FrozenSliceBytes says.
+  if (job.method == Method::kQLora && p.zero_stage < 3) {
+    const int64_t projections =
+        job.model.num_layers * (job.model.block.attention + job.model.block.mlp);
+    states.weights += Nf4Bytes(projections) - projections * w.weight;
+  } else if (job.method == Method::kQLora) {
+    int64_t saved = 0;
+    for (int64_t u = 0; u < static_cast<int64_t>(units.size()); ++u) {
+      saved +=
+          FrozenSliceBytes(job, units, u, w) - w.weight * ShardNumel(units[u].frozen, job.ranks);
+    }
+    (choice.offload_params ? states.host : states.weights) += saved;
+  }
+  if (job.optimizer.kind != OptimizerKind::kAdamW) {
+    absl::StatusOr<std::vector<TrainableShape>> shapes =
+        TrainableShapes(job.model, job.method, job.lora_rank, job.lora_targets);
+    if (!shapes.ok()) return shapes.status();
+    const int64_t state =
+        OptimizerStateBytes(*shapes, job.optimizer, p.zero_stage > 0 ? job.ranks : 1);
+    if (choice.offload_optimizer) {
+      // ModelStates counted AdamW's two moments in host memory: this optimizer's instead.
+      int64_t slices = 0;
+      for (const UnitElements& u : units) slices += ShardNumel(u.trainable, job.ranks);
+      states.host += state - 8 * slices;
+    } else {
+      states.optimizer = state;
+    }
+  }
+  // Paged on CUDA, the state lives in host memory; one tensor's is on the device during the
+  // step (OptimizerStepBytes). On the CPU host and device memory are one.
+  rank.paged = job.paged_optimizer && cuda && p.zero_stage == 0;
+  if (rank.paged) {
+    states.host += states.optimizer;
+    states.optimizer = 0;
+  }
+  return rank;
+}
+
+// What the optimizer step adds to the optimizer state on the device: two temporaries of the
+// largest tensor (sharded, of the largest piece a rank steps: the largest tensor or the
+// largest unit's slice, whichever is smaller) and, paged, that tensor's state. Offloaded at
+// stages 1-3 the step runs in host memory: nothing.
+int64_t OptimizerStepBytes(const JobShape& job, const StrategyPoint& p,
+                           const std::vector<UnitElements>& units, const RankStates& states) {
+  if (p.zero_stage > 0 && states.offload_optimizer) return 0;
+  int64_t largest_unit = 0;
+  for (const UnitElements& e : units) largest_unit = std::max(largest_unit, e.trainable);
+  const int64_t cap =
+      p.zero_stage == 0 ? std::numeric_limits<int64_t>::max() : ShardNumel(largest_unit, job.ranks);
+  const int64_t largest = std::min(LargestTrainableTensor(job), cap);
+  // 8-bit AdamW takes AdamW's path for the embeddings (float32 moments), its own for the
+  // rest.
+  const int64_t temporaries =
+      job.optimizer.kind == OptimizerKind::kAdamW8bit
+          ? std::max(8 * largest,
+                     StepTemporaryBytesPerElement(job.optimizer) *
+                         std::min(LargestTrainableTensor(job, /*with_embeddings=*/false), cap))
+          : StepTemporaryBytesPerElement(job.optimizer) * largest;
+  return temporaries + (states.paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
+}
+
+// What the activations hold through the step. The forward pass keeps, besides the blocks,
+// the embeddings' output, the rotary tables and the token ids, and with a micro-batch of
+// more than one sequence the loss's copy of the shifted hidden states; each block keeps
+// BlockSavedBytes, or with checkpointing its input (and the attention mask, once) instead.
+// MeZO's forward passes keep nothing past each op.
+class Activations {
+ public:
+  Activations(const JobShape& job, const StrategyPoint& p, const Widths& w)
+      : checkpointing_(p.activation_checkpointing),
+        zeroth_order_(job.zeroth_order),
+        layers_(job.model.num_layers),
+        input_(p.micro_batch * job.seq_len * job.model.hidden_size * w.compute),
+        mask_(job.seq_len * job.seq_len * w.compute),
+        block_(BlockSavedBytes(job, p, w)) {
+    const int64_t b = p.micro_batch, t = job.seq_len;
+    fixed_ = input_ + 2 * t * job.model.head_dim * w.compute + b * t * 8;
+    if (b > 1) fixed_ += b * (t - 1) * job.model.hidden_size * w.compute;
+  }
+  // At the end of the forward pass.
+  int64_t Kept() const { return zeroth_order_ ? fixed_ : Below(layers_); }
+  // While block j runs backward: it and the blocks below it kept (checkpointing: their
+  // inputs, and block j recomputed).
+  int64_t During(int64_t j) const { return Below(j + 1) + (checkpointing_ ? block_ : 0); }
+  // Once block j has handed its gradients over: the blocks below it (none below the first).
+  int64_t After(int64_t j) const { return j == 0 ? 0 : Below(j); }
+  // The gradient flowing into a block.
+  int64_t Incoming() const { return input_; }
+
+ private:
+  // What the first `blocks` blocks keep, with the fixed tensors.
+  int64_t Below(int64_t blocks) const {
+    return checkpointing_ ? fixed_ + mask_ + blocks * input_ : fixed_ + blocks * block_;
+  }
+  bool checkpointing_, zeroth_order_;
+  int64_t layers_, input_, mask_, block_, fixed_ = 0;
+};
+
+// How the step keeps gradients, by ZeRO stage, as backward hands each unit's over: stage 0
+// accumulates them whole; stage 1 copies each into a whole flat buffer (its sharded flat
+// gradient resident throughout backward), reduced to slices before the step; stages 2 and 3
+// copy each into a bucket (the whole unit and the slice it reduces into) with up to three in
+// flight to their reduce-scatter (two waiting, one starting), and keep the slices. With
+// gradient accumulation the step's last micro-batch, the one sized, starts with the earlier
+// ones' gradients alive: whole (stages 0 and 1, accumulated in place) or the reduced slices
+// (stages 2 and 3), with the previous micro-batch's last two reductions still in flight.
+class GradientFlow {
+ public:
+  GradientFlow(const JobShape& job, const StrategyPoint& p, const std::vector<UnitElements>& units,
+               const ModelStateBytes& states)
+      : stage_(p.zero_stage), units_(units.size()) {
+    const int64_t n = job.ranks;
+    for (size_t u = 0; u < units.size(); ++u) {
+      units_[u].gradients = 4 * units[u].trainable;
+      units_[u].slice = 4 * ShardNumel(units[u].trainable, n);
+      units_[u].bucket = 4 * (n + 1) * ShardNumel(units[u].trainable, n);
+      whole_ += units_[u].gradients;
+      slices_all_ += units_[u].slice;
+    }
+    sharded_ = stage_ == 0 ? 0 : states.gradients;
+    const int64_t accumulation =
+        job.global_batch > 0 ? std::max<int64_t>(1, job.global_batch / n / p.micro_batch) : 1;
+    accumulating_ = accumulation > 1;
+    if (!accumulating_) return;
+    // (MeZO carries no gradients.)
+    if (!job.zeroth_order) carried_ = stage_ == 0 ? whole_ : stage_ == 1 ? sharded_ : slices_all_;
+    made_ = whole_;
+    slices_ = slices_all_;
+    if (Buckets()) {
+      // The units the previous backward handed over last, oldest first.
+      for (size_t u = units[0].trainable > 0 ? 0 : 1; u < units.size() && flight_.size() < 2; ++u) {
+        flight_.insert(flight_.begin(), units_[u].bucket);
+      }
+    }
+  }
+
+  // At the start of the micro-batch: the earlier micro-batches' gradients, and their
+  // reductions in flight.
+  int64_t Carried() const { return carried_; }
+  int64_t CarriedInFlight() const { return InFlight(2); }
+  // Alive through backward beside the units' own: stage 1's sharded flat gradient.
+  int64_t Resident() const { return stage_ == 1 ? sharded_ : 0; }
+  // The gradients made so far: whole (stage 0), slices (stages 2-3).
+  int64_t Made() const { return stage_ == 0 ? made_ : Buckets() ? slices_ : 0; }
+  // The newest `count` buckets in flight (stages 2-3).
+  int64_t InFlight(size_t count) const {
+    int64_t sum = 0;
+    if (!Buckets()) return 0;
+    for (size_t k = 0; k < count && k < flight_.size(); ++k) sum += flight_[flight_.size() - 1 - k];
+    return sum;
+  }
+  // Unit u hands its gradients over: the gradients alive as it does, beside Resident().
+  // Autograd's are still alive while they are copied into the unit's bucket (stages 2-3)
+  // or, accumulating, added into stage 1's whole gradient. Call HandedOver(u) after.
+  int64_t HandOver(int64_t u) {
+    if (!accumulating_) made_ += units_[u].gradients;
+    flight_.push_back(units_[u].bucket);
+    const int64_t copy = stage_ == 0   ? 0
+                         : stage_ == 1 ? (accumulating_ ? units_[u].gradients : 0)
+                                       : units_[u].gradients;
+    return Made() + copy;
+  }
+  void HandedOver(int64_t u) {
+    if (!accumulating_) slices_ += units_[u].slice;
+  }
+  // Every gradient whole (stage 0's all-reduce and step), or every slice (stages 1-3's step).
+  int64_t Whole() const { return whole_; }
+  int64_t AtStep() const { return stage_ == 0 ? made_ : slices_all_; }
+
+ private:
+  struct Unit {
+    int64_t gradients = 0, slice = 0, bucket = 0;
+  };
+  bool Buckets() const { return stage_ >= 2; }
+  int64_t stage_;
+  std::vector<Unit> units_;
+  int64_t whole_ = 0, slices_all_ = 0, sharded_ = 0, carried_ = 0;
+  bool accumulating_ = false;
+  int64_t made_ = 0, slices_ = 0;
+  std::vector<int64_t> flight_;
+};
+
+// The step's phases, in order, each at its own peak.
+class Timeline {
+ public:
+  using Bytes = std::array<int64_t, kNumMemoryComponents>;
+  // What every phase holds: the model states on the device, the ids and labels, and a GPU's
+  // runtime allowance.
+  Timeline(const JobShape& job, const StrategyPoint& p, const ModelStateBytes& states) {
+    At(base_, MemoryComponent::kWeights) = states.weights;
+    At(base_, MemoryComponent::kTrainable) = states.trainable;
+    At(base_, MemoryComponent::kOptimizer) = states.optimizer;
+    At(base_, MemoryComponent::kOverhead) = p.micro_batch * job.seq_len * 16 + RuntimeBytes(job);
+  }
+  static int64_t& At(Bytes& bytes, MemoryComponent c) { return bytes[static_cast<int>(c)]; }
+  const Bytes& Base() const { return base_; }
+  // A moment of `phase`: a new phase, or the phase's peak if it holds more.
+  void Add(absl::string_view phase, const Bytes& bytes) {
+    int64_t total = 0;
+    for (int64_t v : bytes) total += v;
+    if (phases_.empty() || phases_.back().name != phase) {
+      phases_.push_back({std::string(phase), bytes, total});
+    } else if (total > phases_.back().total) {
+      phases_.back().bytes = bytes;
+      phases_.back().total = total;
+    }
+  }
+  // The estimate: the first phase with the most bytes.
+  MemoryEstimate Estimate(int64_t host) const {
+    MemoryEstimate estimate;
+    const Phase* peak = &phases_.front();
+    for (const Phase& phase : phases_) {
+      MemoryPhase out;
+      out.name = phase.name;
+      for (int i = 0; i < kNumMemoryComponents; ++i) {
+        out.bytes.components[i] = static_cast<uint64_t>(phase.bytes[i]);
+      }
+      out.bytes.total = static_cast<uint64_t>(phase.total);
+      estimate.timeline.push_back(std::move(out));
+      if (phase.total > peak->total) peak = &phase;
+    }
+    const size_t index = static_cast<size_t>(peak - phases_.data());
+    estimate.device = estimate.timeline[index].bytes;
+    estimate.host = static_cast<uint64_t>(host);
+    estimate.peak_phase = PhaseMoment(peak->name);
+    return estimate;
+  }
+
+ private:
+  struct Phase {
+    std::string name;
+    Bytes bytes;
+    int64_t total;
+  };
+  Bytes base_{};
+  std::vector<Phase> phases_;
+};
+
 }  // namespace
 
 int64_t WeightBytes(const JobShape& job) { return WidthsOf(job).weight; }
@@ -142,299 +419,105 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   return job;
 }
 
+std::string PhaseMoment(absl::string_view phase) {
+  if (phase == kPhaseForward || phase == kPhaseLoss) return "the forward pass";
+  if (phase == kPhaseBackward || phase == kPhaseReduce) return "the backward pass";
+  if (phase == kPhaseAllReduce) return "the gradient all-reduce";
+  if (phase == kPhaseOptimizer) return "the optimizer step";
+  if (phase == kPhasePerturbation) return "the perturbation";
+  return std::string(phase);
+}
+
+const MemoryPhase* MemoryEstimate::Phase(absl::string_view name) const {
+  for (const MemoryPhase& phase : timeline) {
+    if (phase.name == name) return &phase;
+  }
+  return nullptr;
+}
+
 absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const StrategyPoint& p) {
-  const ModelShape& m = job.model;
   const Widths w = WidthsOf(job);
   absl::StatusOr<std::vector<UnitElements>> units =
-      UnitsOf(m, job.method, job.lora_rank, job.lora_targets);
+      UnitsOf(job.model, job.method, job.lora_rank, job.lora_targets);
   if (!units.ok()) return units.status();
-  const bool cuda = job.device == DeviceKind::kCuda;
-  // On the CPU, offloading moves nothing out of the memory the ranks share.
-  ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
-                        p.offload_params && cuda};
-  ModelStateBytes states = ModelStates(*units, w.weight, choice);
-  if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
-  // QLoRA: the projections' frozen weights in NF4, half a byte per weight, a byte per block
-  // of 64, four bytes per 256 blocks (docs/kernels.md "NF4"). ZeRO-3 slices each block's
-  // dense frozen weights and, apart, its NF4 bytes.
-  const bool qlora = job.method == Method::kQLora;
-  const int64_t n = job.ranks, last = static_cast<int64_t>(units->size()) - 1;
-  const int64_t per_block = m.block.attention + m.block.mlp;
-  // The bytes of unit u's frozen slice at stage 3.
-  auto frozen_slice_bytes = [&](int64_t u) {
-    const bool nf4 = qlora && u > 0 && u < last;
-    return w.weight * ShardNumel((*units)[u].frozen - (nf4 ? per_block : 0), n) +
-           (nf4 ? ShardNumel(Nf4Bytes(per_block), n) : 0);
-  };
-  if (qlora && p.zero_stage < 3) {
-    const int64_t projections = m.num_layers * per_block;
-    states.weights += Nf4Bytes(projections) - projections * w.weight;
-  } else if (qlora) {
-    int64_t before = 0, after = 0;
-    states.gathered_unit = 0;
-    for (int64_t u = 0; u <= last; ++u) {
-      before += w.weight * ShardNumel((*units)[u].frozen, n);
-      after += frozen_slice_bytes(u);
-      states.gathered_unit =
-          std::max(states.gathered_unit,
-                   n * (frozen_slice_bytes(u) + 4 * ShardNumel((*units)[u].trainable, n)));
-    }
-    (choice.offload_params ? states.host : states.weights) += after - before;
+  absl::StatusOr<RankStates> states = RankStatesOf(job, p, *units, w);
+  if (!states.ok()) return states.status();
+  const Activations activations(job, p, w);
+  GradientFlow gradients(job, p, *units, states->bytes);
+  // ZeRO-3 gathers each unit whole for its forward and backward.
+  std::vector<int64_t> gathered(units->size());
+  for (int64_t u = 0; u < static_cast<int64_t>(units->size()); ++u) {
+    gathered[u] = p.zero_stage < 3 ? 0
+                                   : job.ranks * (FrozenSliceBytes(job, *units, u, w) +
+                                                  4 * ShardNumel((*units)[u].trainable, job.ranks));
   }
-  if (job.optimizer.kind != OptimizerKind::kAdamW) {
-    absl::StatusOr<std::vector<TrainableShape>> shapes =
-        TrainableShapes(m, job.method, job.lora_rank, job.lora_targets);
-    if (!shapes.ok()) return shapes.status();
-    const int64_t state =
-        OptimizerStateBytes(*shapes, job.optimizer, p.zero_stage > 0 ? job.ranks : 1);
-    if (choice.offload_optimizer) {
-      // ModelStates counted AdamW's two moments in host memory: this optimizer's instead.
-      int64_t slices = 0;
-      for (const UnitElements& u : *units) slices += ShardNumel(u.trainable, job.ranks);
-      states.host += state - 8 * slices;
-    } else {
-      states.optimizer = state;
-    }
-  }
-  // Paged on CUDA, the state lives in host memory; one tensor's is on the device during the
-  // step (below). On the CPU host and device memory are one.
-  const bool paged = job.paged_optimizer && cuda && p.zero_stage == 0;
-  if (paged) {
-    states.host += states.optimizer;
-    states.optimizer = 0;
-  }
-
-  const int64_t b = p.micro_batch, t = job.seq_len, h = m.hidden_size, layers = m.num_layers;
-  const int64_t bt = b * t;
-  // The embeddings' output, the rotary tables and the token ids; with a micro-batch of more
-  // than one sequence, the loss's copy of the shifted hidden states.
-  int64_t fixed = bt * h * w.compute + 2 * t * m.head_dim * w.compute + bt * 8;
-  if (b > 1) fixed += b * (t - 1) * h * w.compute;
-  const int64_t block = BlockSavedBytes(job, p, w);
-  const int64_t transient = BackwardTransientBytes(job, p, w);
-  const int64_t dy = bt * h * w.compute;  // the gradient flowing into a block
-  // Checkpointing keeps each block's input (and the attention mask) instead of its insides.
-  // MeZO's forward passes keep nothing past each op; the loss's peak (below) is above any
-  // block's transients.
-  const int64_t kept = job.zeroth_order ? fixed
-                       : p.activation_checkpointing
-                           ? fixed + t * t * w.compute + layers * bt * h * w.compute
-                           : fixed + layers * block;
-  const int64_t loss = LossPeakBytes(job, p, w);
-
-  // Per unit, in the engine's order: the bytes of its whole
-  // gradient bucket with the slice it reduces into (ZeRO-2/3), and of the unit gathered
-  // whole (ZeRO-3).
-  const int64_t num_units = static_cast<int64_t>(units->size());
-  std::vector<int64_t> bucket(num_units), whole(num_units);
-  int64_t largest_unit_trainable = 0;
-  for (int64_t u = 0; u < num_units; ++u) {
-    const UnitElements& e = (*units)[u];
-    largest_unit_trainable = std::max(largest_unit_trainable, e.trainable);
-    bucket[u] = 4 * (n + 1) * ShardNumel(e.trainable, n);
-    whole[u] = n * (frozen_slice_bytes(u) + 4 * ShardNumel(e.trainable, n));
-  }
-  // Stage 0 makes whole gradients as backward goes, stage 1 whole flat ones, stages 2 and 3
-  // slices as their reductions finish; all are dropped after the step.
-  const int64_t sharded_grads = p.zero_stage == 0 ? 0 : states.gradients;
-  const bool stage3 = p.zero_stage == 3;
-  int64_t whole_grads = 0, all_slices = 0;
-  for (const UnitElements& e : *units) {
-    whole_grads += 4 * e.trainable;
-    all_slices += 4 * ShardNumel(e.trainable, n);
-  }
-  // With gradient accumulation, the step's last micro-batch runs with the gradients of the
-  // earlier ones alive from its start: whole ones (stages 0 and 1, accumulated in place) or
-  // the reduced slices (stages 2 and 3). It is the larger of the micro-batches, so it is the
-  // one sized.
-  const int64_t accumulation =
-      job.global_batch > 0 ? std::max<int64_t>(1, job.global_batch / n / p.micro_batch) : 1;
-  const bool accumulating = accumulation > 1;
-  const int64_t carried = !accumulating || job.zeroth_order ? 0
-                          : p.zero_stage == 0               ? whole_grads
-                          : p.zero_stage == 1               ? sharded_grads
-                                                            : all_slices;
-
-  struct Moment {
-    const char* phase;
-    std::array<int64_t, kNumMemoryComponents> c{};
-  };
-  auto base = [&](const char* phase, bool with_gradients) {
-    Moment mo{phase};
-    mo.c[static_cast<int>(MemoryComponent::kWeights)] = states.weights;
-    mo.c[static_cast<int>(MemoryComponent::kTrainable)] = states.trainable;
-    mo.c[static_cast<int>(MemoryComponent::kOptimizer)] = states.optimizer;
-    mo.c[static_cast<int>(MemoryComponent::kGradients)] = with_gradients ? sharded_grads : 0;
-    mo.c[static_cast<int>(MemoryComponent::kOverhead)] = bt * 16;  // ids and labels
-    return mo;
-  };
-  auto at = [](Moment& mo, MemoryComponent c) -> int64_t& { return mo.c[static_cast<int>(c)]; };
-  std::vector<Moment> moments;
-  const int64_t head = num_units - 1;
-  // The estimate: the moment with the most bytes.
-  auto peak_of_moments = [&]() {
-    MemoryEstimate estimate;
-    const Moment* peak = &moments.front();
-    int64_t peak_total = -1;
-    for (const Moment& mo : moments) {
-      int64_t total = 0;
-      for (int64_t v : mo.c) total += v;
-      if (total > peak_total) {
-        peak_total = total;
-        peak = &mo;
-      }
-    }
-    for (int i = 0; i < kNumMemoryComponents; ++i) {
-      estimate.device.components[i] = static_cast<uint64_t>(peak->c[i]);
-    }
-    if (cuda) {
-      estimate.device.components[static_cast<int>(MemoryComponent::kOverhead)] += kCudaRuntimeBytes;
-    }
-    for (uint64_t v : estimate.device.components) estimate.device.total += v;
-    estimate.host = static_cast<uint64_t>(states.host);
-    estimate.peak_phase = peak->phase;
-    return estimate;
+  const int64_t head = static_cast<int64_t>(units->size()) - 1;
+  Timeline timeline(job, p, states->bytes);
+  using C = MemoryComponent;
+  auto moment = [&](int64_t activations_bytes, int64_t gradient_bytes, int64_t comm_bytes) {
+    Timeline::Bytes bytes = timeline.Base();
+    Timeline::At(bytes, C::kActivations) = activations_bytes;
+    Timeline::At(bytes, C::kGradients) = gradient_bytes;
+    Timeline::At(bytes, C::kCommBuffers) = comm_bytes;
+    return bytes;
   };
 
   // The end of the forward pass: the last block done (ZeRO-3: still gathered, the head
-  // prefetched), then inside the loss (the unfused loss peaks at the start of backward, with
+  // prefetched); then inside the loss (the unfused loss peaks at the start of backward, with
   // everything still kept).
-  // Accumulating at stages 2 and 3, the previous micro-batch's last two reductions are still
-  // in flight when this one starts (the engine waits for them only when more are pushed, or
-  // at the step): the buckets of the units its backward handed over last, oldest first.
-  std::vector<int64_t> carried_flight;
-  if (accumulating && p.zero_stage >= 2) {
-    for (int64_t u = (*units)[0].trainable > 0 ? 0 : 1; u < num_units && carried_flight.size() < 2;
-         ++u) {
-      carried_flight.insert(carried_flight.begin(), bucket[u]);
-    }
-  }
-  const int64_t carried_bytes =
-      std::accumulate(carried_flight.begin(), carried_flight.end(), int64_t{0});
-  Moment blocks_done = base("the forward pass", false);
-  at(blocks_done, MemoryComponent::kActivations) = kept;
-  at(blocks_done, MemoryComponent::kGradients) = carried;
-  at(blocks_done, MemoryComponent::kCommBuffers) =
-      carried_bytes + (stage3 ? whole[head] + whole[head - 1] : 0);
-  moments.push_back(blocks_done);
-  Moment in_loss = base("the forward pass", false);
-  at(in_loss, MemoryComponent::kActivations) = kept;
-  at(in_loss, MemoryComponent::kGradients) = carried;
-  at(in_loss, MemoryComponent::kLogits) = loss;
-  at(in_loss, MemoryComponent::kCommBuffers) = carried_bytes + (stage3 ? whole[head] : 0);
-  moments.push_back(in_loss);
+  timeline.Add(kPhaseForward,
+               moment(activations.Kept(), gradients.Carried(),
+                      gradients.CarriedInFlight() + gathered[head] + gathered[head - 1]));
+  Timeline::Bytes loss =
+      moment(activations.Kept(), gradients.Carried(), gradients.CarriedInFlight() + gathered[head]);
+  Timeline::At(loss, C::kLogits) = LossPeakBytes(job, p, w);
+  timeline.Add(kPhaseLoss, loss);
   if (job.zeroth_order) {
-    // MeZO: forward passes only (no activations kept past their block), and between them
-    // each trainable tensor perturbed by its random direction, made one tensor at a time
-    // (the update scales it in place).
-    Moment perturb = base("the perturbation", false);
-    at(perturb, MemoryComponent::kOptimizer) = 4 * LargestTrainableTensor(job);
-    moments.push_back(perturb);
-    return peak_of_moments();
+    // MeZO: forward passes only, and between them each trainable tensor perturbed by its
+    // random direction, made one tensor at a time (the update scales it in place).
+    Timeline::Bytes perturb = timeline.Base();
+    Timeline::At(perturb, C::kOptimizer) = 4 * LargestTrainableTensor(job);
+    timeline.Add(kPhasePerturbation, perturb);
+    return timeline.Estimate(states->bytes.host);
   }
 
-  // Backward, unit by unit from the head: while block j runs backward (its insides kept or
-  // recomputed, its own transient buffers, the blocks below it still kept; ZeRO-3 holds it
-  // and prefetches the one below), and as each unit hands its gradients over (autograd's
-  // still alive while they are copied into the unit's bucket). Stage 0 accumulates whole
-  // gradients; stages 2 and 3 have up to three buckets in flight to their reduce-scatter
-  // (two waiting, one starting).
-  const int64_t input = bt * h * w.compute;
-  const int64_t mask = t * t * w.compute;
-  // Stage 0: the gradients made so far (all of them when accumulating into earlier ones).
-  int64_t made = accumulating ? whole_grads : 0;
-  std::vector<int64_t> flight = carried_flight;
-  auto in_flight = [&flight](size_t count) {
-    int64_t sum = 0;
-    for (size_t k = 0; k < count && k < flight.size(); ++k) sum += flight[flight.size() - 1 - k];
-    return sum;
+  // Backward, unit by unit from the head: while block j runs backward (its own transient
+  // buffers and the gradient flowing in; ZeRO-3 holds it and prefetches the one below), and
+  // as each unit hands its gradients over.
+  const int64_t transient = BackwardTransientBytes(job, p, w);
+  auto hand_over = [&](int64_t unit, int64_t activations_bytes, int64_t incoming) {
+    const int64_t alive = gradients.HandOver(unit);
+    timeline.Add(kPhaseBackward, moment(activations_bytes, gradients.Resident() + incoming + alive,
+                                        gradients.InFlight(3) + gathered[unit]));
+    gradients.HandedOver(unit);
   };
-  // Stages 2 and 3: the gradient slices of the units reduced so far (accumulating: all).
-  int64_t slices = accumulating ? all_slices : 0;
-  auto hand_over = [&](int64_t unit, int64_t activations, int64_t extra_gradients) {
-    const int64_t grads = 4 * (*units)[unit].trainable;
-    if (!accumulating) made += grads;
-    flight.push_back(bucket[unit]);
-    Moment after = base("the backward pass", p.zero_stage == 1);
-    at(after, MemoryComponent::kActivations) = activations;
-    // Stage 1 copies the unit's gradients into a new whole buffer, added into the step's
-    // whole gradient when accumulating.
-    at(after, MemoryComponent::kGradients) +=
-        extra_gradients + (p.zero_stage == 0   ? made
-                           : p.zero_stage == 1 ? (accumulating ? grads : 0)
-                                               : slices + grads);
-    at(after, MemoryComponent::kCommBuffers) =
-        (p.zero_stage >= 2 ? in_flight(3) : 0) + (stage3 ? whole[unit] : 0);
-    moments.push_back(after);
-    if (!accumulating) slices += 4 * ShardNumel((*units)[unit].trainable, n);
-  };
-  hand_over(head, kept, dy);
-  for (int64_t j = layers - 1; j >= 0; --j) {
+  hand_over(head, activations.Kept(), activations.Incoming());
+  for (int64_t j = job.model.num_layers - 1; j >= 0; --j) {
     const int64_t unit = j + 1;
-    Moment during = base("the backward pass", p.zero_stage == 1);
-    at(during, MemoryComponent::kActivations) = p.activation_checkpointing
-                                                    ? fixed + mask + (j + 1) * input + block
-                                                    : fixed + (j + 1) * block;
-    at(during, MemoryComponent::kGradients) += transient + dy +
-                                               (p.zero_stage == 0   ? made
-                                                : p.zero_stage >= 2 ? slices
-                                                                    : 0);
     // The embeddings are gathered for backward only when they train.
     const bool below = unit - 1 >= 1 || (*units)[0].trainable > 0;
-    at(during, MemoryComponent::kCommBuffers) =
-        (p.zero_stage >= 2 ? in_flight(2) : 0) +
-        (stage3 ? whole[unit] + (below ? whole[unit - 1] : 0) : 0);
-    moments.push_back(during);
-    hand_over(
-        unit,
-        j == 0 ? 0 : (p.activation_checkpointing ? fixed + mask + j * input : fixed + j * block),
-        0);
+    timeline.Add(
+        kPhaseBackward,
+        moment(activations.During(j),
+               gradients.Resident() + transient + activations.Incoming() + gradients.Made(),
+               gradients.InFlight(2) + gathered[unit] + (below ? gathered[unit - 1] : 0)));
+    hand_over(unit, activations.After(j), 0);
   }
   if ((*units)[0].trainable > 0) hand_over(0, 0, 0);
+  // Stages 2 and 3: the last reductions drain, every slice made, the last buckets not yet
+  // dropped.
   if (p.zero_stage >= 2) {
-    // The last reductions drain: every slice made, the last buckets not yet dropped.
-    Moment drained = base("the backward pass", false);
-    at(drained, MemoryComponent::kGradients) = slices;
-    at(drained, MemoryComponent::kCommBuffers) = in_flight(3);
-    moments.push_back(drained);
+    timeline.Add(kPhaseReduce, moment(0, gradients.Made(), gradients.InFlight(3)));
   }
-
   // Stage 0 on several ranks sums the gradients in one flat copy of them all.
-  if (p.zero_stage == 0 && n > 1) {
-    Moment all_reduce = base("the gradient all-reduce", false);
-    at(all_reduce, MemoryComponent::kGradients) = whole_grads;
-    at(all_reduce, MemoryComponent::kCommBuffers) = whole_grads;
-    moments.push_back(all_reduce);
+  if (p.zero_stage == 0 && job.ranks > 1) {
+    timeline.Add(kPhaseAllReduce, moment(0, gradients.Whole(), gradients.Whole()));
   }
-
-  // The optimizer step: every gradient, and two temporaries of the largest tensor (of the
-  // largest unit's slice when sharded); offloaded, the step runs in host memory.
-  Moment step = base("the optimizer step", true);
-  // Sharded, the optimizer steps each tensor's piece of this rank's slice: at most the
-  // largest unit's slice.
-  const int64_t cap = p.zero_stage == 0 ? std::numeric_limits<int64_t>::max()
-                                        : ShardNumel(largest_unit_trainable, job.ranks);
-  const int64_t largest = std::min(LargestTrainableTensor(job), cap);
-  // 8-bit AdamW takes AdamW's path for the embeddings (float32 moments), its own for the
-  // rest.
-  const int64_t temporaries =
-      job.optimizer.kind == OptimizerKind::kAdamW8bit
-          ? std::max(8 * largest,
-                     StepTemporaryBytesPerElement(job.optimizer) *
-                         std::min(LargestTrainableTensor(job, /*with_embeddings=*/false), cap))
-          : StepTemporaryBytesPerElement(job.optimizer) * largest;
-  if (p.zero_stage == 0) {
-    at(step, MemoryComponent::kGradients) = made;
-    at(step, MemoryComponent::kOptimizer) +=
-        temporaries + (paged ? OptimizerStateBytes({{{largest}}}, job.optimizer) : 0);
-  } else {
-    // Stage 1's whole gradients were reduced into slices before the step.
-    at(step, MemoryComponent::kGradients) = all_slices;
-    if (!choice.offload_optimizer) at(step, MemoryComponent::kOptimizer) += temporaries;
-  }
-  moments.push_back(step);
-
-  return peak_of_moments();
+  // The optimizer step: every gradient (stage 1's reduced into slices), and the step's own.
+  Timeline::Bytes step = moment(0, gradients.AtStep(), 0);
+  Timeline::At(step, C::kOptimizer) += OptimizerStepBytes(job, p, *units, *states);
+  timeline.Add(kPhaseOptimizer, step);
+  return timeline.Estimate(states->bytes.host);
 }
 
 }  // namespace lathe

@@ -3,8 +3,9 @@
 // and one point of the strategy space. Model states come from model_states.h; activations and the
 // loss peak follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc,
 // kernels/ops/), with the backward pass's transient buffers calibrated against the tracking
-// allocator (bench/planner_accuracy.py). The step's peak is the largest of three moments: the end
-// of the forward pass (inside the loss), the backward pass, and the optimizer step.
+// allocator (bench/planner_accuracy.py). The estimate is a timeline of the step's named phases
+// (kPhaseForward ... kPhaseOptimizer), each the bytes alive at its own peak by component; the
+// step's peak is the largest phase.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_PLANNER_MEMORY_MODEL_H_
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "common/job_spec.h"
 #include "common/plan.h"
 #include "planner/model_shape.h"
@@ -59,10 +61,37 @@ struct StrategyPoint {
   int64_t micro_batch = 1;
 };
 
+// The phases of a training step, in order (docs/planner.md, "The memory model"). A step has
+// forward, loss, backward and optimizer; reduce at ZeRO-2/3; all-reduce at stage 0 on several
+// ranks; MeZO's has forward, loss and perturbation.
+inline constexpr absl::string_view kPhaseForward = "forward";       // the last block done
+inline constexpr absl::string_view kPhaseLoss = "loss";             // inside the loss
+inline constexpr absl::string_view kPhaseBackward = "backward";     // block by block, hand-overs
+inline constexpr absl::string_view kPhaseReduce = "reduce";         // the last reductions drain
+inline constexpr absl::string_view kPhaseAllReduce = "all-reduce";  // stage 0's flat gradients
+inline constexpr absl::string_view kPhaseOptimizer = "optimizer";   // the optimizer step
+inline constexpr absl::string_view kPhasePerturbation = "perturbation";  // MeZO's directions
+
+// The phase's moment of the step in words, as MemoryEstimate::peak_phase says it: "the forward
+// pass" (forward, loss), "the backward pass" (backward, reduce), "the gradient all-reduce",
+// "the optimizer step", "the perturbation".
+std::string PhaseMoment(absl::string_view phase);
+
+// One phase of the step at its own peak: the bytes one rank holds then, by component (a CUDA
+// rank's runtime allowance in overhead in every phase).
+struct MemoryPhase {
+  std::string name;  // kPhaseForward ...
+  MemoryBytes bytes;
+};
+
 struct MemoryEstimate {
   MemoryBytes device;      // per rank, components at the peak; total = their sum
   uint64_t host = 0;       // per rank, in host memory (offloaded states), beyond `device` on CPU
-  std::string peak_phase;  // "the forward pass", "the backward pass", "the optimizer step"
+  std::string peak_phase;  // PhaseMoment of the peak phase: "the backward pass", ...
+  std::vector<MemoryPhase> timeline;  // the step's phases in order; `device` is the first largest
+
+  // The phase of that name, or nullptr where the step has none.
+  const MemoryPhase* Phase(absl::string_view name) const;
 };
 
 // The per-rank estimate. INVALID_ARGUMENT for a LoRA target the family lacks.
