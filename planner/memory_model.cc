@@ -350,35 +350,45 @@ class Timeline {
   }
   static int64_t& At(Bytes& bytes, MemoryComponent c) { return bytes[static_cast<int>(c)]; }
   const Bytes& Base() const { return base_; }
-  // A moment of `phase`: a new phase, or the phase's peak if it holds more.
+  // A moment of `phase`: the phase's first, or its peak if it holds more than the phase's
+  // moments so far.
   void Add(absl::string_view phase, const Bytes& bytes) {
     int64_t total = 0;
     for (int64_t v : bytes) total += v;
-    if (phases_.empty() || phases_.back().name != phase) {
+    auto it = std::find_if(phases_.begin(), phases_.end(),
+                           [&](const Phase& known) { return known.name == phase; });
+    if (it == phases_.end()) {
       phases_.push_back({std::string(phase), bytes, total});
-    } else if (total > phases_.back().total) {
-      phases_.back().bytes = bytes;
-      phases_.back().total = total;
+      it = phases_.end() - 1;
+    } else if (total > it->total) {
+      it->bytes = bytes;
+      it->total = total;
+    }
+    // The step's peak: its first moment with the most bytes.
+    if (total > peak_total_) {
+      peak_total_ = total;
+      peak_ = it->name;
     }
   }
-  // The estimate: the first phase with the most bytes.
+  // The estimate: the phases in the step's order, the peak the phase of the step's first
+  // moment with the most bytes (its peak is that moment).
   MemoryEstimate Estimate(int64_t host) const {
     MemoryEstimate estimate;
-    const Phase* peak = &phases_.front();
-    for (const Phase& phase : phases_) {
-      MemoryPhase out;
-      out.name = phase.name;
-      for (int i = 0; i < kNumMemoryComponents; ++i) {
-        out.bytes.components[i] = static_cast<uint64_t>(phase.bytes[i]);
+    for (absl::string_view name : kPhases) {
+      for (const Phase& phase : phases_) {
+        if (phase.name != name) continue;
+        MemoryPhase out;
+        out.name = phase.name;
+        for (int i = 0; i < kNumMemoryComponents; ++i) {
+          out.bytes.components[i] = static_cast<uint64_t>(phase.bytes[i]);
+        }
+        out.bytes.total = static_cast<uint64_t>(phase.total);
+        if (phase.name == peak_) estimate.device = out.bytes;
+        estimate.timeline.push_back(std::move(out));
       }
-      out.bytes.total = static_cast<uint64_t>(phase.total);
-      estimate.timeline.push_back(std::move(out));
-      if (phase.total > peak->total) peak = &phase;
     }
-    const size_t index = static_cast<size_t>(peak - phases_.data());
-    estimate.device = estimate.timeline[index].bytes;
     estimate.host = static_cast<uint64_t>(host);
-    estimate.peak_phase = PhaseMoment(peak->name);
+    estimate.peak_phase = PhaseMoment(peak_);
     return estimate;
   }
 
@@ -388,8 +398,14 @@ class Timeline {
     Bytes bytes;
     int64_t total;
   };
+  // In the step's order.
+  static constexpr absl::string_view kPhases[] = {
+      kPhaseForward, kPhaseLoss,      kPhaseBackward,  kPhaseHandOver,
+      kPhaseReduce,  kPhaseAllReduce, kPhaseOptimizer, kPhasePerturbation};
   Bytes base_{};
   std::vector<Phase> phases_;
+  std::string peak_;
+  int64_t peak_total_ = -1;
 };
 
 }  // namespace
@@ -421,7 +437,9 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
 
 std::string PhaseMoment(absl::string_view phase) {
   if (phase == kPhaseForward || phase == kPhaseLoss) return "the forward pass";
-  if (phase == kPhaseBackward || phase == kPhaseReduce) return "the backward pass";
+  if (phase == kPhaseBackward || phase == kPhaseHandOver || phase == kPhaseReduce) {
+    return "the backward pass";
+  }
   if (phase == kPhaseAllReduce) return "the gradient all-reduce";
   if (phase == kPhaseOptimizer) return "the optimizer step";
   if (phase == kPhasePerturbation) return "the perturbation";
@@ -481,13 +499,13 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
     return timeline.Estimate(states->bytes.host);
   }
 
-  // Backward, unit by unit from the head: while block j runs backward (its own transient
-  // buffers and the gradient flowing in; ZeRO-3 holds it and prefetches the one below), and
-  // as each unit hands its gradients over.
+  // Backward, unit by unit from the head: while block j runs backward (backward: its own
+  // transient buffers and the gradient flowing in; ZeRO-3 holds it and prefetches the one
+  // below), and as each unit hands its gradients over (hand-over).
   const int64_t transient = BackwardTransientBytes(job, p, w);
   auto hand_over = [&](int64_t unit, int64_t activations_bytes, int64_t incoming) {
     const int64_t alive = gradients.HandOver(unit);
-    timeline.Add(kPhaseBackward, moment(activations_bytes, gradients.Resident() + incoming + alive,
+    timeline.Add(kPhaseHandOver, moment(activations_bytes, gradients.Resident() + incoming + alive,
                                         gradients.InFlight(3) + gathered[unit]));
     gradients.HandedOver(unit);
   };

@@ -62,19 +62,21 @@ struct StrategyPoint {
 };
 
 // The phases of a training step, in order (docs/planner.md, "The memory model"). A step has
-// forward, loss, backward and optimizer; reduce at ZeRO-2/3; all-reduce at stage 0 on several
-// ranks; MeZO's has forward, loss and perturbation.
+// forward, loss, backward, hand-over (backward and hand-over alternate, unit by unit from the
+// head) and optimizer; reduce at ZeRO-2/3; all-reduce at stage 0 on several ranks; MeZO's
+// has forward, loss and perturbation.
 inline constexpr absl::string_view kPhaseForward = "forward";       // the last block done
 inline constexpr absl::string_view kPhaseLoss = "loss";             // inside the loss
-inline constexpr absl::string_view kPhaseBackward = "backward";     // block by block, hand-overs
+inline constexpr absl::string_view kPhaseBackward = "backward";     // a block running backward
+inline constexpr absl::string_view kPhaseHandOver = "hand-over";    // a unit hands over gradients
 inline constexpr absl::string_view kPhaseReduce = "reduce";         // the last reductions drain
 inline constexpr absl::string_view kPhaseAllReduce = "all-reduce";  // stage 0's flat gradients
 inline constexpr absl::string_view kPhaseOptimizer = "optimizer";   // the optimizer step
 inline constexpr absl::string_view kPhasePerturbation = "perturbation";  // MeZO's directions
 
 // The phase's moment of the step in words, as MemoryEstimate::peak_phase says it: "the forward
-// pass" (forward, loss), "the backward pass" (backward, reduce), "the gradient all-reduce",
-// "the optimizer step", "the perturbation".
+// pass" (forward, loss), "the backward pass" (backward, hand-over, reduce), "the gradient
+// all-reduce", "the optimizer step", "the perturbation".
 std::string PhaseMoment(absl::string_view phase);
 
 // One phase of the step at its own peak: the bytes one rank holds then, by component (a CUDA
@@ -88,7 +90,7 @@ struct MemoryEstimate {
   MemoryBytes device;      // per rank, components at the peak; total = their sum
   uint64_t host = 0;       // per rank, in host memory (offloaded states), beyond `device` on CPU
   std::string peak_phase;  // PhaseMoment of the peak phase: "the backward pass", ...
-  std::vector<MemoryPhase> timeline;  // the step's phases in order; `device` is the first largest
+  std::vector<MemoryPhase> timeline;  // the step's phases in order; `device` is the peak's
 
   // The phase of that name, or nullptr where the step has none.
   const MemoryPhase* Phase(absl::string_view name) const;

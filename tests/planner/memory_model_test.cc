@@ -2,6 +2,7 @@
 // golden check that pins every estimate over a broad grid of jobs and strategies.
 #include "planner/memory_model.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
@@ -44,6 +45,161 @@ JobShape BaseJob(const ModelShape& shape) {
   job.lora_targets = spec.lora.targets;
   job.seq_len = 2048;
   return job;
+}
+
+uint64_t Bytes(const MemoryPhase* phase, MemoryComponent c) {
+  EXPECT_NE(phase, nullptr);
+  return phase == nullptr ? 0 : phase->bytes.components[static_cast<int>(c)];
+}
+
+std::vector<std::string> PhaseNames(const MemoryEstimate& m) {
+  std::vector<std::string> names;
+  for (const MemoryPhase& phase : m.timeline) names.push_back(phase.name);
+  return names;
+}
+
+MemoryEstimate Estimate(const JobShape& job, const StrategyPoint& p) {
+  absl::StatusOr<MemoryEstimate> m = EstimateMemory(job, p);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? *m : MemoryEstimate();
+}
+
+// Llama 3.1 8B, LoRA on 8 GPUs in bf16.
+JobShape GpuJob() {
+  JobShape job = BaseJob(Shape("llama-3.1-8b"));
+  job.ranks = 8;
+  job.device = DeviceKind::kCuda;
+  job.precision = Precision::kBf16;
+  return job;
+}
+
+TEST(MemoryTimelineTest, EachStageHasItsPhasesAndThePeakIsTheLargest) {
+  JobShape job = GpuJob();
+  const std::vector<std::string> kTrain = {"forward", "loss", "backward", "hand-over", "optimizer"};
+  const std::vector<std::string> kAllReduce = {"forward",   "loss",       "backward",
+                                               "hand-over", "all-reduce", "optimizer"};
+  const std::vector<std::string> kReduce = {"forward",   "loss",   "backward",
+                                            "hand-over", "reduce", "optimizer"};
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    SCOPED_TRACE(stage);
+    StrategyPoint p;
+    p.zero_stage = stage;
+    const MemoryEstimate m = Estimate(job, p);
+    EXPECT_EQ(PhaseNames(m), stage == 0 ? kAllReduce : stage == 1 ? kTrain : kReduce);
+    uint64_t largest = 0;
+    for (const MemoryPhase& phase : m.timeline) {
+      uint64_t sum = 0;
+      for (uint64_t c : phase.bytes.components) sum += c;
+      EXPECT_EQ(sum, phase.bytes.total) << phase.name;
+      // A GPU's runtime allowance is in every phase.
+      EXPECT_GE(Bytes(&phase, MemoryComponent::kOverhead), uint64_t{1} << 30) << phase.name;
+      largest = std::max(largest, phase.bytes.total);
+    }
+    EXPECT_EQ(m.device.total, largest);
+    // The peak is one phase's, named in words.
+    bool found = false;
+    for (const MemoryPhase& phase : m.timeline) {
+      found |=
+          phase.bytes.components == m.device.components && PhaseMoment(phase.name) == m.peak_phase;
+    }
+    EXPECT_TRUE(found) << m.peak_phase;
+  }
+  job.ranks = 1;
+  EXPECT_EQ(PhaseNames(Estimate(job, StrategyPoint())), kTrain);
+  job.zeroth_order = true;
+  EXPECT_EQ(PhaseNames(Estimate(job, StrategyPoint())),
+            (std::vector<std::string>{"forward", "loss", "perturbation"}));
+}
+
+TEST(MemoryTimelineTest, OnlyTheLossHoldsLogitsAndOnlyBackwardItsTransients) {
+  const JobShape job = GpuJob();
+  StrategyPoint p;
+  p.chunked_loss = false;
+  const MemoryEstimate m = Estimate(job, p);
+  EXPECT_EQ(Bytes(m.Phase(kPhaseForward), MemoryComponent::kLogits), 0u);
+  EXPECT_GT(Bytes(m.Phase(kPhaseLoss), MemoryComponent::kLogits), 0u);
+  EXPECT_EQ(Bytes(m.Phase(kPhaseBackward), MemoryComponent::kLogits), 0u);
+  // No gradients before backward (one micro-batch a step), and none of the forward's
+  // activations after it.
+  EXPECT_EQ(Bytes(m.Phase(kPhaseForward), MemoryComponent::kGradients), 0u);
+  EXPECT_GT(Bytes(m.Phase(kPhaseBackward), MemoryComponent::kGradients), 0u);
+  EXPECT_EQ(Bytes(m.Phase(kPhaseOptimizer), MemoryComponent::kActivations), 0u);
+}
+
+// ZeRO-3 holds the block running backward and prefetches the one below: two blocks gathered
+// whole, where stage 2 gathers none (both have the same buckets in flight). As the head hands
+// its gradients over, the head alone is gathered (with the final norm).
+TEST(MemoryTimelineTest, ZeroThreesBackwardHoldsTwoGatheredBlocks) {
+  const JobShape job = GpuJob();
+  StrategyPoint p;
+  p.zero_stage = 2;
+  const MemoryEstimate stage2 = Estimate(job, p);
+  p.zero_stage = 3;
+  const MemoryEstimate stage3 = Estimate(job, p);
+  const uint64_t gathered = Bytes(stage3.Phase(kPhaseBackward), MemoryComponent::kCommBuffers) -
+                            Bytes(stage2.Phase(kPhaseBackward), MemoryComponent::kCommBuffers);
+  // A block's frozen bf16 weights, without its LoRA factors and norms.
+  const uint64_t block = 2 * static_cast<uint64_t>(job.model.block.attention + job.model.block.mlp);
+  EXPECT_GE(gathered, 2 * block);
+  EXPECT_LT(gathered, 2 * block + block / 10);
+  EXPECT_EQ(Bytes(stage3.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers) -
+                Bytes(stage2.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers),
+            2 * static_cast<uint64_t>((job.model.vocab_size + 1) * job.model.hidden_size));
+  // The optimizer step gathers nothing.
+  EXPECT_EQ(Bytes(stage3.Phase(kPhaseOptimizer), MemoryComponent::kCommBuffers), 0u);
+}
+
+// Offloaded on CUDA, the optimizer state and step leave the device for host memory.
+TEST(MemoryTimelineTest, OffloadMovesTheOptimizerStepToTheHost) {
+  JobShape job = GpuJob();
+  job.method = Method::kFull;
+  StrategyPoint p;
+  p.zero_stage = 2;
+  const MemoryEstimate on_device = Estimate(job, p);
+  p.offload_optimizer = true;
+  const MemoryEstimate offloaded = Estimate(job, p);
+  const uint64_t state = Bytes(on_device.Phase(kPhaseForward), MemoryComponent::kOptimizer);
+  EXPECT_GT(Bytes(on_device.Phase(kPhaseOptimizer), MemoryComponent::kOptimizer), state);
+  EXPECT_EQ(Bytes(offloaded.Phase(kPhaseOptimizer), MemoryComponent::kOptimizer), 0u);
+  EXPECT_EQ(Bytes(offloaded.Phase(kPhaseForward), MemoryComponent::kOptimizer), 0u);
+  EXPECT_GE(offloaded.host, on_device.host + state);
+  // On the CPU there is nowhere to move it.
+  job.device = DeviceKind::kCpu;
+  EXPECT_EQ(Bytes(Estimate(job, p).Phase(kPhaseOptimizer), MemoryComponent::kOptimizer),
+            Bytes(on_device.Phase(kPhaseOptimizer), MemoryComponent::kOptimizer));
+}
+
+// Checkpointing keeps each block's input instead of its insides: less at the end of the
+// forward pass, and backward recomputes one block at a time.
+TEST(MemoryTimelineTest, CheckpointingLowersTheForwardsActivations) {
+  const JobShape job = GpuJob();
+  StrategyPoint p;
+  const MemoryEstimate kept = Estimate(job, p);
+  p.activation_checkpointing = true;
+  const MemoryEstimate checkpointed = Estimate(job, p);
+  const uint64_t forward = Bytes(kept.Phase(kPhaseForward), MemoryComponent::kActivations);
+  EXPECT_LT(Bytes(checkpointed.Phase(kPhaseForward), MemoryComponent::kActivations), forward / 4);
+  EXPECT_LT(Bytes(checkpointed.Phase(kPhaseBackward), MemoryComponent::kActivations),
+            Bytes(kept.Phase(kPhaseBackward), MemoryComponent::kActivations));
+  // Without checkpointing, backward's activations never exceed the forward's.
+  EXPECT_LE(Bytes(kept.Phase(kPhaseBackward), MemoryComponent::kActivations), forward);
+}
+
+// With gradient accumulation the sized micro-batch starts with the earlier ones' gradients:
+// whole at stage 0, slices at stage 2.
+TEST(MemoryTimelineTest, AccumulationCarriesGradientsIntoTheForward) {
+  JobShape job = GpuJob();
+  job.global_batch = 64;
+  for (int64_t stage : {0, 2}) {
+    StrategyPoint p;
+    p.zero_stage = stage;
+    const MemoryEstimate m = Estimate(job, p);
+    EXPECT_GT(Bytes(m.Phase(kPhaseForward), MemoryComponent::kGradients), 0u) << stage;
+  }
+  StrategyPoint p;
+  const uint64_t whole = Bytes(Estimate(job, p).Phase(kPhaseForward), MemoryComponent::kGradients);
+  p.zero_stage = 2;
+  EXPECT_LT(Bytes(Estimate(job, p).Phase(kPhaseForward), MemoryComponent::kGradients), whole);
 }
 
 // FNV-1a over every estimate's numbers and peak phase, in the grid's order. To find what
