@@ -3,9 +3,9 @@
 // and one point of the strategy space. Model states come from model_states.h; activations and the
 // loss peak follow the tensors the engine's kernels keep (worker/engine/causal_lm.cc,
 // kernels/ops/), with the backward pass's transient buffers calibrated against the tracking
-// allocator (bench/planner_accuracy.py). The estimate is a timeline of the step's named phases
-// (kPhaseForward ... kPhaseOptimizer), each the bytes alive at its own peak by component; the
-// step's peak is the largest phase.
+// allocator (bench/planner_accuracy.py). The estimate walks the step's moments in the engine's
+// order and groups them into a timeline of named phases (kPhaseForward ... kPhasePerturbation),
+// each at its own largest moment by component; the step's peak is its first largest moment.
 //
 // Thread-safety: pure functions.
 #ifndef LATHE_PLANNER_MEMORY_MODEL_H_
