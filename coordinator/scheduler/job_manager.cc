@@ -12,12 +12,14 @@
 #include "absl/strings/str_join.h"
 #include "common/allowed_roots.h"
 #include "common/capabilities.h"
+#include "common/data_check.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
 #include "common/plan.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
+#include "common/weights_check.h"
 #include "planner/plan_proto.h"
 #include "planner/plan_spec.h"
 
@@ -70,10 +72,25 @@ absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto)
                                                   " exceeds the model's max_position_embeddings ",
                                                   model->max_position_embeddings));
   }
+  // What the trainer would refuse within a second of starting, checked now rather than
+  // after the job's wait in the queue (issue #32): the weights' headers and tensors (no
+  // tensor data is read) and the first lines of each data file (common/data_check.h).
+  if (absl::Status weights = CheckModelWeights(spec.model.path, *model); !weights.ok()) {
+    return SpecError("model.path", weights.message());
+  }
+  if (!spec.lora.init_from.empty() && TrainsLora(spec)) {
+    if (absl::Status init = CheckLoraInitFrom(spec.lora.init_from, *model, spec.lora); !init.ok()) {
+      return SpecError("lora.init_from", init.message());
+    }
+  }
   for (const auto& [field, path] :
        {std::pair{"data.train", spec.data.train}, std::pair{"data.eval", spec.data.eval}}) {
-    if (!path.empty() && !fs::is_regular_file(path)) {
-      return SpecError(field, absl::StrCat(path, ": no such file"));
+    if (path.empty()) continue;
+    if (!fs::is_regular_file(path)) return SpecError(field, absl::StrCat(path, ": no such file"));
+    // The checker's message begins with the field and the path.
+    if (absl::Status data = CheckDataFile(path, field, model->vocab_size, spec.model.path);
+        !data.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("spec: ", data.message()));
     }
   }
   LATHE_RETURN_IF_ERROR(Annotate(CheckNoFinishedRun(spec.output), "spec"));

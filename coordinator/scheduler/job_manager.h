@@ -38,8 +38,11 @@ class JobManager {
   JobManager(Scheduler* scheduler, JobManagerOptions options);
 
   // INVALID_ARGUMENT "spec: <field>: <problem>" for a bad spec, a relative path, a path
-  // outside the allowed roots, a model directory without a readable config.json, a missing
-  // training file, or seq_len above the model's max_position_embeddings; UNIMPLEMENTED
+  // outside the allowed roots, a model directory without a readable config.json, seq_len
+  // above the model's max_position_embeddings, weights that are missing, malformed or lack
+  // a tensor the model needs (common/weights_check.h: headers only), a missing data file,
+  // or a bad record among a data file's first lines ("spec: data.train: <path>: line <n>:
+  // ...": common/data_check.h, at most 1000 lines and 4 MiB per file); UNIMPLEMENTED
   // "spec: <field>: ..." for what the engine cannot run (common/capabilities.h). Nothing is
   // stored then. A repeated request_id returns the job it created first (existing = true).
   // RESOURCE_EXHAUSTED "spec: nothing fits: ..." when no strategy fits the memory per rank.

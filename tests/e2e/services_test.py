@@ -603,6 +603,55 @@ class ServicesTest(ClusterTest):
         self.assertIn("cannot reach the coordinator", unreachable.stderr)
         self.assertEqual(run("lathe", "frobnicate").returncode, 2)
 
+    def test_4e_bad_weights_and_data_are_refused_at_submit(self):
+        # Issue #32: what the trainer would refuse a second after starting is refused at
+        # submit, before the queue: one line naming the field, the file and the line; no job.
+        before = set(self.list_jobs())
+        broken = os.path.join(self.root, "broken.jsonl")
+        with open(broken, "w") as f:
+            f.write('{"input_ids": [1, 2]}\n\n{"input_ids": [1,\n')
+        bare = os.path.join(self.root, "bare-model")
+        os.makedirs(bare, exist_ok=True)
+        shutil.copy(os.path.join(self.model, "config.json"), bare)
+        for name, old, new, message in (
+                ("broken-line", self.data, broken,
+                 f"spec: data.train: {broken}: line 3: not valid JSON"),
+                ("no-weights", self.model, bare,
+                 f"spec: model.path: {bare}: neither model.safetensors nor "
+                 "model.safetensors.index.json exists")):
+            path = self.spec(name)
+            with open(path) as f:
+                text = f.read().replace(old, new)
+            with open(path, "w") as f:
+                f.write(text)
+            result = self.cluster.lathe("submit", path)
+            self.assertEqual(result.returncode, 1, result.stdout)
+            self.assertEqual(result.stdout, "")
+            self.assertEqual(len(result.stderr.strip().splitlines()), 1, result.stderr)
+            self.assertIn(f"the coordinator refused the job: {message}", result.stderr)
+        self.assertEqual(set(self.list_jobs()), before)
+        # A bad id past the bound (1000 lines) is the trainer's to find: the job fails, and
+        # its reason says the error once.
+        late = os.path.join(self.root, "late.jsonl")
+        with open(self.data) as f:
+            first = f.readline()
+        with open(late, "w") as f:
+            f.write(first * 1000 + '{"input_ids": [1, 999999]}\n')
+        path = self.spec("late-bad-id")
+        with open(path) as f:
+            text = f.read().replace(self.data, late)
+        with open(path, "w") as f:
+            f.write(text)
+        result = self.cluster.lathe("submit", path)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        job_id = result.stdout.strip()
+        self.assertEqual(self.cluster.lathe("watch", job_id).returncode, 1)
+        job = self.status(job_id)
+        self.assertEqual(job["state"], "failed", job)
+        error = f"{late}: line 1001: input_ids[1]: token id 999999 is outside the vocabulary"
+        self.assertEqual(job["reason"].count(error), 1, job["reason"])
+        self.assertEqual(job["reason"].count("token id 999999"), 1, job["reason"])
+
     def test_4b_every_call_needs_the_right_token(self):
         # No token, an unknown one, a worker's: refused with one line, exit 1.
         plain = run("lathe", "--coordinator", self.cluster.address, "list")
