@@ -1136,6 +1136,54 @@ TEST_F(JobManagerTest, AnOutputIsComparedCanonicallyAndNeverNests) {
 
 // Issue #32: a hub id in model.path fails as a missing path; it says that only local
 // directories are read, and how to get one.
+// Issue #32: what the trainer would refuse a second after starting is refused at submit,
+// before the queue: weights that are missing or malformed, and bad records among a data
+// file's first lines (at most 1000 lines, 4 MiB).
+TEST_F(JobManagerTest, BadWeightsAndDataAreRefusedAtSubmit) {
+  const v1::JobSpec spec = JobSpecToProto(spec_);
+  // A model directory with a config.json but no weights.
+  std::filesystem::create_directories(dir_.Path("bare"));
+  std::filesystem::copy_file(dir_.Path("model/config.json"), dir_.Path("bare/config.json"));
+  v1::JobSpec bad = spec;
+  bad.mutable_model()->set_path(dir_.Path("bare"));
+  ExpectRefused(bad, "spec: model.path: " + dir_.Path("bare") +
+                         ": neither model.safetensors nor model.safetensors.index.json exists");
+  // Truncated weights: the header's offsets run past the end of the file.
+  std::filesystem::create_directories(dir_.Path("cut"));
+  std::filesystem::copy_file(dir_.Path("model/config.json"), dir_.Path("cut/config.json"));
+  std::filesystem::copy_file(dir_.Path("model/model.safetensors"),
+                             dir_.Path("cut/model.safetensors"));
+  std::filesystem::resize_file(dir_.Path("cut/model.safetensors"),
+                               std::filesystem::file_size(dir_.Path("cut/model.safetensors")) - 4);
+  bad.mutable_model()->set_path(dir_.Path("cut"));
+  ExpectRefused(bad, "spec: model.path: " + dir_.Path("cut/model.safetensors"), {},
+                absl::StatusCode::kInvalidArgument);
+  // An init adapter without its files.
+  std::filesystem::create_directories(dir_.Path("adapter"));
+  bad = spec;
+  bad.mutable_lora()->set_init_from(dir_.Path("adapter"));
+  ExpectRefused(bad, "spec: lora.init_from: " + dir_.Path("adapter/adapter_config.json"));
+  // A token id outside the vocabulary (64) on line 3 of the training file.
+  dir_.Write("bad.jsonl", "{\"input_ids\": [1, 2]}\n\n{\"input_ids\": [1, 2, 3, 70]}\n");
+  bad = spec;
+  bad.mutable_data()->set_train(dir_.Path("bad.jsonl"));
+  ExpectRefused(bad, "spec: data.train: " + dir_.Path("bad.jsonl") +
+                         ": line 3: input_ids[3]: token id 70 is outside the vocabulary "
+                         "(vocab_size 64)");
+  // A broken line in the eval file.
+  dir_.Write("eval.jsonl", "{\"input_ids\": [1, 2\n");
+  bad = spec;
+  bad.mutable_data()->set_eval(dir_.Path("eval.jsonl"));
+  ExpectRefused(bad, "spec: data.eval: " + dir_.Path("eval.jsonl") + ": line 1: not valid JSON");
+  // Beyond the bound the trainer checks, when the job starts.
+  std::string lines;
+  for (int i = 0; i < 1000; ++i) lines += "{\"input_ids\": [1, 2]}\n";
+  dir_.Write("late.jsonl", lines + "{\"input_ids\": [70]}\n");
+  v1::JobSpec late = spec;
+  late.mutable_data()->set_train(dir_.Path("late.jsonl"));
+  EXPECT_TRUE(Submit(late).ok());
+}
+
 TEST_F(JobManagerTest, AMissingModelDirectorySaysModelsAreLocal) {
   v1::JobSpec spec = JobSpecToProto(spec_);
   spec.mutable_model()->set_path(dir_.path() + "/Qwen/Qwen2.5-0.5B");
