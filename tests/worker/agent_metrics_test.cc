@@ -1,5 +1,6 @@
 // The agent's metrics (worker/agent/agent_metrics.h): a rank's figures from its trainer's
-// events, the step time histogram, memory by component, the grace period, the worker's own.
+// events, the step time histogram, memory by component, the grace period, the worker's own,
+// lathe_build_info.
 #include "worker/agent/agent_metrics.h"
 
 #include <optional>
@@ -13,6 +14,7 @@
 namespace lathe {
 namespace {
 
+using ::testing::ContainsRegex;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -63,6 +65,8 @@ TEST(AgentMetricsTest, ARanksFiguresFollowItsEventsAndGoAfterTheGracePeriod) {
                            "worker_id=\"w1\"} 30\n"));
   EXPECT_THAT(t, Not(HasSubstr("kind=\"used\",slot=\"0\"")));
   EXPECT_THAT(t, HasSubstr("lathe_worker_host_memory_bytes{kind=\"total\",worker_id=\"w1\"}"));
+  EXPECT_THAT(t, ContainsRegex("lathe_build_info\\{build_type=\"[^\"]+\",daemon=\"agent\","
+                               "git_commit=\"([0-9a-f]+|unknown)\",version=\"[^\"]+\"\\} 1\n"));
   // A repeated step (the agent may see one twice) is not a second sample.
   metrics.Record(assignment, step);
   EXPECT_THAT(text(), HasSubstr("lathe_rank_step_duration_seconds_count{job_id=\"job-1\","

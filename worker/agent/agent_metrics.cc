@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/host_memory.h"
+#include "common/http/build_info.h"
 #include "common/http/metric_families.h"
 #include "common/memory_components.h"
 #include "common/proto/memory_breakdown.h"
@@ -76,6 +77,7 @@ std::vector<MetricFamily> AgentMetrics::Collect() const {
   const absl::Time now = clock_->Now();
   const ClientMetric::Label worker = {"worker_id", worker_id_};
   std::vector<MetricFamily> out;
+  out.push_back(BuildInfoFamily("agent"));
 
   MetricFamily slots =
       MakeFamily("lathe_worker_slots", "Slots this worker registered.", MetricType::Gauge);
