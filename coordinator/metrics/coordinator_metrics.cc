@@ -1,5 +1,6 @@
 #include "coordinator/metrics/coordinator_metrics.h"
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <utility>
@@ -9,6 +10,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/synchronization/mutex.h"
+#include "common/http/build_info.h"
 #include "common/http/metric_families.h"
 #include "common/memory_components.h"
 #include "common/proto/job_state.h"
@@ -49,14 +52,47 @@ void AddDurations(MetricFamily& family, const DurationHistogram& h) {
   AddHistogram(family, {}, h.bounds, h.counts, h.count, h.sum);
 }
 
+// The highest step a job has reached in any attempt (a resumed attempt redoes the steps
+// after its checkpoint: they are no progress until it passes that step).
+int64_t HighestStep(const SchedulerSnapshot::Job& job) {
+  return std::max(job.steps_before, job.progress.step());
+}
+
+// Rank 0's training tokens in its latest step: its tokens/s over that step times the step's
+// wall time (the sum of its phases; the mean step time when the report has no phases).
+double TokensPerStep(const v1::Progress& p) {
+  const v1::StepPhases& phases = p.phases();
+  double seconds =
+      phases.forward() + phases.loss() + phases.backward() + phases.comm() + phases.optimizer();
+  if (seconds <= 0) seconds = p.step_seconds();
+  return seconds > 0 ? p.tokens_per_second() * seconds : 0.0;
+}
+
 // The scheduler read at each scrape.
+//
+// lathe_job_steps_total and lathe_job_tokens_total count the steps of progress this
+// coordinator saw a job make: each scrape adds the steps by which the job's highest step
+// (over all its attempts) grew since the last, and for each such step rank 0's tokens of its
+// latest step. Steps are cumulative in every report, so a report the agent coalesced or a
+// scrape that missed some is still counted in full; a restarted attempt that resumes from a
+// checkpoint redoes steps the job had already made, which are counted once (the counters
+// stand still until it passes its old highest step). Jobs this coordinator found running at
+// its start count from where they were (a new process's counters start at 0, which rate()
+// takes as a counter reset); a job first seen later counts from the highest step of its
+// earlier attempts (none: from 0).
 class SchedulerCollector : public prometheus::Collectable {
  public:
-  explicit SchedulerCollector(const Scheduler* scheduler) : scheduler_(scheduler) {}
+  explicit SchedulerCollector(const Scheduler* scheduler) : scheduler_(scheduler) {
+    absl::MutexLock lock(&counts_mu_);
+    for (const SchedulerSnapshot::Job& job : scheduler_->Snapshot(kEndedJobGrace).jobs_shown) {
+      counts_[job.job_id].highest_step = HighestStep(job);
+    }
+  }
 
   std::vector<MetricFamily> Collect() const override {
     const SchedulerSnapshot s = scheduler_->Snapshot(kEndedJobGrace);
     std::vector<MetricFamily> out;
+    out.push_back(BuildInfoFamily("coordinator"));
     {
       MetricFamily f = MakeFamily("lathe_jobs", "Jobs by state.", MetricType::Gauge);
       AddByEnum(f, v1::JobState_descriptor(), "JOB_STATE_", s.jobs);
@@ -146,9 +182,45 @@ class SchedulerCollector : public prometheus::Collectable {
   }
 
  private:
+  // What the job counters have counted of one job.
+  struct JobCounts {
+    int64_t highest_step = 0;  // counted up to here
+    int64_t steps = 0;
+    double tokens = 0;
+    bool ended = false;  // when last shown
+  };
+
+  // Brings the job counters up to `s`. A job that ended and is no longer shown is forgotten; one
+  // that was running and is not shown waits in the queue for its next attempt (its series are
+  // gone meanwhile; its counters go on from where they were when it runs again).
+  std::map<std::string, JobCounts> CountJobs(const SchedulerSnapshot& s) const {
+    absl::MutexLock lock(&counts_mu_);
+    std::map<std::string, JobCounts> shown;
+    for (const SchedulerSnapshot::Job& job : s.jobs_shown) {
+      auto [it, first_seen] = counts_.try_emplace(job.job_id);
+      JobCounts& c = it->second;
+      if (first_seen) c.highest_step = job.steps_before;
+      const int64_t highest = HighestStep(job);
+      if (highest > c.highest_step) {
+        const int64_t steps = highest - c.highest_step;
+        c.steps += steps;
+        c.tokens += static_cast<double>(steps) * TokensPerStep(job.progress);
+        c.highest_step = highest;
+      }
+      c.ended = job.state == v1::JOB_STATE_SUCCEEDED || job.state == v1::JOB_STATE_FAILED ||
+                job.state == v1::JOB_STATE_CANCELLED;
+      shown.insert(*it);
+    }
+    for (auto it = counts_.begin(); it != counts_.end();) {
+      it = it->second.ended && !shown.count(it->first) ? counts_.erase(it) : std::next(it);
+    }
+    return shown;
+  }
+
   // Per job (running, or ended within kEndedJobGrace): rank 0's progress and memory. The
   // label is job_id, not job: Prometheus gives every target a `job` label of its own.
-  static void AddJobs(const SchedulerSnapshot& s, std::vector<MetricFamily>& out) {
+  void AddJobs(const SchedulerSnapshot& s, std::vector<MetricFamily>& out) const {
+    const std::map<std::string, JobCounts> counts = CountJobs(s);
     MetricFamily info =
         MakeFamily("lathe_job_info", "1 for each job shown: its name, state and current attempt.",
                    MetricType::Gauge);
@@ -159,16 +231,19 @@ class SchedulerCollector : public prometheus::Collectable {
         MakeFamily("lathe_job_loss", "Training loss of the latest step.", MetricType::Gauge);
     MetricFamily lr = MakeFamily("lathe_job_learning_rate", "Learning rate of the latest step.",
                                  MetricType::Gauge);
+    MetricFamily steps_total =
+        MakeFamily("lathe_job_steps_total",
+                   "Steps of progress the job made (a step redone after a restart counts once).",
+                   MetricType::Counter);
     MetricFamily tokens =
-        MakeFamily("lathe_job_tokens_per_second",
-                   "Training tokens per second of rank 0 over the latest step.", MetricType::Gauge);
+        MakeFamily("lathe_job_tokens_total",
+                   "Rank 0's training tokens of the job's steps of progress (its tokens/s times "
+                   "the step time, per step).",
+                   MetricType::Counter);
     MetricFamily mfu = MakeFamily("lathe_job_mfu_ratio",
                                   "Model FLOPs utilisation of rank 0's device, 0 to 1 "
                                   "(docs/training.md, \"MFU\").",
                                   MetricType::Gauge);
-    MetricFamily step_seconds =
-        MakeFamily("lathe_job_step_seconds", "Mean wall time of a step so far (after the first).",
-                   MetricType::Gauge);
     MetricFamily measured = MakeFamily("lathe_job_memory_peak_bytes",
                                        "Measured peak memory of the attempt by component: the "
                                        "largest any rank reported.",
@@ -189,9 +264,10 @@ class SchedulerCollector : public prometheus::Collectable {
       AddSample(total, id, static_cast<double>(job.progress.total_steps()));
       if (job.progress.has_loss()) AddSample(loss, id, job.progress.loss());
       AddSample(lr, id, job.progress.lr());
-      AddSample(tokens, id, job.progress.tokens_per_second());
+      const JobCounts& counted = counts.at(job.job_id);
+      AddSample(steps_total, id, static_cast<double>(counted.steps));
+      AddSample(tokens, id, counted.tokens);
       AddSample(mfu, id, job.progress.mfu());
-      AddSample(step_seconds, id, job.progress.step_seconds());
       for (MemoryComponent c : kMemoryComponents) {
         const std::vector<ClientMetric::Label> labels = {
             {"component", std::string(MemoryComponentName(c))}, {"job_id", job.job_id}};
@@ -200,12 +276,14 @@ class SchedulerCollector : public prometheus::Collectable {
       }
     }
     for (MetricFamily* f :
-         {&info, &step, &total, &loss, &lr, &tokens, &mfu, &step_seconds, &measured, &predicted}) {
+         {&info, &step, &total, &steps_total, &loss, &lr, &tokens, &mfu, &measured, &predicted}) {
       out.push_back(std::move(*f));
     }
   }
 
   const Scheduler* const scheduler_;
+  mutable absl::Mutex counts_mu_;
+  mutable std::map<std::string, JobCounts> counts_ ABSL_GUARDED_BY(counts_mu_);
 };
 
 }  // namespace

@@ -1,8 +1,9 @@
 // The coordinator's Prometheus metrics (prometheus-cpp; every name, label and unit in
 // docs/observability.md), served by common/http/http_endpoints.h: the scheduler's state and
-// counters read at each scrape (Scheduler::Snapshot), the running jobs' progress and memory by
-// component (and those that ended within the grace period, after which their series go away), and
-// the latency of every unary RPC by method and code.
+// counters read at each scrape (Scheduler::Snapshot), the running jobs' progress, step and
+// token counters and memory by component (and those that ended within the grace period, after
+// which their series go away), the latency of every unary RPC by method and code, and
+// lathe_build_info.
 //
 // Thread-safety: thread-safe.
 #ifndef LATHE_COORDINATOR_METRICS_COORDINATOR_METRICS_H_

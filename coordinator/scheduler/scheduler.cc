@@ -231,6 +231,11 @@ SchedulerSnapshot Scheduler::Snapshot(absl::Duration grace) const {
     shown.memory_correction = job.status.plan().memory_correction();
     if (job.status.attempts().empty()) return;
     const v1::Attempt& attempt = *job.status.attempts().rbegin();
+    for (const v1::Attempt& earlier : job.status.attempts()) {
+      if (&earlier != &attempt) {
+        shown.steps_before = std::max(shown.steps_before, earlier.progress().step());
+      }
+    }
     shown.generation = attempt.generation();
     shown.progress = attempt.progress();
     shown.peak_memory = attempt.peak_memory();

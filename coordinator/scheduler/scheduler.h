@@ -158,6 +158,7 @@ struct SchedulerSnapshot {
     v1::JobState state = v1::JOB_STATE_UNSPECIFIED;
     int64_t generation = 0;
     v1::Progress progress;            // rank 0's, of the latest attempt
+    int64_t steps_before = 0;         // the highest step an earlier attempt reported
     v1::MemoryBreakdown peak_memory;  // measured, the largest of any rank
     v1::MemoryBreakdown predicted_memory;
     double memory_correction = 1;

@@ -1,8 +1,10 @@
 // A worker agent's Prometheus metrics (docs/observability.md, "The worker agents"), from its
 // trainers' events: every rank it runs (step, loss, learning rate, tokens/s, MFU, a step
 // time histogram, measured memory by component) and the worker itself (slots, busy slots,
-// host memory, device memory: total, and in use on a GPU). An ended rank's series stay for the
-// grace period, then go.
+// host memory, device memory: total, and in use on a GPU), and lathe_build_info. An ended
+// rank's series stay for the grace period, then go. The step time histogram is the one
+// Lathe exports (the coordinator has none): the agent sees every step of its ranks, the
+// coordinator only rank 0's latest report.
 //
 // Thread-safety: thread-safe (Record from trainers' reader threads, Collect from the HTTP
 // server's).
