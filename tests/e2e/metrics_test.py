@@ -2,9 +2,10 @@
 """The daemons' /metrics under a real Prometheus (issue #14): a cluster whose coordinator
 and worker agent serve --metrics-listen, Debian's `prometheus` scraping both every 0.5 s on
 127.0.0.1, and a job run through it. The test reads the figures back through Prometheus'
-HTTP query API: the running job's tokens/s and its memory by component, the same step, loss
-and tokens/s as `lathe status` once it ended, the job counted as succeeded; and
-`promtool check metrics` passes on what the coordinator serves."""
+HTTP query API: the running job's step and token counters (rising, never reset: what rate()
+needs) and its memory by component, the same step and loss as `lathe status` once it ended,
+the job counted as succeeded, each daemon's lathe_build_info; and `promtool check metrics`
+passes on what the coordinator serves."""
 import json
 import os
 import re
@@ -97,6 +98,16 @@ scrape_configs:
             self.assertLess(time.time(), deadline, f"{what}: {promql} gave {result}")
             time.sleep(0.25)
 
+    def range_values(self, counter, job):
+        """Every scraped sample of `counter` for `job` in the last 10 minutes, oldest first."""
+        url = (f"http://127.0.0.1:{self.prometheus_port}/api/v1/query?" +
+               urllib.parse.urlencode({"query": f'{counter}{{job_id="{job}"}}[10m]'}))
+        answer = json.loads(http_get(url))
+        self.assertEqual(answer["status"], "success", answer)
+        result = answer["data"]["result"]
+        self.assertEqual(len(result), 1, result)
+        return result[0]["values"]
+
     def status(self, job_id):
         shown = self.cluster.lathe("--output", "json", "status", job_id)
         self.assertEqual(shown.returncode, 0, shown.stderr)
@@ -161,8 +172,12 @@ scrape_configs:
         self.assertEqual(submitted.returncode, 0, submitted.stderr)
         job = submitted.stdout.strip()
 
-        # While it runs: tokens/s above 0 and a memory series per component.
-        self.wait_query(f'lathe_job_tokens_per_second{{job_id="{job}"}}',
+        # While it runs: its counters rise (rate() above 0) and a memory series per component.
+        self.wait_query(f'lathe_job_tokens_total{{job_id="{job}"}}',
+                        lambda r: r and max(r.values()) > 0, "tokens of the running job")
+        self.wait_query(f'rate(lathe_job_steps_total{{job_id="{job}"}}[1m])',
+                        lambda r: r and max(r.values()) > 0, "steps/s of the running job")
+        self.wait_query(f'rate(lathe_job_tokens_total{{job_id="{job}"}}[1m])',
                         lambda r: r and max(r.values()) > 0, "tokens/s of the running job")
         memory = self.wait_query(f'lathe_job_memory_peak_bytes{{job_id="{job}"}}',
                                  lambda r: len(r) == len(COMPONENTS), "memory by component")
@@ -206,9 +221,25 @@ scrape_configs:
         self.assertEqual(list(step.values()), [120.0])
         loss = self.query(f'lathe_job_loss{{job_id="{job}"}}')
         self.assertAlmostEqual(list(loss.values())[0], progress["loss"], places=5)
-        tokens = self.query(f'lathe_job_tokens_per_second{{job_id="{job}"}}')
-        self.assertAlmostEqual(list(tokens.values())[0], progress["tokens_per_second"],
-                               delta=1e-6 * progress["tokens_per_second"] + 1e-3)
+        # The counters: every step counted once (one attempt, from step 0), never going down
+        # between scrapes (no reset for rate() to mend), the tokens too.
+        self.wait_query(f'lathe_job_steps_total{{job_id="{job}"}}',
+                        lambda r: list(r.values()) == [120.0], "the steps counted")
+        for counter in ("lathe_job_steps_total", "lathe_job_tokens_total"):
+            values = [float(v) for _, v in self.range_values(counter, job)]  # every scrape
+            self.assertGreater(len(values), 2, counter)
+            self.assertEqual(values, sorted(values), f"{counter} went down")
+            self.assertGreater(values[-1], 0, counter)
+            resets = self.query(f'resets({counter}{{job_id="{job}"}}[10m])')
+            self.assertEqual(list(resets.values()), [0.0], counter)
+        self.assertEqual(self.query(f'lathe_job_tokens_per_second{{job_id="{job}"}}'), {},
+                         "the gauge the counter replaced")
+        # Both daemons say which build they are.
+        builds = self.query("lathe_build_info")
+        self.assertEqual(sorted(dict(labels)["daemon"] for labels in builds),
+                         ["agent", "coordinator"])
+        self.assertEqual(set(builds.values()), {1.0})
+        self.assertEqual(len({dict(labels)["git_commit"] for labels in builds}), 1)
         # Every unary call the CLI made is timed, by method and code.
         calls = self.query('lathe_rpc_duration_seconds_count{method="SubmitJob",code="OK"}')
         self.assertGreaterEqual(list(calls.values())[0], 1.0)
