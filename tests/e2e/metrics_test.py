@@ -22,6 +22,8 @@ from services_test import TIMEOUT, ClusterTest, free_port, stop_process
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+STEPS = 2000  # of the watched job
+
 COMPONENTS = {"weights", "trainable", "gradients", "optimizer", "activations", "logits",
               "comm_buffers", "overhead"}
 
@@ -168,7 +170,8 @@ scrape_configs:
         self.assertIn("job nope-123456 not found", unknown.stderr)
 
     def test_prometheus_sees_the_job_run_and_succeed(self):
-        submitted = self.cluster.lathe("submit", self.spec("watched", steps=120))
+        # Long enough (about 5 ms a step here) for Prometheus to scrape its counters rising.
+        submitted = self.cluster.lathe("submit", self.spec("watched", steps=STEPS))
         self.assertEqual(submitted.returncode, 0, submitted.stderr)
         job = submitted.stdout.strip()
 
@@ -218,13 +221,13 @@ scrape_configs:
                         lambda r: min(r.values()) >= 1, "its attempt counted as ended")
         step = self.wait_query(f'lathe_job_step{{job_id="{job}"}}',
                                lambda r: list(r.values()) == [progress["step"]], "the last step")
-        self.assertEqual(list(step.values()), [120.0])
+        self.assertEqual(list(step.values()), [float(STEPS)])
         loss = self.query(f'lathe_job_loss{{job_id="{job}"}}')
         self.assertAlmostEqual(list(loss.values())[0], progress["loss"], places=5)
         # The counters: every step counted once (one attempt, from step 0), never going down
         # between scrapes (no reset for rate() to mend), the tokens too.
         self.wait_query(f'lathe_job_steps_total{{job_id="{job}"}}',
-                        lambda r: list(r.values()) == [120.0], "the steps counted")
+                        lambda r: list(r.values()) == [float(STEPS)], "the steps counted")
         for counter in ("lathe_job_steps_total", "lathe_job_tokens_total"):
             values = [float(v) for _, v in self.range_values(counter, job)]  # every scrape
             self.assertGreater(len(values), 2, counter)
