@@ -755,7 +755,10 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
       MemoryScope scope(MemoryComponent::kActivations);
       at::Tensor hidden = model_->Hidden(ids.to(device));
       phases.forward += lap(ProductPhase::kForward);
-      loss = model_->SumLossOfHidden(hidden, labels.to(device));
+      // A copy, counted as activations: the loss kernel's scalar is allocated under the
+      // logits' scope, and kept through backward it showed at a checkpointed step's peak as
+      // "logits 4 B" (issue #32). Nothing saves the original, so it goes at once.
+      loss = model_->SumLossOfHidden(hidden, labels.to(device)).clone();
       phases.loss += lap(ProductPhase::kLoss);
     }
     MemoryScope scope(MemoryComponent::kGradients);
