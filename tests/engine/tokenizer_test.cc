@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/file_util.h"
 #include "common/sha256.h"
@@ -248,7 +249,7 @@ TEST(Tokenizer, RefusesWhatItDoesNotImplementNamingTheField) {
   const std::string llama3_regex(SplitRegexPattern(SplitRegex::kLlama3));
   const std::vector<Case> cases = {
       {"unigram", [](Json& j) { j["model"]["type"] = "Unigram"; },
-       "/m/tokenizer.json: model.type: \"Unigram\" is not supported (byte-level BPE only)"},
+       "/m/tokenizer.json: model.type: \"Unigram\" is not supported (BPE only)"},
       {"no model type", [](Json& j) { j["model"].erase("type"); },
        "/m/tokenizer.json: model.type: required field is missing"},
       {"dropout", [](Json& j) { j["model"]["dropout"] = 0.1; },
@@ -289,12 +290,12 @@ TEST(Tokenizer, RefusesWhatItDoesNotImplementNamingTheField) {
        [](Json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; },
        "/m/tokenizer.json: pre_tokenizer.pretokenizers[0].behavior: \"Removed\" is not "
        "supported (Isolated only)"},
-      {"metaspace",
+      {"metaspace beside byte level",
        [](Json& j) {
-         j["pre_tokenizer"] = {{"type", "Metaspace"}};
+         j["pre_tokenizer"]["pretokenizers"][0] = {{"type", "Metaspace"}, {"replacement", "_"}};
        },
-       "/m/tokenizer.json: pre_tokenizer.type: \"Metaspace\" is not supported (ByteLevel, Split "
-       "or a Sequence of them only)"},
+       "/m/tokenizer.json: pre_tokenizer.pretokenizers[0].type: \"Metaspace\" is not supported "
+       "(ByteLevel, Split or a Sequence of them only; Metaspace only alone)"},
       {"no byte level", [](Json& j) { j["pre_tokenizer"]["pretokenizers"].erase(1); },
        "/m/tokenizer.json: pre_tokenizer: byte-level BPE needs exactly one ByteLevel "
        "pre-tokenizer, as the last one"},
@@ -302,8 +303,8 @@ TEST(Tokenizer, RefusesWhatItDoesNotImplementNamingTheField) {
        [](Json& j) {
          j["normalizer"] = {{"type", "NFKC"}};
        },
-       "/m/tokenizer.json: normalizer.type: \"NFKC\" is not supported (null, NFC or a Sequence "
-       "of NFC only)"},
+       "/m/tokenizer.json: normalizer.type: \"NFKC\" is not supported (null, NFC, Prepend, "
+       "Replace or a Sequence of them only)"},
       {"nfkc in a sequence",
        [](Json& j) {
          j["normalizer"] = {{"type", "Sequence"},
@@ -435,6 +436,239 @@ TEST(Tokenizer, LargeIdsCostNoMemory) {
   EXPECT_EQ(*decoded, "zzab");
   EXPECT_THAT(tokenizer.Decode({2147483646}),
               StatusIs(absl::StatusCode::kInvalidArgument, "token id 2147483646 is not in"));
+}
+
+// The SentencePiece-style tokenizers that `tokenizers` trained (Llama 2's and Gemma's layout)
+// and their variants in byte_fallback_expected.json give, for every line of its corpus,
+// exactly the ids `tokenizers` gave, and decode the ids with special tokens to its text (see
+// make_byte_fallback_tokenizers.py beside it).
+TEST(Tokenizer, ByteFallbackMatchesHuggingFaceOnTheTestCorpus) {
+  absl::StatusOr<std::string> text =
+      ReadFile(SourcePath("tests/engine/data/byte_fallback_expected.json"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const Json expected = Json::parse(*text);
+  const Json& corpus = expected["corpus"];
+  ASSERT_GE(corpus.size(), 80u);
+  ASSERT_EQ(expected["tokenizers"].size(), 9u);
+  for (const Json& entry : expected["tokenizers"]) {
+    const std::string name = entry["name"];
+    SCOPED_TRACE(name);
+    const std::string file = entry["file"];
+    absl::StatusOr<std::string> file_text = ReadFile(SourcePath("tests/engine/data/" + file));
+    ASSERT_TRUE(file_text.ok()) << file_text.status();
+    ASSERT_EQ(Sha256Hex(*file_text), expected["sha256"][file])
+        << file << " is not the file the expected ids were made with; regenerate them with "
+        << "tests/engine/data/make_byte_fallback_tokenizers.py";
+    Json json = Json::parse(*file_text);
+    const Json& patch = entry["patch"];
+    for (const char* key : {"set", "model"}) {
+      if (!patch.contains(key)) continue;
+      Json& target = std::string(key) == "set" ? json : json["model"];
+      for (auto it = patch[key].begin(); it != patch[key].end(); ++it) {
+        target[it.key()] = it.value();
+      }
+    }
+    if (patch.contains("append_added_tokens")) {
+      for (const Json& token : patch["append_added_tokens"]) json["added_tokens"].push_back(token);
+    }
+    Tokenizer tokenizer = MustParse(json);
+
+    ASSERT_EQ(entry["ids"].size(), corpus.size());
+    ASSERT_EQ(entry["ids_with_special_tokens"].size(), corpus.size());
+    ASSERT_EQ(entry["decoded"].size(), corpus.size());
+    for (size_t i = 0; i < corpus.size(); ++i) {
+      const std::string line = corpus[i];
+      for (bool special : {false, true}) {
+        const std::vector<int64_t> want =
+            entry[special ? "ids_with_special_tokens" : "ids"][i].get<std::vector<int64_t>>();
+        const std::vector<int64_t> got = MustEncode(tokenizer, line, special);
+        EXPECT_EQ(got, want) << "line " << i << " " << Json(line).dump()
+                             << (special ? " with" : " without")
+                             << " special tokens\n  got:  " << absl::StrJoin(got, " ")
+                             << "\n  want: " << absl::StrJoin(want, " ");
+      }
+      absl::StatusOr<std::string> decoded =
+          tokenizer.Decode(entry["ids_with_special_tokens"][i].get<std::vector<int64_t>>());
+      ASSERT_TRUE(decoded.ok()) << decoded.status();
+      EXPECT_EQ(*decoded, entry["decoded"][i].get<std::string>())
+          << "line " << i << " " << Json(line).dump();
+    }
+  }
+}
+
+// A Llama 2 style tokenizer: <unk> <s> </s>, the byte tokens <0x00>..<0xFF> (ids 3..258),
+// then "▁" 259, "a" 260, "b" 261, "▁a" 262, "▁ab" 263, "ab" 264. (The ids below are those
+// `tokenizers` 0.23.3 gives for the same file.)
+Json SmallSentencePiece() {
+  Json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
+  for (int b = 0; b < 256; ++b) vocab[absl::StrFormat("<0x%02X>", b)] = 3 + b;
+  const char* extra[] = {"\u2581", "a", "b", "\u2581a", "\u2581ab", "ab"};
+  for (int i = 0; i < 6; ++i) vocab[extra[i]] = 259 + i;
+  Json added = Json::array();
+  for (int id = 0; id < 3; ++id) {
+    added.push_back({{"id", id},
+                     {"content", id == 0   ? "<unk>"
+                                 : id == 1 ? "<s>"
+                                           : "</s>"},
+                     {"special", true},
+                     {"normalized", false}});
+  }
+  return {{"version", "1.0"},
+          {"added_tokens", added},
+          {"normalizer",
+           {{"type", "Sequence"},
+            {"normalizers",
+             {{{"type", "Prepend"}, {"prepend", "\u2581"}},
+              {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "\u2581"}}}}}},
+          {"pre_tokenizer", nullptr},
+          {"post_processor", nullptr},
+          {"decoder",
+           {{"type", "Sequence"},
+            {"decoders",
+             {{{"type", "Replace"}, {"pattern", {{"String", "\u2581"}}}, {"content", " "}},
+              {{"type", "ByteFallback"}},
+              {{"type", "Fuse"}},
+              {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}}}}},
+          {"model",
+           {{"type", "BPE"},
+            {"unk_token", "<unk>"},
+            {"fuse_unk", true},
+            {"byte_fallback", true},
+            {"vocab", vocab},
+            {"merges", Json::array({Json::array({"\u2581", "a"}), Json::array({"\u2581a", "b"}),
+                                    Json::array({"a", "b"})})}}}};
+}
+
+Json MetaspacePreTokenizer(const std::string& scheme, bool split) {
+  return {{"type", "Metaspace"},
+          {"replacement", "\u2581"},
+          {"prepend_scheme", scheme},
+          {"split", split}};
+}
+
+TEST(Tokenizer, ByteFallbackGivesTheBytesOfUnknownCharacters) {
+  Tokenizer tokenizer = MustParse(SmallSentencePiece());
+  // é is C3 A9, € E2 82 AC; neither is in the vocabulary.
+  EXPECT_THAT(MustEncode(tokenizer, "a\u00e9"), ElementsAre(262, 3 + 0xC3, 3 + 0xA9));
+  EXPECT_THAT(MustEncode(tokenizer, "\u20acb"),
+              ElementsAre(259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC, 261));
+  absl::StatusOr<std::string> decoded = tokenizer.Decode({1, 262, 3 + 0xC3, 3 + 0xA9, 263});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "<s> a\u00e9 ab");
+  // Half a character stays its byte (`tokenizers` would show U+FFFD).
+  decoded = tokenizer.Decode({262, 3 + 0xC3});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "a\xC3");
+  // A character whose bytes are not all there is unk.
+  Json json = SmallSentencePiece();
+  json["model"]["vocab"].erase("<0xA9>");
+  EXPECT_THAT(MustEncode(MustParse(json), "a\u00e9b\u20ac"),
+              ElementsAre(262, 0, 261, 3 + 0xE2, 3 + 0x82, 3 + 0xAC));
+}
+
+TEST(Tokenizer, UnknownCharactersWithoutByteFallback) {
+  Json json = SmallSentencePiece();
+  json["model"]["byte_fallback"] = false;
+  EXPECT_THAT(MustEncode(MustParse(json), "a\u00e9\u00e9b\u20ac"), ElementsAre(262, 0, 261, 0));
+  json["model"]["fuse_unk"] = false;
+  EXPECT_THAT(MustEncode(MustParse(json), "a\u00e9\u00e9b\u20ac"), ElementsAre(262, 0, 0, 261, 0));
+  // With no unk_token they vanish, and what is left merges across them.
+  json["model"]["unk_token"] = nullptr;
+  EXPECT_THAT(MustEncode(MustParse(json), "a\u00e9\u00e9b"), ElementsAre(263));
+}
+
+TEST(Tokenizer, NormalizerPrependsToEveryPieceBetweenAddedTokens) {
+  Tokenizer tokenizer = MustParse(SmallSentencePiece());
+  EXPECT_THAT(MustEncode(tokenizer, " a<s>ab "), ElementsAre(259, 262, 1, 263, 259));
+  EXPECT_TRUE(MustEncode(tokenizer, "").empty());
+}
+
+TEST(Tokenizer, MetaspacePrependSchemes) {
+  const struct {
+    std::string scheme;
+    std::vector<int64_t> ids;  // of "a<s>a"
+  } cases[] = {{"first", {262, 1, 260}}, {"always", {262, 1, 262}}, {"never", {260, 1, 260}}};
+  for (const auto& c : cases) {
+    for (bool split : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(c.scheme, split ? " split" : ""));
+      Json json = SmallSentencePiece();
+      json["normalizer"] = nullptr;
+      json["pre_tokenizer"] = MetaspacePreTokenizer(c.scheme, split);
+      Tokenizer tokenizer = MustParse(json);
+      EXPECT_EQ(MustEncode(tokenizer, "a<s>a"), c.ids);
+      // Leading and trailing spaces; a leading one is the replacement already.
+      EXPECT_THAT(MustEncode(tokenizer, " ab  b "), ElementsAre(263, 259, 259, 261, 259));
+    }
+  }
+  // The Metaspace decoder drops the first token's replacements and spaces the others'.
+  Json json = SmallSentencePiece();
+  json["normalizer"] = nullptr;
+  json["pre_tokenizer"] = MetaspacePreTokenizer("first", false);
+  json["decoder"] = MetaspacePreTokenizer("first", false);
+  absl::StatusOr<std::string> decoded = MustParse(json).Decode({262, 259, 263});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "a  ab");
+  // No decoder: the tokens joined by spaces, as `tokenizers` does.
+  json["decoder"] = nullptr;
+  decoded = MustParse(json).Decode({262, 1, 260});
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "\u2581a <s> a");
+}
+
+TEST(Tokenizer, RefusesUnsupportedSentencePiecePartsNamingTheField) {
+  const struct {
+    std::string description;
+    std::function<void(Json&)> mutate;
+    std::string message;
+  } cases[] = {
+      {"nfkc",
+       [](Json& j) {
+         j["normalizer"]["normalizers"][1] = {{"type", "NFKC"}};
+       },
+       "/m/tokenizer.json: normalizer.normalizers[1].type: \"NFKC\" is not supported (null, NFC, "
+       "Prepend, Replace or a Sequence of them only)"},
+      {"regex replace",
+       [](Json& j) {
+         j["normalizer"]["normalizers"][1]["pattern"] = {{"Regex", " +"}};
+       },
+       "/m/tokenizer.json: normalizer.normalizers[1].pattern: {\"Regex\":\" +\"} is not "
+       "supported (a non-empty {\"String\": ...} only)"},
+      {"prepend scheme",
+       [](Json& j) { j["pre_tokenizer"] = MetaspacePreTokenizer("sometimes", true); },
+       "/m/tokenizer.json: pre_tokenizer.prepend_scheme: \"sometimes\" is not supported "
+       "(\"always\", \"first\" or \"never\" only)"},
+      {"long replacement",
+       [](Json& j) {
+         j["pre_tokenizer"] = MetaspacePreTokenizer("first", true);
+         j["pre_tokenizer"]["replacement"] = "__";
+       },
+       "/m/tokenizer.json: pre_tokenizer.replacement: expected one character, got \"__\""},
+      {"byte level decoder",
+       [](Json& j) {
+         j["decoder"] = {{"type", "ByteLevel"}};
+       },
+       "/m/tokenizer.json: decoder.type: \"ByteLevel\" is not supported (null, Replace, "
+       "ByteFallback, Fuse, Strip, Metaspace or a Sequence of them only)"},
+      {"ctc decoder in a sequence",
+       [](Json& j) {
+         j["decoder"]["decoders"][2] = {{"type", "CTC"}};
+       },
+       "/m/tokenizer.json: decoder.decoders[2].type: \"CTC\" is not supported"},
+      {"unk not in the vocabulary", [](Json& j) { j["model"]["unk_token"] = "<?>"; },
+       "/m/tokenizer.json: model.unk_token: \"<?>\" is not in model.vocab"},
+      {"unigram", [](Json& j) { j["model"]["type"] = "Unigram"; },
+       "/m/tokenizer.json: model.type: \"Unigram\" is not supported (BPE only)"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.description);
+    Json json = SmallSentencePiece();
+    c.mutate(json);
+    absl::StatusOr<Tokenizer> tokenizer = Tokenizer::Parse(json.dump(), "/m/tokenizer.json");
+    ASSERT_FALSE(tokenizer.ok());
+    EXPECT_EQ(tokenizer.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(std::string(tokenizer.status().message()).substr(0, c.message.size()), c.message);
+    ExpectOnePrintableLine(tokenizer.status().message());
+  }
 }
 
 TEST(PreTokenizer, RecognisesExactlyTheThreePatterns) {

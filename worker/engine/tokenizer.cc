@@ -17,6 +17,10 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/strip.h"
 #include "absl/synchronization/mutex.h"
 #include "common/file_util.h"
 #include "common/json_fields.h"
@@ -31,6 +35,7 @@ using Json = nlohmann::json;
 
 struct AddedToken {
   std::string content;
+  std::string normalized_content;  // normalized: true; what `tokenizers` decodes it to
   int64_t id = 0;
   bool special = false;
   bool single_word = false;
@@ -90,12 +95,45 @@ struct Merge {
   int32_t new_id;
 };
 
-struct TokenizerData {
-  bool nfc = false;
-  std::vector<PreTokenizerStep> pre_tokenizer;
+struct NormalizerStep {
+  enum class Kind { kNfc, kPrepend, kReplace };
+  Kind kind = Kind::kNfc;
+  std::string text;     // Prepend: what is prepended; Replace: the pattern
+  std::string content;  // Replace: what replaces it
+};
 
-  absl::flat_hash_map<std::string, int32_t> vocab;        // byte-level form -> id
-  absl::flat_hash_map<int32_t, std::string> vocab_by_id;  // id -> byte-level form
+// Metaspace's prepend_scheme.
+enum class PrependScheme { kAlways, kFirst, kNever };
+
+struct DecoderStep {
+  enum class Kind { kReplace, kByteFallback, kFuse, kStrip, kMetaspace };
+  Kind kind = Kind::kFuse;
+  std::string pattern;  // Replace
+  std::string content;  // Replace: the replacement; Strip: the character; Metaspace: replacement
+  int64_t start = 0;    // Strip
+  int64_t stop = 0;     // Strip
+  PrependScheme prepend_scheme = PrependScheme::kAlways;  // Metaspace
+};
+
+struct TokenizerData {
+  std::vector<NormalizerStep> normalizers;
+  // Byte-level BPE (a ByteLevel pre-tokenizer) or, when false, SentencePiece-style BPE
+  // (no pre-tokenizer or Metaspace; characters looked up as they are, byte fallback).
+  bool byte_level = true;
+  std::vector<PreTokenizerStep> pre_tokenizer;  // byte-level
+  bool metaspace = false;                       // SentencePiece-style: a Metaspace
+  std::string metaspace_replacement;
+  PrependScheme metaspace_prepend = PrependScheme::kAlways;
+  bool metaspace_split = true;
+  bool byte_fallback = false;
+  bool fuse_unk = false;
+  int32_t unk_id = -1;                      // none
+  std::array<int32_t, 256> fallback_ids{};  // "<0xXX>" ids, -1 when absent
+  bool has_decoder = false;                 // SentencePiece-style; byte-level ignores it
+  std::vector<DecoderStep> decoder;
+
+  absl::flat_hash_map<std::string, int32_t> vocab;        // as in the file -> id
+  absl::flat_hash_map<int32_t, std::string> vocab_by_id;  // id -> as in the file
   std::array<int32_t, 256> byte_ids{};
   absl::flat_hash_map<uint64_t, Merge> merges;  // (left id << 32 | right id) -> merge
   bool ignore_merges = false;
@@ -114,10 +152,16 @@ struct TokenizerData {
   mutable absl::Mutex cache_mutex;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mutex);
 
+  absl::string_view Normalize(absl::string_view text, std::string* storage) const;
   void EncodeText(absl::string_view text, std::vector<int64_t>* ids) const;
-  void EncodeNormalizedPiece(absl::string_view text, std::vector<int64_t>* ids) const;
+  // `at_start`: the piece begins at the start of the text (Metaspace's prepend "first").
+  void EncodeNormalizedPiece(absl::string_view text, bool at_start,
+                             std::vector<int64_t>* ids) const;
+  void EncodeMetaspace(absl::string_view text, bool at_start, std::vector<int64_t>* ids) const;
   void EncodeWord(absl::string_view bytes, std::vector<int64_t>* ids) const;
-  std::vector<int32_t> MergeWord(absl::string_view bytes) const;
+  std::vector<int32_t> InitialSymbols(absl::string_view word) const;
+  std::vector<int32_t> MergeWord(std::vector<int32_t> symbols) const;
+  std::string DecodeTokens(std::vector<std::string> tokens) const;
 };
 
 namespace {
@@ -234,26 +278,88 @@ absl::string_view Nfc(absl::string_view text, std::string* storage) {
 
 }  // namespace
 
+absl::string_view TokenizerData::Normalize(absl::string_view text, std::string* storage) const {
+  if (normalizers.empty()) return text;
+  std::string current(text);
+  for (const NormalizerStep& step : normalizers) {
+    switch (step.kind) {
+      case NormalizerStep::Kind::kNfc: {
+        std::string out;
+        absl::string_view normalized = Nfc(current, &out);
+        if (normalized.data() == out.data()) current = std::move(out);
+        break;
+      }
+      case NormalizerStep::Kind::kPrepend:
+        if (!current.empty()) current.insert(0, step.text);
+        break;
+      case NormalizerStep::Kind::kReplace:
+        current = absl::StrReplaceAll(current, {{step.text, step.content}});
+        break;
+    }
+  }
+  *storage = std::move(current);
+  return *storage;
+}
+
 void TokenizerData::EncodeText(absl::string_view text, std::vector<int64_t>* ids) const {
   SplitOnAddedTokens(raw_matcher, text, [&](absl::string_view piece, const AddedToken* token) {
     if (token != nullptr) {
       ids->push_back(token->id);
       return;
     }
+    // `tokenizers` compares the piece's offset in the original text with 0.
+    const bool piece_at_start = piece.data() == text.data();
     std::string storage;
-    absl::string_view normalized = nfc ? Nfc(piece, &storage) : piece;
+    absl::string_view normalized = Normalize(piece, &storage);
     SplitOnAddedTokens(normalized_matcher, normalized,
                        [&](absl::string_view inner, const AddedToken* inner_token) {
                          if (inner_token != nullptr) {
                            ids->push_back(inner_token->id);
                          } else {
-                           EncodeNormalizedPiece(inner, ids);
+                           EncodeNormalizedPiece(
+                               inner, piece_at_start && inner.data() == normalized.data(), ids);
                          }
                        });
   });
 }
 
-void TokenizerData::EncodeNormalizedPiece(absl::string_view text, std::vector<int64_t>* ids) const {
+// Metaspace as `tokenizers` applies it: spaces become the replacement, which is put first
+// (always, or for the piece at the start of the text only, unless already there), then the
+// piece is split before each replacement when `split` is set.
+void TokenizerData::EncodeMetaspace(absl::string_view text, bool at_start,
+                                    std::vector<int64_t>* ids) const {
+  if (text.empty()) return;
+  std::string replaced = absl::StrReplaceAll(text, {{" ", metaspace_replacement}});
+  const bool prepend = metaspace_prepend == PrependScheme::kAlways ||
+                       (metaspace_prepend == PrependScheme::kFirst && at_start);
+  if (prepend && !absl::StartsWith(replaced, metaspace_replacement)) {
+    replaced.insert(0, metaspace_replacement);
+  }
+  const absl::string_view s = replaced;
+  if (!metaspace_split) {
+    EncodeWord(s, ids);
+    return;
+  }
+  size_t begin = 0;
+  size_t pos = 0;
+  while ((pos = s.find(metaspace_replacement, pos)) != absl::string_view::npos) {
+    if (pos > begin) EncodeWord(s.substr(begin, pos - begin), ids);
+    begin = pos;
+    pos += metaspace_replacement.size();
+  }
+  EncodeWord(s.substr(begin), ids);
+}
+
+void TokenizerData::EncodeNormalizedPiece(absl::string_view text, bool at_start,
+                                          std::vector<int64_t>* ids) const {
+  if (!byte_level) {
+    if (metaspace) {
+      EncodeMetaspace(text, at_start, ids);
+    } else {
+      EncodeWord(text, ids);
+    }
+    return;
+  }
   std::vector<absl::string_view> pieces = {text};
   std::vector<absl::string_view> next;
   std::deque<std::string> prefixed;  // pieces that ByteLevel gave a leading space
@@ -282,13 +388,13 @@ void TokenizerData::EncodeNormalizedPiece(absl::string_view text, std::vector<in
 void TokenizerData::EncodeWord(absl::string_view bytes, std::vector<int64_t>* ids) const {
   if (bytes.empty()) return;
   if (ignore_merges) {
-    auto it = vocab.find(ByteLevelEncode(bytes));
+    auto it = vocab.find(byte_level ? ByteLevelEncode(bytes) : std::string(bytes));
     if (it != vocab.end()) {
       ids->push_back(it->second);
       return;
     }
   }
-  if (bytes.size() == 1) {
+  if (byte_level && bytes.size() == 1) {
     ids->push_back(byte_ids[static_cast<unsigned char>(bytes[0])]);
     return;
   }
@@ -301,7 +407,7 @@ void TokenizerData::EncodeWord(absl::string_view bytes, std::vector<int64_t>* id
       return;
     }
   }
-  std::vector<int32_t> merged = MergeWord(bytes);
+  std::vector<int32_t> merged = MergeWord(InitialSymbols(bytes));
   ids->insert(ids->end(), merged.begin(), merged.end());
   if (cacheable) {
     absl::MutexLock lock(&cache_mutex);
@@ -309,9 +415,48 @@ void TokenizerData::EncodeWord(absl::string_view bytes, std::vector<int64_t>* id
   }
 }
 
+// The symbols BPE starts from. Byte-level: one per byte. SentencePiece-style, as `tokenizers`'
+// BPE::merge_word: one per character in the vocabulary; a character that is not is its
+// UTF-8 bytes' "<0xXX>" tokens with byte fallback (when all exist), else unk (consecutive
+// unknowns one unk with fuse_unk), else nothing. An unk waits for the next known character,
+// so byte tokens met meanwhile come before it, as there.
+std::vector<int32_t> TokenizerData::InitialSymbols(absl::string_view word) const {
+  std::vector<int32_t> symbols;
+  if (byte_level) {
+    symbols.reserve(word.size());
+    for (char c : word) symbols.push_back(byte_ids[static_cast<unsigned char>(c)]);
+    return symbols;
+  }
+  bool unk_pending = false;
+  size_t pos = 0;
+  while (pos < word.size()) {
+    size_t next;
+    FirstCodePoint(word, pos, &next);
+    const absl::string_view character = word.substr(pos, next - pos);
+    pos = next;
+    if (auto it = vocab.find(character); it != vocab.end()) {
+      if (unk_pending) symbols.push_back(unk_id);
+      unk_pending = false;
+      symbols.push_back(it->second);
+      continue;
+    }
+    if (byte_fallback && std::all_of(character.begin(), character.end(), [&](char c) {
+          return fallback_ids[static_cast<unsigned char>(c)] >= 0;
+        })) {
+      for (char c : character) symbols.push_back(fallback_ids[static_cast<unsigned char>(c)]);
+      continue;
+    }
+    if (unk_id < 0) continue;
+    if (unk_pending && !fuse_unk) symbols.push_back(unk_id);
+    unk_pending = true;
+  }
+  if (unk_pending) symbols.push_back(unk_id);
+  return symbols;
+}
+
 // Rank-ordered merging as `tokenizers`' Word::merge_all: a min-heap of candidate merges by
 // (rank, position); an entry is skipped when its pair no longer gives the same token.
-std::vector<int32_t> TokenizerData::MergeWord(absl::string_view bytes) const {
+std::vector<int32_t> TokenizerData::MergeWord(std::vector<int32_t> initial) const {
   struct Symbol {
     int32_t id;
     int32_t prev;
@@ -326,12 +471,10 @@ std::vector<int32_t> TokenizerData::MergeWord(absl::string_view bytes) const {
       return rank != other.rank ? rank > other.rank : pos > other.pos;
     }
   };
-  const int32_t n = static_cast<int32_t>(bytes.size());
+  const int32_t n = static_cast<int32_t>(initial.size());
+  if (n == 0) return initial;
   std::vector<Symbol> symbols(n);
-  for (int32_t i = 0; i < n; ++i) {
-    symbols[i] = {byte_ids[static_cast<unsigned char>(bytes[i])], i - 1, i + 1 < n ? i + 1 : -1,
-                  true};
-  }
+  for (int32_t i = 0; i < n; ++i) symbols[i] = {initial[i], i - 1, i + 1 < n ? i + 1 : -1, true};
   std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
   auto push_pair = [&](int32_t pos) {
     const int32_t next = symbols[pos].next;
@@ -360,6 +503,73 @@ std::vector<int32_t> TokenizerData::MergeWord(absl::string_view bytes) const {
   return ids;
 }
 
+// The decoder of SentencePiece-style BPE, step by step over the tokens as `tokenizers`'
+// decode_chain, then joined; no decoder joins them with spaces, as there. Unlike there,
+// ByteFallback keeps bytes that are not valid UTF-8 as they are (no U+FFFD), since Decode
+// gives the bytes the ids stand for.
+std::string TokenizerData::DecodeTokens(std::vector<std::string> tokens) const {
+  if (!has_decoder) return absl::StrJoin(tokens, " ");
+  auto hex = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  for (const DecoderStep& step : decoder) {
+    switch (step.kind) {
+      case DecoderStep::Kind::kReplace:
+        for (std::string& token : tokens) {
+          token = absl::StrReplaceAll(token, {{step.pattern, step.content}});
+        }
+        break;
+      case DecoderStep::Kind::kByteFallback: {
+        std::vector<std::string> out;
+        std::string bytes;
+        bool in_bytes = false;
+        for (std::string& token : tokens) {
+          const bool is_byte = token.size() == 6 && absl::StartsWith(token, "<0x") &&
+                               token[5] == '>' && hex(token[3]) >= 0 && hex(token[4]) >= 0;
+          if (is_byte) {
+            bytes.push_back(static_cast<char>(hex(token[3]) * 16 + hex(token[4])));
+            in_bytes = true;
+            continue;
+          }
+          if (in_bytes) out.push_back(std::move(bytes));
+          bytes.clear();
+          in_bytes = false;
+          out.push_back(std::move(token));
+        }
+        if (in_bytes) out.push_back(std::move(bytes));
+        tokens = std::move(out);
+        break;
+      }
+      case DecoderStep::Kind::kFuse:
+        tokens = {absl::StrJoin(tokens, "")};
+        break;
+      case DecoderStep::Kind::kStrip:
+        for (std::string& token : tokens) {
+          const absl::string_view c = step.content;
+          absl::string_view rest = token;
+          for (int64_t i = 0; i < step.start && absl::ConsumePrefix(&rest, c); ++i) {
+          }
+          for (int64_t i = 0; i < step.stop && absl::ConsumeSuffix(&rest, c); ++i) {
+          }
+          token = std::string(rest);
+        }
+        break;
+      case DecoderStep::Kind::kMetaspace:
+        // The first token loses every replacement (unless prepend_scheme is "never"); the
+        // others have it as a space.
+        for (size_t i = 0; i < tokens.size(); ++i) {
+          const bool drop = i == 0 && step.prepend_scheme != PrependScheme::kNever;
+          tokens[i] = absl::StrReplaceAll(tokens[i], {{step.content, drop ? "" : " "}});
+        }
+        break;
+    }
+  }
+  return absl::StrJoin(tokens, "");
+}
+
 namespace {
 
 // Reads tokenizer.json into TokenizerData. Errors are "<source>: <path>: <problem>".
@@ -378,19 +588,37 @@ class TokenizerParser {
       }
     }
     LATHE_RETURN_IF_ERROR(ParseNormalizer(Get(root, "normalizer"), "normalizer"));
-    LATHE_RETURN_IF_ERROR(ParsePreTokenizer(Get(root, "pre_tokenizer"), "pre_tokenizer"));
-    const PreTokenizerStep* last =
-        data_->pre_tokenizer.empty() ? nullptr : &data_->pre_tokenizer.back();
-    const int64_t byte_levels =
-        std::count_if(data_->pre_tokenizer.begin(), data_->pre_tokenizer.end(),
-                      [](const PreTokenizerStep& s) { return s.byte_level; });
-    if (last == nullptr || !last->byte_level || byte_levels != 1) {
-      return Error("pre_tokenizer",
-                   "byte-level BPE needs exactly one ByteLevel pre-tokenizer, as the last one");
+    // No pre-tokenizer or a Metaspace: SentencePiece-style BPE (Llama 2, Mistral, Gemma).
+    const Json& pre_tokenizer = Get(root, "pre_tokenizer");
+    if (pre_tokenizer.is_null()) {
+      data_->byte_level = false;
+    } else if (pre_tokenizer.is_object() && Get(pre_tokenizer, "type") == "Metaspace") {
+      data_->byte_level = false;
+      data_->metaspace = true;
+      LATHE_RETURN_IF_ERROR(ParseMetaspace(pre_tokenizer, "pre_tokenizer",
+                                           &data_->metaspace_replacement, &data_->metaspace_prepend,
+                                           &data_->metaspace_split));
+    } else {
+      LATHE_RETURN_IF_ERROR(ParsePreTokenizer(pre_tokenizer, "pre_tokenizer"));
+      const PreTokenizerStep* last =
+          data_->pre_tokenizer.empty() ? nullptr : &data_->pre_tokenizer.back();
+      const int64_t byte_levels =
+          std::count_if(data_->pre_tokenizer.begin(), data_->pre_tokenizer.end(),
+                        [](const PreTokenizerStep& s) { return s.byte_level; });
+      if (last == nullptr || !last->byte_level || byte_levels != 1) {
+        return Error("pre_tokenizer",
+                     "byte-level BPE needs exactly one ByteLevel pre-tokenizer, as the last one");
+      }
     }
     LATHE_RETURN_IF_ERROR(ParseModel(Get(root, "model"), "model"));
     LATHE_RETURN_IF_ERROR(ParseAddedTokens(Get(root, "added_tokens"), "added_tokens"));
     LATHE_RETURN_IF_ERROR(ParsePostProcessor(Get(root, "post_processor"), "post_processor"));
+    // Byte-level BPE decodes by its byte alphabet, whatever the decoder says.
+    if (!data_->byte_level) {
+      const Json& decoder = Get(root, "decoder");
+      data_->has_decoder = !decoder.is_null();
+      LATHE_RETURN_IF_ERROR(ParseDecoder(decoder, "decoder"));
+    }
     return absl::OkStatus();
   }
 
@@ -442,12 +670,97 @@ class TokenizerParser {
     return Error(path, absl::StrCat(Describe(value), " is not supported (", supported, ")"));
   }
 
+  // A string field; `non_empty` refuses "".
+  absl::StatusOr<std::string> String(const Json& object, const char* key, absl::string_view path,
+                                     bool non_empty) const {
+    const Json& value = Get(object, key);
+    const std::string field = absl::StrCat(path, ".", key);
+    if (value.is_null()) return Error(field, "required field is missing");
+    if (!value.is_string() || (non_empty && value.get<std::string>().empty())) {
+      return Error(field, absl::StrCat("expected a ", non_empty ? "non-empty " : "", "string, got ",
+                                       Describe(value)));
+    }
+    return value.get<std::string>();
+  }
+
+  // One character, as `tokenizers` requires of Metaspace's replacement and Strip's content.
+  absl::StatusOr<std::string> Character(const Json& object, const char* key,
+                                        absl::string_view path) const {
+    LATHE_ASSIGN_OR_RETURN(std::string text, String(object, key, path, true));
+    size_t next;
+    if (FindInvalidUtf8(text).has_value() ||
+        (FirstCodePoint(text, 0, &next), next != text.size())) {
+      return Error(absl::StrCat(path, ".", key),
+                   absl::StrCat("expected one character, got ", Quote(text)));
+    }
+    return text;
+  }
+
+  // A Replace's {"String": ...} pattern (a {"Regex": ...} is refused).
+  absl::StatusOr<std::string> StringPattern(const Json& value, absl::string_view path) const {
+    const Json& pattern = Get(value, "pattern");
+    const std::string field = absl::StrCat(path, ".pattern");
+    if (!pattern.is_object() || pattern.size() != 1 || !Get(pattern, "String").is_string() ||
+        Get(pattern, "String").get<std::string>().empty()) {
+      return Error(field, absl::StrCat(Describe(pattern),
+                                       " is not supported (a non-empty {\"String\": ...} only)"));
+    }
+    return pattern["String"].get<std::string>();
+  }
+
+  // Metaspace's fields, for the pre-tokenizer and the decoder alike, as `tokenizers` reads
+  // them: prepend_scheme (default "always"); the older add_prefix_space false means "never"
+  // and is refused beside another scheme; split (default true).
+  absl::Status ParseMetaspace(const Json& value, absl::string_view path, std::string* replacement,
+                              PrependScheme* scheme, bool* split) const {
+    LATHE_ASSIGN_OR_RETURN(*replacement, Character(value, "replacement", path));
+    const Json& prepend = Get(value, "prepend_scheme");
+    if (prepend.is_null()) {
+      *scheme = PrependScheme::kAlways;
+    } else if (prepend == "always") {
+      *scheme = PrependScheme::kAlways;
+    } else if (prepend == "first") {
+      *scheme = PrependScheme::kFirst;
+    } else if (prepend == "never") {
+      *scheme = PrependScheme::kNever;
+    } else {
+      return Unsupported(absl::StrCat(path, ".prepend_scheme"), prepend,
+                         "\"always\", \"first\" or \"never\" only");
+    }
+    LATHE_ASSIGN_OR_RETURN(bool add_prefix_space, Bool(value, "add_prefix_space", true, path));
+    if (!add_prefix_space) {
+      if (*scheme != PrependScheme::kNever && !prepend.is_null()) {
+        return Error(absl::StrCat(path, ".add_prefix_space"),
+                     "false does not match prepend_scheme (tokenizers refuses it too)");
+      }
+      if (prepend.is_null()) {
+        return Error(absl::StrCat(path, ".add_prefix_space"),
+                     "false without prepend_scheme \"never\" is not supported (tokenizers "
+                     "refuses it too)");
+      }
+    }
+    LATHE_ASSIGN_OR_RETURN(*split, Bool(value, "split", true, path));
+    return absl::OkStatus();
+  }
+
   absl::Status ParseNormalizer(const Json& value, absl::string_view path, int depth = 0) {
     if (value.is_null()) return absl::OkStatus();
     LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
     if (type == "NFC") {
       if (NfcNormalizer() == nullptr) return absl::InternalError("ICU has no NFC normalizer");
-      data_->nfc = true;
+      data_->normalizers.push_back({NormalizerStep::Kind::kNfc, "", ""});
+      return absl::OkStatus();
+    }
+    if (type == "Prepend") {
+      LATHE_ASSIGN_OR_RETURN(std::string prepend, String(value, "prepend", path, false));
+      data_->normalizers.push_back({NormalizerStep::Kind::kPrepend, std::move(prepend), ""});
+      return absl::OkStatus();
+    }
+    if (type == "Replace") {
+      LATHE_ASSIGN_OR_RETURN(std::string pattern, StringPattern(value, path));
+      LATHE_ASSIGN_OR_RETURN(std::string content, String(value, "content", path, false));
+      data_->normalizers.push_back(
+          {NormalizerStep::Kind::kReplace, std::move(pattern), std::move(content)});
       return absl::OkStatus();
     }
     if (type == "Sequence") {
@@ -464,7 +777,58 @@ class TokenizerParser {
       return absl::OkStatus();
     }
     return Unsupported(absl::StrCat(path, ".type"), Get(value, "type"),
-                       "null, NFC or a Sequence of NFC only");
+                       "null, NFC, Prepend, Replace or a Sequence of them only");
+  }
+
+  // The decoder of SentencePiece-style BPE.
+  absl::Status ParseDecoder(const Json& value, absl::string_view path, int depth = 0) {
+    if (value.is_null()) return absl::OkStatus();
+    LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
+    DecoderStep step;
+    if (type == "Sequence") {
+      LATHE_RETURN_IF_ERROR(CheckSequenceDepth(path, depth));
+      const Json& list = Get(value, "decoders");
+      if (!list.is_array()) {
+        return Error(absl::StrCat(path, ".decoders"),
+                     absl::StrCat("expected a list, got ", Describe(list)));
+      }
+      for (size_t i = 0; i < list.size(); ++i) {
+        LATHE_RETURN_IF_ERROR(
+            ParseDecoder(list[i], absl::StrCat(path, ".decoders[", i, "]"), depth + 1));
+      }
+      return absl::OkStatus();
+    } else if (type == "Replace") {
+      step.kind = DecoderStep::Kind::kReplace;
+      LATHE_ASSIGN_OR_RETURN(step.pattern, StringPattern(value, path));
+      LATHE_ASSIGN_OR_RETURN(step.content, String(value, "content", path, false));
+    } else if (type == "ByteFallback") {
+      step.kind = DecoderStep::Kind::kByteFallback;
+    } else if (type == "Fuse") {
+      step.kind = DecoderStep::Kind::kFuse;
+    } else if (type == "Strip") {
+      step.kind = DecoderStep::Kind::kStrip;
+      LATHE_ASSIGN_OR_RETURN(step.content, Character(value, "content", path));
+      for (auto [key, field] : {std::pair<const char*, int64_t*>{"start", &step.start},
+                                std::pair<const char*, int64_t*>{"stop", &step.stop}}) {
+        const Json& count = Get(value, key);
+        if (!count.is_number_integer() || count.get<int64_t>() < 0) {
+          return Error(absl::StrCat(path, ".", key),
+                       absl::StrCat("expected a count, got ", Describe(count)));
+        }
+        *field = count.get<int64_t>();
+      }
+    } else if (type == "Metaspace") {
+      step.kind = DecoderStep::Kind::kMetaspace;
+      bool split;
+      LATHE_RETURN_IF_ERROR(
+          ParseMetaspace(value, path, &step.content, &step.prepend_scheme, &split));
+    } else {
+      return Unsupported(
+          absl::StrCat(path, ".type"), Get(value, "type"),
+          "null, Replace, ByteFallback, Fuse, Strip, Metaspace or a Sequence of them only");
+    }
+    data_->decoder.push_back(std::move(step));
+    return absl::OkStatus();
   }
 
   absl::Status ParsePreTokenizer(const Json& value, absl::string_view path, int depth = 0) {
@@ -518,22 +882,24 @@ class TokenizerParser {
       return absl::OkStatus();
     }
     return Unsupported(absl::StrCat(path, ".type"), Get(value, "type"),
-                       "ByteLevel, Split or a Sequence of them only");
+                       "ByteLevel, Split or a Sequence of them only; Metaspace only alone");
   }
 
   absl::Status ParseModel(const Json& value, absl::string_view path) {
     if (value.is_null()) return Error(path, "required field is missing");
     LATHE_ASSIGN_OR_RETURN(std::string type, TypeOf(value, path));
     if (type != "BPE") {
-      return Unsupported(absl::StrCat(path, ".type"), Get(value, "type"), "byte-level BPE only");
+      return Unsupported(absl::StrCat(path, ".type"), Get(value, "type"), "BPE only");
     }
     if (const Json& dropout = Get(value, "dropout"); !dropout.is_null()) {
       return Unsupported(absl::StrCat(path, ".dropout"), dropout, "must be null");
     }
     LATHE_ASSIGN_OR_RETURN(bool byte_fallback, Bool(value, "byte_fallback", false, path));
-    if (byte_fallback) {
+    if (byte_fallback && data_->byte_level) {
       return Unsupported(absl::StrCat(path, ".byte_fallback"), true, "byte-level BPE needs none");
     }
+    data_->byte_fallback = byte_fallback;
+    LATHE_ASSIGN_OR_RETURN(data_->fuse_unk, Bool(value, "fuse_unk", false, path));
     for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
       const Json& affix = Get(value, key);
       if (!affix.is_null() && affix != "") {
@@ -564,8 +930,24 @@ class TokenizerParser {
       data_->vocab.emplace(it.key(), token_id);
       data_->size = std::max<int64_t>(data_->size, int64_t{token_id} + 1);
     }
+    if (!data_->byte_level) {
+      // Byte-level BPE has every byte, so it never needs unk.
+      const Json& unk = Get(value, "unk_token");
+      if (!unk.is_null()) {
+        auto it = unk.is_string() ? data_->vocab.find(unk.get<std::string>()) : data_->vocab.end();
+        if (it == data_->vocab.end()) {
+          return Error(absl::StrCat(path, ".unk_token"),
+                       absl::StrCat(Describe(unk), " is not in ", vocab_path));
+        }
+        data_->unk_id = it->second;
+      }
+      for (int b = 0; b < 256; ++b) {
+        auto it = data_->vocab.find(absl::StrFormat("<0x%02X>", b));
+        data_->fallback_ids[b] = it == data_->vocab.end() ? -1 : it->second;
+      }
+    }
     const std::array<std::string, 256>& alphabet = ByteLevelAlphabet();
-    for (int b = 0; b < 256; ++b) {
+    for (int b = 0; b < 256 && data_->byte_level; ++b) {
       auto it = data_->vocab.find(alphabet[b]);
       if (it == data_->vocab.end()) {
         return Error(vocab_path, absl::StrCat("byte-level BPE needs all 256 byte characters; \"",
@@ -674,14 +1056,17 @@ class TokenizerParser {
     }
     // `tokenizers` tries special tokens first, then the others, each in file order; with
     // longest-match-first this order only matters between equal contents, which are refused.
-    for (const AddedToken& token : data_->added_tokens) {
+    for (AddedToken& token : data_->added_tokens) {
       if (!token.normalized) {
         data_->raw_matcher.Add(token.content, &token);
         continue;
       }
       std::string storage;
-      data_->normalized_matcher.Add(
-          std::string(data_->nfc ? Nfc(token.content, &storage) : token.content), &token);
+      // An empty normalized form can never match.
+      token.normalized_content = std::string(data_->Normalize(token.content, &storage));
+      if (!token.normalized_content.empty()) {
+        data_->normalized_matcher.Add(token.normalized_content, &token);
+      }
     }
     return absl::OkStatus();
   }
@@ -823,9 +1208,16 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int64_t> ids) con
     return byte_of;
   }();
   std::string out;
+  std::vector<std::string> tokens;  // SentencePiece-style
   for (int64_t id : ids) {
     if (auto it = data_->added_by_id.find(id); it != data_->added_by_id.end()) {
-      out += it->second->content;
+      const tokenizer_internal::AddedToken& token = *it->second;
+      if (data_->byte_level) {
+        out += token.content;
+      } else {
+        // `tokenizers` shows a normalized added token in its normalized form ("▁lathe").
+        tokens.push_back(token.normalized ? token.normalized_content : token.content);
+      }
       continue;
     }
     auto by_id = id < 0 || id > std::numeric_limits<int32_t>::max()
@@ -835,6 +1227,10 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int64_t> ids) con
       return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is not in the tokenizer"));
     }
     const std::string& token = by_id->second;
+    if (!data_->byte_level) {
+      tokens.push_back(token);
+      continue;
+    }
     size_t pos = 0;
     while (pos < token.size()) {
       size_t next;
@@ -847,6 +1243,7 @@ absl::StatusOr<std::string> Tokenizer::Decode(absl::Span<const int64_t> ids) con
       pos = next;
     }
   }
+  if (!data_->byte_level) return data_->DecodeTokens(std::move(tokens));
   return out;
 }
 
