@@ -615,6 +615,26 @@ TEST(Tokenizer, MetaspacePrependSchemes) {
   EXPECT_EQ(*decoded, "\u2581a <s> a");
 }
 
+// Replace steps that double the text again and again would exhaust memory.
+TEST(Tokenizer, RefusesANormalizerThatGrowsTheTextWithoutBound) {
+  Json json = SmallSentencePiece();
+  Json steps = Json::array();
+  for (int i = 0; i < 40; ++i) {
+    steps.push_back({{"type", "Replace"}, {"pattern", {{"String", "a"}}}, {"content", "aa"}});
+  }
+  json["normalizer"] = {{"type", "Sequence"}, {"normalizers", steps}};
+  Tokenizer tokenizer = MustParse(json);
+  EXPECT_THAT(tokenizer.Encode("a", false),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "the tokenizer's normalizer makes the text more than 16 times longer"));
+  EXPECT_THAT(MustEncode(tokenizer, "<s>b"), ElementsAre(1, 261));
+  json["added_tokens"].push_back(
+      {{"id", 300}, {"content", "aaa"}, {"special", false}, {"normalized", true}});
+  EXPECT_THAT(Tokenizer::Parse(json.dump(), "/m/tokenizer.json"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "/m/tokenizer.json: normalizer: makes \"aaa\" more than 16 times longer"));
+}
+
 TEST(Tokenizer, RefusesUnsupportedSentencePiecePartsNamingTheField) {
   const struct {
     std::string description;

@@ -152,8 +152,9 @@ struct TokenizerData {
   mutable absl::Mutex cache_mutex;
   mutable absl::flat_hash_map<std::string, std::vector<int32_t>> cache ABSL_GUARDED_BY(cache_mutex);
 
-  absl::string_view Normalize(absl::string_view text, std::string* storage) const;
-  void EncodeText(absl::string_view text, std::vector<int64_t>* ids) const;
+  // nullopt when the normalizers make the text longer than kMaxNormalizedGrowth allows.
+  std::optional<absl::string_view> Normalize(absl::string_view text, std::string* storage) const;
+  absl::Status EncodeText(absl::string_view text, std::vector<int64_t>* ids) const;
   // `at_start`: the piece begins at the start of the text (Metaspace's prepend "first").
   void EncodeNormalizedPiece(absl::string_view text, bool at_start,
                              std::vector<int64_t>* ids) const;
@@ -278,8 +279,15 @@ absl::string_view Nfc(absl::string_view text, std::string* storage) {
 
 }  // namespace
 
-absl::string_view TokenizerData::Normalize(absl::string_view text, std::string* storage) const {
+// Real normalizers grow text at most 3 times (" " to "▁", NFC); a file whose Replace steps
+// double it again and again would exhaust memory.
+constexpr size_t kMaxNormalizedGrowth = 16;
+constexpr size_t kMaxNormalizedSlack = 1024;
+
+std::optional<absl::string_view> TokenizerData::Normalize(absl::string_view text,
+                                                          std::string* storage) const {
   if (normalizers.empty()) return text;
+  const size_t limit = kMaxNormalizedGrowth * text.size() + kMaxNormalizedSlack;
   std::string current(text);
   for (const NormalizerStep& step : normalizers) {
     switch (step.kind) {
@@ -296,21 +304,29 @@ absl::string_view TokenizerData::Normalize(absl::string_view text, std::string* 
         current = absl::StrReplaceAll(current, {{step.text, step.content}});
         break;
     }
+    if (current.size() > limit) return std::nullopt;
   }
   *storage = std::move(current);
   return *storage;
 }
 
-void TokenizerData::EncodeText(absl::string_view text, std::vector<int64_t>* ids) const {
+absl::Status TokenizerData::EncodeText(absl::string_view text, std::vector<int64_t>* ids) const {
+  bool too_long = false;
   SplitOnAddedTokens(raw_matcher, text, [&](absl::string_view piece, const AddedToken* token) {
     if (token != nullptr) {
       ids->push_back(token->id);
       return;
     }
+    if (too_long) return;
     // `tokenizers` compares the piece's offset in the original text with 0.
     const bool piece_at_start = piece.data() == text.data();
     std::string storage;
-    absl::string_view normalized = Normalize(piece, &storage);
+    const std::optional<absl::string_view> maybe_normalized = Normalize(piece, &storage);
+    if (!maybe_normalized.has_value()) {
+      too_long = true;
+      return;
+    }
+    const absl::string_view normalized = *maybe_normalized;
     SplitOnAddedTokens(normalized_matcher, normalized,
                        [&](absl::string_view inner, const AddedToken* inner_token) {
                          if (inner_token != nullptr) {
@@ -321,6 +337,12 @@ void TokenizerData::EncodeText(absl::string_view text, std::vector<int64_t>* ids
                          }
                        });
   });
+  if (too_long) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the tokenizer's normalizer makes the text more than ", kMaxNormalizedGrowth,
+                     " times longer"));
+  }
+  return absl::OkStatus();
 }
 
 // Metaspace as `tokenizers` applies it: spaces become the replacement, which is put first
@@ -1063,7 +1085,12 @@ class TokenizerParser {
       }
       std::string storage;
       // An empty normalized form can never match.
-      token.normalized_content = std::string(data_->Normalize(token.content, &storage));
+      const std::optional<absl::string_view> normalized = data_->Normalize(token.content, &storage);
+      if (!normalized.has_value()) {
+        return Error("normalizer", absl::StrCat("makes ", Quote(token.content), " more than ",
+                                                kMaxNormalizedGrowth, " times longer"));
+      }
+      token.normalized_content = std::string(*normalized);
       if (!token.normalized_content.empty()) {
         data_->normalized_matcher.Add(token.normalized_content, &token);
       }
@@ -1187,7 +1214,7 @@ absl::StatusOr<std::vector<int64_t>> Tokenizer::Encode(absl::string_view text,
   }
   std::vector<int64_t> ids;
   if (add_special_tokens) ids = data_->template_prefix;
-  data_->EncodeText(text, &ids);
+  LATHE_RETURN_IF_ERROR(data_->EncodeText(text, &ids));
   if (add_special_tokens) {
     ids.insert(ids.end(), data_->template_suffix.begin(), data_->template_suffix.end());
   }

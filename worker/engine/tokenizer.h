@@ -63,7 +63,8 @@ class Tokenizer {
   // The ids of `text`. With `add_special_tokens` the post-processor's tokens for a single
   // sequence are added (Llama 3: <|begin_of_text|> first). Added tokens written in the text
   // (e.g. "<|im_end|>") become their ids either way, as in Hugging Face. INVALID_ARGUMENT
-  // "invalid UTF-8 at byte N" when `text` is not valid UTF-8.
+  // "invalid UTF-8 at byte N" when `text` is not valid UTF-8, and when the file's normalizer
+  // makes a piece of it more than 16 times longer (a hostile file's Replace steps).
   absl::StatusOr<std::vector<int64_t>> Encode(absl::string_view text,
                                               bool add_special_tokens) const;
 
