@@ -12,12 +12,13 @@
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "gtest/gtest.h"
+#include "tests/planner/config_shapes.h"
 #include "tests/testing/source_path.h"
 
 namespace lathe {
 namespace {
 
-using testing::SourcePath;
+using testing::Shape;
 
 // The dense models of tests/planner/data/configs (mixtral-8x7b's experts are not modelled).
 const std::vector<std::string>& ConfigNames() {
@@ -25,15 +26,6 @@ const std::vector<std::string>& ConfigNames() {
       "gemma-2-9b",      "gemma-2b",      "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b",
       "mistral-7b-v0.1", "phi-3-mini-4k", "qwen2.5-0.5b",  "qwen2.5-7b"};
   return kNames;
-}
-
-ModelShape Shape(const std::string& name) {
-  const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
-  absl::StatusOr<std::string> text = ReadFile(path);
-  EXPECT_TRUE(text.ok()) << text.status();
-  absl::StatusOr<ModelShape> shape = ParseModelShape(*text, path);
-  EXPECT_TRUE(shape.ok()) << shape.status();
-  return shape.ok() ? *shape : ModelShape();
 }
 
 // A LoRA job of the spec's default rank and targets over 2,048 tokens, as a spec would give it.

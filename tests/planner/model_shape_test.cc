@@ -7,20 +7,16 @@
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/planner/config_shapes.h"
 #include "tests/testing/source_path.h"
 #include "tests/testing/status_matchers.h"
 
 namespace lathe {
 namespace {
 
-using testing::SourcePath;
+using testing::Shape;
+using testing::ShapeOf;
 using testing::StatusIs;
-
-absl::StatusOr<ModelShape> ShapeOf(const std::string& name) {
-  const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
-  LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
-  return ParseModelShape(text, path);
-}
 
 struct CountCase {
   const char* config;

@@ -9,6 +9,7 @@
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/planner/config_shapes.h"
 #include "tests/testing/source_path.h"
 #include "tests/testing/status_matchers.h"
 
@@ -18,18 +19,9 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
-using testing::SourcePath;
+using testing::Shape;
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-
-ModelShape Shape(const std::string& name) {
-  const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
-  absl::StatusOr<std::string> text = ReadFile(path);
-  EXPECT_TRUE(text.ok()) << text.status();
-  absl::StatusOr<ModelShape> shape = ParseModelShape(*text, path);
-  EXPECT_TRUE(shape.ok()) << shape.status();
-  return *shape;
-}
 
 JobSpec Spec(const std::string& yaml) {
   absl::StatusOr<JobSpec> spec = ParseJobSpec(
