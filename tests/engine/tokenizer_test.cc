@@ -62,6 +62,40 @@ std::vector<int64_t> MustEncode(const Tokenizer& tokenizer, const std::string& t
   return ids.ok() ? *ids : std::vector<int64_t>();
 }
 
+// `json` with an expected-ids entry's patch applied: "set" replaces top-level fields, "model"
+// fields of the model, and "append_added_tokens" adds added tokens.
+Json Patched(Json json, const Json& patch) {
+  for (const char* key : {"set", "model"}) {
+    if (!patch.contains(key)) continue;
+    Json& target = std::string(key) == "set" ? json : json["model"];
+    for (auto it = patch[key].begin(); it != patch[key].end(); ++it) {
+      target[it.key()] = it.value();
+    }
+  }
+  if (patch.contains("append_added_tokens")) {
+    for (const Json& token : patch["append_added_tokens"]) json["added_tokens"].push_back(token);
+  }
+  return json;
+}
+
+// Every line of `corpus` encodes, without and with special tokens, to the entry's ids.
+void ExpectCorpusIds(const Tokenizer& tokenizer, const Json& entry, const Json& corpus) {
+  ASSERT_EQ(entry["ids"].size(), corpus.size());
+  ASSERT_EQ(entry["ids_with_special_tokens"].size(), corpus.size());
+  for (size_t i = 0; i < corpus.size(); ++i) {
+    const std::string line = corpus[i];
+    for (bool special : {false, true}) {
+      const std::vector<int64_t> want =
+          entry[special ? "ids_with_special_tokens" : "ids"][i].get<std::vector<int64_t>>();
+      const std::vector<int64_t> got = MustEncode(tokenizer, line, special);
+      EXPECT_EQ(got, want) << "line " << i << " " << Json(line).dump()
+                           << (special ? " with" : " without")
+                           << " special tokens\n  got:  " << absl::StrJoin(got, " ")
+                           << "\n  want: " << absl::StrJoin(want, " ");
+    }
+  }
+}
+
 // Every synthetic tokenizer and variant of tokenizer_expected.json gives, for every line of
 // its corpus, exactly the ids that Hugging Face's `tokenizers` gave (see the script beside
 // it for how they were produced).
@@ -85,32 +119,8 @@ TEST(Tokenizer, MatchesHuggingFaceOnTheTestCorpus) {
         << " no longer writes the file the expected ids were made with; regenerate them with "
            "tests/engine/data/make_tokenizer_expected.py";
 
-    Json json = Json::parse(made->json);
-    const Json& patch = entry["patch"];
-    if (patch.contains("set")) {
-      for (auto it = patch["set"].begin(); it != patch["set"].end(); ++it) {
-        json[it.key()] = it.value();
-      }
-    }
-    if (patch.contains("append_added_tokens")) {
-      for (const Json& token : patch["append_added_tokens"]) json["added_tokens"].push_back(token);
-    }
-    Tokenizer tokenizer = MustParse(json);
-
-    ASSERT_EQ(entry["ids"].size(), corpus.size());
-    ASSERT_EQ(entry["ids_with_special_tokens"].size(), corpus.size());
-    for (size_t i = 0; i < corpus.size(); ++i) {
-      const std::string line = corpus[i];
-      for (bool special : {false, true}) {
-        const std::vector<int64_t> want =
-            entry[special ? "ids_with_special_tokens" : "ids"][i].get<std::vector<int64_t>>();
-        const std::vector<int64_t> got = MustEncode(tokenizer, line, special);
-        EXPECT_EQ(got, want) << "line " << i << " " << Json(line).dump()
-                             << (special ? " with" : " without")
-                             << " special tokens\n  got:  " << absl::StrJoin(got, " ")
-                             << "\n  want: " << absl::StrJoin(want, " ");
-      }
-    }
+    Tokenizer tokenizer = MustParse(Patched(Json::parse(made->json), entry["patch"]));
+    ExpectCorpusIds(tokenizer, entry, corpus);
     if (!entry.contains("pre_tokens")) continue;
     // The regex scanner alone, against the pre-tokenizer alone.
     const SplitRegex regex = *flavor == TokenizerFlavor::kGpt2     ? SplitRegex::kGpt2
@@ -459,34 +469,11 @@ TEST(Tokenizer, ByteFallbackMatchesHuggingFaceOnTheTestCorpus) {
     ASSERT_EQ(Sha256Hex(*file_text), expected["sha256"][file])
         << file << " is not the file the expected ids were made with; regenerate them with "
         << "tests/engine/data/make_byte_fallback_tokenizers.py";
-    Json json = Json::parse(*file_text);
-    const Json& patch = entry["patch"];
-    for (const char* key : {"set", "model"}) {
-      if (!patch.contains(key)) continue;
-      Json& target = std::string(key) == "set" ? json : json["model"];
-      for (auto it = patch[key].begin(); it != patch[key].end(); ++it) {
-        target[it.key()] = it.value();
-      }
-    }
-    if (patch.contains("append_added_tokens")) {
-      for (const Json& token : patch["append_added_tokens"]) json["added_tokens"].push_back(token);
-    }
-    Tokenizer tokenizer = MustParse(json);
-
-    ASSERT_EQ(entry["ids"].size(), corpus.size());
-    ASSERT_EQ(entry["ids_with_special_tokens"].size(), corpus.size());
+    Tokenizer tokenizer = MustParse(Patched(Json::parse(*file_text), entry["patch"]));
+    ExpectCorpusIds(tokenizer, entry, corpus);
     ASSERT_EQ(entry["decoded"].size(), corpus.size());
     for (size_t i = 0; i < corpus.size(); ++i) {
       const std::string line = corpus[i];
-      for (bool special : {false, true}) {
-        const std::vector<int64_t> want =
-            entry[special ? "ids_with_special_tokens" : "ids"][i].get<std::vector<int64_t>>();
-        const std::vector<int64_t> got = MustEncode(tokenizer, line, special);
-        EXPECT_EQ(got, want) << "line " << i << " " << Json(line).dump()
-                             << (special ? " with" : " without")
-                             << " special tokens\n  got:  " << absl::StrJoin(got, " ")
-                             << "\n  want: " << absl::StrJoin(want, " ");
-      }
       absl::StatusOr<std::string> decoded =
           tokenizer.Decode(entry["ids_with_special_tokens"][i].get<std::vector<int64_t>>());
       ASSERT_TRUE(decoded.ok()) << decoded.status();
