@@ -304,8 +304,13 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
                                   : a.failure() == v1::FAILURE_KIND_INFRASTRUCTURE
                                       ? "  infrastructure: "
                                       : "  error: ";
-        std::vector<absl::string_view> lines =
-            absl::StrSplit(absl::StripTrailingAsciiWhitespace(a.error()), '\n');
+        const absl::string_view error = absl::StripTrailingAsciiWhitespace(a.error());
+        // The job's reason often is (or quotes) its latest attempt's error: say it once.
+        if (&a == &*status.attempts().rbegin() && absl::StrContains(status.reason(), error)) {
+          absl::StrAppend(&attempts, label, "(the reason above)\n");
+          continue;
+        }
+        std::vector<absl::string_view> lines = absl::StrSplit(error, '\n');
         for (size_t i = 0; i < lines.size(); ++i) {
           absl::StrAppend(&attempts, i == 0 ? label : std::string(label.size(), ' '), lines[i],
                           "\n");

@@ -582,6 +582,26 @@ TEST_F(CliTest, ListWithAnUnknownStateFails) {
   EXPECT_THAT(result.err, HasSubstr("unknown job state \"sleeping\""));
 }
 
+// Issue #32: a failed job's reason and its last attempt's error were the same text, printed
+// twice; the attempt now points at the reason.
+TEST_F(CliTest, StatusSaysAFailedJobsErrorOnce) {
+  v1::JobStatus job = RunningJob("job-8", 0, MillisAgo(absl::Seconds(3)));
+  const std::string error =
+      "rank 0 on worker w1 failed: data.train: /d/train.jsonl: line 1001: input_ids[1]: token id "
+      "999999 is outside the vocabulary (vocab_size 256)";
+  job.set_state(v1::JOB_STATE_FAILED);
+  job.set_reason(error);
+  v1::Attempt* attempt = job.mutable_attempts(0);
+  attempt->set_state(v1::ATTEMPT_STATE_FAILED);
+  attempt->set_failure(v1::FAILURE_KIND_USER);
+  attempt->set_error(error);
+  jobs_.SetJob(job);
+  CliResult result = Run({"status", "job-8"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("user error: (the reason above)"));
+  EXPECT_EQ(result.out.find("token id 999999"), result.out.rfind("token id 999999")) << result.out;
+}
+
 TEST_F(CliTest, StatusShowsPlanAttemptsProgressAndMemory) {
   v1::JobStatus job = RunningJob("job-7", 40, MillisAgo(absl::Seconds(3)));
   job.set_restarts(1);
