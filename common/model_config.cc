@@ -27,6 +27,7 @@ using Json = nlohmann::json;
 absl::string_view DefaultArchitecture(absl::string_view model_type) {
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -93,7 +94,8 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::stri
 absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fields,
                                                           const ModelConfig& config) {
   if (config.model_type == "llama") return std::nullopt;
-  if (config.model_type == "qwen2") {
+  const bool qwen = config.model_type == "qwen2" || config.model_type == "qwen3";
+  if (qwen) {
     LATHE_ASSIGN_OR_RETURN(bool use, fields.BoolOr("use_sliding_window", false));
     if (!use) return std::nullopt;
   }
@@ -101,7 +103,7 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
   if (!window.has_value()) return std::nullopt;
   if (*window <= 0)
     return fields.Error("sliding_window", absl::StrCat("must be > 0, got ", *window));
-  if (config.model_type == "qwen2") {
+  if (qwen) {
     // Transformers 5 writes which layers slide as "layer_types", and follows it over
     // max_window_layers. A window on some layers but not others is not representable here,
     // so refuse it rather than train a different model.
@@ -134,7 +136,8 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
       }
       return window;
     }
-    // Before: Qwen2 slides only in layers >= max_window_layers (transformers' default 28).
+    // Before (and without layer_types): Qwen2 and Qwen3 slide only in layers >=
+    // max_window_layers (transformers' default 28).
     LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> max_window_layers,
                            fields.Int("max_window_layers"));
     int64_t first_sliding = max_window_layers.value_or(28);
@@ -272,12 +275,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
 
   if (config.model_type == "qwen2") {
     config.qkv_bias = true;
-  } else if (config.model_type == "llama") {
+  } else if (config.model_type == "llama" || config.model_type == "qwen3") {
     LATHE_ASSIGN_OR_RETURN(bool attention_bias, fields.BoolOr("attention_bias", false));
-    LATHE_ASSIGN_OR_RETURN(config.mlp_bias, fields.BoolOr("mlp_bias", false));
+    if (config.model_type == "llama") {
+      LATHE_ASSIGN_OR_RETURN(config.mlp_bias, fields.BoolOr("mlp_bias", false));
+    }
     config.qkv_bias = attention_bias;
     config.o_bias = attention_bias;
   }
+  config.qk_norm = config.model_type == "qwen3";
   LATHE_ASSIGN_OR_RETURN(config.sliding_window, ParseSlidingWindow(fields, config));
 
   // Transformers >= 4.56 writes "dtype" in place of "torch_dtype".
@@ -354,6 +360,11 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
                         : attention        ? config.qkv_bias
                                            : config.mlp_bias;
       if (bias) weights.push_back({name + ".bias", {shape.out_features}});
+      if (module == "o_proj" && config.qk_norm) {
+        // Transformers' order: the projections, then q_norm and k_norm.
+        weights.push_back({prefix + "self_attn.q_norm.weight", {config.head_dim}});
+        weights.push_back({prefix + "self_attn.k_norm.weight", {config.head_dim}});
+      }
     }
   }
   weights.push_back({"model.norm.weight", {hidden}});
@@ -408,11 +419,11 @@ std::string ModelConfigToJson(const ModelConfig& config) {
       break;
   }
   json["tie_word_embeddings"] = config.tie_word_embeddings;
-  if (config.model_type == "llama") {
-    // Llama has one switch for all four attention biases.
+  if (config.model_type == "llama" || config.model_type == "qwen3") {
+    // Llama and Qwen3 have one switch for all four attention biases.
     json["attention_bias"] = config.qkv_bias || config.o_bias;
-    json["mlp_bias"] = config.mlp_bias;
   }
+  if (config.model_type == "llama") json["mlp_bias"] = config.mlp_bias;
   if (config.model_type != "llama") {
     if (config.sliding_window.has_value()) {
       json["sliding_window"] = *config.sliding_window;
@@ -420,7 +431,7 @@ std::string ModelConfigToJson(const ModelConfig& config) {
       json["sliding_window"] = nullptr;
     }
   }
-  if (config.model_type == "qwen2") {
+  if (config.model_type == "qwen2" || config.model_type == "qwen3") {
     json["use_sliding_window"] = config.sliding_window.has_value();
     // Every layer slides when the window is on (see ParseSlidingWindow).
     json["max_window_layers"] =

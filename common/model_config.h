@@ -1,8 +1,9 @@
 // The architecture of a Hugging Face Llama-family model, read from its config.json, and
 // the weight names and shapes that follow from it. Llama (1-3.x), Mistral and Qwen2 share
-// one decoder: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, LM head.
-// They differ in biases (Qwen2: q/k/v; Llama: `attention_bias`, `mlp_bias`), sliding
-// windows (Mistral, Qwen2 with `use_sliding_window`), RoPE scaling and tied embeddings.
+// one decoder: embeddings, RMSNorm, RoPE, grouped-query attention, SwiGLU MLP, LM head;
+// Qwen3 adds an RMSNorm over each head of q and k. They differ in biases (Qwen2: q/k/v;
+// Llama and Qwen3: `attention_bias`; Llama: `mlp_bias`), sliding windows (Mistral, Qwen2
+// and Qwen3 with `use_sliding_window`), RoPE scaling and tied embeddings.
 //
 // Thread-safety: plain values and pure functions.
 #ifndef LATHE_COMMON_MODEL_CONFIG_H_
@@ -29,7 +30,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;    // "llama", "mistral", "qwen2"
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3"
   std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -43,8 +44,11 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;  // Qwen2 always; Llama when attention_bias
-  bool o_bias = false;    // Llama when attention_bias
+  bool qkv_bias = false;  // Qwen2 always; Llama and Qwen3 when attention_bias
+  bool o_bias = false;    // Llama and Qwen3 when attention_bias
+  // Qwen3: RMSNorm (weight [head_dim], rms_norm_eps) on every head of q and of k after the
+  // projections, before RoPE (self_attn.q_norm, self_attn.k_norm).
+  bool qk_norm = false;
   bool mlp_bias = false;  // Llama when mlp_bias
   // Tokens a position may attend back to (itself included); unset means unlimited.
   std::optional<int64_t> sliding_window;
@@ -58,7 +62,7 @@ struct ModelConfig {
 
 // Parses the text of a config.json. `source` names the file in error messages.
 // INVALID_ARGUMENT naming the field for: malformed JSON, a missing or non-positive size,
-// an unsupported model_type (supported: llama, mistral, qwen2), hidden_act other than
+// an unsupported model_type (supported: llama, mistral, qwen2, qwen3), hidden_act other than
 // silu, num_attention_heads not divisible by num_key_value_heads, an unknown rope_scaling
 // type, a bos_token_id or eos_token_id that is not an integer (or list of them) in
 // [0, vocab_size).

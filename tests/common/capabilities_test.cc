@@ -104,13 +104,15 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
   EXPECT_TRUE(IsSupportedModelType("llama"));
   EXPECT_TRUE(IsSupportedModelType("qwen2"));
+  EXPECT_TRUE(IsSupportedModelType("qwen3"));
   EXPECT_FALSE(IsSupportedModelType("gemma"));
   absl::StatusOr<ModelConfig> config = ParseModelConfig(
       R"({"model_type": "gemma", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
           "num_hidden_layers": 1, "num_attention_heads": 2})",
       "config.json");
-  EXPECT_THAT(std::string(config.status().message()),
-              HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2)"));
+  EXPECT_THAT(
+      std::string(config.status().message()),
+      HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2, qwen3)"));
 }
 
 }  // namespace

@@ -108,6 +108,36 @@ constexpr char kQwen25_05B[] = R"json({
   "vocab_size": 151936
 })json";
 
+// config.json of Qwen/Qwen3-0.6B.
+constexpr char kQwen3_06B[] = R"json({
+  "architectures": ["Qwen3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 1024,
+  "initializer_range": 0.02,
+  "intermediate_size": 3072,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 28,
+  "model_type": "qwen3",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": null,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})json";
+
 // A tiny Llama with grouped-query attention (4 heads over 2 KV heads) and every bias on.
 nlohmann::json TinyLlama() {
   return {{"model_type", "llama"},    {"vocab_size", 10},
@@ -147,6 +177,7 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.qkv_bias, b.qkv_bias);
   EXPECT_EQ(a.o_bias, b.o_bias);
   EXPECT_EQ(a.mlp_bias, b.mlp_bias);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
   EXPECT_EQ(a.bos_token_id, b.bos_token_id);
@@ -229,6 +260,41 @@ TEST(ModelConfigTest, ParsesQwen25_05B) {
   ASSERT_EQ(weights.size(), 1u + 24 * 12 + 1);
   EXPECT_EQ(weights[3].name, "model.layers.0.self_attn.q_proj.bias");
   EXPECT_THAT(weights[3].shape, ElementsAre(896));
+}
+
+TEST(ModelConfigTest, ParsesQwen3_06B) {
+  ModelConfig config = MustParse(kQwen3_06B);
+  EXPECT_EQ(config.model_type, "qwen3");
+  EXPECT_EQ(config.architecture, "Qwen3ForCausalLM");
+  EXPECT_EQ(config.head_dim, 128);  // given: not 1024 / 16
+  EXPECT_EQ(config.num_key_value_heads, 8);
+  EXPECT_TRUE(config.tie_word_embeddings);
+  EXPECT_TRUE(config.qk_norm);
+  EXPECT_FALSE(config.qkv_bias);
+  EXPECT_FALSE(config.o_bias);
+  EXPECT_FALSE(config.mlp_bias);
+  EXPECT_EQ(config.sliding_window, std::nullopt);
+  EXPECT_EQ(config.rope_theta, 1e6);
+  EXPECT_EQ(config.eos_token_ids, std::vector<int64_t>{151645});
+
+  // Embeddings 151936 x 1024 (tied) + 28 blocks of 15,730,944 (q 1024x2048, k and v
+  // 1024x1024, o 2048x1024, MLP 3 x 1024x3072, norms 2 x 1024 + 2 x 128) + the final norm.
+  EXPECT_EQ(ParameterCount(config), 596049920);  // published: 0.6B, 0.44B without embeddings
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  // q_norm and k_norm: 11 tensors per layer.
+  ASSERT_EQ(weights.size(), 1u + 28 * 11 + 1);
+  EXPECT_EQ(weights[6].name, "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_THAT(weights[6].shape, ElementsAre(128));
+  EXPECT_EQ(weights[7].name, "model.layers.0.self_attn.k_norm.weight");
+  EXPECT_THAT(weights[7].shape, ElementsAre(128));
+
+  // attention_bias: q, k, v and o, as Llama's.
+  nlohmann::json biased = nlohmann::json::parse(kQwen3_06B);
+  biased["attention_bias"] = true;
+  ModelConfig with_bias = MustParse(biased.dump());
+  EXPECT_TRUE(with_bias.qkv_bias);
+  EXPECT_TRUE(with_bias.o_bias);
+  EXPECT_EQ(ExpectedWeights(with_bias).size(), 1u + 28 * 15 + 1);
 }
 
 TEST(ModelConfigTest, Defaults) {
@@ -318,6 +384,18 @@ TEST(ModelConfigTest, SlidingWindowRules) {
   absl::StatusOr<ModelConfig> mixed = ParseModelConfig(qwen.dump(), "/m/config.json");
   EXPECT_THAT(mixed.status().message(),
               HasSubstr("layer_types: a sliding window on layers 1 only is not supported"));
+
+  // Qwen3 follows Qwen2's rules.
+  nlohmann::json qwen3 = nlohmann::json::parse(kQwen3_06B);
+  qwen3["use_sliding_window"] = true;
+  qwen3["sliding_window"] = 4096;
+  EXPECT_EQ(MustParse(qwen3.dump()).sliding_window, std::nullopt);  // max_window_layers 28
+  qwen3["max_window_layers"] = 0;
+  EXPECT_EQ(MustParse(qwen3.dump()).sliding_window, 4096);
+  qwen3["layer_types"] = std::vector<std::string>(28, "full_attention");
+  qwen3["layer_types"][27] = "sliding_attention";
+  EXPECT_THAT(ParseModelConfig(qwen3.dump(), "/m/config.json").status().message(),
+              HasSubstr("layer_types: a sliding window on layers 27 only is not supported"));
 }
 
 TEST(ModelConfigTest, MistralStyleHeadDim) {
@@ -419,13 +497,19 @@ TEST(ModelConfigTest, JsonRoundTrip) {
   qwen_sliding["use_sliding_window"] = true;
   qwen_sliding["max_window_layers"] = 0;
   qwen_sliding["sliding_window"] = 1024;
+  nlohmann::json qwen3_bias_window = nlohmann::json::parse(kQwen3_06B);
+  qwen3_bias_window["attention_bias"] = true;
+  qwen3_bias_window["use_sliding_window"] = true;
+  qwen3_bias_window["max_window_layers"] = 0;
+  qwen3_bias_window["sliding_window"] = 512;
   nlohmann::json mistral_no_window = nlohmann::json::parse(kMistral7B);
   mistral_no_window["sliding_window"] = nullptr;
   mistral_no_window["head_dim"] = 96;
 
   for (const std::string& text :
        {std::string(kLlama32_1B), std::string(kMistral7B), std::string(kQwen25_05B), linear.dump(),
-        qwen_sliding.dump(), mistral_no_window.dump()}) {
+        qwen_sliding.dump(), mistral_no_window.dump(), std::string(kQwen3_06B),
+        qwen3_bias_window.dump()}) {
     ModelConfig original = MustParse(text);
     SCOPED_TRACE(original.model_type);
     std::string written = ModelConfigToJson(original);
@@ -491,7 +575,8 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
       {"missing model_type", [](Json& j) { j.erase("model_type"); },
        "/m/config.json: model_type: required field is missing"},
       {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
-       "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2)"},
+       "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2, "
+       "qwen3)"},
       {"model_type not a string", [](Json& j) { j["model_type"] = 7; },
        "/m/config.json: model_type: expected a string, got 7"},
       {"hidden_act", [](Json& j) { j["hidden_act"] = "gelu"; },
