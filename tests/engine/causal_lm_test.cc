@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -151,10 +152,12 @@ LossAndGrads Backward(CausalLm& model, const at::Tensor& ids, uint64_t dropout_s
 }
 
 TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
-  for (bool full : {false, true}) {
-    SCOPED_TRACE(full ? "full fine-tuning" : "LoRA with dropout");
+  // qwen2: q/k/v biases; qwen3: RMSNorm on q and k (trainable in full fine-tuning).
+  for (const auto& [type, full] : {std::pair{"qwen2", false}, std::pair{"qwen2", true},
+                                   std::pair{"qwen3", false}, std::pair{"qwen3", true}}) {
+    SCOPED_TRACE(absl::StrCat(type, full ? ": full fine-tuning" : ": LoRA with dropout"));
     TempDir dir;
-    ModelConfig config = TinyConfig("qwen2");
+    ModelConfig config = TinyConfig(type);
     ModelOptions checkpointed;
     checkpointed.activation_checkpointing = true;
     auto plain = LoadModel(dir, config, DType::kF32, full);
@@ -299,8 +302,54 @@ TEST(CausalLm, ReportsMissingTensorsAndShapeMismatchesByName) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(missing.message(),
               HasSubstr("tensor \"model.layers.0.self_attn.q_proj.bias\" is missing"));
+  ModelConfig qwen3 = config;
+  qwen3.model_type = "qwen3";
+  qwen3.qk_norm = true;
+  EXPECT_THAT(CausalLm::Load(dir.Path("m"), qwen3, false).status().message(),
+              HasSubstr("tensor \"model.layers.0.self_attn.q_norm.weight\" is missing "
+                        "(config.json implies shape [8])"));
   EXPECT_EQ(CausalLm::Load(dir.Path("nothing"), config, false).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Qwen3's q_norm and k_norm: the fused and the unfused RMSNorm give the same loss and
+// gradients (the norms' own included: trainable, without weight decay, in full fine-tuning),
+// and each weight acts on the logits.
+TEST(CausalLm, Qwen3NormsEachHeadOfQueriesAndKeys) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("qwen3");
+  ModelOptions unfused;
+  unfused.fused_kernels = false;
+  auto fused = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+  auto plain = LoadModel(dir, config, DType::kF32, /*trainable=*/true, unfused);
+  at::Tensor ids = Ids(2, 14, config.vocab_size, 6);
+  LossAndGrads a = Backward(*fused, ids, 1);
+  LossAndGrads b = Backward(*plain, ids, 1);
+  EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss));
+  std::vector<NamedParameter> params = fused->TrainableParameters();
+  ASSERT_EQ(a.grads.size(), params.size());
+  int norms = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-4, 1e-5)) << params[i].name;
+    if (absl::StrContains(params[i].name, "self_attn.q_norm") ||
+        absl::StrContains(params[i].name, "self_attn.k_norm")) {
+      ++norms;
+      EXPECT_FALSE(params[i].weight_decay) << params[i].name;
+      EXPECT_THAT(params[i].tensor.sizes(), ::testing::ElementsAre(config.head_dim));
+      EXPECT_GT(a.grads[i].abs().max().item<float>(), 0.0f) << params[i].name;
+    }
+  }
+  EXPECT_EQ(norms, 2 * config.num_hidden_layers);
+  // Every head shares one weight over head_dim: scaling the last feature of k_norm moves the
+  // logits.
+  at::Tensor before = fused->Logits(ids);
+  {
+    at::NoGradGuard no_grad;
+    for (NamedParameter& p : fused->TrainableParameters()) {
+      if (p.name == "model.layers.0.self_attn.k_norm.weight") p.tensor[config.head_dim - 1].mul_(3);
+    }
+  }
+  EXPECT_FALSE(at::allclose(before, fused->Logits(ids), 1e-3, 1e-4));
 }
 
 TEST(CausalLm, LoadLoraRejectsAnotherRank) {

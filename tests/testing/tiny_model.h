@@ -21,6 +21,7 @@ inline ModelConfig TinyModelConfig(const std::string& model_type = "llama") {
   c.head_dim = 8;
   c.max_position_embeddings = 64;
   c.qkv_bias = model_type == "qwen2";
+  c.qk_norm = model_type == "qwen3";
   return c;
 }
 

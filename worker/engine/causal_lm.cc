@@ -165,6 +165,8 @@ std::vector<at::Tensor> DecoderLayer::TrainableTensors() const {
   };
   add(input_norm);
   add(post_attention_norm);
+  add(q_norm);
+  add(k_norm);
   for (const std::string& module : LoraTargetModules()) {
     const Projection& p = projection(module);
     for (const at::Tensor* t : {&p.weight, &p.bias, &p.lora_a, &p.lora_b}) add(*t);
@@ -208,6 +210,8 @@ std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
     std::string prefix = absl::StrCat("model.layers.", l, ".");
     slots[prefix + "input_layernorm.weight"] = &layer.input_norm;
     slots[prefix + "post_attention_layernorm.weight"] = &layer.post_attention_norm;
+    slots[prefix + "self_attn.q_norm.weight"] = &layer.q_norm;
+    slots[prefix + "self_attn.k_norm.weight"] = &layer.k_norm;
     for (const std::string& module : LoraTargetModules()) {
       Projection& p = layer.projection(module);
       slots[ProjectionName(l, module) + ".weight"] = &p.weight;
@@ -358,12 +362,17 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t head_dim = config_.head_dim;
   const bool fused = options_.fused_kernels;
-  at::Tensor q = layer.q_proj.Forward(x, lora_dropout_, training_, fused)
-                     .view({batch, seq, heads, head_dim})
-                     .transpose(1, 2);
+  at::Tensor q =
+      layer.q_proj.Forward(x, lora_dropout_, training_, fused).view({batch, seq, heads, head_dim});
   at::Tensor k = layer.k_proj.Forward(x, lora_dropout_, training_, fused)
-                     .view({batch, seq, kv_heads, head_dim})
-                     .transpose(1, 2);
+                     .view({batch, seq, kv_heads, head_dim});
+  if (config_.qk_norm) {
+    // Qwen3: each head of q and k normalised over head_dim, before RoPE.
+    q = Norm(q, layer.q_norm);
+    k = Norm(k, layer.k_norm);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
   at::Tensor v = layer.v_proj.Forward(x, lora_dropout_, training_, fused)
                      .view({batch, seq, kv_heads, head_dim})
                      .transpose(1, 2);

@@ -1,4 +1,4 @@
-// A Llama-family decoder (Llama, Mistral, Qwen2; docs/training.md, "Model") with optional
+// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; docs/training.md, "Model") with optional
 // LoRA adapters on its projections, written against ATen directly: explicit parameter
 // tensors, no torch::nn modules, so the engine decides where every byte lives.
 //
@@ -86,6 +86,9 @@ struct Projection {
 struct DecoderLayer {
   at::Tensor input_norm;           // [hidden]
   at::Tensor post_attention_norm;  // [hidden]
+  // Qwen3 (ModelConfig::qk_norm): RMSNorm weights over each head of q and of k; undefined
+  // otherwise.
+  at::Tensor q_norm, k_norm;  // [head_dim]
   Projection q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
   // The projection called `module` ("q_proj", ...). REQUIRES: IsLoraTargetModule(module).
