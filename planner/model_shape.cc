@@ -14,18 +14,20 @@ namespace {
 struct FamilyInfo {
   ModelFamily family;
   absl::string_view model_type;
-  bool tied_by_default;  // the transformers default of tie_word_embeddings
-  bool qkv_bias;         // q, k, v biases always present (Qwen2)
-  int64_t norms_per_block;
+  bool tied_by_default;          // the transformers default of tie_word_embeddings
+  bool qkv_bias;                 // q, k, v biases always present (Qwen2)
+  int64_t norms_per_block;       // over hidden
+  int64_t head_norms_per_block;  // over head_dim (Qwen3's q_norm and k_norm)
 };
 
 constexpr FamilyInfo kFamilies[] = {
-    {ModelFamily::kLlama, "llama", false, false, 2},
-    {ModelFamily::kMistral, "mistral", false, false, 2},
-    {ModelFamily::kQwen2, "qwen2", false, true, 2},
-    {ModelFamily::kGemma, "gemma", true, false, 2},
-    {ModelFamily::kGemma2, "gemma2", true, false, 4},
-    {ModelFamily::kPhi3, "phi3", false, false, 2},
+    {ModelFamily::kLlama, "llama", false, false, 2, 0},
+    {ModelFamily::kMistral, "mistral", false, false, 2, 0},
+    {ModelFamily::kQwen2, "qwen2", false, true, 2, 0},
+    {ModelFamily::kQwen3, "qwen3", false, false, 2, 2},
+    {ModelFamily::kGemma, "gemma", true, false, 2, 0},
+    {ModelFamily::kGemma2, "gemma2", true, false, 4, 0},
+    {ModelFamily::kPhi3, "phi3", false, false, 2, 0},
 };
 
 // Keys that mark a mixture-of-experts config, by the families that use them.
@@ -70,7 +72,7 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json,
     return fields.Error("model_type",
                         absl::StrCat("\"", *model_type,
                                      "\" is not a known dense decoder (known: llama, mistral, "
-                                     "qwen2, gemma, gemma2, phi3)"));
+                                     "qwen2, qwen3, gemma, gemma2, phi3)"));
   }
   ModelShape shape;
   shape.family = info->family;
@@ -109,12 +111,13 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json,
   block.attention = h * q + 2 * h * kv + q * h;
   if (info->qkv_bias) {
     block.attention_bias = q + 2 * kv;
-  } else if (attention_bias) {  // Llama's attention_bias: q, k, v and o
+  } else if (attention_bias) {  // Llama's and Qwen3's attention_bias: q, k, v and o
     block.attention_bias = q + 2 * kv + h;
   }
   block.mlp = 3 * h * i;
   if (mlp_bias) block.mlp_bias = 2 * i + h;
-  block.norms = info->norms_per_block * h;
+  block.head_norms = info->head_norms_per_block;
+  block.norms = info->norms_per_block * h + block.head_norms * shape.head_dim;
   shape.embeddings = shape.vocab_size * h;
   shape.lm_head = shape.tied_embeddings ? 0 : shape.vocab_size * h;
   shape.final_norm = h;

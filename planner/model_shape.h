@@ -1,7 +1,7 @@
 // The shape of a Hugging Face causal LM as the planner needs it (issue #11): exact parameter
 // counts by tensor kind and by block, from config.json alone. Covers the dense decoders of
-// the Llama family (Llama, Mistral, Qwen2), Gemma and Gemma 2, and Phi-3; mixture-of-experts
-// configs are refused. The engine trains a subset of these (common/capabilities.h); the
+// the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma and Gemma 2, and Phi-3;
+// mixture-of-experts configs are refused. The engine trains a subset of these (common/capabilities.h); the
 // planner can size them all, so that it can say what a job would need before anything runs.
 //
 // No libtorch, no I/O: pure functions (planner/ builds with the coordinator).
@@ -18,9 +18,9 @@
 
 namespace lathe {
 
-enum class ModelFamily { kLlama, kMistral, kQwen2, kGemma, kGemma2, kPhi3 };
+enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kPhi3 };
 
-// "llama", "mistral", "qwen2", "gemma", "gemma2", "phi3" (config.json's model_type).
+// "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3" (config.json's model_type).
 absl::string_view ModelFamilyName(ModelFamily family);
 
 // Parameters of one decoder block by kind. Phi-3's fused qkv_proj and gate_up_proj count
@@ -30,7 +30,10 @@ struct BlockParams {
   int64_t attention_bias = 0;  // q, k, v (and o) biases
   int64_t mlp = 0;             // gate, up, down weights
   int64_t mlp_bias = 0;
-  int64_t norms = 0;  // 2 RMSNorm weights; 4 in Gemma 2 (pre/post attention and MLP)
+  // 2 RMSNorm weights of hidden; 4 in Gemma 2 (pre/post attention and MLP); Qwen3 adds
+  // q_norm and k_norm of head_dim each (head_norms of them).
+  int64_t norms = 0;
+  int64_t head_norms = 0;  // how many of the norms are over head_dim (Qwen3: 2)
   int64_t total() const { return attention + attention_bias + mlp + mlp_bias + norms; }
 };
 

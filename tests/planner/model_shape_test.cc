@@ -44,6 +44,7 @@ INSTANTIATE_TEST_SUITE_P(
                       CountCase{"mistral-7b-v0.1", 7'241'732'096, ModelFamily::kMistral, false},
                       CountCase{"qwen2.5-7b", 7'615'616'512, ModelFamily::kQwen2, false},
                       CountCase{"qwen2.5-0.5b", 494'032'768, ModelFamily::kQwen2, true},
+                      CountCase{"qwen3-0.6b", 596'049'920, ModelFamily::kQwen3, true},
                       CountCase{"gemma-2b", 2'506'172'416, ModelFamily::kGemma, true},
                       CountCase{"gemma-2-9b", 9'241'705'984, ModelFamily::kGemma2, true},
                       CountCase{"phi-3-mini-4k", 3'821'079'552, ModelFamily::kPhi3, false}),
@@ -70,6 +71,13 @@ TEST(ModelShapeTest, BreaksABlockDownByKind) {
   ASSERT_TRUE(gemma2.ok()) << gemma2.status();
   EXPECT_EQ(gemma2->block.norms, 4 * 3584);  // pre/post attention and MLP
   EXPECT_EQ(gemma2->block.attention, 2 * 3584 * 4096 + 2 * 3584 * 2048);  // head_dim 256
+  absl::StatusOr<ModelShape> qwen3 = ShapeOf("qwen3-0.6b");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.status();
+  // hidden 1024, 16 heads and 8 key/value heads of 128 (q projects to 2048).
+  EXPECT_EQ(qwen3->block.attention, 2 * 1024 * 2048 + 2 * 1024 * 1024);
+  EXPECT_EQ(qwen3->block.attention_bias, 0);
+  EXPECT_EQ(qwen3->block.norms, 2 * 1024 + 2 * 128);  // and q_norm, k_norm over head_dim
+  EXPECT_EQ(qwen3->block.head_norms, 2);
 }
 
 TEST(ModelShapeTest, RefusesMixtureOfExperts) {

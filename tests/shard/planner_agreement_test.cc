@@ -5,9 +5,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/model_config.h"
+#include "gtest/gtest.h"
 #include "planner/model_shape.h"
 #include "planner/model_states.h"
-#include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
 #include "worker/comm/fake_communicator.h"
@@ -20,10 +20,11 @@ namespace {
 
 TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
   testing::TempDir dir;
-  for (bool qwen : {false, true}) {
-    ModelConfig config = testing::TinyModelConfig(qwen ? "qwen2" : "llama");  // qwen2: biases
-    config.tie_word_embeddings = qwen;
-    const std::string model_dir = dir.Path(qwen ? "qwen" : "llama");
+  // qwen2: biases, tied; qwen3: q/k norms of head_dim in every block.
+  for (const std::string type : {"llama", "qwen2", "qwen3"}) {
+    ModelConfig config = testing::TinyModelConfig(type);
+    config.tie_word_embeddings = type == "qwen2";
+    const std::string model_dir = dir.Path(type);
     ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, model_dir).ok());
     absl::StatusOr<ModelShape> shape = ParseModelShape(ModelConfigToJson(config), "config.json");
     ASSERT_TRUE(shape.ok()) << shape.status();

@@ -16,9 +16,9 @@
 #include "tests/testing/tiny_model.h"
 #include "worker/comm/fake_communicator.h"
 #include "worker/engine/causal_lm.h"
-#include "worker/train/trainer.h"
 #include "worker/shard/sharded_model.h"
 #include "worker/tools/synthetic.h"
+#include "worker/train/trainer.h"
 
 namespace lathe {
 namespace {
@@ -404,6 +404,26 @@ TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
   EXPECT_LE(whole - dense, nf4 + 9 * 7 * config_.num_hidden_layers);
   for (int rank = 0; rank < 4; ++rank) {
     EXPECT_LE(frozen_bytes(4, rank), whole / 4 + 64) << "rank " << rank;
+  }
+}
+
+TEST_F(ShardedTrainerTest, Qwen3OnEveryStage) {
+  // Qwen3's q_norm and k_norm: frozen tensors of each block's unit under LoRA and QLoRA
+  // (gathered at ZeRO-3), trained without weight decay in full fine-tuning.
+  FullFineTuning(testing::TinyModelConfig("qwen3"));
+  JobSpec full = spec_;
+  full.train.weight_decay = 0.01;
+  JobSpec lora = spec_;
+  lora.method = Method::kLora;
+  lora.train.lr = 1e-2;
+  JobSpec qlora = lora;
+  qlora.method = Method::kQLora;
+  for (const auto& [name, spec] :
+       {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
+    const std::vector<double> want = Reference(spec, absl::StrCat(name, "-single"));
+    for (int64_t stage : {1, 2, 3}) {
+      ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(name, "-s", stage)), want, 1e-5);
+    }
   }
 }
 
