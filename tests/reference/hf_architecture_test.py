@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Holds `lathe-worker score` to Hugging Face transformers' own modeling code (issue #28,
-item 2): the logits and the loss of small random Llama, Mistral and Qwen2 models built and
-saved with transformers' classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM),
-rather than to our own Python reference (test_reference.py).
+item 2; Qwen3 by #31): the logits and the loss of small random Llama, Mistral, Qwen2 and
+Qwen3 models built and saved with transformers' classes (LlamaForCausalLM,
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), rather than to our own Python
+reference (test_reference.py).
 
 Run by ctest (label "reference") with the project venv's Python (torch, transformers,
 safetensors), or by hand:
@@ -28,9 +29,10 @@ What is held, float32 on both sides (Lathe's `score` always computes in float32)
 The cases (CASES) cover, among them: every model type the engine trains; hidden sizes,
 intermediate sizes and vocabularies that are not powers of two or multiples of 8; GQA and
 MQA and plain multi-head attention; head_dim != hidden / heads; Llama's attention_bias and
-mlp_bias, Qwen2's q/k/v biases; tied and untied embeddings; rope_scaling llama3 and
-linear; sliding windows smaller than the sequence (Mistral, Qwen2 use_sliding_window with
-max_window_layers 0); non-default rms_norm_eps and rope_theta; one record of 400 tokens in
+mlp_bias, Qwen2's q/k/v biases, Qwen3's RMSNorm on each head of q and k (and its
+attention_bias); tied and untied embeddings; rope_scaling llama3 and
+linear; sliding windows smaller than the sequence (Mistral, Qwen2 and Qwen3 use_sliding_window
+with max_window_layers 0); non-default rms_norm_eps and rope_theta; one record of 400 tokens in
 some cases, past kCpuFusedAttentionMinTokens (384), where the engine's attention switches
 from its explicit softmax to libtorch's fused scaled_dot_product_attention (with an
 additive mask under a sliding window, without one otherwise).
@@ -81,6 +83,8 @@ from transformers import (  # noqa: E402
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 transformers.logging.set_verbosity_error()
@@ -168,6 +172,27 @@ CASES = {
                     rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=512,
                     rope_parameters=dict(rope_type="default", rope_theta=1e6)),
         lengths=[41, 30, 13, LONG_RECORD]),
+    # Qwen3 (q_norm and k_norm over head_dim 16 != 48 / 6, before RoPE), GQA (6 heads on 2),
+    # tied embeddings, a sliding window of 9 on every layer, eps 1e-3 (which the q/k norms
+    # use too).
+    "qwen3_tied_sliding": dict(
+        model_type="qwen3", seed=16,
+        config=dict(vocab_size=331, hidden_size=48, intermediate_size=83, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    use_sliding_window=True, sliding_window=9, max_window_layers=0,
+                    rms_norm_eps=1e-3, tie_word_embeddings=True, max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0)),
+        lengths=[43, 27, 10, 4, LONG_RECORD]),
+    # Qwen3 untied with attention_bias (q, k, v and o), GQA (4 heads on 2), head_dim 20 !=
+    # 72 / 4, theta 1e6 (Qwen3's), a 400-token record (the fused attention without a mask).
+    "qwen3_untied_bias": dict(
+        model_type="qwen3", seed=17,
+        config=dict(vocab_size=407, hidden_size=72, intermediate_size=101, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=20,
+                    attention_bias=True, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                    max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+        lengths=[39, 28, 14, LONG_RECORD]),
 }
 
 # Cases for ConfigSpellingTest alone.
@@ -179,12 +204,18 @@ V5_CASES = {
         CASES["qwen2_tied_sliding"],
         config=dict(CASES["qwen2_tied_sliding"]["config"],
                     layer_types=["full_attention", "sliding_attention"])),
+    # The same for Qwen3: the window on layer 0 only.
+    "qwen3_layer_types": dict(
+        CASES["qwen3_tied_sliding"],
+        config=dict(CASES["qwen3_tied_sliding"]["config"],
+                    layer_types=["sliding_attention", "full_attention"])),
 }
 
 CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
 }
 
 
@@ -463,6 +494,12 @@ class ArchitectureTest(HfTestCase):
     def test_qwen2_untied_head_dim(self):
         self.check_case("qwen2_untied_head_dim")
 
+    def test_qwen3_tied_sliding(self):
+        self.check_case("qwen3_tied_sliding")
+
+    def test_qwen3_untied_bias(self):
+        self.check_case("qwen3_untied_bias")
+
 
 class Bf16CheckpointTest(HfTestCase):
     """A checkpoint stored in bfloat16: Lathe's score widens it to float32 on load, as HF's
@@ -484,6 +521,9 @@ class Bf16CheckpointTest(HfTestCase):
 
     def test_qwen2_tied_sliding(self):
         self.check_bf16("qwen2_tied_sliding")
+
+    def test_qwen3_tied_sliding(self):
+        self.check_bf16("qwen3_tied_sliding")
 
 
 class MergedModelTest(HfTestCase):
@@ -513,7 +553,12 @@ class MergedModelTest(HfTestCase):
         return os.path.join(p.tmp, out), json.loads(proc.stdout)
 
     def test_float32_merge_computes_base_plus_adapter(self):
-        p = prepared("llama_bias_gqa_llama3")
+        for name in ("llama_bias_gqa_llama3", "qwen3_untied_bias"):  # qwen3: q/k norms kept
+            with self.subTest(case=name):
+                self.check_float32_merge(name)
+
+    def check_float32_merge(self, name):
+        p = prepared(name)
         merged, _ = self.merge(p, p.dir, "merged-f32")
         hf_merged, info = AutoModelForCausalLM.from_pretrained(
             merged, dtype=torch.float32, output_loading_info=True)
@@ -586,7 +631,8 @@ class PlantedErrorTest(HfTestCase):
 
     def test_rms_norm_eps(self):
         # The model's 1e-3 read as 1e-5.
-        for name in ("llama_bias_gqa_llama3", "mistral_sliding_mqa", "qwen2_tied_sliding"):
+        for name in ("llama_bias_gqa_llama3", "mistral_sliding_mqa", "qwen2_tied_sliding",
+                     "qwen3_tied_sliding"):
             with self.subTest(case=name):
                 self.assertEqual(CASES[name]["config"]["rms_norm_eps"], 1e-3)
                 self.check_planted(name, "rms_norm_eps",
@@ -637,6 +683,21 @@ class ConfigSpellingTest(HfTestCase):
             p.lathe(p.dir)
         self.assertIn("layer_types: a sliding window on layers 1 only is not supported",
                       str(refused.exception))
+
+    def test_qwen3_window_on_some_layers_is_refused(self):
+        p = prepared("qwen3_layer_types")
+        with self.assertRaises(AssertionError) as refused:
+            p.lathe(p.dir)
+        self.assertIn("layer_types: a sliding window on layers 0 only is not supported",
+                      str(refused.exception))
+
+    def test_qwen3_written_config(self):
+        # What the Qwen3 cases rely on: head_dim and the window written as given.
+        config = read_config(prepared("qwen3_tied_sliding").dir)
+        self.assertEqual(config["model_type"], "qwen3")
+        self.assertEqual(config["head_dim"], 16)
+        self.assertEqual(config["layer_types"], ["sliding_attention"] * 2)
+        self.assertFalse(config["attention_bias"])
 
 
 if __name__ == "__main__":

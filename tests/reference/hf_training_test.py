@@ -34,7 +34,9 @@ on 4 projections of a tied Qwen2 (packed, accumulation over 4, cosine schedule w
 full fine-tuning of the tied Qwen2 (biases and norms exempt from decay); QLoRA as the Llama
 LoRA; and ZeRO-3 on 2 ranks (two `lathe-worker train --rank R --world-size 2
 --rendezvous-dir D` processes) for the Llama LoRA and the Qwen2 full job, held to the same
-HF loops and tolerances as one process.
+HF loops and tolerances as one process. Qwen3 (#31; q_norm and k_norm on each head) runs
+LoRA, QLoRA and full fine-tuning as the Llama LoRA and Qwen2 full jobs, each also under
+ZeRO-3 (LoRA and full) on 2 ranks.
 
 What is held (float32 on both sides):
   - each step's loss (computed before its update), relative STEP_LOSS_REL_TOL; its gradient
@@ -186,6 +188,14 @@ MODELS = {
                               rms_norm_eps=1e-6, tie_word_embeddings=True,
                               max_position_embeddings=64,
                               rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    # Qwen3: q_norm and k_norm over head_dim 18 != 56 / 4 (trained, without weight decay, in
+    # full fine-tuning; frozen base weights of every unit under LoRA), untied, no biases.
+    "qwen3": dict(model_type="qwen3", seed=33,
+                  config=dict(vocab_size=288, hidden_size=56, intermediate_size=80,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=18, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                              max_position_embeddings=64,
+                              rope_parameters=dict(rope_type="default", rope_theta=1e6))),
 }
 
 SEQ_LEN = 32
@@ -235,12 +245,33 @@ JOBS = {
         train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
                    adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
                    schedule=dict(kind="constant", warmup_steps=0))),
+    # Qwen3: lora_llama's LoRA (every projection, accumulation over 2, clipping, decay), its
+    # QLoRA, and full fine-tuning as full_qwen2's (the q/k norms trained, exempt from decay).
+    "lora_qwen3": dict(
+        model="qwen3", method="lora", pack=False,
+        lora=dict(rank=8, alpha=16, targets=ALL_TARGETS, use_rslora=False),
+        train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
+                   adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
+                   schedule=dict(kind="constant", warmup_steps=0))),
+    "qlora_qwen3": dict(
+        model="qwen3", method="qlora", pack=False,
+        lora=dict(rank=8, alpha=16, targets=ALL_TARGETS, use_rslora=False),
+        train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
+                   adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
+                   schedule=dict(kind="constant", warmup_steps=0))),
+    "full_qwen3": dict(
+        model="qwen3", method="full", pack=False,
+        train=dict(global_batch=4, micro_batch=2, lr=1e-3, adam_beta1=0.9, adam_beta2=0.99,
+                   adam_eps=1e-8, weight_decay=0.05, max_grad_norm=1.0,
+                   schedule=dict(kind="constant", warmup_steps=0))),
 }
 # The ZeRO-3 runs: the same jobs on 2 ranks (a rank's half of the global batch, in
 # micro-batches of 1 for LoRA, of 2 for full), so the HF loop's result is the same.
 ZERO3_JOBS = {
     "lora_llama_zero3": ("lora_llama", dict(micro_batch=1)),
     "full_qwen2_zero3": ("full_qwen2", dict(micro_batch=2)),
+    "lora_qwen3_zero3": ("lora_qwen3", dict(micro_batch=1)),
+    "full_qwen3_zero3": ("full_qwen3", dict(micro_batch=2)),
 }
 
 # Helpers --------------------------------------------------------------------------------------
@@ -761,6 +792,9 @@ class LoraTrainingTest(TrainingCase):
         self.assertEqual(lathe["plan"]["gradient_accumulation"], "4")
         self.check_job("lora_qwen2", lathe)
 
+    def test_lora_qwen3(self):
+        self.check_job("lora_qwen3", lathe_result("lora_qwen3"))
+
 
 class FullTrainingTest(TrainingCase):
     """method full against the bare transformers model in the HF loop; the exported model
@@ -771,6 +805,11 @@ class FullTrainingTest(TrainingCase):
         config = arch.read_config(lathe["done"]["model"])
         self.assertTrue(config["tie_word_embeddings"])
         self.check_job("full_qwen2", lathe)
+
+    def test_full_qwen3(self):
+        lathe = lathe_result("full_qwen3")
+        self.assertIn("model.layers.1.self_attn.k_norm.weight", lathe["trained"])
+        self.check_job("full_qwen3", lathe)
 
 
 class QLoraTrainingTest(TrainingCase):
@@ -786,6 +825,9 @@ class QLoraTrainingTest(TrainingCase):
         gap = abs(plain_first - lathe["steps"][0]["loss"]) / abs(plain_first)
         self.assertGreater(gap, 10 * STEP_LOSS_REL_TOL, "the NF4 base hardly moves the loss")
 
+    def test_qlora_qwen3(self):
+        self.check_job("qlora_qwen3", lathe_result("qlora_qwen3"))
+
 
 class Zero3TrainingTest(TrainingCase):
     """ZeRO-3 on 2 ranks (two processes meeting in a rendezvous directory) against the same
@@ -800,6 +842,16 @@ class Zero3TrainingTest(TrainingCase):
         lathe = lathe_result("full_qwen2_zero3")
         self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
         self.check_job("full_qwen2_zero3", lathe)
+
+    def test_lora_qwen3_two_ranks(self):
+        lathe = lathe_result("lora_qwen3_zero3")
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.check_job("lora_qwen3_zero3", lathe)
+
+    def test_full_qwen3_two_ranks(self):
+        lathe = lathe_result("full_qwen3_zero3")
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.check_job("full_qwen3_zero3", lathe)
 
 
 class PlantedErrorTest(TrainingCase):
