@@ -25,6 +25,9 @@ import ranks as launcher  # noqa: E402
 MIB = 1 << 20
 FULL = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, seq=128)
 QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=704, seq=64)
+# Configurations named "qwen3-..." run a Qwen3 model of the same sizes (#31: q_norm and
+# k_norm on every head) with a head_dim other than hidden / heads.
+QWEN3 = dict(type="qwen3", head_dim=80)
 
 # (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels[, accumulation
 #  [, more train fields, more top-level fields]])
@@ -64,6 +67,9 @@ CONFIGS = [
     ("qlora-z3-r2", "qlora", 2, 3, False, 1, True),
     ("mezo-full", "mezo", 1, 0, False, 1, True, 1, "", "{trainable: full}"),
     ("mezo-lora-mb4", "mezo", 1, 0, False, 4, True),
+    ("qwen3-lora-mb4", "lora", 1, 0, False, 4, True),
+    ("qwen3-lora-unfused-ckpt-mb4", "lora", 1, 0, True, 4, False),
+    ("qwen3-full-z3-r2", "full", 2, 3, False, 1, True),
 ]
 
 
@@ -80,22 +86,25 @@ def main():
     work = args.keep or tempfile.mkdtemp(prefix="lathe-planner-accuracy-")
     os.makedirs(work, exist_ok=True)
     launcher.synth_model(args.bin_dir, f"{work}/model", m)
+    configs = [c for c in CONFIGS
+               if not args.only or any(part in c[0] for part in args.only.split(","))]
+    if any(c[0].startswith("qwen3-") for c in configs):
+        launcher.synth_model(args.bin_dir, f"{work}/model-qwen3", {**m, **QWEN3})
     launcher.synth_data(args.bin_dir, f"{work}/train.jsonl", m["vocab"], m["seq"])
 
     print(f"# Planner accuracy, {datetime.date.today()}, {launcher.machine()}\n")
-    print(f"Model {m}; 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
+    print(f"Model {m} (qwen3-*: with {QWEN3}); 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
           "allocator's peak of the last step, the largest over ranks\n")
     print("| config | method | ranks | ZeRO | ckpt | micro-batch | accumulation | fused | "
           "peak at | predicted MiB | measured MiB | error |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     errors = []
-    for name, method, ranks, stage, ckpt, micro, fused, *rest in CONFIGS:
-        if args.only and not any(part in name for part in args.only.split(",")):
-            continue
+    for name, method, ranks, stage, ckpt, micro, fused, *rest in configs:
         accumulation = rest[0] if rest else 1
         more_train = f", {rest[1]}" if len(rest) > 1 and rest[1] else ""
         fields = {
-            "name": name, "model": f"{{path: {work}/model}}",
+            "name": name,
+            "model": f"{{path: {work}/model{'-qwen3' if name.startswith('qwen3-') else ''}}}",
             "data": f"{{train: {work}/train.jsonl, seq_len: {m['seq']}}}",
             "method": method,
             "train": f"{{steps: 2, global_batch: {micro * ranks * accumulation}, "

@@ -20,11 +20,13 @@ def machine():
 
 def synth_model(bin_dir, out, m):
     """`lathe-synth model` with the sizes of `m` (vocab, hidden, layers, heads, kv_heads,
-    intermediate)."""
+    intermediate; optionally type and head_dim)."""
+    extra = [arg for key, flag in (("type", "--type"), ("head_dim", "--head-dim")) if key in m
+             for arg in (flag, str(m[key]))]
     subprocess.run([os.path.join(bin_dir, "lathe-synth"), "model", "--out", out, "--vocab",
                     str(m["vocab"]), "--hidden", str(m["hidden"]), "--layers", str(m["layers"]),
                     "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]),
-                    "--intermediate", str(m["intermediate"])], check=True,
+                    "--intermediate", str(m["intermediate"]), *extra], check=True,
                    stdout=subprocess.DEVNULL)
 
 
