@@ -82,6 +82,4 @@ int Run(const std::string& dir) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  return Run(argc > 1 ? argv[1] : "tests/planner/data/configs");
-}
+int main(int argc, char** argv) { return Run(argc > 1 ? argv[1] : "tests/planner/data/configs"); }

@@ -1,8 +1,9 @@
 // The shape of a Hugging Face causal LM as the planner needs it (issue #11): exact parameter
 // counts by tensor kind and by block, from config.json alone. Covers the dense decoders of
 // the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma and Gemma 2, and Phi-3;
-// mixture-of-experts configs are refused. The engine trains a subset of these (common/capabilities.h); the
-// planner can size them all, so that it can say what a job would need before anything runs.
+// mixture-of-experts configs are refused. The engine trains a subset of these
+// (common/capabilities.h); the planner can size them all, so that it can say what a job would need
+// before anything runs.
 //
 // No libtorch, no I/O: pure functions (planner/ builds with the coordinator).
 //

@@ -438,8 +438,8 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
         plan.activation_checkpointing ? ", activation checkpointing" : "");
     // The planner's line ("planner: ZeRO-2, micro-batch 4, ...") or the spec's own.
     if (!plan.explanation.empty()) {
-      text << (absl::StartsWith(plan.explanation, "planner:") ? "" : "plan: ")
-           << plan.explanation << "\n";
+      text << (absl::StartsWith(plan.explanation, "planner:") ? "" : "plan: ") << plan.explanation
+           << "\n";
     }
   }
   // Whoever reads the output (the agent) is gone when a write fails: stop after the next

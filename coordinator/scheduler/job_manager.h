@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "planner/planner.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "lathe/v1/coordinator.pb.h"
+#include "planner/planner.h"
 
 namespace lathe {
 

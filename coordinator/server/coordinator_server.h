@@ -23,7 +23,6 @@
 #include "coordinator/api/services.h"
 #include "coordinator/logs/log_store.h"
 #include "coordinator/metrics/coordinator_metrics.h"
-#include "planner/device_pools.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
 #include "coordinator/scheduler/job_manager.h"
@@ -33,6 +32,7 @@
 #include "coordinator/store/database_lock.h"
 #include "coordinator/store/store.h"
 #include "grpcpp/grpcpp.h"
+#include "planner/device_pools.h"
 
 namespace lathe {
 

@@ -245,26 +245,12 @@ JOBS = {
         train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
                    adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
                    schedule=dict(kind="constant", warmup_steps=0))),
-    # Qwen3: lora_llama's LoRA (every projection, accumulation over 2, clipping, decay), its
-    # QLoRA, and full fine-tuning as full_qwen2's (the q/k norms trained, exempt from decay).
-    "lora_qwen3": dict(
-        model="qwen3", method="lora", pack=False,
-        lora=dict(rank=8, alpha=16, targets=ALL_TARGETS, use_rslora=False),
-        train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
-                   adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
-                   schedule=dict(kind="constant", warmup_steps=0))),
-    "qlora_qwen3": dict(
-        model="qwen3", method="qlora", pack=False,
-        lora=dict(rank=8, alpha=16, targets=ALL_TARGETS, use_rslora=False),
-        train=dict(global_batch=4, micro_batch=2, lr=2e-3, adam_beta1=0.85, adam_beta2=0.99,
-                   adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
-                   schedule=dict(kind="constant", warmup_steps=0))),
-    "full_qwen3": dict(
-        model="qwen3", method="full", pack=False,
-        train=dict(global_batch=4, micro_batch=2, lr=1e-3, adam_beta1=0.9, adam_beta2=0.99,
-                   adam_eps=1e-8, weight_decay=0.05, max_grad_norm=1.0,
-                   schedule=dict(kind="constant", warmup_steps=0))),
 }
+# Qwen3: lora_llama's LoRA (every projection, accumulation over 2, clipping, decay), its
+# QLoRA, and full fine-tuning as full_qwen2's (the q/k norms trained, exempt from decay).
+for _name, _like in (("lora_qwen3", "lora_llama"), ("qlora_qwen3", "qlora_llama"),
+                     ("full_qwen3", "full_qwen2")):
+    JOBS[_name] = dict(JOBS[_like], model="qwen3")
 # The ZeRO-3 runs: the same jobs on 2 ranks (a rank's half of the global batch, in
 # micro-batches of 1 for LoRA, of 2 for full), so the HF loop's result is the same.
 ZERO3_JOBS = {
