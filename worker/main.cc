@@ -6,10 +6,6 @@
 #include <signal.h>
 #include <unistd.h>
 
-#if LATHE_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -137,16 +133,6 @@ absl::Status PinSpecPaths(const std::vector<std::string>& roots, JobSpec* spec) 
   return absl::OkStatus();
 }
 #endif
-
-// The total memory of CUDA device `index`; 0 in a libtorch without CUDA.
-uint64_t CudaTotalMemory(int index) {
-#if LATHE_TORCH_CUDA
-  return at::cuda::getDeviceProperties(index)->totalGlobalMem;
-#else
-  (void)index;
-  return 0;
-#endif
-}
 
 // Whether `spec` leaves a choice to the planner: `strategy: auto`, a strategy field given as
 // `auto`, or `micro_batch: auto`.

@@ -32,6 +32,10 @@ void ResetCudaPeak(int device) { c10::cuda::CUDACachingAllocator::resetPeakStats
 
 std::string CudaDeviceName(int device) { return at::cuda::getDeviceProperties(device)->name; }
 
+uint64_t CudaTotalMemory(int device) {
+  return at::cuda::getDeviceProperties(device)->totalGlobalMem;
+}
+
 void SynchronizeStream(const at::Device& device) {
   if (device.is_cuda()) at::cuda::getCurrentCUDAStream(device.index()).synchronize();
 }
@@ -40,6 +44,7 @@ void SynchronizeStream(const at::Device&) {}
 std::optional<CudaMemory> CudaMemoryOf(int) { return std::nullopt; }
 void ResetCudaPeak(int) {}
 std::string CudaDeviceName(int) { return ""; }
+uint64_t CudaTotalMemory(int) { return 0; }
 #endif
 
 }  // namespace lathe

@@ -39,6 +39,8 @@ std::optional<CudaMemory> CudaMemoryOf(int device);
 void ResetCudaPeak(int device);
 // The CUDA device's name ("NVIDIA H100 80GB HBM3"); empty without CUDA.
 std::string CudaDeviceName(int device);
+// The CUDA device's total memory in bytes; 0 without CUDA.
+uint64_t CudaTotalMemory(int device);
 // Waits until the work enqueued so far on `device`'s current stream has finished (a
 // libtorch CUDA device; nothing on the CPU).
 void SynchronizeStream(const at::Device& device);
