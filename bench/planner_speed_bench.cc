@@ -51,8 +51,6 @@ int Run(const std::string& dir) {
     }
     lathe::PlanOptions options;
     options.rates = *lathe::DefaultRates("h100");
-    options.max_zero_stage = 3;
-    options.offload = true;
     std::vector<double> ms;
     std::string chosen = "nothing fits";
     size_t configurations = 0;
@@ -64,7 +62,7 @@ int Run(const std::string& dir) {
               .count());
       if (result.ok()) {
         configurations = result->candidates.size();
-        const lathe::Plan& p = result->plan;
+        const lathe::Strategy& p = result->plan.strategy;
         chosen =
             absl::StrFormat("ZeRO-%d%s%s%s, micro-batch %d", p.zero_stage,
                             p.offload_optimizer ? ", offload optimizer" : "",

@@ -88,25 +88,26 @@ void AppendField(std::string* out, absl::string_view label, absl::string_view va
 }
 
 std::string PlanText(const v1::Plan& plan) {
+  const v1::Strategy& s = plan.strategy();
   // micro_batch 0: a job stored before the plan carried the micro-batch.
   std::string batching =
-      plan.micro_batch() > 0
-          ? absl::StrCat("micro-batch ", plan.micro_batch(), " x ",
+      s.micro_batch() > 0
+          ? absl::StrCat("micro-batch ", s.micro_batch(), " x ",
                          std::max<int64_t>(plan.gradient_accumulation(), 1), " accumulation")
           : "micro-batch auto";
   std::string text =
       absl::StrCat(plan.ranks(), plan.ranks() == 1 ? " rank" : " ranks", " on ",
-                   DeviceName(plan.device()), ", ZeRO-", plan.zero_stage(), ", ", batching, ", ",
+                   DeviceName(plan.device()), ", ZeRO-", s.zero_stage(), ", ", batching, ", ",
                    plan.total_steps(), " steps, ", PrecisionText(plan.precision()));
   std::vector<std::string> options;
   // What the planner may have chosen for the user (memory techniques); the spec's own
   // method shows in the spec.
   if (plan.method() == v1::METHOD_QLORA) options.push_back("QLoRA (NF4 frozen projections)");
-  if (plan.offload_optimizer()) options.push_back("offload optimizer");
-  if (plan.offload_params()) options.push_back("offload params");
-  if (plan.activation_checkpointing()) options.push_back("activation checkpointing");
-  if (plan.chunked_loss()) options.push_back("chunked loss");
-  if (plan.fused_kernels()) options.push_back("fused kernels");
+  if (s.offload_optimizer()) options.push_back("offload optimizer");
+  if (s.offload_params()) options.push_back("offload params");
+  if (s.activation_checkpointing()) options.push_back("activation checkpointing");
+  if (s.chunked_loss()) options.push_back("chunked loss");
+  if (s.fused_kernels()) options.push_back("fused kernels");
   if (!options.empty()) absl::StrAppend(&text, "\n", absl::StrJoin(options, ", "));
   if (!plan.explanation().empty()) absl::StrAppend(&text, "\n", plan.explanation());
   return text;
@@ -384,13 +385,14 @@ std::string PlanReportText(const v1::PlanJobResponse& response, size_t max_candi
   size_t shown = 0;
   for (const v1::PlanCandidate& c : response.candidates()) {
     if (shown++ == max_candidates) break;
-    std::string offload = c.offload_optimizer() && c.offload_params() ? "opt+params"
-                          : c.offload_optimizer()                     ? "optimizer"
-                          : c.offload_params()                        ? "params"
+    const v1::Strategy& s = c.strategy();
+    std::string offload = s.offload_optimizer() && s.offload_params() ? "opt+params"
+                          : s.offload_optimizer()                     ? "optimizer"
+                          : s.offload_params()                        ? "params"
                                                                       : "-";
-    rows.push_back({absl::StrCat(c.zero_stage()), offload,
-                    c.activation_checkpointing() ? "on" : "off",
-                    c.chunked_loss() ? "chunked" : "logits", absl::StrCat(c.micro_batch()),
+    rows.push_back({absl::StrCat(s.zero_stage()), offload,
+                    s.activation_checkpointing() ? "on" : "off",
+                    s.chunked_loss() ? "chunked" : "logits", absl::StrCat(s.micro_batch()),
                     FormatBytes(CorrectedTotal(c.memory(), c.memory_correction())),
                     absl::StrFormat("%.3g s", c.step_seconds()), c.verdict()});
   }

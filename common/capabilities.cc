@@ -35,8 +35,7 @@ const EngineCapabilities& Engine() {
       {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit, OptimizerKind::kAdafactor,
        OptimizerKind::kSgd},
       /*devices=*/{DeviceKind::kCpu, DeviceKind::kCuda},
-      /*max_zero_stage=*/3,
-      /*offload=*/true,
+      /*strategy=*/{/*max_zero_stage=*/3, /*offload=*/true, /*sharded_zeroth_order=*/false},
   };
   return *kEngine;
 }
@@ -58,30 +57,7 @@ absl::Status CheckEngineSupports(const JobSpec& spec, const EngineCapabilities& 
   if (!Contains(caps.devices, spec.resources.device)) {
     return Unsupported("resources.device", spec.resources.device, caps.devices, DeviceKindName);
   }
-  const StrategySpec& s = spec.strategy;
-  if (!s.automatic && s.zero_stage > caps.max_zero_stage) {
-    return absl::UnimplementedError(absl::StrCat(
-        "strategy.zero_stage: ", s.zero_stage,
-        " is not supported by this engine yet (supported: 0 to ", caps.max_zero_stage, ")"));
-  }
-  if (!s.automatic && (s.zero_stage > 0 || s.offload_optimizer || s.offload_params) &&
-      spec.method == Method::kMezo) {
-    return absl::UnimplementedError(absl::StrCat(
-        "strategy.zero_stage: ", s.zero_stage,
-        (s.offload_optimizer || s.offload_params) ? " with offload" : "",
-        " with method mezo is not supported by this engine yet (MeZO runs on a replicated "
-        "model, zero_stage 0: it keeps no gradients or optimizer state to shard)"));
-  }
-  if (!caps.offload && !s.automatic) {
-    for (const auto& [field, on] : {std::pair{"strategy.offload_optimizer", s.offload_optimizer},
-                                    std::pair{"strategy.offload_params", s.offload_params}}) {
-      if (on) {
-        return absl::UnimplementedError(
-            absl::StrCat(field, ": true is not supported by this engine yet (no CPU offload)"));
-      }
-    }
-  }
-  return absl::OkStatus();
+  return ValidateStrategy(spec.strategy, StrategyContextOf(spec, caps.strategy));
 }
 
 }  // namespace lathe

@@ -26,8 +26,7 @@ struct EngineCapabilities {
   std::vector<Precision> precisions;
   std::vector<OptimizerKind> optimizers;
   std::vector<DeviceKind> devices;
-  int64_t max_zero_stage = 0;
-  bool offload = false;  // offload_optimizer, offload_params
+  StrategyLimits strategy;
 };
 
 // This build's engine.

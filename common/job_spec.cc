@@ -94,11 +94,6 @@ absl::string_view DeviceKindName(DeviceKind device) {
 
 namespace {
 
-// The strategy fields a map may give as `auto` (StrategySpec::auto_fields).
-constexpr absl::string_view kAutoStrategyFields[] = {"zero_stage", "offload_optimizer",
-                                                     "offload_params", "activation_checkpointing",
-                                                     "chunked_loss"};
-
 // True for a scalar the author quoted (or tagged !!str): a string even when it reads like
 // a number. JSON strings arrive this way, so "lr": "2e-4" is refused like lr: "2e-4".
 bool IsStringScalar(const YAML::Node& node) {
@@ -198,7 +193,7 @@ struct EnumValue {
   T value;
 };
 
-// Reads the fields of one spec. Every error is INVALID_ARGUMENT
+// Reads the fields of one spec. Every error is INVALID_ARGUMENT (but Prefixed's)
 // "<source>: <field>: <problem>".
 class SpecReader {
  public:
@@ -208,6 +203,11 @@ class SpecReader {
   absl::Status Error(absl::string_view field, absl::string_view problem) const {
     if (field.empty()) return absl::InvalidArgumentError(absl::StrCat(source_, ": ", problem));
     return absl::InvalidArgumentError(absl::StrCat(source_, ": ", field, ": ", problem));
+  }
+
+  // `status` (code kept) with the source before its message.
+  absl::Status Prefixed(const absl::Status& status) const {
+    return absl::Status(status.code(), absl::StrCat(source_, ": ", status.message()));
   }
 
   absl::Status Missing(absl::string_view field) const {
@@ -411,7 +411,9 @@ absl::Status ParseSchedule(const SpecReader& r, const YAML::Node& node, Schedule
   return absl::OkStatus();
 }
 
-absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* train) {
+// `micro_batch`: the strategy's (train.micro_batch); empty for "auto".
+absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* train,
+                        std::optional<int64_t>* micro_batch) {
   LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "train",
                                     {"steps",
                                      "epochs",
@@ -449,12 +451,14 @@ absl::Status ParseTrain(const SpecReader& r, const YAML::Node& node, TrainSpec* 
   }
   if (const YAML::Node v = node["micro_batch"]) {
     if (v.IsScalar() && v.Scalar() == "auto") {
-      train->micro_batch = 0;
+      micro_batch->reset();
     } else if (!v.IsScalar() || IsStringScalar(v) || !LooksLikeInteger(v.Scalar())) {
       return r.Error("train.micro_batch",
                      absl::StrCat("expected an integer or \"auto\", got ", Describe(v)));
     } else {
-      LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.micro_batch", 1, &train->micro_batch));
+      int64_t value = 0;
+      LATHE_RETURN_IF_ERROR(r.ReadIntAtLeast(v, "train.micro_batch", 1, &value));
+      *micro_batch = value;
     }
   }
   if (const YAML::Node v = node["lr"]) {
@@ -558,9 +562,13 @@ absl::Status ParseResources(const SpecReader& r, const YAML::Node& node, Resourc
   return absl::OkStatus();
 }
 
+// "auto" leaves every field but the micro-batch to the planner; in a map, a field given as
+// `auto` is the planner's and a field left out is fixed at its default.
 absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, StrategySpec* strategy) {
   if (node.IsScalar() && node.Scalar() == "auto") {
+    const std::optional<int64_t> micro_batch = strategy->micro_batch;
     *strategy = StrategySpec();
+    strategy->micro_batch = micro_batch;
     return absl::OkStatus();
   }
   if (!node.IsMap()) {
@@ -569,32 +577,30 @@ absl::Status ParseStrategy(const SpecReader& r, const YAML::Node& node, Strategy
   LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "strategy",
                                     {"zero_stage", "offload_optimizer", "offload_params",
                                      "activation_checkpointing", "chunked_loss", "fused_kernels"}));
-  strategy->automatic = false;
-  // A field given as `auto` is left to the planner (its default stays in the struct).
-  auto planner_chooses = [&](const YAML::Node& v, const char* field) {
-    if (!v.IsScalar() || v.Scalar() != "auto") return false;
-    strategy->auto_fields.push_back(field);
-    return true;
+  auto read = [&](absl::string_view name, auto* field) -> absl::Status {
+    using T = typename std::remove_reference_t<decltype(*field)>::value_type;
+    const std::string path = absl::StrCat("strategy.", name);
+    const YAML::Node v = node[std::string(name)];
+    *field = T{};
+    if (!v) return absl::OkStatus();
+    if (v.IsScalar() && v.Scalar() == "auto") {
+      field->reset();
+      return absl::OkStatus();
+    }
+    T value{};
+    if constexpr (std::is_same_v<T, bool>) {
+      LATHE_RETURN_IF_ERROR(r.ReadBool(v, path, &value));
+    } else {
+      LATHE_RETURN_IF_ERROR(r.ReadInt(v, path, &value));
+    }
+    *field = value;
+    return absl::OkStatus();
   };
-  if (const YAML::Node v = node["zero_stage"]; v && !planner_chooses(v, "zero_stage")) {
-    LATHE_RETURN_IF_ERROR(r.ReadInt(v, "strategy.zero_stage", &strategy->zero_stage));
-  }
-  if (const YAML::Node v = node["offload_optimizer"];
-      v && !planner_chooses(v, "offload_optimizer")) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadBool(v, "strategy.offload_optimizer", &strategy->offload_optimizer));
-  }
-  if (const YAML::Node v = node["offload_params"]; v && !planner_chooses(v, "offload_params")) {
-    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.offload_params", &strategy->offload_params));
-  }
-  if (const YAML::Node v = node["activation_checkpointing"];
-      v && !planner_chooses(v, "activation_checkpointing")) {
-    LATHE_RETURN_IF_ERROR(
-        r.ReadBool(v, "strategy.activation_checkpointing", &strategy->activation_checkpointing));
-  }
-  if (const YAML::Node v = node["chunked_loss"]; v && !planner_chooses(v, "chunked_loss")) {
-    LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.chunked_loss", &strategy->chunked_loss));
-  }
+  LATHE_RETURN_IF_ERROR(read("zero_stage", &strategy->zero_stage));
+  LATHE_RETURN_IF_ERROR(read("offload_optimizer", &strategy->offload_optimizer));
+  LATHE_RETURN_IF_ERROR(read("offload_params", &strategy->offload_params));
+  LATHE_RETURN_IF_ERROR(read("activation_checkpointing", &strategy->activation_checkpointing));
+  LATHE_RETURN_IF_ERROR(read("chunked_loss", &strategy->chunked_loss));
   if (const YAML::Node v = node["fused_kernels"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "strategy.fused_kernels", &strategy->fused_kernels));
   }
@@ -720,8 +726,10 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.Between("train.steps", train.steps, 0, 1'000'000'000));
   LATHE_RETURN_IF_ERROR(check.Between("train.epochs", train.epochs, 0, 1'000'000));
   LATHE_RETURN_IF_ERROR(check.Between("train.global_batch", train.global_batch, 1, 1 << 20));
-  // 0 is "auto".
-  LATHE_RETURN_IF_ERROR(check.Between("train.micro_batch", train.micro_batch, 0, 1 << 20));
+  if (spec.strategy.micro_batch) {
+    LATHE_RETURN_IF_ERROR(
+        check.Between("train.micro_batch", *spec.strategy.micro_batch, 1, 1 << 20));
+  }
   LATHE_RETURN_IF_ERROR(check.InRange("train.lr", train.lr, 0, false));
   LATHE_RETURN_IF_ERROR(
       check.AtLeast("train.schedule.warmup_steps", train.schedule.warmup_steps, 0));
@@ -746,23 +754,6 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.AtLeast("train.max_nonfinite_steps", train.max_nonfinite_steps, 1));
   LATHE_RETURN_IF_ERROR(check.Between("resources.ranks", spec.resources.ranks, 1, 4096));
 
-  const StrategySpec& strategy = spec.strategy;
-  for (const std::string& field : strategy.auto_fields) {
-    if (std::find(std::begin(kAutoStrategyFields), std::end(kAutoStrategyFields), field) ==
-        std::end(kAutoStrategyFields)) {
-      return r.Error(absl::StrCat("strategy.", field), "cannot be auto");
-    }
-  }
-  if (strategy.zero_stage < 0 || strategy.zero_stage > 3) {
-    return r.Error("strategy.zero_stage",
-                   absl::StrCat("must be 0, 1, 2 or 3, got ", strategy.zero_stage));
-  }
-  // Parameters live sharded only under ZeRO-3; below it every rank holds them all.
-  if (strategy.offload_params && strategy.zero_stage != 3 &&
-      !strategy.ChosenByPlanner("zero_stage")) {
-    return r.Error("strategy.offload_params",
-                   absl::StrCat("requires zero_stage 3, got zero_stage ", strategy.zero_stage));
-  }
   LATHE_RETURN_IF_ERROR(check.Between("max_restarts", spec.max_restarts, 0, 100));
   LATHE_RETURN_IF_ERROR(check.Present("output", spec.output));
 
@@ -778,20 +769,15 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
         absl::StrCat("must be < train.steps ", train.steps, ", got ", train.schedule.warmup_steps));
   }
   const int64_t ranks = spec.resources.ranks;
-  if (train.micro_batch > 0) {
-    // micro_batch * ranks fits: both are bounded by global_batch in any sane spec, and an
-    // overflowing product is reported rather than wrapped.
-    if (train.micro_batch > train.global_batch / ranks ||
-        train.global_batch % (train.micro_batch * ranks) != 0) {
-      return r.Error("train.global_batch",
-                     absl::StrCat(train.global_batch, " is not divisible by train.micro_batch ",
-                                  train.micro_batch, " x resources.ranks ", ranks));
-    }
-  } else if (train.global_batch % ranks != 0) {
-    // With micro_batch: auto the planner still splits the batch evenly over the ranks.
+  if (train.global_batch % ranks != 0) {
     return r.Error(
         "train.global_batch",
         absl::StrCat(train.global_batch, " is not divisible by resources.ranks ", ranks));
+  }
+  // Within the default limits every rule is INVALID_ARGUMENT.
+  if (absl::Status strategy = ValidateStrategy(spec.strategy, StrategyContextOf(spec));
+      !strategy.ok()) {
+    return r.Prefixed(strategy);
   }
   return absl::OkStatus();
 }
@@ -841,7 +827,7 @@ absl::StatusOr<JobSpec> ParseRoot(const SpecReader& r, const YAML::Node& root,
     LATHE_RETURN_IF_ERROR(ParseLora(r, v, &spec.lora));
   }
   if (const YAML::Node v = root["train"]) {
-    LATHE_RETURN_IF_ERROR(ParseTrain(r, v, &spec.train));
+    LATHE_RETURN_IF_ERROR(ParseTrain(r, v, &spec.train, &spec.strategy.micro_batch));
   }
   if (const YAML::Node v = root["resources"]) {
     LATHE_RETURN_IF_ERROR(ParseResources(r, v, &spec.resources));
@@ -907,15 +893,15 @@ std::string JobSpecToJson(const JobSpec& spec) {
   auto name = [](absl::string_view word) { return std::string(word); };
   const TrainSpec& t = spec.train;
   const StrategySpec& s = spec.strategy;
+  auto or_auto = [](const auto& field) { return field ? Json(*field) : Json("auto"); };
   Json strategy = "auto";
-  if (!s.automatic) {
-    strategy = {{"zero_stage", s.zero_stage},
-                {"offload_optimizer", s.offload_optimizer},
-                {"offload_params", s.offload_params},
-                {"activation_checkpointing", s.activation_checkpointing},
-                {"chunked_loss", s.chunked_loss},
+  if (!IsAutomatic(s) || !s.fused_kernels) {
+    strategy = {{"zero_stage", or_auto(s.zero_stage)},
+                {"offload_optimizer", or_auto(s.offload_optimizer)},
+                {"offload_params", or_auto(s.offload_params)},
+                {"activation_checkpointing", or_auto(s.activation_checkpointing)},
+                {"chunked_loss", or_auto(s.chunked_loss)},
                 {"fused_kernels", s.fused_kernels}};
-    for (const std::string& field : s.auto_fields) strategy[field] = "auto";
   }
   Json out = {
       {"name", spec.name},
@@ -936,7 +922,7 @@ std::string JobSpecToJson(const JobSpec& spec) {
        {{"steps", t.steps},
         {"epochs", t.epochs},
         {"global_batch", t.global_batch},
-        {"micro_batch", t.micro_batch > 0 ? Json(t.micro_batch) : Json("auto")},
+        {"micro_batch", or_auto(s.micro_batch)},
         {"lr", t.lr},
         {"schedule",
          {{"kind", name(ScheduleKindName(t.schedule.kind))},
@@ -1057,8 +1043,13 @@ std::string FormatBytes(uint64_t bytes) {
   return absl::StrFormat("%.*f %s", decimals, value, kUnits[unit]);
 }
 
-bool StrategySpec::ChosenByPlanner(absl::string_view field) const {
-  return automatic || std::find(auto_fields.begin(), auto_fields.end(), field) != auto_fields.end();
+StrategyContext StrategyContextOf(const JobSpec& spec, const StrategyLimits& limits) {
+  StrategyContext context;
+  context.ranks = spec.resources.ranks;
+  context.global_batch = spec.train.global_batch;
+  context.zeroth_order = spec.method == Method::kMezo;
+  context.limits = limits;
+  return context;
 }
 
 }  // namespace lathe

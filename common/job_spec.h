@@ -15,6 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/strategy.h"
 
 namespace lathe {
 
@@ -69,7 +70,7 @@ struct TrainSpec {
   int64_t steps = 0;  // optimizer steps; exactly one of steps and epochs is > 0
   int64_t epochs = 0;
   int64_t global_batch = 8;  // sequences per optimizer step, over all ranks
-  int64_t micro_batch = 0;   // sequences per forward/backward per rank; 0 = auto
+  // train.micro_batch is the strategy's (JobSpec::strategy.micro_batch).
   double lr = 2.0e-4;
   ScheduleSpec schedule;
   OptimizerKind optimizer = OptimizerKind::kAdamW;
@@ -108,25 +109,6 @@ struct ResourcesSpec {
   uint64_t memory_per_rank = 0;  // bytes; 0 = not given
 };
 
-struct StrategySpec {
-  bool automatic = true;  // "strategy: auto"; the fields below are then chosen by the planner
-  // In a strategy map, the fields given as `auto` (zero_stage, offload_optimizer,
-  // offload_params, activation_checkpointing, chunked_loss): the planner chooses them, the
-  // others are fixed.
-  std::vector<std::string> auto_fields;
-  int64_t zero_stage = 0;
-  bool offload_optimizer = false;
-  bool offload_params = false;
-  bool activation_checkpointing = false;
-  bool chunked_loss = false;
-  // The engine's fused kernels (kernels/); false runs the plain ATen composition. Applies
-  // under "strategy: auto" too.
-  bool fused_kernels = true;
-
-  // Whether the planner chooses `field` (one of auto_fields' names).
-  bool ChosenByPlanner(absl::string_view field) const;
-};
-
 struct JobSpec {
   std::string name;  // required; [A-Za-z0-9._-]{1,63}
   ModelSpec model;
@@ -136,6 +118,8 @@ struct JobSpec {
   MezoSpec mezo;  // method: mezo only
   TrainSpec train;
   ResourcesSpec resources;
+  // The `strategy` section and train.micro_batch: each field fixed, or empty for the planner
+  // ("auto"); all empty by default ("strategy: auto", "micro_batch: auto").
   StrategySpec strategy;
   int64_t priority = 0;
   int64_t max_restarts = 3;
@@ -158,15 +142,19 @@ absl::StatusOr<JobSpec> ParseJobSpec(absl::string_view text, absl::string_view s
 // missing required field, an out-of-range value (rank <= 0, lr <= 0, seq_len < 2, ranks < 1,
 // dropout outside [0, 1), a non-finite number, an unknown LoRA target, ...) and fields that
 // disagree (global_batch not divisible by micro_batch x ranks, both or neither of
-// steps/epochs, offload_params below ZeRO-3, ...). The first problem is reported.
+// steps/epochs, and every other rule of ValidateStrategy). The first problem is reported.
 absl::Status ValidateJobSpec(const JobSpec& spec, absl::string_view source);
+
+// What ValidateStrategy needs of `spec` (its ranks, global batch and method), with `limits`.
+StrategyContext StrategyContextOf(const JobSpec& spec, const StrategyLimits& limits = {});
 
 // Reads and parses the file at `path`. NOT_FOUND naming the file when it is missing.
 absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path);
 
 // The spec as one line of JSON in its own schema (docs/job-spec.md), every field present
-// with its value (defaults filled in, enums in their lowercase words, micro_batch 0 as
-// "auto", memory_per_rank in bytes or null). ParseJobSpec reads it back to an equal spec.
+// with its value (defaults filled in, enums in their lowercase words, a strategy field the
+// planner chooses as "auto", memory_per_rank in bytes or null). ParseJobSpec reads it back to an
+// equal spec.
 std::string JobSpecToJson(const JobSpec& spec);
 
 // Parses a byte size: a plain integer, or a number with a unit B, KB, MB, GB, TB (powers of

@@ -3,12 +3,9 @@
 // (common/proto/job_spec_proto.h converts); the engine takes this struct so that it builds without
 // protobuf.
 //
-// The coordinator's planner (planner/, docs/planner.md) makes the plans of
-// submitted jobs, starting from PlanFromSpec's fields. PlanFromSpec alone is the plan of
-// `lathe-worker train --spec` without a coordinator: the spec's explicit strategy (fields
-// given as `auto` at their defaults), or for "strategy: auto" no sharding, no offload and no
-// checkpointing; the micro-batch from train.micro_batch or, when it is auto,
-// AutoMicroBatch. The trainer never decides any of this again.
+// Only the planner (planner/, docs/planner.md) decides what a spec leaves to it: the
+// coordinator plans submitted jobs, and `lathe-worker train --spec` plans locally as
+// `lathe plan --local` does. The trainer never decides any of this again.
 //
 // Thread-safety: plain values and pure functions.
 #ifndef LATHE_COMMON_PLAN_H_
@@ -47,15 +44,7 @@ inline bool FusedAttention(bool fused_kernels, DeviceKind device, int64_t tokens
 struct Plan {
   int64_t ranks = 1;
   DeviceKind device = DeviceKind::kCpu;
-  int64_t zero_stage = 0;
-  bool offload_optimizer = false;
-  bool offload_params = false;
-  bool activation_checkpointing = false;
-  // The loss in vocabulary chunks without [tokens, vocab] logits; the fused linear
-  // cross-entropy always is one.
-  bool chunked_loss = false;
-  bool fused_kernels = true;
-  int64_t micro_batch = 1;            // sequences per forward/backward on each rank
+  Strategy strategy;
   int64_t gradient_accumulation = 1;  // micro-batches per rank per optimizer step
   int64_t total_steps = 0;            // train.steps; 0: counted from train.epochs by the trainer
   Precision precision = Precision::kFp32;
@@ -72,21 +61,19 @@ struct Plan {
   std::string explanation;  // why this plan, in a sentence or two
 };
 
-// The plan for a valid spec (ValidateJobSpec), as the file comment says.
-Plan PlanFromSpec(const JobSpec& spec);
+// The plan that runs `spec` (valid, ValidateJobSpec) with `strategy`: the spec's ranks,
+// device, precision and steps, and the accumulation that makes up its global batch.
+// REQUIRES: strategy.micro_batch divides the spec's per-rank batch.
+Plan PlanOf(const JobSpec& spec, const Strategy& strategy);
 
 // The spec as it runs under `plan`: its method and optimizer replaced by the plan's choices.
 JobSpec WithPlannedTechniques(const JobSpec& spec, const Plan& plan);
 
-// The micro-batch for `micro_batch: auto`: the largest divisor of `per_rank_batch` with
-// micro_batch * seq_len <= 8192 tokens, at least 1.
-int64_t AutoMicroBatch(int64_t per_rank_batch, int64_t seq_len);
-
 // Whether `plan` can run `spec`: INVALID_ARGUMENT naming the plan field ("<source>:
 // plan.micro_batch: ...") for ranks, device or precision other than the spec's, a
 // micro-batch below 1 or one that does not divide the spec's batch over the ranks, an
-// accumulation that does not match, total_steps other than train.steps, a ZeRO stage
-// outside 0..3 or offload_params below ZeRO-3.
+// accumulation that does not match, total_steps other than train.steps, and a strategy
+// ValidateStrategy refuses.
 absl::Status CheckPlanRunsSpec(const JobSpec& spec, const Plan& plan, absl::string_view source);
 
 }  // namespace lathe

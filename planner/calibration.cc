@@ -8,8 +8,7 @@
 
 namespace lathe {
 
-std::string CalibrationKey(const JobShape& job, const StrategyPoint& point,
-                           absl::string_view pool) {
+std::string CalibrationKey(const JobShape& job, const Strategy& point, absl::string_view pool) {
   const ModelShape& m = job.model;
   std::string key = absl::StrCat(ModelFamilyName(m.family), " h", m.hidden_size, " L", m.num_layers,
                                  " i", m.intermediate_size, " a", m.num_heads, "/", m.num_kv_heads,

@@ -25,7 +25,7 @@
 namespace lathe {
 
 // "llama h512 L4 i1408 a8/4 d64 v8192 | lora r8 q,k,v,o | fp32 | ZeRO-2 ckpt fused | 2 x cpu".
-std::string CalibrationKey(const JobShape& job, const StrategyPoint& point, absl::string_view pool);
+std::string CalibrationKey(const JobShape& job, const Strategy& point, absl::string_view pool);
 
 struct MemoryCorrection {
   double factor = 1.0;  // multiplies the memory model's per-rank peak

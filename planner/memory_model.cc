@@ -34,7 +34,7 @@ Widths WidthsOf(const JobShape& job) {
 // gradient (the CPU kernel computes it in forward), the log-sum-exp, the row indices, and
 // the kernel's workspace as the kernel sizes it; unfused, the [targets, vocab] logits and
 // their log-softmax.
-int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t n = p.micro_batch * (job.seq_len - 1);  // every position a target: the worst
   // MeZO's forward passes make no gradient: the target rows alone.
@@ -76,7 +76,7 @@ int64_t LossPeakBytes(const JobShape& job, const StrategyPoint& p, const Widths&
 // k_norm keep their inputs (q and k as projected) and a float32 reciprocal RMS per head and
 // token, fused or not (bench/planner_accuracy.py measured 1.42 and 1.43 MiB over a Llama of
 // the same shape). The unfused kernels keep more: the norms' intermediates and SiLU(gate).
-int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t bt = p.micro_batch * job.seq_len;
   const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, i = m.intermediate_size;
@@ -101,7 +101,7 @@ int64_t BlockSavedBytes(const JobShape& job, const StrategyPoint& p, const Width
 // SwiGLU's and the attention's), calibrated against the tracking allocator on the CPU
 // (bench/planner_accuracy.py): per token, 1.3 hidden and 2.14 MLP widths fused, 1.6 and
 // 1.7 unfused.
-int64_t BackwardTransientBytes(const JobShape& job, const StrategyPoint& p, const Widths& w) {
+int64_t BackwardTransientBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const int64_t bt = p.micro_batch * job.seq_len;
   const int64_t h = bt * job.model.hidden_size * w.compute;
   const int64_t i = bt * job.model.intermediate_size * w.compute;
@@ -144,19 +144,21 @@ int64_t FrozenSliceBytes(const JobShape& job, const std::vector<UnitElements>& u
 // job's own. On the CPU, offloading moves nothing out of the memory the ranks share.
 struct RankStates {
   ModelStateBytes bytes;
-  bool offload_optimizer = false;  // CUDA only
+  bool optimizer_in_host = false;  // offload_optimizer on CUDA
   bool paged = false;              // paged on CUDA at stage 0: the state lives in host memory
 };
 
-absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const StrategyPoint& p,
+absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const Strategy& p,
                                         const std::vector<UnitElements>& units, const Widths& w) {
   const bool cuda = job.device == DeviceKind::kCuda;
-  const ShardingChoice choice{job.ranks, p.zero_stage, p.offload_optimizer && cuda,
-                              p.offload_params && cuda};
+  // On the CPU host and device memory are one: offloading moves nothing.
+  Strategy choice = p;
+  choice.offload_optimizer = p.offload_optimizer && cuda;
+  choice.offload_params = p.offload_params && cuda;
   RankStates rank;
-  rank.offload_optimizer = choice.offload_optimizer;
+  rank.optimizer_in_host = choice.offload_optimizer;
   ModelStateBytes& states = rank.bytes;
-  states = ModelStates(units, w.weight, choice);
+  states = ModelStates(units, w.weight, job.ranks, choice);
   if (job.zeroth_order) states.gradients = states.optimizer = 0;  // MeZO keeps neither
   // QLoRA: the projections' frozen weights in NF4, half a byte per weight, a byte per block
   // of 64, four bytes per 256 blocks (docs/kernels.md "NF4"); at ZeRO-3 sliced as
@@ -202,9 +204,9 @@ absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const StrategyPoint
 // largest tensor (sharded, of the largest piece a rank steps: the largest tensor or the
 // largest unit's slice, whichever is smaller) and, paged, that tensor's state. Offloaded at
 // stages 1-3 the step runs in host memory: nothing.
-int64_t OptimizerStepBytes(const JobShape& job, const StrategyPoint& p,
+int64_t OptimizerStepBytes(const JobShape& job, const Strategy& p,
                            const std::vector<UnitElements>& units, const RankStates& states) {
-  if (p.zero_stage > 0 && states.offload_optimizer) return 0;
+  if (p.zero_stage > 0 && states.optimizer_in_host) return 0;
   int64_t largest_unit = 0;
   for (const UnitElements& e : units) largest_unit = std::max(largest_unit, e.trainable);
   const int64_t cap =
@@ -228,7 +230,7 @@ int64_t OptimizerStepBytes(const JobShape& job, const StrategyPoint& p,
 // MeZO's forward passes keep nothing past each op.
 class Activations {
  public:
-  Activations(const JobShape& job, const StrategyPoint& p, const Widths& w)
+  Activations(const JobShape& job, const Strategy& p, const Widths& w)
       : checkpointing_(p.activation_checkpointing),
         zeroth_order_(job.zeroth_order),
         layers_(job.model.num_layers),
@@ -268,7 +270,7 @@ class Activations {
 // (stages 2 and 3), with the previous micro-batch's last two reductions still in flight.
 class GradientFlow {
  public:
-  GradientFlow(const JobShape& job, const StrategyPoint& p, const std::vector<UnitElements>& units,
+  GradientFlow(const JobShape& job, const Strategy& p, const std::vector<UnitElements>& units,
                const ModelStateBytes& states)
       : stage_(p.zero_stage), units_(units.size()) {
     const int64_t n = job.ranks;
@@ -348,7 +350,7 @@ class Timeline {
   using Bytes = std::array<int64_t, kNumMemoryComponents>;
   // What every phase holds: the model states on the device, the ids and labels, and a GPU's
   // runtime allowance.
-  Timeline(const JobShape& job, const StrategyPoint& p, const ModelStateBytes& states) {
+  Timeline(const JobShape& job, const Strategy& p, const ModelStateBytes& states) {
     At(base_, MemoryComponent::kWeights) = states.weights;
     At(base_, MemoryComponent::kTrainable) = states.trainable;
     At(base_, MemoryComponent::kOptimizer) = states.optimizer;
@@ -459,7 +461,7 @@ const MemoryPhase* MemoryEstimate::Phase(absl::string_view name) const {
   return nullptr;
 }
 
-absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const StrategyPoint& p) {
+absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strategy& p) {
   const Widths w = WidthsOf(job);
   absl::StatusOr<std::vector<UnitElements>> units =
       UnitsOf(job.model, job.method, job.lora_rank, job.lora_targets);

@@ -50,17 +50,6 @@ int64_t WeightBytes(const JobShape& job);
 // Bytes of `elements` frozen weights in NF4 with double-quantized block maxima (method qlora).
 int64_t Nf4Bytes(int64_t elements);
 
-// One point of the strategy space.
-struct StrategyPoint {
-  int64_t zero_stage = 0;
-  bool offload_optimizer = false;
-  bool offload_params = false;
-  bool activation_checkpointing = false;
-  bool chunked_loss = true;  // the fused linear cross-entropy (no [tokens, vocab] logits)
-  bool fused_kernels = true;
-  int64_t micro_batch = 1;
-};
-
 // The phases of a training step, in order (docs/planner.md, "The memory model"). A step has
 // forward, loss, backward, hand-over (backward and hand-over alternate, unit by unit from the
 // head) and optimizer; reduce at ZeRO-2/3; all-reduce at stage 0 on several ranks; MeZO's
@@ -97,7 +86,7 @@ struct MemoryEstimate {
 };
 
 // The per-rank estimate. INVALID_ARGUMENT for a LoRA target the family lacks.
-absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const StrategyPoint& point);
+absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strategy& point);
 
 }  // namespace lathe
 

@@ -140,8 +140,8 @@ int64_t StepTemporaryBytesPerElement(const OptimizerChoice& optimizer) {
 }
 
 ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weight_bytes,
-                            const ShardingChoice& c) {
-  const int64_t n = c.ranks;
+                            int64_t ranks, const Strategy& c) {
+  const int64_t n = ranks;
   ModelStateBytes b;
   for (const UnitElements& u : units) {
     const int64_t frozen_slice = ShardNumel(u.frozen, n);

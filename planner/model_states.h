@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "common/strategy.h"
 #include "planner/model_shape.h"
 
 namespace lathe {
@@ -84,13 +85,6 @@ int64_t OptimizerStateBytes(const std::vector<TrainableShape>& shapes,
 // decayed gradient and the Nesterov direction, each when asked for).
 int64_t StepTemporaryBytesPerElement(const OptimizerChoice& optimizer);
 
-struct ShardingChoice {
-  int64_t ranks = 1;
-  int64_t zero_stage = 0;
-  bool offload_optimizer = false;
-  bool offload_params = false;
-};
-
 struct ModelStateBytes {
   // On the device, per rank.
   int64_t weights = 0;
@@ -103,9 +97,10 @@ struct ModelStateBytes {
 };
 
 // `weight_bytes`: bytes per frozen weight (4 fp32, 2 bf16/fp16); trainable tensors are
-// float32 masters and AdamW keeps two float32 moments.
+// float32 masters and AdamW keeps two float32 moments. Of `strategy`, the ZeRO stage and
+// offload over `ranks` ranks.
 ModelStateBytes ModelStates(const std::vector<UnitElements>& units, int64_t weight_bytes,
-                            const ShardingChoice& choice);
+                            int64_t ranks, const Strategy& strategy);
 
 }  // namespace lathe
 

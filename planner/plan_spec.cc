@@ -32,9 +32,7 @@ absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_vie
     }
     options.rates.memory_bytes = *host / static_cast<uint64_t>(spec.resources.ranks);
   }
-  const EngineCapabilities& caps = Engine();
-  options.max_zero_stage = caps.max_zero_stage;
-  options.offload = caps.offload;
+  options.limits = Engine().strategy;
   return options;
 }
 

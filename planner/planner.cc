@@ -28,7 +28,7 @@ ModelConfig ConfigOf(const ModelShape& shape) {
   return config;
 }
 
-std::string StrategyText(const StrategyPoint& p) {
+std::string StrategyText(const Strategy& p) {
   std::vector<std::string> parts = {absl::StrCat("ZeRO-", p.zero_stage)};
   if (p.offload_optimizer) parts.push_back("optimizer offload");
   if (p.offload_params) parts.push_back("parameter offload");
@@ -38,7 +38,7 @@ std::string StrategyText(const StrategyPoint& p) {
   return absl::StrJoin(parts, ", ");
 }
 
-MemoryCorrection CorrectionFor(const JobShape& job, const StrategyPoint& point,
+MemoryCorrection CorrectionFor(const JobShape& job, const Strategy& point,
                                const PlanOptions& options) {
   if (options.calibration == nullptr) return {};
   return options.calibration->Lookup(CalibrationKey(job, point, options.pool));
@@ -66,9 +66,8 @@ std::string BreakdownText(const Candidate& c) {
 
 // The choices of one field: the spec's value when it fixes the field, else `all`.
 template <typename T>
-std::vector<T> Choices(const StrategySpec& s, absl::string_view field, T fixed,
-                       std::vector<T> all) {
-  if (!s.ChosenByPlanner(field)) return {fixed};
+std::vector<T> Choices(const std::optional<T>& fixed, std::vector<T> all) {
+  if (fixed) return {*fixed};
   return all;
 }
 
@@ -88,7 +87,7 @@ Totals TotalsOf(const std::vector<UnitElements>& units) {
 void Time(const JobSpec& spec, const JobShape& job, const Totals& totals,
           const PlanOptions& options, double flops_per_token, Candidate& c) {
   const DeviceRates& r = options.rates;
-  const StrategyPoint& p = c.point;
+  const Strategy& p = c.point;
   const int64_t n = job.ranks;
   const int64_t per_rank = spec.train.global_batch / n;
   const int64_t accumulation = per_rank / p.micro_batch;
@@ -139,46 +138,43 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
   const double flops_recompute = TrainingFlopsPerToken(config, spec, spec.data.seq_len, true);
 
   const StrategySpec& s = spec.strategy;
+  const StrategyContext context = StrategyContextOf(spec, options.limits);
   const bool cpu = spec.resources.device == DeviceKind::kCpu;
   const int64_t ranks = spec.resources.ranks;
   // MeZO (nothing to shard) stays at stage 0 without offload.
   const bool shards = spec.method != Method::kMezo;
   std::vector<int64_t> stages = {0};
   if (ranks > 1 && shards) {
-    for (int64_t z = 1; z <= options.max_zero_stage; ++z) stages.push_back(z);
+    for (int64_t z = 1; z <= options.limits.max_zero_stage; ++z) stages.push_back(z);
   }
   // On the CPU offloading saves nothing (host and device memory are one): only when fixed.
-  const std::vector<bool> offload_choices =
-      options.offload && !cpu && shards ? std::vector<bool>{false, true} : std::vector<bool>{false};
+  const std::vector<bool> offload_choices = options.limits.offload && !cpu && shards
+                                                ? std::vector<bool>{false, true}
+                                                : std::vector<bool>{false};
   std::vector<int64_t> micro_batches;
   const int64_t per_rank = spec.train.global_batch / ranks;
-  if (spec.train.micro_batch > 0) {
-    micro_batches = {spec.train.micro_batch};
-  } else {
-    for (int64_t m = 1; m <= per_rank; ++m) {
-      if (per_rank % m == 0) micro_batches.push_back(m);
-    }
+  for (int64_t m = 1; m <= per_rank; ++m) {
+    if (per_rank % m == 0) micro_batches.push_back(m);
   }
+  // With fused kernels the loss is the fused linear cross-entropy, chunked.
+  const std::optional<bool> chunked_loss =
+      s.fused_kernels ? std::optional<bool>(true) : s.chunked_loss;
   const uint64_t budget = static_cast<uint64_t>(static_cast<double>(options.rates.memory_bytes) *
                                                 (1.0 - options.headroom));
 
   std::vector<Candidate> candidates;
-  for (int64_t stage : Choices(s, "zero_stage", s.zero_stage, stages)) {
-    for (bool offload_optimizer :
-         Choices(s, "offload_optimizer", s.offload_optimizer, offload_choices)) {
-      if (offload_optimizer && stage == 0 && s.ChosenByPlanner("offload_optimizer")) continue;
-      for (bool offload_params : Choices(s, "offload_params", s.offload_params, offload_choices)) {
-        if (offload_params && stage != 3) continue;
-        for (bool ckpt :
-             Choices(s, "activation_checkpointing", s.activation_checkpointing, {false, true})) {
-          const std::vector<bool> losses =
-              s.fused_kernels ? std::vector<bool>{true} : std::vector<bool>{true, false};
-          for (bool chunked :
-               Choices(s, "chunked_loss", s.chunked_loss || s.fused_kernels, losses)) {
-            for (int64_t micro : micro_batches) {
+  for (int64_t stage : Choices(s.zero_stage, stages)) {
+    for (bool offload_optimizer : Choices(s.offload_optimizer, offload_choices)) {
+      // Offloading a replicated optimizer is never the planner's idea.
+      if (offload_optimizer && stage == 0 && !s.offload_optimizer) continue;
+      for (bool offload_params : Choices(s.offload_params, offload_choices)) {
+        for (bool ckpt : Choices(s.activation_checkpointing, {false, true})) {
+          for (bool chunked : Choices(chunked_loss, {true, false})) {
+            for (int64_t micro : Choices(s.micro_batch, micro_batches)) {
               Candidate c;
               c.point = {stage,   offload_optimizer, offload_params, ckpt,
                          chunked, s.fused_kernels,   micro};
+              if (!ValidateStrategy(c.point, context).ok()) continue;
               absl::StatusOr<MemoryEstimate> memory = EstimateMemory(job, c.point);
               if (!memory.ok()) return memory.status();
               c.memory = *memory;
@@ -213,8 +209,8 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
       // What would fit: more ranks (same strategy, ZeRO-3 if allowed), a shorter sequence.
       std::vector<std::string> fixes;
       JobShape more = job;
-      StrategyPoint p = smallest->point;
-      if (options.max_zero_stage >= 3 && shards && s.ChosenByPlanner("zero_stage")) {
+      Strategy p = smallest->point;
+      if (options.limits.max_zero_stage >= 3 && shards && !s.zero_stage) {
         p.zero_stage = 3;
       }
       for (int64_t r = std::max<int64_t>(2, ranks * 2); r <= 4096; r *= 2) {
@@ -289,15 +285,7 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
   }
   PlanResult result;
   Plan& plan = result.plan;
-  plan = PlanFromSpec(spec);  // ranks, device, precision, steps; the strategy below
-  plan.zero_stage = best.point.zero_stage;
-  plan.offload_optimizer = best.point.offload_optimizer;
-  plan.offload_params = best.point.offload_params;
-  plan.activation_checkpointing = best.point.activation_checkpointing;
-  plan.chunked_loss = best.point.chunked_loss;
-  plan.fused_kernels = best.point.fused_kernels;
-  plan.micro_batch = best.point.micro_batch;
-  plan.gradient_accumulation = per_rank / best.point.micro_batch;
+  plan = PlanOf(spec, best.point);
   plan.predicted_memory = best.memory.device;
   plan.memory_correction = best.correction.factor;
   plan.calibration_key = CalibrationKey(job, best.point, options.pool);
@@ -319,7 +307,7 @@ absl::StatusOr<PlanResult> PlanJob(const JobSpec& spec, const ModelShape& shape,
                                    const PlanOptions& options) {
   absl::StatusOr<PlanResult> given = PlanAsGiven(spec, shape, options);
   if (given.ok() || given.status().code() != absl::StatusCode::kResourceExhausted ||
-      !spec.strategy.automatic) {
+      !IsAutomatic(spec.strategy)) {
     return given;
   }
   // Nothing fits as asked: under strategy auto, the memory techniques that change the

@@ -33,15 +33,14 @@ struct PlanOptions {
   const MemoryCalibration* calibration = nullptr;
   double headroom = 0.10;  // a plan fits when its peak is at most (1 - headroom) x memory
   // The engine's limits (common/capabilities.h): the stages and offload it runs.
-  int64_t max_zero_stage = 3;
-  bool offload = true;
+  StrategyLimits limits;
   // Why sharding and offload are left out of the search when they are (the device kind's
   // engine cannot run them), for "nothing fits"; empty when they are not.
   std::string without_sharding_because;
 };
 
 struct Candidate {
-  StrategyPoint point;
+  Strategy point;         // what the candidate runs
   MemoryEstimate memory;  // the memory model's
   MemoryCorrection correction;
   uint64_t peak = 0;  // memory.device.total x correction.factor: what must fit

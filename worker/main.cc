@@ -134,20 +134,18 @@ absl::Status PinSpecPaths(const std::vector<std::string>& roots, JobSpec* spec) 
 }
 #endif
 
-// Whether `spec` leaves a choice to the planner: `strategy: auto`, a strategy field given as
-// `auto`, or `micro_batch: auto`.
-bool LeavesChoicesToPlanner(const JobSpec& spec) {
-  return spec.strategy.automatic || !spec.strategy.auto_fields.empty() ||
-         spec.train.micro_batch == 0;
-}
-
 // The plan of a spec run alone (--spec). When the spec fixes every choice it is the spec's
-// own (PlanFromSpec); otherwise the planner makes it as `lathe plan --local` does, for this
-// machine: the CPU pool with this host's memory over the ranks, or this GPU's pool and memory
-// (resources.memory_per_rank, when given, instead). So `zero_stage: auto` is what the
-// coordinator would choose, never silently 0.
+// own; otherwise (`strategy: auto`, a strategy field given as `auto`, `micro_batch: auto`)
+// the planner makes it as `lathe plan --local` does, for this machine: the CPU pool with this
+// host's memory over the ranks, or this GPU's pool and memory (resources.memory_per_rank,
+// when given, instead). So `zero_stage: auto` is what the coordinator would choose, never
+// silently 0.
 absl::StatusOr<Plan> PlanSpecHere(const JobSpec& spec) {
-  if (!LeavesChoicesToPlanner(spec)) return PlanFromSpec(spec);
+  if (const std::optional<Strategy> fixed = FixedStrategy(spec.strategy)) {
+    Plan plan = PlanOf(spec, *fixed);
+    plan.explanation = "the spec's explicit strategy";
+    return plan;
+  }
   const bool cuda = spec.resources.device == DeviceKind::kCuda;
   const DevicePools pools = DefaultPools();
   if (cuda && !at::hasCUDA()) {
@@ -419,9 +417,9 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
 #endif
     text << absl::StrFormat(
         "job %s: %d steps, global batch %d, micro-batch %d x %d accumulation on %d rank(s)%s\n",
-        spec.name, trainer->total_steps(), spec.train.global_batch, plan.micro_batch,
+        spec.name, trainer->total_steps(), spec.train.global_batch, plan.strategy.micro_batch,
         plan.gradient_accumulation, plan.ranks,
-        plan.activation_checkpointing ? ", activation checkpointing" : "");
+        plan.strategy.activation_checkpointing ? ", activation checkpointing" : "");
     // The planner's line ("planner: ZeRO-2, micro-batch 4, ...") or the spec's own.
     if (!plan.explanation.empty()) {
       text << (absl::StartsWith(plan.explanation, "planner:") ? "" : "plan: ") << plan.explanation

@@ -99,7 +99,6 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   train->set_steps(t.steps);
   train->set_epochs(t.epochs);
   train->set_global_batch(t.global_batch);
-  train->set_micro_batch(t.micro_batch);
   train->set_lr(t.lr);
   train->mutable_schedule()->set_kind(ToProtoEnum(kSchedules, t.schedule.kind));
   train->mutable_schedule()->set_warmup_steps(t.schedule.warmup_steps);
@@ -131,16 +130,7 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
     resources->set_memory_per_rank_bytes(spec.resources.memory_per_rank);
   }
 
-  const StrategySpec& s = spec.strategy;
-  v1::StrategySpec* strategy = out.mutable_strategy();
-  strategy->set_automatic(s.automatic);
-  strategy->set_zero_stage(s.zero_stage);
-  strategy->set_offload_optimizer(s.offload_optimizer);
-  strategy->set_offload_params(s.offload_params);
-  strategy->set_activation_checkpointing(s.activation_checkpointing);
-  strategy->set_chunked_loss(s.chunked_loss);
-  strategy->set_fused_kernels(s.fused_kernels);
-  for (const std::string& field : s.auto_fields) strategy->add_auto_fields(field);
+  *out.mutable_strategy() = StrategySpecToProto(spec.strategy);
 
   out.set_priority(spec.priority);
   out.set_max_restarts(spec.max_restarts);
@@ -182,7 +172,6 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   if (train.has_steps()) t.steps = train.steps();
   if (train.has_epochs()) t.epochs = train.epochs();
   if (train.has_global_batch()) t.global_batch = train.global_batch();
-  if (train.has_micro_batch()) t.micro_batch = train.micro_batch();  // 0: auto
   if (train.has_lr()) t.lr = train.lr();
   LATHE_ASSIGN_OR_RETURN(t.schedule.kind,
                          FromProtoEnum(kSchedules, train.schedule().kind(), t.schedule.kind, source,
@@ -227,19 +216,7 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
     spec.resources.memory_per_rank = resources.memory_per_rank_bytes();
   }
 
-  // An absent strategy is "auto"; fused_kernels applies under auto too.
-  const v1::StrategySpec& strategy = in.strategy();
-  StrategySpec& s = spec.strategy;
-  s.automatic = !in.has_strategy() || strategy.automatic();
-  if (!s.automatic) {
-    s.zero_stage = strategy.zero_stage();
-    s.offload_optimizer = strategy.offload_optimizer();
-    s.offload_params = strategy.offload_params();
-    s.activation_checkpointing = strategy.activation_checkpointing();
-    s.chunked_loss = strategy.chunked_loss();
-    s.auto_fields.assign(strategy.auto_fields().begin(), strategy.auto_fields().end());
-  }
-  if (strategy.has_fused_kernels()) s.fused_kernels = strategy.fused_kernels();
+  spec.strategy = StrategySpecFromProto(in.strategy());
 
   if (in.has_priority()) spec.priority = in.priority();
   if (in.has_max_restarts()) spec.max_restarts = in.max_restarts();
@@ -248,17 +225,55 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   return spec;
 }
 
+v1::Strategy StrategySpecToProto(const StrategySpec& spec) {
+  v1::Strategy out;
+  if (spec.zero_stage) out.set_zero_stage(*spec.zero_stage);
+  if (spec.offload_optimizer) out.set_offload_optimizer(*spec.offload_optimizer);
+  if (spec.offload_params) out.set_offload_params(*spec.offload_params);
+  if (spec.activation_checkpointing) {
+    out.set_activation_checkpointing(*spec.activation_checkpointing);
+  }
+  if (spec.chunked_loss) out.set_chunked_loss(*spec.chunked_loss);
+  if (spec.micro_batch) out.set_micro_batch(*spec.micro_batch);
+  out.set_fused_kernels(spec.fused_kernels);
+  return out;
+}
+
+StrategySpec StrategySpecFromProto(const v1::Strategy& in) {
+  StrategySpec spec;
+  if (in.has_zero_stage()) spec.zero_stage = in.zero_stage();
+  if (in.has_offload_optimizer()) spec.offload_optimizer = in.offload_optimizer();
+  if (in.has_offload_params()) spec.offload_params = in.offload_params();
+  if (in.has_activation_checkpointing()) {
+    spec.activation_checkpointing = in.activation_checkpointing();
+  }
+  if (in.has_chunked_loss()) spec.chunked_loss = in.chunked_loss();
+  if (in.has_micro_batch()) spec.micro_batch = in.micro_batch();
+  if (in.has_fused_kernels()) spec.fused_kernels = in.fused_kernels();
+  return spec;
+}
+
+v1::Strategy StrategyToProto(const Strategy& strategy) {
+  return StrategySpecToProto(AsSpec(strategy));
+}
+
+Strategy StrategyFromProto(const v1::Strategy& in) {
+  Strategy s;
+  s.zero_stage = in.zero_stage();
+  s.offload_optimizer = in.offload_optimizer();
+  s.offload_params = in.offload_params();
+  s.activation_checkpointing = in.activation_checkpointing();
+  s.chunked_loss = in.chunked_loss();
+  s.micro_batch = in.micro_batch();
+  s.fused_kernels = !in.has_fused_kernels() || in.fused_kernels();
+  return s;
+}
+
 v1::Plan PlanToProto(const Plan& plan) {
   v1::Plan out;
   out.set_ranks(plan.ranks);
   out.set_device(ToProtoEnum(kDevices, plan.device));
-  out.set_zero_stage(plan.zero_stage);
-  out.set_offload_optimizer(plan.offload_optimizer);
-  out.set_offload_params(plan.offload_params);
-  out.set_activation_checkpointing(plan.activation_checkpointing);
-  out.set_chunked_loss(plan.chunked_loss);
-  out.set_fused_kernels(plan.fused_kernels);
-  out.set_micro_batch(plan.micro_batch);
+  *out.mutable_strategy() = StrategyToProto(plan.strategy);
   out.set_gradient_accumulation(plan.gradient_accumulation);
   out.set_total_steps(plan.total_steps);
   out.set_precision(ToProtoEnum(kPrecisions, plan.precision));
@@ -285,13 +300,7 @@ absl::StatusOr<Plan> PlanFromProto(const v1::Plan& in, absl::string_view source)
   plan.ranks = in.ranks();
   LATHE_ASSIGN_OR_RETURN(plan.device,
                          FromProtoEnum(kDevices, in.device(), plan.device, source, "plan.device"));
-  plan.zero_stage = in.zero_stage();
-  plan.offload_optimizer = in.offload_optimizer();
-  plan.offload_params = in.offload_params();
-  plan.activation_checkpointing = in.activation_checkpointing();
-  plan.chunked_loss = in.chunked_loss();
-  plan.fused_kernels = in.fused_kernels();
-  plan.micro_batch = in.micro_batch();
+  plan.strategy = StrategyFromProto(in.strategy());
   plan.gradient_accumulation = in.gradient_accumulation();
   plan.total_steps = in.total_steps();
   LATHE_ASSIGN_OR_RETURN(plan.precision, FromProtoEnum(kPrecisions, in.precision(), plan.precision,

@@ -26,6 +26,15 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec);
 // ValidateJobSpec refuses.
 absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& spec, absl::string_view source);
 
+// A spec's strategy: a field the planner chooses is absent (all absent: "strategy: auto").
+v1::Strategy StrategySpecToProto(const StrategySpec& spec);
+StrategySpec StrategySpecFromProto(const v1::Strategy& strategy);
+
+// A decided strategy: every field present. An absent field reads as its default (0, false;
+// fused_kernels true).
+v1::Strategy StrategyToProto(const Strategy& strategy);
+Strategy StrategyFromProto(const v1::Strategy& strategy);
+
 v1::Plan PlanToProto(const Plan& plan);
 
 v1::MemoryBreakdown MemoryBytesToProto(const MemoryBytes& bytes);

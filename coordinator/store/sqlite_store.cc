@@ -1,7 +1,7 @@
 // The SQLite Store. One connection, serialized by a mutex; WAL so that another process (an
 // operator's `sqlite3`, a second coordinator on the same file) can read and write meanwhile.
 //
-// Schema (PRAGMA user_version 1):
+// Schema (PRAGMA user_version 2; a version 1 file is migrated on open, schema1_records.h):
 //   jobs(seq INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT UNIQUE NOT NULL,
 //        request_id TEXT UNIQUE, record BLOB NOT NULL)   -- request_id NULL when none
 //   workers(worker_id TEXT PRIMARY KEY, record BLOB NOT NULL)
@@ -25,12 +25,13 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/status_macros.h"
+#include "coordinator/store/schema1_records.h"
 #include "coordinator/store/store.h"
 
 namespace lathe {
 namespace {
 
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;
 // How long a statement waits for another connection's lock before giving up (UNAVAILABLE).
 constexpr int kBusyTimeoutMs = 5000;
 
@@ -45,7 +46,7 @@ CREATE TABLE IF NOT EXISTS workers (
   worker_id TEXT PRIMARY KEY,
   record BLOB NOT NULL
 );
-PRAGMA user_version = 1;
+PRAGMA user_version = 2;
 )sql";
 
 // The code for a SQLite result, by what the caller should do.
@@ -316,7 +317,31 @@ class SqliteStore : public Store {
                        kSchemaVersion, "; use a newer lathe-coordinator"));
     }
     if (version == kSchemaVersion) return absl::OkStatus();
+    if (version == 1) return MigrateFromSchema1InTransaction();
     return Exec(kCreateSchema, "creating the tables");
+  }
+
+  // Rewrites every job record as schema 2 holds the strategy. REQUIRES: a write transaction
+  // is open.
+  absl::Status MigrateFromSchema1InTransaction() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    constexpr absl::string_view kWhat = "migrating jobs from schema 1";
+    std::vector<v1::JobStatus> jobs;
+    {
+      LATHE_ASSIGN_OR_RETURN(Statement statement,
+                             Prepare("SELECT job_id, record FROM jobs ORDER BY seq", kWhat));
+      int rc;
+      while ((rc = sqlite3_step(statement.get())) == SQLITE_ROW) {
+        LATHE_RETURN_IF_ERROR(ParseJobRow(statement.get(), &jobs.emplace_back()));
+      }
+      if (rc != SQLITE_DONE) return Error(rc, kWhat);
+    }
+    StoreBatch batch;
+    for (v1::JobStatus& job : jobs) {
+      MigrateSchema1Record(&job);
+      batch.jobs.push_back(std::move(job));
+    }
+    LATHE_RETURN_IF_ERROR(WriteInTransaction(batch));
+    return Exec("PRAGMA user_version = 2", kWhat);
   }
 
   // REQUIRES: a write transaction is open.

@@ -40,7 +40,7 @@ v1::JobStatus RunningJob() {
   v1::Plan* plan = job.mutable_plan();
   plan->set_ranks(2);
   plan->set_device(v1::DEVICE_CUDA);
-  plan->set_zero_stage(3);
+  plan->mutable_strategy()->set_zero_stage(3);
   plan->set_total_steps(100);
   plan->set_precision(v1::PRECISION_BF16);
   plan->mutable_predicted_memory()->set_total(80ull << 30);

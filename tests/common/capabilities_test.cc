@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "common/job_spec.h"
 #include "common/model_config.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/minimal_spec.h"
 
 namespace lathe {
@@ -30,7 +31,7 @@ TEST(CapabilitiesTest, WhatTheEngineRunsPasses) {
   }
   JobSpec spec = Spec();
   spec.resources.ranks = 4;
-  spec.strategy.automatic = false;
+  testing::FixStrategy(&spec.strategy);
   spec.strategy.activation_checkpointing = true;
   spec.strategy.chunked_loss = true;
   EXPECT_TRUE(CheckEngineSupports(spec).ok());
@@ -86,7 +87,7 @@ INSTANTIATE_TEST_SUITE_P(
         UnsupportedCase{"ShardedMezo",
                         [](JobSpec* s) {
                           s->method = Method::kMezo;
-                          s->strategy.automatic = false;
+                          testing::FixStrategy(&s->strategy);
                           s->strategy.zero_stage = 3;
                         },
                         "strategy.zero_stage: 3 with method mezo is not supported by this engine "
@@ -95,7 +96,7 @@ INSTANTIATE_TEST_SUITE_P(
                         [](JobSpec* s) {
                           s->method = Method::kMezo;
                           s->resources.device = DeviceKind::kCuda;
-                          s->strategy.automatic = false;
+                          testing::FixStrategy(&s->strategy);
                           s->strategy.zero_stage = 2;
                         },
                         "strategy.zero_stage: 2 with method mezo is not supported"}),

@@ -147,7 +147,7 @@ void ExpectFullSpec(const JobSpec& spec) {
   EXPECT_EQ(spec.train.steps, 1000);
   EXPECT_EQ(spec.train.epochs, 0);
   EXPECT_EQ(spec.train.global_batch, 64);
-  EXPECT_EQ(spec.train.micro_batch, 4);
+  EXPECT_EQ(spec.strategy.micro_batch, 4);
   EXPECT_EQ(spec.train.lr, 2.0e-4);
   EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kLinear);
   EXPECT_EQ(spec.train.schedule.warmup_steps, 50);
@@ -170,12 +170,12 @@ void ExpectFullSpec(const JobSpec& spec) {
   EXPECT_EQ(spec.resources.ranks, 8);
   EXPECT_EQ(spec.resources.device, DeviceKind::kCuda);
   EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{80} << 30);
-  EXPECT_FALSE(spec.strategy.automatic);
+  EXPECT_FALSE(IsAutomatic(spec.strategy));
   EXPECT_EQ(spec.strategy.zero_stage, 3);
-  EXPECT_TRUE(spec.strategy.offload_optimizer);
-  EXPECT_TRUE(spec.strategy.offload_params);
-  EXPECT_TRUE(spec.strategy.activation_checkpointing);
-  EXPECT_TRUE(spec.strategy.chunked_loss);
+  EXPECT_EQ(spec.strategy.offload_optimizer, true);
+  EXPECT_EQ(spec.strategy.offload_params, true);
+  EXPECT_EQ(spec.strategy.activation_checkpointing, true);
+  EXPECT_EQ(spec.strategy.chunked_loss, true);
   EXPECT_EQ(spec.priority, -2);
   EXPECT_EQ(spec.max_restarts, 5);
   EXPECT_EQ(spec.output, "/runs/demo-lora");
@@ -189,10 +189,10 @@ TEST(JobSpecTest, ParsesDesignExample) {
   JobSpec spec = MustParse(kDesignExample);
   EXPECT_EQ(spec.method, Method::kLora);
   EXPECT_EQ(spec.lora.targets.size(), 7u);
-  EXPECT_EQ(spec.train.micro_batch, 0);  // auto
+  EXPECT_EQ(spec.strategy.micro_batch, std::nullopt);  // auto
   EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kCosine);
   EXPECT_EQ(spec.train.precision, Precision::kBf16);
-  EXPECT_TRUE(spec.strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(spec.strategy));
   EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{80} << 30);
 }
 
@@ -219,7 +219,7 @@ output: /out
   EXPECT_EQ(spec.train.steps, 0);
   EXPECT_EQ(spec.train.epochs, 2);
   EXPECT_EQ(spec.train.global_batch, 8);
-  EXPECT_EQ(spec.train.micro_batch, 0);
+  EXPECT_EQ(spec.strategy.micro_batch, std::nullopt);
   EXPECT_EQ(spec.train.lr, 2.0e-4);
   EXPECT_EQ(spec.train.schedule.kind, ScheduleKind::kCosine);
   EXPECT_EQ(spec.train.schedule.warmup_steps, 0);
@@ -235,7 +235,7 @@ output: /out
   EXPECT_EQ(spec.resources.ranks, 1);
   EXPECT_EQ(spec.resources.device, DeviceKind::kCpu);
   EXPECT_EQ(spec.resources.memory_per_rank, 0u);
-  EXPECT_TRUE(spec.strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(spec.strategy));
   EXPECT_EQ(spec.strategy.zero_stage, defaults.strategy.zero_stage);
   EXPECT_EQ(spec.priority, 0);
   EXPECT_EQ(spec.max_restarts, 3);
@@ -293,20 +293,20 @@ TEST(JobSpecTest, JsonFormRoundTrips) {
 TEST(JobSpecTest, StrategyAutoVersusMap) {
   JobSpec automatic =
       MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: auto\n");
-  EXPECT_TRUE(automatic.strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(automatic.strategy));
 
   JobSpec quoted =
       MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: \"auto\"\n");
-  EXPECT_TRUE(quoted.strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(quoted.strategy));
 
   JobSpec map = MustParse(std::string(kMinimalPrefix) +
                           "train: {steps: 1}\nstrategy: {zero_stage: 2, chunked_loss: true}\n");
-  EXPECT_FALSE(map.strategy.automatic);
+  EXPECT_FALSE(IsAutomatic(map.strategy));
   EXPECT_EQ(map.strategy.zero_stage, 2);
-  EXPECT_TRUE(map.strategy.chunked_loss);
-  EXPECT_FALSE(map.strategy.offload_optimizer);
-  EXPECT_FALSE(map.strategy.offload_params);
-  EXPECT_FALSE(map.strategy.activation_checkpointing);
+  EXPECT_EQ(map.strategy.chunked_loss, true);
+  EXPECT_EQ(map.strategy.offload_optimizer, false);
+  EXPECT_EQ(map.strategy.offload_params, false);
+  EXPECT_EQ(map.strategy.activation_checkpointing, false);
   EXPECT_TRUE(map.strategy.fused_kernels);
   EXPECT_TRUE(quoted.strategy.fused_kernels);
   JobSpec unfused = MustParse(std::string(kMinimalPrefix) +
@@ -315,7 +315,7 @@ TEST(JobSpecTest, StrategyAutoVersusMap) {
 
   // An empty map still fixes the strategy: ZeRO-0, nothing offloaded.
   JobSpec empty = MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: {}\n");
-  EXPECT_FALSE(empty.strategy.automatic);
+  EXPECT_FALSE(IsAutomatic(empty.strategy));
   EXPECT_EQ(empty.strategy.zero_stage, 0);
 }
 
@@ -324,15 +324,17 @@ TEST(JobSpecTest, StrategyFieldsLeftToThePlanner) {
                               "train: {steps: 1}\nresources: {ranks: 2}\n"
                               "strategy: {zero_stage: auto, offload_params: true, "
                               "activation_checkpointing: auto}\n");
-  EXPECT_FALSE(partial.strategy.automatic);
-  EXPECT_THAT(partial.strategy.auto_fields, ElementsAre("zero_stage", "activation_checkpointing"));
-  EXPECT_TRUE(partial.strategy.ChosenByPlanner("zero_stage"));
-  EXPECT_FALSE(partial.strategy.ChosenByPlanner("offload_params"));
-  EXPECT_TRUE(partial.strategy.offload_params);  // the planner then needs ZeRO-3
+  EXPECT_FALSE(IsAutomatic(partial.strategy));
+  EXPECT_EQ(partial.strategy.zero_stage, std::nullopt);  // the planner's
+  EXPECT_EQ(partial.strategy.activation_checkpointing, std::nullopt);
+  EXPECT_EQ(partial.strategy.offload_optimizer, false);  // left out: fixed at its default
+  EXPECT_EQ(partial.strategy.offload_params, true);      // the planner then needs ZeRO-3
   // Round trip through the JSON form keeps the auto fields.
   absl::StatusOr<JobSpec> back = ParseJobSpec(JobSpecToJson(partial), "spec.json");
   ASSERT_TRUE(back.ok()) << back.status();
-  EXPECT_EQ(back->strategy.auto_fields, partial.strategy.auto_fields);
+  EXPECT_EQ(back->strategy.zero_stage, std::nullopt);
+  EXPECT_EQ(back->strategy.activation_checkpointing, std::nullopt);
+  EXPECT_EQ(back->strategy.offload_params, true);
 
   absl::StatusOr<JobSpec> bad = ParseJobSpec(
       std::string(kMinimalPrefix) + "train: {steps: 1}\nstrategy: {fused_kernels: auto}\n",
@@ -345,13 +347,28 @@ TEST(JobSpecTest, MicroBatchAndMemoryForms) {
   JobSpec spec = MustParse(std::string(kMinimalPrefix) +
                            "train: {steps: 1, global_batch: 12, micro_batch: 3}\n"
                            "resources: {ranks: 2, memory_per_rank: 1073741824}\n");
-  EXPECT_EQ(spec.train.micro_batch, 3);
+  EXPECT_EQ(spec.strategy.micro_batch, 3);
   EXPECT_EQ(spec.resources.memory_per_rank, uint64_t{1} << 30);
 
   spec = MustParse(std::string(kMinimalPrefix) +
                    "train: {steps: 1, micro_batch: auto}\nresources: {memory_per_rank: 1.5GB}\n");
-  EXPECT_EQ(spec.train.micro_batch, 0);
+  EXPECT_EQ(spec.strategy.micro_batch, std::nullopt);
   EXPECT_EQ(spec.resources.memory_per_rank, 1500000000u);
+
+  // strategy: auto leaves the micro-batch as train.micro_batch says.
+  spec = MustParse(std::string(kMinimalPrefix) +
+                   "train: {steps: 1, global_batch: 12, micro_batch: 3}\nstrategy: auto\n");
+  EXPECT_TRUE(IsAutomatic(spec.strategy));
+  EXPECT_EQ(spec.strategy.micro_batch, 3);
+}
+
+TEST(JobSpecTest, AMapWithEveryFieldAutoIsStrategyAuto) {
+  const JobSpec spec = MustParse(std::string(kMinimalPrefix) +
+                                 "train: {steps: 1}\nstrategy: {zero_stage: auto, "
+                                 "offload_optimizer: auto, offload_params: auto, "
+                                 "activation_checkpointing: auto, chunked_loss: auto}\n");
+  EXPECT_TRUE(IsAutomatic(spec.strategy));
+  EXPECT_THAT(JobSpecToJson(spec), HasSubstr(R"("strategy":"auto")"));
 }
 
 TEST(JobSpecTest, SeedTakesTheFullUnsignedRange) {
@@ -505,11 +522,9 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"train", "{steps: 10, micro_batch: 0}"}},
        "job.yaml: train.micro_batch: must be >= 1, got 0"},
       {{{"train", "{steps: 10, global_batch: 12, micro_batch: 4}"}, {"resources", "{ranks: 2}"}},
-       "job.yaml: train.global_batch: 12 is not divisible by train.micro_batch 4 x "
-       "resources.ranks 2"},
+       "job.yaml: train.micro_batch: 4 does not divide train.global_batch 12 over 2 ranks"},
       {{{"train", "{steps: 10, global_batch: 4, micro_batch: 8}"}},
-       "job.yaml: train.global_batch: 4 is not divisible by train.micro_batch 8 x "
-       "resources.ranks 1"},
+       "job.yaml: train.micro_batch: 8 does not divide train.global_batch 4 over 1 rank"},
       {{{"train", "{steps: 10, global_batch: 6}"}, {"resources", "{ranks: 4}"}},
        "job.yaml: train.global_batch: 6 is not divisible by resources.ranks 4"},
       {{{"train", "{global_batch: 8}"}},

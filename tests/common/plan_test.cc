@@ -1,5 +1,5 @@
-// The plan a spec gets before the planner exists (common/plan.h), and the check that a plan
-// can run a spec.
+// The plan of a spec and a strategy (common/plan.h), and the check that a plan can run a
+// spec.
 #include "common/plan.h"
 
 #include <gmock/gmock.h>
@@ -10,6 +10,7 @@
 
 #include "absl/status/status.h"
 #include "common/job_spec.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/minimal_spec.h"
 
 namespace lathe {
@@ -25,58 +26,33 @@ JobSpec Spec() {
   return spec;
 }
 
-TEST(AutoMicroBatchTest, LargestDivisorWithinTokenBudget) {
-  EXPECT_EQ(AutoMicroBatch(64, 1024), 8);
-  EXPECT_EQ(AutoMicroBatch(12, 1024), 6);
-  EXPECT_EQ(AutoMicroBatch(7, 4096), 1);
-  EXPECT_EQ(AutoMicroBatch(4, 32), 4);
-  EXPECT_EQ(AutoMicroBatch(1, 100000), 1);
-}
-
-TEST(PlanFromSpecTest, AutoStrategyRunsUnshardedWithAnAutoMicroBatch) {
+TEST(PlanOfTest, TheSpecsResourcesAndTheAccumulationThatMakesUpTheBatch) {
   JobSpec spec = Spec();
   spec.resources.ranks = 2;
   spec.train.precision = Precision::kBf16;
-  const Plan plan = PlanFromSpec(spec);
+  Strategy strategy;
+  strategy.zero_stage = 2;
+  strategy.activation_checkpointing = true;
+  strategy.micro_batch = 8;
+  const Plan plan = PlanOf(spec, strategy);
   EXPECT_EQ(plan.ranks, 2);
   EXPECT_EQ(plan.device, DeviceKind::kCpu);
-  EXPECT_EQ(plan.zero_stage, 0);
-  EXPECT_FALSE(plan.offload_optimizer);
-  EXPECT_FALSE(plan.activation_checkpointing);
-  EXPECT_TRUE(plan.fused_kernels);
-  EXPECT_TRUE(plan.chunked_loss);  // the fused linear cross-entropy
-  EXPECT_EQ(plan.micro_batch, 8);  // 32 per rank, 8 x 1024 tokens
-  EXPECT_EQ(plan.gradient_accumulation, 4);
+  EXPECT_EQ(plan.strategy.zero_stage, 2);
+  EXPECT_TRUE(plan.strategy.activation_checkpointing);
+  EXPECT_TRUE(plan.strategy.fused_kernels);
+  EXPECT_TRUE(plan.strategy.chunked_loss);  // the fused linear cross-entropy
+  EXPECT_EQ(plan.strategy.micro_batch, 8);
+  EXPECT_EQ(plan.gradient_accumulation, 4);  // 32 per rank
   EXPECT_EQ(plan.total_steps, 10);
   EXPECT_EQ(plan.precision, Precision::kBf16);
-  EXPECT_THAT(plan.explanation, HasSubstr("micro-batch auto"));
   EXPECT_TRUE(CheckPlanRunsSpec(spec, plan, "plan").ok());
 }
 
-TEST(PlanFromSpecTest, ExplicitStrategyAndMicroBatchAreKept) {
-  JobSpec spec = Spec();
-  spec.train.micro_batch = 2;
-  spec.strategy.automatic = false;
-  spec.strategy.activation_checkpointing = true;
-  spec.strategy.fused_kernels = false;
-  spec.strategy.chunked_loss = true;
-  const Plan plan = PlanFromSpec(spec);
-  EXPECT_EQ(plan.micro_batch, 2);
-  EXPECT_EQ(plan.gradient_accumulation, 32);
-  EXPECT_TRUE(plan.activation_checkpointing);
-  EXPECT_FALSE(plan.fused_kernels);
-  EXPECT_TRUE(plan.chunked_loss);
-  EXPECT_EQ(plan.explanation, "the spec's explicit strategy");
-
-  spec.strategy.chunked_loss = false;
-  EXPECT_FALSE(PlanFromSpec(spec).chunked_loss);
-}
-
-TEST(PlanFromSpecTest, EpochsLeaveTheStepCountToTheTrainer) {
+TEST(PlanOfTest, EpochsLeaveTheStepCountToTheTrainer) {
   JobSpec spec = Spec();
   spec.train.steps = 0;
   spec.train.epochs = 3;
-  EXPECT_EQ(PlanFromSpec(spec).total_steps, 0);
+  EXPECT_EQ(PlanOf(spec, Strategy()).total_steps, 0);
 }
 
 struct BadPlanCase {
@@ -91,22 +67,22 @@ class CheckPlanRunsSpecTest : public ::testing::TestWithParam<BadPlanCase> {};
 // spec then runs with them. An explicit strategy gets neither.
 TEST(CheckPlanRunsSpecTest, AutoMayChooseQLoraAndEightBitState) {
   JobSpec spec = Spec();
-  Plan plan = PlanFromSpec(spec);
+  Plan plan = PlanOf(spec, Strategy());
   plan.method = Method::kQLora;
   plan.optimizer = OptimizerKind::kAdamW8bit;
   EXPECT_TRUE(CheckPlanRunsSpec(spec, plan, "task.json").ok());
   const JobSpec runs = WithPlannedTechniques(spec, plan);
   EXPECT_EQ(runs.method, Method::kQLora);
   EXPECT_EQ(runs.train.optimizer, OptimizerKind::kAdamW8bit);
-  EXPECT_EQ(WithPlannedTechniques(spec, PlanFromSpec(spec)).method, Method::kLora);
-  spec.strategy.automatic = false;
+  EXPECT_EQ(WithPlannedTechniques(spec, PlanOf(spec, Strategy())).method, Method::kLora);
+  testing::FixStrategy(&spec.strategy);
   EXPECT_THAT(std::string(CheckPlanRunsSpec(spec, plan, "task.json").message()),
               HasSubstr("plan.method: qlora but the spec's method is lora"));
 }
 
 TEST_P(CheckPlanRunsSpecTest, IsInvalidArgumentNamingThePlanField) {
   const JobSpec spec = Spec();
-  Plan plan = PlanFromSpec(spec);
+  Plan plan = PlanOf(spec, Strategy());
   GetParam().mutate(&plan);
   const absl::Status status = CheckPlanRunsSpec(spec, plan, "task.json");
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
@@ -122,16 +98,17 @@ INSTANTIATE_TEST_SUITE_P(
                     "plan.device: cuda but the spec's resources.device is cpu"},
         BadPlanCase{"Precision", [](Plan* p) { p->precision = Precision::kFp16; },
                     "plan.precision: fp16"},
-        BadPlanCase{"ZeroMicroBatch", [](Plan* p) { p->micro_batch = 0; },
+        BadPlanCase{"ZeroMicroBatch", [](Plan* p) { p->strategy.micro_batch = 0; },
                     "plan.micro_batch: 0 does not divide train.global_batch 64 over 1 rank"},
-        BadPlanCase{"NonDividingMicroBatch", [](Plan* p) { p->micro_batch = 5; },
+        BadPlanCase{"NonDividingMicroBatch", [](Plan* p) { p->strategy.micro_batch = 5; },
                     "plan.micro_batch: 5 does not divide"},
         BadPlanCase{"Accumulation", [](Plan* p) { p->gradient_accumulation = 3; },
                     "plan.gradient_accumulation: 3"},
         BadPlanCase{"TotalSteps", [](Plan* p) { p->total_steps = 11; },
                     "plan.total_steps: 11 but the spec's train.steps is 10"},
-        BadPlanCase{"ZeroStage", [](Plan* p) { p->zero_stage = 4; }, "plan.zero_stage: must be"},
-        BadPlanCase{"OffloadParams", [](Plan* p) { p->offload_params = true; },
+        BadPlanCase{"ZeroStage", [](Plan* p) { p->strategy.zero_stage = 4; },
+                    "plan.zero_stage: must be"},
+        BadPlanCase{"OffloadParams", [](Plan* p) { p->strategy.offload_params = true; },
                     "plan.offload_params: requires zero_stage 3"},
         BadPlanCase{"Method", [](Plan* p) { p->method = Method::kFull; },
                     "plan.method: full but the spec's method is lora"},

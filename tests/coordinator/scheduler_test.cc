@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "planner/device_pools.h"
 #include "planner/plan_spec.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/forwarding_store.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_model.h"
@@ -1213,7 +1214,6 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
   const v1::JobSpec spec = JobSpecToProto(spec_);
   v1::JobSpec sharded_mezo = spec;
   sharded_mezo.set_method(v1::METHOD_MEZO);
-  sharded_mezo.mutable_strategy()->set_automatic(false);
   sharded_mezo.mutable_strategy()->set_zero_stage(1);
   ExpectRefused(sharded_mezo, "spec: strategy.zero_stage: 1 with method mezo", {},
                 absl::StatusCode::kUnimplemented);
@@ -1221,14 +1221,15 @@ TEST_F(JobManagerTest, WhatTheEngineCannotRunIsRefusedAtTheDoor) {
 
 TEST_F(JobManagerTest, ThePlanIsMadeOnceHere) {
   spec_.train.global_batch = 8;
-  spec_.strategy.automatic = false;
+  testing::FixStrategy(&spec_.strategy);
   spec_.strategy.activation_checkpointing = true;
   absl::StatusOr<v1::SubmitJobResponse> response = Submit(JobSpecToProto(spec_));
   ASSERT_TRUE(response.ok()) << response.status();
   const v1::Plan& plan = response->status().plan();
-  EXPECT_EQ(plan.micro_batch(), 8);  // auto: 8 sequences of 32 tokens fit in one micro-batch
+  EXPECT_EQ(plan.strategy().micro_batch(),
+            8);  // auto: 8 sequences of 32 tokens fit in one micro-batch
   EXPECT_EQ(plan.gradient_accumulation(), 1);
-  EXPECT_TRUE(plan.activation_checkpointing());
+  EXPECT_TRUE(plan.strategy().activation_checkpointing());
   EXPECT_EQ(plan.total_steps(), 2);
   // The stored spec has every default filled in.
   EXPECT_TRUE(response->status().spec().train().has_lr());
@@ -1332,10 +1333,11 @@ TEST_F(JobManagerTest, TheCoordinatorPlansWhatPlanLocalPlans) {
   EXPECT_TRUE(CheckEngineSupports(spec_).ok());
   const v1::Plan& admitted = coordinator->plan();
   EXPECT_EQ(admitted.ranks(), 8);
-  EXPECT_EQ(admitted.zero_stage(), local->plan.zero_stage);
-  EXPECT_EQ(admitted.offload_optimizer(), local->plan.offload_optimizer);
-  EXPECT_EQ(admitted.activation_checkpointing(), local->plan.activation_checkpointing);
-  EXPECT_EQ(admitted.micro_batch(), local->plan.micro_batch);
+  EXPECT_EQ(admitted.strategy().zero_stage(), local->plan.strategy.zero_stage);
+  EXPECT_EQ(admitted.strategy().offload_optimizer(), local->plan.strategy.offload_optimizer);
+  EXPECT_EQ(admitted.strategy().activation_checkpointing(),
+            local->plan.strategy.activation_checkpointing);
+  EXPECT_EQ(admitted.strategy().micro_batch(), local->plan.strategy.micro_batch);
   EXPECT_EQ(admitted.explanation(), local->plan.explanation);
   // And it is admitted, not refused as "8 ranks on cuda are not supported".
   absl::StatusOr<v1::SubmitJobResponse> submitted = Submit(JobSpecToProto(spec_));

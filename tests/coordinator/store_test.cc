@@ -1,6 +1,7 @@
 #include "coordinator/store/store.h"
 
 #include <gmock/gmock.h>
+#include <google/protobuf/unknown_field_set.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <gtest/gtest.h>
 #include <sqlite3.h>
@@ -337,7 +338,7 @@ TEST_F(SqliteStoreTest, ReopeningTheFileSeesEveryJobAndWorker) {
     ASSERT_TRUE((*store)->PutWorker(MakeWorker("worker-1", 2)).ok());
   }
   EXPECT_EQ(RawQuery(path_, "PRAGMA journal_mode"), "wal");
-  EXPECT_EQ(RawQuery(path_, "PRAGMA user_version"), "1");
+  EXPECT_EQ(RawQuery(path_, "PRAGMA user_version"), "2");
 
   absl::StatusOr<std::unique_ptr<Store>> store = OpenSqliteStore(path_);
   ASSERT_TRUE(store.ok()) << store.status();
@@ -439,12 +440,101 @@ TEST_F(SqliteStoreTest, AnotherProcessSharesTheOpenFile) {
 
 TEST_F(SqliteStoreTest, RefusesANewerSchemaVersion) {
   ASSERT_TRUE(OpenSqliteStore(path_).ok());
-  RawExec(path_, "PRAGMA user_version = 2");
+  RawExec(path_, "PRAGMA user_version = 3");
   absl::StatusOr<std::unique_ptr<Store>> store = OpenSqliteStore(path_);
   ASSERT_FALSE(store.ok());
   EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
   EXPECT_THAT(Message(store.status()), HasSubstr(path_));
-  EXPECT_THAT(Message(store.status()), HasSubstr("schema version 2 is newer than this build's 1"));
+  EXPECT_THAT(Message(store.status()), HasSubstr("schema version 3 is newer than this build's 2"));
+}
+
+// A schema 1 job, as that build wrote it: the strategy in JobSpec field 8 (automatic 1, the
+// fields 2-7, auto_fields 8), the micro-batch in TrainSpec field 4, the plan's strategy in
+// Plan fields 3-8 and 14. Those numbers are reserved now, so they are set as unknown fields.
+v1::JobStatus Schema1Job(const std::string& id) {
+  v1::JobStatus job = MakeJob(id, v1::JOB_STATE_RUNNING);
+  job.mutable_spec()->set_name(id);
+  google::protobuf::UnknownFieldSet old_strategy;
+  old_strategy.AddVarint(1, 0);  // automatic: false
+  old_strategy.AddVarint(2, 3);  // zero_stage 3
+  old_strategy.AddVarint(4, 1);  // offload_params
+  old_strategy.AddVarint(7, 0);  // fused_kernels false
+  old_strategy.AddLengthDelimited(8, "activation_checkpointing");
+  std::string bytes;
+  old_strategy.SerializeToString(&bytes);
+  v1::JobSpec* spec = job.mutable_spec();
+  spec->GetReflection()->MutableUnknownFields(spec)->AddLengthDelimited(8, bytes);
+  v1::TrainSpec* train = spec->mutable_train();
+  train->GetReflection()->MutableUnknownFields(train)->AddVarint(4, 2);
+  v1::Plan* plan = job.mutable_plan();
+  plan->set_ranks(2);
+  google::protobuf::UnknownFieldSet* old_plan = plan->GetReflection()->MutableUnknownFields(plan);
+  old_plan->AddVarint(3, 3);  // zero_stage
+  old_plan->AddVarint(5, 1);  // offload_params
+  old_plan->AddVarint(6, 1);  // activation_checkpointing
+  old_plan->AddVarint(7, 1);  // chunked_loss
+  old_plan->AddVarint(8, 2);  // micro_batch
+  return job;                 // fused_kernels (14) absent: false
+}
+
+TEST_F(SqliteStoreTest, MigratesSchema1JobsOnOpen) {
+  {
+    absl::StatusOr<std::unique_ptr<Store>> store = OpenSqliteStore(path_);
+    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_TRUE((*store)->CreateJob(Schema1Job("old"), "req-old").ok());
+    v1::JobStatus automatic = MakeJob("auto");
+    google::protobuf::UnknownFieldSet old_strategy;
+    old_strategy.AddVarint(1, 1);  // automatic: the other fields do not count
+    old_strategy.AddVarint(2, 2);
+    std::string bytes;
+    old_strategy.SerializeToString(&bytes);
+    v1::JobSpec* spec = automatic.mutable_spec();
+    spec->GetReflection()->MutableUnknownFields(spec)->AddLengthDelimited(8, bytes);
+    ASSERT_TRUE((*store)->CreateJob(automatic, "").ok());
+  }
+  RawExec(path_, "PRAGMA user_version = 1");
+
+  absl::StatusOr<std::unique_ptr<Store>> store = OpenSqliteStore(path_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  EXPECT_EQ(RawQuery(path_, "PRAGMA user_version"), "2");
+  absl::StatusOr<std::vector<v1::JobStatus>> jobs = (*store)->LoadJobs();
+  ASSERT_TRUE(jobs.ok()) << jobs.status();
+  ASSERT_EQ(jobs->size(), 2u);
+
+  const v1::JobStatus& old = (*jobs)[0];
+  const v1::Strategy& spec = old.spec().strategy();
+  EXPECT_EQ(spec.zero_stage(), 3);
+  EXPECT_TRUE(spec.offload_params());
+  EXPECT_TRUE(spec.has_offload_optimizer());  // fixed at its default
+  EXPECT_FALSE(spec.offload_optimizer());
+  EXPECT_FALSE(spec.has_activation_checkpointing());  // was auto
+  EXPECT_FALSE(spec.fused_kernels());
+  EXPECT_EQ(spec.micro_batch(), 2);
+  const v1::Strategy& plan = old.plan().strategy();
+  EXPECT_EQ(old.plan().ranks(), 2);
+  EXPECT_EQ(plan.zero_stage(), 3);
+  EXPECT_FALSE(plan.offload_optimizer());
+  EXPECT_TRUE(plan.offload_params());
+  EXPECT_TRUE(plan.activation_checkpointing());
+  EXPECT_TRUE(plan.chunked_loss());
+  EXPECT_EQ(plan.micro_batch(), 2);
+  EXPECT_TRUE(plan.has_fused_kernels());
+  EXPECT_FALSE(plan.fused_kernels());
+  // Nothing of schema 1 is left behind.
+  EXPECT_EQ(old.spec().GetReflection()->GetUnknownFields(old.spec()).field_count(), 0);
+  EXPECT_EQ(old.plan().GetReflection()->GetUnknownFields(old.plan()).field_count(), 0);
+
+  const v1::Strategy& automatic = (*jobs)[1].spec().strategy();
+  EXPECT_FALSE(automatic.has_zero_stage());
+  EXPECT_FALSE(automatic.has_micro_batch());
+
+  // Opening it again changes nothing.
+  store->reset();
+  store = OpenSqliteStore(path_);
+  ASSERT_TRUE(store.ok()) << store.status();
+  absl::StatusOr<std::vector<v1::JobStatus>> again = (*store)->LoadJobs();
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_THAT(*again, ElementsAre(EqualsProto((*jobs)[0]), EqualsProto((*jobs)[1])));
 }
 
 TEST_F(SqliteStoreTest, CorruptedJobRecordIsDataLossNamingTheJob) {

@@ -328,9 +328,9 @@ class ServicesTest(ClusterTest):
         with open(events) as f:
             lines = [json.loads(line) for line in f]
         ran = lines[0]["start"]["plan"]
-        self.assertEqual(int(ran["micro_batch"]), plan["micro_batch"])
+        self.assertEqual(int(ran["strategy"]["micro_batch"]), plan["micro_batch"])
         self.assertEqual(int(ran["gradient_accumulation"]), plan["gradient_accumulation"])
-        self.assertTrue(ran["activation_checkpointing"])
+        self.assertTrue(ran["strategy"]["activation_checkpointing"])
         self.assertIn("done", lines[-1])
 
     def test_1b_two_ranks_train_data_parallel_across_both_workers(self):

@@ -50,7 +50,7 @@ std::vector<std::string> PhaseNames(const MemoryEstimate& m) {
   return names;
 }
 
-MemoryEstimate Estimate(const JobShape& job, const StrategyPoint& p) {
+MemoryEstimate Estimate(const JobShape& job, const Strategy& p) {
   absl::StatusOr<MemoryEstimate> m = EstimateMemory(job, p);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? *m : MemoryEstimate();
@@ -74,7 +74,7 @@ TEST(MemoryTimelineTest, EachStageHasItsPhasesAndThePeakIsTheLargest) {
                                             "hand-over", "reduce", "optimizer"};
   for (int64_t stage = 0; stage <= 3; ++stage) {
     SCOPED_TRACE(stage);
-    StrategyPoint p;
+    Strategy p;
     p.zero_stage = stage;
     const MemoryEstimate m = Estimate(job, p);
     EXPECT_EQ(PhaseNames(m), stage == 0 ? kAllReduce : stage == 1 ? kTrain : kReduce);
@@ -97,15 +97,15 @@ TEST(MemoryTimelineTest, EachStageHasItsPhasesAndThePeakIsTheLargest) {
     EXPECT_TRUE(found) << m.peak_phase;
   }
   job.ranks = 1;
-  EXPECT_EQ(PhaseNames(Estimate(job, StrategyPoint())), kTrain);
+  EXPECT_EQ(PhaseNames(Estimate(job, Strategy())), kTrain);
   job.zeroth_order = true;
-  EXPECT_EQ(PhaseNames(Estimate(job, StrategyPoint())),
+  EXPECT_EQ(PhaseNames(Estimate(job, Strategy())),
             (std::vector<std::string>{"forward", "loss", "perturbation"}));
 }
 
 TEST(MemoryTimelineTest, OnlyTheLossHoldsLogitsAndOnlyBackwardItsTransients) {
   const JobShape job = GpuJob();
-  StrategyPoint p;
+  Strategy p;
   p.chunked_loss = false;
   const MemoryEstimate m = Estimate(job, p);
   EXPECT_EQ(Bytes(m.Phase(kPhaseForward), MemoryComponent::kLogits), 0u);
@@ -123,7 +123,7 @@ TEST(MemoryTimelineTest, OnlyTheLossHoldsLogitsAndOnlyBackwardItsTransients) {
 // its gradients over, the head alone is gathered (with the final norm).
 TEST(MemoryTimelineTest, ZeroThreesBackwardHoldsTwoGatheredBlocks) {
   const JobShape job = GpuJob();
-  StrategyPoint p;
+  Strategy p;
   p.zero_stage = 2;
   const MemoryEstimate stage2 = Estimate(job, p);
   p.zero_stage = 3;
@@ -145,7 +145,7 @@ TEST(MemoryTimelineTest, ZeroThreesBackwardHoldsTwoGatheredBlocks) {
 TEST(MemoryTimelineTest, OffloadMovesTheOptimizerStepToTheHost) {
   JobShape job = GpuJob();
   job.method = Method::kFull;
-  StrategyPoint p;
+  Strategy p;
   p.zero_stage = 2;
   const MemoryEstimate on_device = Estimate(job, p);
   p.offload_optimizer = true;
@@ -165,7 +165,7 @@ TEST(MemoryTimelineTest, OffloadMovesTheOptimizerStepToTheHost) {
 // forward pass, and backward recomputes one block at a time.
 TEST(MemoryTimelineTest, CheckpointingLowersTheForwardsActivations) {
   const JobShape job = GpuJob();
-  StrategyPoint p;
+  Strategy p;
   const MemoryEstimate kept = Estimate(job, p);
   p.activation_checkpointing = true;
   const MemoryEstimate checkpointed = Estimate(job, p);
@@ -183,12 +183,12 @@ TEST(MemoryTimelineTest, AccumulationCarriesGradientsIntoTheForward) {
   JobShape job = GpuJob();
   job.global_batch = 64;
   for (int64_t stage : {0, 2}) {
-    StrategyPoint p;
+    Strategy p;
     p.zero_stage = stage;
     const MemoryEstimate m = Estimate(job, p);
     EXPECT_GT(Bytes(m.Phase(kPhaseForward), MemoryComponent::kGradients), 0u) << stage;
   }
-  StrategyPoint p;
+  Strategy p;
   const uint64_t whole = Bytes(Estimate(job, p).Phase(kPhaseForward), MemoryComponent::kGradients);
   p.zero_stage = 2;
   EXPECT_LT(Bytes(Estimate(job, p).Phase(kPhaseForward), MemoryComponent::kGradients), whole);
@@ -250,7 +250,7 @@ TEST(MemoryModelGoldenTest, EveryEstimateOfTheGridIsUnchanged) {
                         job.device = device;
                         job.precision = precision;
                         job.global_batch = global;
-                        StrategyPoint p;
+                        Strategy p;
                         p.zero_stage = stage;
                         p.offload_optimizer = (offload & 1) != 0;
                         p.offload_params = (offload & 2) != 0;
@@ -293,7 +293,7 @@ TEST(MemoryModelGoldenTest, EveryEstimateOfTheGridIsUnchanged) {
                         job.zeroth_order = mezo;
                         job.seq_len = seq;
                         job.global_batch = 32;
-                        StrategyPoint p;
+                        Strategy p;
                         p.zero_stage = stage;
                         p.offload_optimizer = offload;
                         p.fused_kernels = fused;

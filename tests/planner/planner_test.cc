@@ -41,7 +41,7 @@ PlanOptions Options(absl::string_view kind, uint64_t memory) {
 
 JobShape Job(const ModelShape& shape, const JobSpec& spec) { return JobShapeOf(spec, shape); }
 
-MemoryEstimate Estimate(const JobShape& job, const StrategyPoint& point) {
+MemoryEstimate Estimate(const JobShape& job, const Strategy& point) {
   absl::StatusOr<MemoryEstimate> m = EstimateMemory(job, point);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? *m : MemoryEstimate();
@@ -71,9 +71,9 @@ TEST(MemoryModelTest, ComponentsSumToTheTotal) {
 
 TEST(MemoryModelTest, EachTechniqueCutsWhatItShould) {
   const JobShape job = Job(Shape("llama-3.1-8b"), Spec("resources: {ranks: 8, device: cuda}\n"));
-  const StrategyPoint plain{0, false, false, false, true, true, 4};
+  const Strategy plain{0, false, false, false, true, true, 4};
   MemoryEstimate base = Estimate(job, plain);
-  StrategyPoint p = plain;
+  Strategy p = plain;
   p.activation_checkpointing = true;
   MemoryEstimate ckpt = Estimate(job, p);
   EXPECT_LT(ckpt.device.total, base.device.total);
@@ -116,7 +116,7 @@ TEST(MemoryModelTest, AttentionMemoryFollowsWhatRuns) {
     job.seq_len = c.seq_len;
     JobShape longer = job;
     longer.seq_len *= 2;
-    StrategyPoint p;
+    Strategy p;
     p.fused_kernels = c.fused;
     const double growth =
         static_cast<double>(Component(Estimate(longer, p), MemoryComponent::kActivations)) /
@@ -172,7 +172,7 @@ TEST(MemoryModelTest, EachOptimizersStateFollowsItsFormula) {
 
 TEST(MemoryModelTest, PagedOptimizerStateLivesInHostMemoryOnCuda) {
   const ModelShape shape = Shape("llama-3.2-1b");
-  const StrategyPoint point{0, false, false, false, true, true, 1};
+  const Strategy point{0, false, false, false, true, true, 1};
   for (const char* device : {"cuda", "cpu"}) {
     SCOPED_TRACE(device);
     const std::string resources = absl::StrCat("resources: {device: ", device, "}\n");
@@ -192,7 +192,7 @@ TEST(MemoryModelTest, PagedOptimizerStateLivesInHostMemoryOnCuda) {
 
 TEST(MemoryModelTest, QLoraStoresTheProjectionsInHalfAByte) {
   const ModelShape shape = Shape("llama-3.1-8b");
-  const StrategyPoint point{0, false, false, false, true, true, 1};
+  const Strategy point{0, false, false, false, true, true, 1};
   const MemoryEstimate lora =
       Estimate(Job(shape, Spec("train: {steps: 10, precision: bf16}\n")), point);
   const MemoryEstimate qlora =
@@ -244,7 +244,7 @@ TEST(PlannerTest, ALoraJobThatDoesNotFitHearsOfQLora) {
 
 TEST(MemoryModelTest, MezoKeepsNoGradientsNoOptimizerStateNoActivations) {
   const ModelShape shape = Shape("llama-3.1-8b");
-  const StrategyPoint point{0, false, false, false, true, true, 1};
+  const Strategy point{0, false, false, false, true, true, 1};
   for (const char* trainable : {"lora", "full"}) {
     SCOPED_TRACE(trainable);
     const std::string method = std::string(trainable) == "lora" ? "" : "method: full\n";
@@ -274,9 +274,9 @@ TEST(PlannerTest, EveryOptimizersStateShards) {
         "global_batch: 4, optimizer: " +
         optimizer + ", sgd_momentum: 0.9, adafactor_beta1: 0.9}\n");
     const PlanResult plan = MustPlan(spec, shape, Options("cpu", 12 * kGiB));
-    EXPECT_GT(plan.plan.zero_stage, 0);
-    StrategyPoint replicated{0, false, false, false, true, true, 1};
-    StrategyPoint sharded = replicated;
+    EXPECT_GT(plan.plan.strategy.zero_stage, 0);
+    Strategy replicated{0, false, false, false, true, true, 1};
+    Strategy sharded = replicated;
     sharded.zero_stage = 3;
     const uint64_t whole =
         Component(Estimate(Job(shape, spec), replicated), MemoryComponent::kOptimizer);
@@ -291,9 +291,9 @@ TEST(PlannerTest, PicksTheFastestThatFitsAndSaysWhyTheOthersLost) {
   // recompute, the largest micro-batch is fastest.
   const JobSpec spec = Spec("train: {steps: 10, global_batch: 8}\n");
   PlanResult result = MustPlan(spec, Shape("llama-3.2-1b"), Options("cpu", 256 * kGiB));
-  EXPECT_EQ(result.plan.zero_stage, 0);
-  EXPECT_FALSE(result.plan.activation_checkpointing);
-  EXPECT_EQ(result.plan.micro_batch, 8);
+  EXPECT_EQ(result.plan.strategy.zero_stage, 0);
+  EXPECT_FALSE(result.plan.strategy.activation_checkpointing);
+  EXPECT_EQ(result.plan.strategy.micro_batch, 8);
   EXPECT_EQ(result.plan.gradient_accumulation, 1);
   EXPECT_GT(result.plan.predicted_memory.total, 0u);
   EXPECT_THAT(result.plan.explanation, HasSubstr("planner: ZeRO-0"));
@@ -311,9 +311,9 @@ TEST(PlannerTest, TightMemoryClimbsTheLadder) {
       "train: {steps: 10, global_batch: 16, precision: bf16}\n"
       "resources: {ranks: 4, device: cuda}\n");
   PlanOptions options = Options("h100", 24 * kGiB);
-  options.max_zero_stage = 3;
   PlanResult result = MustPlan(spec, Shape("llama-3.1-8b"), options);
-  EXPECT_TRUE(result.plan.zero_stage == 3 || result.plan.activation_checkpointing);
+  EXPECT_TRUE(result.plan.strategy.zero_stage == 3 ||
+              result.plan.strategy.activation_checkpointing);
   EXPECT_LE(result.plan.predicted_memory.total, static_cast<uint64_t>(24 * kGiB * 0.9));
   bool some_did_not_fit = false;
   for (const Candidate& c : result.candidates) {
@@ -331,8 +331,8 @@ TEST(PlannerTest, FieldsTheSpecFixesAreHonoured) {
       "resources: {ranks: 4, device: cpu}\n"
       "strategy: {zero_stage: 2, activation_checkpointing: auto}\n");
   PlanResult result = MustPlan(spec, Shape("qwen2.5-0.5b"), Options("cpu", 64 * kGiB));
-  EXPECT_EQ(result.plan.zero_stage, 2);
-  EXPECT_EQ(result.plan.micro_batch, 2);
+  EXPECT_EQ(result.plan.strategy.zero_stage, 2);
+  EXPECT_EQ(result.plan.strategy.micro_batch, 2);
   EXPECT_EQ(result.plan.gradient_accumulation, 2);
   bool both = false;
   for (const Candidate& c : result.candidates) {
@@ -367,8 +367,8 @@ TEST(PlannerTest, NothingFitsSaysSoWhenNoChangeWouldHelp) {
       "method: full\ntrain: {steps: 10, global_batch: 8}\n"
       "resources: {ranks: 1, device: cuda}\n");
   PlanOptions options = Options("h100", 80 * kGiB);
-  options.max_zero_stage = 0;  // as PlanOptionsFor limits cuda (common/capabilities.h)
-  options.offload = false;
+  options.limits.max_zero_stage = 0;  // an engine without sharding or offload
+  options.limits.offload = false;
   options.without_sharding_because = "this engine runs ZeRO and offload on cpu only";
   absl::StatusOr<PlanResult> result = PlanJob(spec, Shape("llama-3.1-8b"), options);
   EXPECT_EQ(result.status().code(), absl::StatusCode::kResourceExhausted);
@@ -384,10 +384,9 @@ TEST(PlannerTest, SeventyBillionOnEightGpus) {
       "train: {steps: 10, global_batch: 64, precision: bf16}\n"
       "resources: {ranks: 8, device: cuda}\n");
   PlanOptions options = Options("h100", 80 * kGiB);
-  options.max_zero_stage = 3;
   PlanResult result = MustPlan(spec, Shape("llama-3.1-70b"), options);
   // 141 GB of bf16 weights: one rank cannot hold them, ZeRO-3 must shard them.
-  EXPECT_EQ(result.plan.zero_stage, 3);
+  EXPECT_EQ(result.plan.strategy.zero_stage, 3);
   EXPECT_GT(result.tokens_per_second, 0);
   // Stages x optimizer offload x parameter offload (ZeRO-3) x checkpointing x 8 micro-batches.
   EXPECT_EQ(result.candidates.size(), (1 + 2 + 2 + 4) * 2 * 4u);
@@ -418,8 +417,8 @@ TEST(CalibrationTest, TheCorrectionIsTheMeanOfTheLatestRatios) {
 
 TEST(CalibrationTest, KeysSeparateStrategiesAndPoolsButNotMicroBatches) {
   const JobShape job = Job(Shape("llama-3.1-8b"), Spec("resources: {ranks: 4, device: cuda}\n"));
-  const StrategyPoint a{2, false, false, true, true, true, 1};
-  StrategyPoint b = a;
+  const Strategy a{2, false, false, true, true, true, 1};
+  Strategy b = a;
   b.micro_batch = 4;
   EXPECT_EQ(CalibrationKey(job, a, "h100"), CalibrationKey(job, b, "h100"));
   EXPECT_EQ(CalibrationKey(job, a, "h100"),
@@ -457,10 +456,11 @@ TEST(CalibrationTest, PlansApplyWhatEarlierAttemptsMeasured) {
       static_cast<uint64_t>(static_cast<double>(before.plan.predicted_memory.total) * 1.3 / 0.9);
   const PlanResult tight = MustPlan(spec, shape, options);
   EXPECT_FALSE(tight.plan.calibration_key == before.plan.calibration_key &&
-               tight.plan.micro_batch == before.plan.micro_batch);
+               tight.plan.strategy.micro_batch == before.plan.strategy.micro_batch);
   EXPECT_LE(tight.candidates[0].peak, options.rates.memory_bytes * 9 / 10);
   options.calibration = nullptr;
-  EXPECT_EQ(MustPlan(spec, shape, options).plan.micro_batch, before.plan.micro_batch);
+  EXPECT_EQ(MustPlan(spec, shape, options).plan.strategy.micro_batch,
+            before.plan.strategy.micro_batch);
 }
 
 // --- device pools (device_pools.h) ----------------------------------------------------

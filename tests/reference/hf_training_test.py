@@ -769,7 +769,7 @@ class LoraTrainingTest(TrainingCase):
 
     def test_lora_llama(self):
         lathe = lathe_result("lora_llama")
-        self.assertEqual((lathe["plan"]["micro_batch"], lathe["plan"]["gradient_accumulation"]),
+        self.assertEqual((lathe["plan"]["strategy"]["micro_batch"], lathe["plan"]["gradient_accumulation"]),
                          ("2", "2"))
         self.check_job("lora_llama", lathe)
 
@@ -821,22 +821,22 @@ class Zero3TrainingTest(TrainingCase):
 
     def test_lora_llama_two_ranks(self):
         lathe = lathe_result("lora_llama_zero3")
-        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("lora_llama_zero3", lathe)
 
     def test_full_qwen2_two_ranks(self):
         lathe = lathe_result("full_qwen2_zero3")
-        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("full_qwen2_zero3", lathe)
 
     def test_lora_qwen3_two_ranks(self):
         lathe = lathe_result("lora_qwen3_zero3")
-        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("lora_qwen3_zero3", lathe)
 
     def test_full_qwen3_two_ranks(self):
         lathe = lathe_result("full_qwen3_zero3")
-        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("full_qwen3_zero3", lathe)
 
 

@@ -49,12 +49,12 @@ TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
             ASSERT_TRUE(model.ok()) << model.status();
             if (method == Method::kLora) (*model)->InitLora(lora, 1);
             ShardOptions shard;
-            shard.stage = stage;
+            shard.strategy.zero_stage = stage;
             absl::StatusOr<std::unique_ptr<ShardedModel>> sharded =
                 ShardedModel::Create(model->get(), group[rank].get(), shard);
             ASSERT_TRUE(sharded.ok()) << sharded.status();
             const ShardBytes engine = (*sharded)->bytes();
-            const ModelStateBytes planned = ModelStates(*units, 4, {world, stage, false, false});
+            const ModelStateBytes planned = ModelStates(*units, 4, world, shard.strategy);
             EXPECT_EQ(planned.weights, engine.frozen) << what;
             EXPECT_EQ(planned.trainable, engine.trainable) << what;
             EXPECT_EQ(planned.gradients, engine.gradients) << what;
@@ -74,8 +74,12 @@ TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
 
 TEST(PlannerAgreementTest, OffloadMovesStatesToTheHost) {
   std::vector<UnitElements> units = {{1000, 0}, {3000, 50}, {3000, 50}, {1001, 0}};
-  const ModelStateBytes on_device = ModelStates(units, 2, {4, 3, false, false});
-  const ModelStateBytes offloaded = ModelStates(units, 2, {4, 3, true, true});
+  Strategy stage3;
+  stage3.zero_stage = 3;
+  Strategy offload = stage3;
+  offload.offload_optimizer = offload.offload_params = true;
+  const ModelStateBytes on_device = ModelStates(units, 2, 4, stage3);
+  const ModelStateBytes offloaded = ModelStates(units, 2, 4, offload);
   EXPECT_EQ(offloaded.optimizer, 0);
   EXPECT_EQ(offloaded.weights, 0);
   EXPECT_EQ(offloaded.trainable, 0);

@@ -20,6 +20,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
@@ -79,7 +80,7 @@ void RunRank(const JobSpec& spec, int rank, int world, const std::string& rendez
     options.comm = comm.get();
   }
   absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-      Trainer::Create(spec, PlanFromSpec(spec), options);
+      Trainer::Create(spec, testing::DefaultPlan(spec), options);
   if (!trainer.ok()) return WriteLine(fd, absl::StrCat("error ", trainer.status().ToString()));
   absl::Status run = (*trainer)
                          ->Run([&](const StepReport& r) {
@@ -141,7 +142,7 @@ class ShardedCudaTest : public ::testing::Test {
     spec_.resources.device = DeviceKind::kCuda;
     spec_.lora.rank = 5;  // flat sizes that 2 ranks do not divide
     spec_.train.global_batch = 4;
-    spec_.train.micro_batch = 1;  // several micro-batches per rank and step
+    spec_.strategy.micro_batch = 1;  // several micro-batches per rank and step
     spec_.train.weight_decay = 0.01;
     spec_.train.max_grad_norm = 0.5;  // clipping by the norm across shards
   }
@@ -149,7 +150,7 @@ class ShardedCudaTest : public ::testing::Test {
   RunResult Run(int64_t ranks, int64_t stage, bool offload = false) {
     JobSpec spec = spec_;
     spec.resources.ranks = ranks;
-    spec.strategy.automatic = false;
+    testing::FixStrategy(&spec.strategy);
     spec.strategy.zero_stage = stage;
     spec.strategy.offload_optimizer = offload;
     spec.strategy.offload_params = offload && stage == 3;

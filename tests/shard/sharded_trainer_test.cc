@@ -11,6 +11,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/matmul.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
@@ -52,7 +53,7 @@ RankRun RunRanks(const JobSpec& spec, int64_t stop_after = 0, int stop_rank = 0)
       options.comm = world > 1 ? group[rank].get() : nullptr;
       options.peak_flops = 1e9;
       absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-          Trainer::Create(spec, PlanFromSpec(spec), options);
+          Trainer::Create(spec, testing::DefaultPlan(spec), options);
       if (!trainer.ok()) {
         run.statuses[rank] = trainer.status();
         return;
@@ -112,7 +113,7 @@ class ShardedTrainerTest : public ::testing::Test {
     spec_ = testing::TinyLoraJob(dir_, config_);
     spec_.lora.rank = 5;  // flat sizes that 2, 3 and 4 ranks do not divide
     spec_.train.global_batch = 12;
-    spec_.train.micro_batch = 1;  // several micro-batches per rank and step
+    spec_.strategy.micro_batch = 1;  // several micro-batches per rank and step
     spec_.train.steps = 4;
     spec_.train.weight_decay = 0.01;
     spec_.train.max_grad_norm = 0.5;  // clipping by the norm across shards
@@ -125,13 +126,13 @@ class ShardedTrainerTest : public ::testing::Test {
     spec_.method = Method::kFull;
     spec_.train.lr = 1e-3;
     spec_.train.global_batch = 6;
-    spec_.train.micro_batch = 1;
+    spec_.strategy.micro_batch = 1;
     spec_.train.steps = 4;
   }
 
   JobSpec Sharded(JobSpec spec, int64_t ranks, int64_t stage, const std::string& name) {
     spec.resources.ranks = ranks;
-    spec.strategy.automatic = false;
+    testing::FixStrategy(&spec.strategy);
     spec.strategy.zero_stage = stage;
     spec.output = dir_.Path(name);
     return spec;
@@ -146,8 +147,8 @@ class ShardedTrainerTest : public ::testing::Test {
   }
 
   void ExpectMatches(const JobSpec& spec, const std::vector<double>& want, double relative) {
-    const std::string what =
-        absl::StrCat("ranks ", spec.resources.ranks, " stage ", spec.strategy.zero_stage);
+    const std::string what = absl::StrCat("ranks ", spec.resources.ranks, " stage ",
+                                          spec.strategy.zero_stage.value_or(0));
     RankRun run = RunRanks(spec);
     for (size_t r = 0; r < run.statuses.size(); ++r) {
       ASSERT_TRUE(run.statuses[r].ok()) << what << " rank " << r << ": " << run.statuses[r];
@@ -386,7 +387,7 @@ TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
     if (quantize) nf4 = (*model)->QuantizeProjections();
     std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(world);
     ShardOptions shard;
-    shard.stage = 3;
+    shard.strategy.zero_stage = 3;
     absl::StatusOr<std::unique_ptr<ShardedModel>> sharded =
         ShardedModel::Create(model->get(), group[rank].get(), shard);
     EXPECT_TRUE(sharded.ok()) << sharded.status();

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "gtest/gtest.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
@@ -26,7 +27,7 @@ class TrainerGpuTest : public ::testing::Test {
   std::vector<StepReport> Reports(JobSpec spec, const std::string& output) {
     spec.output = dir_.Path(output);
     absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-        Trainer::Create(spec, PlanFromSpec(spec), {1});
+        Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return {};
     std::vector<StepReport> reports;
@@ -60,7 +61,7 @@ TEST_F(TrainerGpuTest, CheckpointingOnCudaKeepsTheLosses) {
   spec.resources.device = DeviceKind::kCuda;
   spec.train.precision = Precision::kBf16;
   std::vector<StepReport> plain = Reports(spec, "plain");
-  spec.strategy.automatic = false;
+  testing::FixStrategy(&spec.strategy);
   spec.strategy.activation_checkpointing = true;
   std::vector<StepReport> recomputed = Reports(spec, "recomputed");
   ASSERT_EQ(plain.size(), recomputed.size());

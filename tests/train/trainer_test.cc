@@ -9,6 +9,7 @@
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/testing/tiny_job.h"
 #include "tests/testing/tiny_model.h"
@@ -33,7 +34,7 @@ class TrainerTest : public ::testing::Test {
   // Trains `spec` and returns the per-step losses.
   std::vector<double> Losses(const JobSpec& spec) {
     absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-        Trainer::Create(spec, PlanFromSpec(spec), {1});
+        Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return {};
     std::vector<double> losses;
@@ -44,7 +45,7 @@ class TrainerTest : public ::testing::Test {
   }
 
   absl::Status CreateStatus(const JobSpec& spec) {
-    absl::Status status = Trainer::Create(spec, PlanFromSpec(spec), {1}).status();
+    absl::Status status = Trainer::Create(spec, testing::DefaultPlan(spec), {1}).status();
     EXPECT_FALSE(std::filesystem::exists(spec.output)) << "validation left " << spec.output;
     return status;
   }
@@ -85,16 +86,16 @@ TEST_F(TrainerTest, FullFineTuningLossFalls) {
 // The plan is what runs: a micro-batch and checkpointing the spec does not ask for.
 TEST_F(TrainerTest, RunsThePlanItIsGiven) {
   const std::vector<double> planned_by_spec = Losses(spec_);  // auto: micro-batch 4
-  Plan plan = PlanFromSpec(spec_);
-  ASSERT_EQ(plan.micro_batch, 4);
-  plan.micro_batch = 1;
+  Plan plan = testing::DefaultPlan(spec_);
+  ASSERT_EQ(plan.strategy.micro_batch, 4);
+  plan.strategy.micro_batch = 1;
   plan.gradient_accumulation = 4;
-  plan.activation_checkpointing = true;
+  plan.strategy.activation_checkpointing = true;
   spec_.output = dir_.Path("out-planned");
   absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec_, plan, {1});
   ASSERT_TRUE(trainer.ok()) << trainer.status();
-  EXPECT_EQ((*trainer)->plan().micro_batch, 1);
-  EXPECT_TRUE((*trainer)->plan().activation_checkpointing);
+  EXPECT_EQ((*trainer)->plan().strategy.micro_batch, 1);
+  EXPECT_TRUE((*trainer)->plan().strategy.activation_checkpointing);
   std::vector<double> losses;
   ASSERT_TRUE((*trainer)->Run([&](const StepReport& r) { losses.push_back(*r.loss); }).ok());
   ASSERT_EQ(losses.size(), planned_by_spec.size());
@@ -107,7 +108,7 @@ TEST_F(TrainerTest, ReportsMfuAgainstThePeak) {
   options.threads = 1;
   options.peak_flops = 1e9;
   absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-      Trainer::Create(spec_, PlanFromSpec(spec_), options);
+      Trainer::Create(spec_, testing::DefaultPlan(spec_), options);
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   const double per_token = TrainingFlopsPerToken(config_, spec_, spec_.data.seq_len, false);
   EXPECT_DOUBLE_EQ((*trainer)->model_flops_per_token(), per_token);
@@ -128,15 +129,15 @@ TEST_F(TrainerTest, ReportsMfuAgainstThePeak) {
 // Without a configured peak the CPU's is measured: some positive rate.
 TEST_F(TrainerTest, MeasuresTheCpuPeakWhenNoneIsConfigured) {
   absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-      Trainer::Create(spec_, PlanFromSpec(spec_), {1});
+      Trainer::Create(spec_, testing::DefaultPlan(spec_), {1});
   ASSERT_TRUE(trainer.ok()) << trainer.status();
   EXPECT_GT((*trainer)->peak_flops(), 1e8);  // any CPU with BLAS does better than 0.1 GFLOP/s
 }
 
 TEST_F(TrainerTest, AccumulationGivesTheSameUpdateAsOneBigBatch) {
-  spec_.train.micro_batch = 4;
+  spec_.strategy.micro_batch = 4;
   std::vector<double> whole = Losses(spec_);
-  spec_.train.micro_batch = 1;
+  spec_.strategy.micro_batch = 1;
   spec_.output = dir_.Path("out2");
   std::vector<double> accumulated = Losses(spec_);
   ASSERT_EQ(whole.size(), accumulated.size());
@@ -156,11 +157,11 @@ TEST_F(TrainerTest, FullFineTuningWritesALoadableModel) {
 
 TEST_F(TrainerTest, DataParallelRanksMatchASingleRank) {
   spec_.train.global_batch = 8;
-  spec_.train.micro_batch = 2;  // two accumulation steps per rank
+  spec_.strategy.micro_batch = 2;  // two accumulation steps per rank
   spec_.train.steps = 5;
   std::vector<double> single = Losses(spec_);
   spec_.output = dir_.Path("out-auto");
-  spec_.train.micro_batch = 0;  // auto: from the per-rank batch of 4 sequences
+  spec_.strategy.micro_batch.reset();  // auto: from the per-rank batch of 4 sequences
   std::vector<double> single_auto = Losses(spec_);
 
   JobSpec spec = spec_;
@@ -178,7 +179,7 @@ TEST_F(TrainerTest, DataParallelRanksMatchASingleRank) {
       options.world_size = 2;
       options.comm = group[rank].get();
       absl::StatusOr<std::unique_ptr<Trainer>> trainer =
-          Trainer::Create(spec, PlanFromSpec(spec), options);
+          Trainer::Create(spec, testing::DefaultPlan(spec), options);
       if (!trainer.ok()) {
         statuses[rank] = trainer.status();
         return;
@@ -210,7 +211,7 @@ TEST_F(TrainerTest, SeveralRanksNeedACommunicator) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("resources.ranks: 2 but this trainer was started with "
                                           "world size 1"));
-  status = Trainer::Create(spec, PlanFromSpec(spec), options).status();
+  status = Trainer::Create(spec, testing::DefaultPlan(spec), options).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("need a communicator"));
 }
@@ -245,13 +246,13 @@ void ExpectBitIdenticalResume(JobSpec spec, const std::string& resumed_output,
                               std::vector<StepReport>* straight_out = nullptr) {
   std::vector<StepReport> straight;
   {
-    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
+    auto trainer = *Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     ASSERT_TRUE(trainer->Run([&](const StepReport& r) { straight.push_back(r); }).ok());
   }
   spec.output = resumed_output;
   std::vector<StepReport> first, second;
   {
-    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
+    auto trainer = *Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     absl::Status stopped = trainer
                                ->Run([&](const StepReport& r) {
                                  first.push_back(r);
@@ -263,7 +264,7 @@ void ExpectBitIdenticalResume(JobSpec spec, const std::string& resumed_output,
   }
   EXPECT_FALSE(std::filesystem::exists(resumed_output + "/adapter"));
   {
-    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
+    auto trainer = *Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     EXPECT_EQ(trainer->resume_step(), 10);
     absl::StatusOr<TrainResult> result =
         trainer->Run([&](const StepReport& r) { second.push_back(r); });
@@ -294,7 +295,7 @@ void ExpectBitIdenticalResume(JobSpec spec, const std::string& resumed_output,
 TEST_F(TrainerTest, AStoppedRunResumesBitIdentically) {
   spec_.train.steps = 20;
   spec_.train.global_batch = 4;
-  spec_.train.micro_batch = 2;
+  spec_.strategy.micro_batch = 2;
   spec_.lora.dropout = 0.1;  // the RNG state must survive the restart too
   spec_.train.schedule.warmup_steps = 3;
   spec_.train.weight_decay = 0.01;
@@ -348,10 +349,10 @@ TEST_F(TrainerTest, MezoPeakIsAnInferencePassPlusTheTrainableParameters) {
   spec.method = Method::kMezo;
   spec.lora.rank = 8;
   spec.train.steps = 3;
-  spec.train.micro_batch = spec.train.global_batch;
+  spec.strategy.micro_batch = spec.train.global_batch;
   int64_t peak = 0, trainable = 0;
   {
-    auto trainer = *Trainer::Create(spec, PlanFromSpec(spec), {1});
+    auto trainer = *Trainer::Create(spec, testing::DefaultPlan(spec), {1});
     ASSERT_TRUE(trainer
                     ->Run([&](const StepReport& r) {
                       peak = std::max(peak, r.peak_bytes);
@@ -402,7 +403,7 @@ TEST_F(TrainerTest, QLoraTracksLoraInAFifthOfTheWeightMemory) {
     s.train.precision = precision;
     s.output = dir.Path(output);
     std::vector<StepReport> reports;
-    auto trainer = *Trainer::Create(s, PlanFromSpec(s), {1});
+    auto trainer = *Trainer::Create(s, testing::DefaultPlan(s), {1});
     EXPECT_TRUE(trainer->Run([&](const StepReport& r) { reports.push_back(r); }).ok());
     return reports;
   };
@@ -453,7 +454,7 @@ TEST_F(TrainerTest, ThePlansChoiceOfQLoraRuns) {
                     .ok());
     return weights;
   };
-  Plan plan = PlanFromSpec(spec_);
+  Plan plan = testing::DefaultPlan(spec_);
   const int64_t lora = weights_of(plan, "as-given");
   plan.method = Method::kQLora;
   const int64_t qlora = weights_of(plan, "qlora");
@@ -488,9 +489,9 @@ TEST_F(TrainerTest, AnFp16RunWithSkippedStepsResumesBitIdentically) {
   spec_.data.pack = false;
   spec_.train.steps = 20;
   spec_.train.global_batch = 2;
-  spec_.train.micro_batch = 1;
+  spec_.strategy.micro_batch = 1;
   spec_.train.precision = Precision::kFp16;
-  spec_.strategy.automatic = false;
+  testing::FixStrategy(&spec_.strategy);
   spec_.strategy.activation_checkpointing = true;
   spec_.lora.dropout = 0.1;
   std::vector<StepReport> straight;
@@ -508,7 +509,7 @@ TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
   spec_.train.steps = 9;
   spec_.train.checkpoint_every = 2;
   spec_.train.keep_checkpoints = 2;
-  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
+  auto trainer = *Trainer::Create(spec_, testing::DefaultPlan(spec_), {1});
   std::vector<double> losses;
   ASSERT_TRUE(trainer
                   ->Run([&](const StepReport& r) {
@@ -525,14 +526,14 @@ TEST_F(TrainerTest, PeriodicCheckpointsKeepTheNewestAndRefuseAnotherSpec) {
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000006", "step-00000007"}));
   JobSpec other = spec_;
   other.train.lr *= 2;
-  absl::Status status = Trainer::Create(other, PlanFromSpec(other), {1}).status();
+  absl::Status status = Trainer::Create(other, testing::DefaultPlan(other), {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("a checkpoint of a job with another spec"));
 }
 
 TEST_F(TrainerTest, StepMemoryIsBrokenDownByComponentAndSumsToThePeak) {
   spec_.train.steps = 3;
-  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
+  auto trainer = *Trainer::Create(spec_, testing::DefaultPlan(spec_), {1});
   std::vector<StepReport> reports;
   ASSERT_TRUE(trainer->Run([&](const StepReport& r) { reports.push_back(r); }).ok());
   auto bytes = [](const StepReport& r, MemoryComponent c) {
@@ -567,7 +568,7 @@ TEST_F(TrainerTest, EvalLossIsReportedEveryNSteps) {
   spec_.train.steps = 6;
   spec_.train.eval_every = 2;
   spec_.lora.dropout = 0.2;  // off while evaluating: the same weights give the same loss
-  auto trainer = *Trainer::Create(spec_, PlanFromSpec(spec_), {1});
+  auto trainer = *Trainer::Create(spec_, testing::DefaultPlan(spec_), {1});
   std::vector<StepReport> reports;
   absl::StatusOr<TrainResult> result =
       trainer->Run([&](const StepReport& r) { reports.push_back(r); });
@@ -585,7 +586,8 @@ TEST_F(TrainerTest, EvalLossIsReportedEveryNSteps) {
 
 // Runs `spec` to the end and returns every step's report.
 std::vector<StepReport> Reports(const JobSpec& spec, absl::Status* status = nullptr) {
-  absl::StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(spec, PlanFromSpec(spec), {1});
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+      Trainer::Create(spec, testing::DefaultPlan(spec), {1});
   EXPECT_TRUE(trainer.ok()) << trainer.status();
   if (!trainer.ok()) return {};
   std::vector<StepReport> reports;
@@ -617,7 +619,7 @@ TEST_F(TrainerTest, ActivationCheckpointingKeepsTheLossesAndLowersActivations) {
   spec_.lora.dropout = 0.1;
   spec_.train.steps = 3;
   std::vector<StepReport> plain = Reports(spec_);
-  spec_.strategy.automatic = false;
+  testing::FixStrategy(&spec_.strategy);
   spec_.strategy.activation_checkpointing = true;
   spec_.output = dir_.Path("out-ckpt");
   std::vector<StepReport> recomputed = Reports(spec_);
@@ -641,7 +643,7 @@ TEST_F(TrainerTest, FusedKernelsTrainLikeThePlainComposition) {
     spec_.output = dir_.Path(std::string("fused-") + std::string(MethodName(method)));
     std::vector<StepReport> fused = Reports(spec_);
     JobSpec plain = spec_;
-    plain.strategy.automatic = false;
+    testing::FixStrategy(&plain.strategy);
     plain.strategy.fused_kernels = false;
     plain.output = spec_.output + "-plain";
     std::vector<StepReport> unfused = Reports(plain);
@@ -835,7 +837,7 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
 
   spec = spec_;
   spec.method = Method::kMezo;
-  spec.strategy.automatic = false;
+  testing::FixStrategy(&spec.strategy);
   spec.strategy.zero_stage = 1;
   status = CreateStatus(spec);
   EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
@@ -843,8 +845,8 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
 
   // A plan that does not fit the spec.
   spec = spec_;
-  Plan plan = PlanFromSpec(spec);
-  plan.micro_batch = 3;
+  Plan plan = testing::DefaultPlan(spec);
+  plan.strategy.micro_batch = 3;
   status = Trainer::Create(spec, plan, {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("plan.micro_batch: 3 does not divide"));
@@ -858,7 +860,7 @@ TEST_F(TrainerTest, RejectsBadInputBeforeWritingAnything) {
 
 TEST_F(TrainerTest, RefusesAnOutputThatHoldsAFinishedRun) {
   Losses(spec_);
-  absl::Status status = Trainer::Create(spec_, PlanFromSpec(spec_), {1}).status();
+  absl::Status status = Trainer::Create(spec_, testing::DefaultPlan(spec_), {1}).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("already holds a finished run"));
 }

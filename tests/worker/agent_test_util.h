@@ -31,7 +31,7 @@ inline std::string StartLine(int steps, int resumed_from_step = 0) {
   v1::TrainerEvent event;
   event.mutable_start()->set_total_steps(steps);
   event.mutable_start()->set_resumed_from_step(resumed_from_step);
-  event.mutable_start()->mutable_plan()->set_micro_batch(1);
+  event.mutable_start()->mutable_plan()->mutable_strategy()->set_micro_batch(1);
   return TrainerEventLine(event);
 }
 // `loss` "null": a step without a finite loss.

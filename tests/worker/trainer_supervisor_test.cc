@@ -48,7 +48,7 @@ v1::Assignment MakeAssignment(const std::string& job_id = "job-1") {
   spec.mutable_train()->set_steps(2);
   spec.mutable_train()->set_global_batch(8);
   spec.set_output("/runs/demo");
-  assignment.mutable_plan()->set_micro_batch(4);
+  assignment.mutable_plan()->mutable_strategy()->set_micro_batch(4);
   return assignment;
 }
 
@@ -136,7 +136,7 @@ TEST_F(TrainerSupervisorTest, SucceedsAfterDoneAndExitZero) {
   EXPECT_EQ(task->rank(), 1);
   EXPECT_EQ(task->world_size(), 2);
   EXPECT_EQ(task->spec().name(), "demo");
-  EXPECT_EQ(task->plan().micro_batch(), 4);
+  EXPECT_EQ(task->plan().strategy().micro_batch(), 4);
   EXPECT_EQ(task->rendezvous_address(), "127.0.0.1:7070");
   EXPECT_EQ(task->peak_flops(), 2e12);
   absl::StatusOr<std::string> log = ReadFile(run_dir + "/trainer.log");

@@ -29,6 +29,7 @@
 #include "grpcpp/server_builder.h"
 #include "gtest/gtest.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
+#include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/worker/agent_test_util.h"
 #include "worker/agent/agent_main.h"
@@ -636,10 +637,10 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
   // The coordinator's plan, with a micro-batch and checkpointing the spec does not ask for.
   absl::StatusOr<JobSpec> parsed = JobSpecFromProto(spec, "spec");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  Plan plan = PlanFromSpec(*parsed);
-  plan.micro_batch = 1;
+  Plan plan = testing::DefaultPlan(*parsed);
+  plan.strategy.micro_batch = 1;
   plan.gradient_accumulation = 2;
-  plan.activation_checkpointing = true;
+  plan.strategy.activation_checkpointing = true;
   *assignment.mutable_plan() = PlanToProto(plan);
   service_.Assign(assignment);
 
@@ -672,9 +673,9 @@ TEST_F(WorkerAgentTest, RunsTheRealTrainer) {
   ASSERT_GE(parsed_events.size(), 4u);  // start, 2 steps, done
   ASSERT_TRUE(parsed_events.front().has_start());
   const v1::Plan& ran = parsed_events.front().start().plan();
-  EXPECT_EQ(ran.micro_batch(), 1);
+  EXPECT_EQ(ran.strategy().micro_batch(), 1);
   EXPECT_EQ(ran.gradient_accumulation(), 2);
-  EXPECT_TRUE(ran.activation_checkpointing());
+  EXPECT_TRUE(ran.strategy().activation_checkpointing());
   EXPECT_TRUE(parsed_events[1].has_step());
   EXPECT_GT(parsed_events[1].step().progress().mfu(), 0);
   EXPECT_TRUE(parsed_events.back().has_done());

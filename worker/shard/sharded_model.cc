@@ -99,14 +99,13 @@ ShardedModel::~ShardedModel() {
 absl::StatusOr<std::unique_ptr<ShardedModel>> ShardedModel::Create(CausalLm* model,
                                                                    Communicator* comm,
                                                                    const ShardOptions& options) {
-  if (options.stage < 1 || options.stage > 3) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("strategy.zero_stage: ", options.stage, " is not a sharded stage (1-3)"));
+  if (options.strategy.zero_stage == 0) {
+    return absl::InvalidArgumentError("strategy.zero_stage: 0 is not a sharded stage (1-3)");
   }
-  if (options.offload_params && options.stage != 3) {
-    return absl::InvalidArgumentError("strategy.offload_params: needs zero_stage 3");
-  }
-  if (options.stage == 3 && !model->options().keep_mapped) {
+  StrategyContext context;
+  context.ranks = comm->world_size();
+  LATHE_RETURN_IF_ERROR(ValidateStrategy(options.strategy, context));
+  if (options.strategy.zero_stage == 3 && !model->options().keep_mapped) {
     return absl::FailedPreconditionError(
         "ZeRO-3 needs a model loaded with ModelOptions::keep_mapped");
   }
@@ -125,7 +124,7 @@ absl::Status ShardedModel::Init() {
   rank_ = comm_->rank();
   world_ = comm_->world_size();
   tied_ = model_->config().tie_word_embeddings;
-  const bool stage3 = options_.stage == 3;
+  const bool stage3 = options_.strategy.zero_stage == 3;
   const at::ScalarType weight_dtype = model_->options().weight_dtype;
   anchor_ = at::empty({0}, at::kFloat).set_requires_grad(true);
   units_.resize(model_->num_units());
@@ -154,7 +153,7 @@ absl::Status ShardedModel::Init() {
         at::Tensor slice;
         {
           MemoryScope scope(component);
-          slice = options_.offload_params
+          slice = options_.strategy.offload_params
                       ? at::zeros({shard}, HostOptions(dtype))
                       : at::zeros({shard}, at::TensorOptions(dtype).device(device()));
         }
@@ -231,7 +230,7 @@ absl::Status ShardedModel::Init() {
     // optimizer is offloaded (with offload_params the slice is in host memory already).
     MemoryScope scope(MemoryComponent::kOptimizer);
     u.master =
-        options_.offload_optimizer
+        options_.strategy.offload_optimizer
             ? at::empty({u.param_slice.numel()}, HostOptions(at::kFloat)).copy_(u.param_slice)
             : u.param_slice;
     const FlatRange owned_t = OwnedRange(u.trainable.numel, rank_, world_);
@@ -299,7 +298,7 @@ void ShardedModel::StartGather(int64_t unit) {
     AllocateStorage(*whole);
     // Offloaded slices travel to the device first (from pinned memory, on the compute stream,
     // which the collective waits for): the same path on a CPU job, a copy.
-    at::Tensor in = options_.offload_params
+    at::Tensor in = options_.strategy.offload_params
                         ? slice->to(device(), /*non_blocking=*/true, /*copy=*/true)
                         : *slice;
     u.gathers.push_back(comm_->StartAllGather(in.data_ptr(), whole->data_ptr(),
@@ -311,7 +310,7 @@ void ShardedModel::StartGather(int64_t unit) {
 
 void ShardedModel::Acquire(int64_t unit) {
   Unit& u = units_[unit];
-  if (u.refs++ > 0 || options_.stage != 3) return;
+  if (u.refs++ > 0 || options_.strategy.zero_stage != 3) return;
   StartGather(unit);
   for (auto& work : u.gathers) {
     absl::Status status = Timed([&] { return work->Wait(); });
@@ -323,7 +322,7 @@ void ShardedModel::Acquire(int64_t unit) {
 
 void ShardedModel::Release(int64_t unit) {
   Unit& u = units_[unit];
-  if (--u.refs > 0 || options_.stage != 3) return;
+  if (--u.refs > 0 || options_.strategy.zero_stage != 3) return;
   // A gather still in flight writes into the storage: it was prefetched for a coming use
   // (the tied embeddings are released by the head while unit 0's backward gather may have
   // started), so keep the unit.
@@ -351,7 +350,8 @@ void ShardedModel::BindNf4(Unit& u) {
 
 void ShardedModel::Bind(int64_t unit, int64_t use) {
   Unit& u = units_[unit];
-  if (options_.stage == 3) {  // below, the frozen weights stay where the model loaded them
+  if (options_.strategy.zero_stage ==
+      3) {  // below, the frozen weights stay where the model loaded them
     for (size_t i = 0; i < u.frozen.entries.size(); ++i) {
       *u.frozen_slots[i] = Flat(u.frozen_whole, u.frozen.entries[i]);
     }
@@ -374,7 +374,8 @@ at::Tensor ShardedModel::Enter(int64_t unit, const at::Tensor& input) {
   use.units = {unit};
   if (unit == num_units() - 1 && tied_) use.units.push_back(0);
   for (int64_t v : use.units) Acquire(v);
-  if (options_.stage == 3 && options_.prefetch && unit + 1 < num_units()) StartGather(unit + 1);
+  if (options_.strategy.zero_stage == 3 && options_.prefetch && unit + 1 < num_units())
+    StartGather(unit + 1);
   for (int64_t v : use.units) Bind(v, grad ? id : -1);
   current_use_[unit] = id;
   if (grad && input.requires_grad()) {
@@ -404,7 +405,8 @@ void ShardedModel::BeforeBackward(int64_t id) {
   for (int64_t v : use.units) Acquire(v);
   const int64_t unit = use.units.front();
   awaits_backward_[unit] = false;
-  if (options_.stage == 3 && options_.prefetch && unit > 0 && awaits_backward_[unit - 1]) {
+  if (options_.strategy.zero_stage == 3 && options_.prefetch && unit > 0 &&
+      awaits_backward_[unit - 1]) {
     StartGather(unit - 1);
   }
 }
@@ -425,8 +427,8 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
   at::Tensor whole;
   {
     // Stage 1 keeps it (the step's whole gradient); above, a bucket on its way to be reduced.
-    MemoryScope scope(options_.stage == 1 ? MemoryComponent::kGradients
-                                          : MemoryComponent::kCommBuffers);
+    MemoryScope scope(options_.strategy.zero_stage == 1 ? MemoryComponent::kGradients
+                                                        : MemoryComponent::kCommBuffers);
     whole = at::zeros({world_ * u.trainable_shard}, at::TensorOptions(at::kFloat).device(device()));
   }
   for (size_t i = 0; i < u.trainable.entries.size() && i < grads.size(); ++i) {
@@ -434,7 +436,7 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
     const FlatEntry& e = u.trainable.entries[i];
     whole.slice(0, e.offset, e.offset + e.numel).copy_(grads[i].reshape({-1}));
   }
-  if (options_.stage == 1) {
+  if (options_.strategy.zero_stage == 1) {
     if (u.grad_whole.defined()) {
       u.grad_whole.add_(whole);
     } else {
@@ -496,7 +498,7 @@ absl::Status ShardedModel::FinishBackward() {
       }
       u.gathers.clear();
       u.gather_inputs.clear();
-      if (options_.stage == 3 && u.refs == 0 && u.gathered) FreeUnit(u);
+      if (options_.strategy.zero_stage == 3 && u.refs == 0 && u.gathered) FreeUnit(u);
       awaits_backward_[index] = false;
     }
   } catch (const c10::Error& e) {
@@ -580,7 +582,7 @@ absl::Status ShardedModel::Step(double lr) {
       // From pinned memory, asynchronous on the device: the next step's first wait on the
       // stream comes before the host writes the master again.
       if (offloaded) u.param_slice.copy_(u.master, /*non_blocking=*/true);
-      if (options_.stage < 3) {
+      if (options_.strategy.zero_stage < 3) {
         // Every rank's updated slice into every rank's whole parameters (in place).
         const size_t bytes = static_cast<size_t>(u.trainable_shard) * sizeof(float);
         LATHE_RETURN_IF_ERROR(
@@ -729,7 +731,7 @@ absl::Status ShardedModel::Restore(const LoadedCheckpoint& checkpoint) {
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
       const FlatRange owned = OwnedRange(u.trainable.numel, rank_, world_);
-      if (options_.stage < 3) {
+      if (options_.strategy.zero_stage < 3) {
         // Every rank holds the whole parameters: read them all, no collective needed.
         LATHE_RETURN_IF_ERROR(
             reader.ReadParams(index, u.trainable, {0, u.trainable.numel}, u.trainable_whole));
@@ -780,7 +782,7 @@ absl::Status ShardedModel::ForEachTrainableUnit(
     Unit& u = units_[index];
     if (u.trainable.entries.empty()) continue;
     at::Tensor whole = u.trainable_whole;
-    if (options_.stage == 3) {
+    if (options_.strategy.zero_stage == 3) {
       MemoryScope scope(MemoryComponent::kCommBuffers);
       whole = at::empty({world_ * u.trainable_shard}, u.trainable_whole.options());
       at::Tensor in = u.trainable_slice.to(device());
@@ -804,7 +806,7 @@ ShardBytes ShardedModel::bytes() const {
   };
   ShardBytes b;
   for (const Unit& u : units_) {
-    if (options_.stage == 3) {
+    if (options_.strategy.zero_stage == 3) {
       b.frozen += bytes_of(u.frozen_slice) + bytes_of(u.nf4_slice);
       b.trainable += bytes_of(u.trainable_slice);
       b.largest_unit =
@@ -814,7 +816,7 @@ ShardBytes ShardedModel::bytes() const {
       for (const at::Tensor* slot : u.frozen_slots) b.frozen += bytes_of(*slot);
       b.trainable += bytes_of(u.trainable_whole);
     }
-    b.gradients += (options_.stage == 1 ? world_ : 1) * u.trainable_shard * 4;
+    b.gradients += (options_.strategy.zero_stage == 1 ? world_ : 1) * u.trainable_shard * 4;
     b.optimizer += (u.optimizer ? u.optimizer->StateBytes() : 0) +
                    (u.master.is_same(u.param_slice) ? 0 : bytes_of(u.master));
   }

@@ -37,6 +37,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/flat_layout.h"
+#include "common/strategy.h"
 #include "worker/comm/communicator.h"
 #include "worker/engine/causal_lm.h"
 #include "worker/engine/checkpoint.h"
@@ -46,13 +47,12 @@
 namespace lathe {
 
 struct ShardOptions {
-  int64_t stage = 1;  // 1, 2 or 3
-  // Optimizer state and the optimizer step in host memory; the gradient slice is copied
-  // there and the updated parameters copied back.
-  bool offload_optimizer = false;
-  // Stage 3: parameter slices in host memory, copied to the device as a unit is gathered.
-  // The optimizer step then runs where they are (the host).
-  bool offload_params = false;
+  // Of the plan's strategy: the ZeRO stage (1, 2 or 3), offload_optimizer (optimizer state
+  // and the optimizer step in host memory; the gradient slice is copied there and the
+  // updated parameters copied back) and offload_params (stage 3: parameter slices in host
+  // memory, copied to the device as a unit is gathered; the optimizer step then runs where
+  // they are, the host). REQUIRES: zero_stage 1, 2 or 3 (Create refuses others).
+  Strategy strategy;
   // Stage 3: start gathering the next unit (forward) or the previous one (backward) while
   // the current one computes.
   bool prefetch = true;
@@ -122,7 +122,7 @@ class ShardedModel final : public UnitHooks {
   double TakeCommSeconds();
   // The first collective error met inside forward or backward (OK when none).
   const absl::Status& error() const { return error_; }
-  int64_t stage() const { return options_.stage; }
+  int64_t stage() const { return options_.strategy.zero_stage; }
   int64_t num_units() const { return static_cast<int64_t>(units_.size()); }
 
   // The autograd functions' callbacks (public for them; not for other callers).

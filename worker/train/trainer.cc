@@ -217,12 +217,12 @@ ModelOptions ModelOptionsFor(const Plan& plan) {
   // float32: libtorch 1.13, when this was decided, had no fp16 CPU matmul, and its bf16 one
   // ran ~50x slower than float32 on this project's machines (docs/training.md).
   options.compute_dtype = cuda ? options.weight_dtype : at::kFloat;
-  options.activation_checkpointing = plan.activation_checkpointing;
-  options.fused_kernels = plan.fused_kernels;
+  options.activation_checkpointing = plan.strategy.activation_checkpointing;
+  options.fused_kernels = plan.strategy.fused_kernels;
   // The fused linear cross-entropy is the chunked loss.
-  options.chunked_loss = plan.chunked_loss;
+  options.chunked_loss = plan.strategy.chunked_loss;
   // ZeRO-3: each rank copies its slices out of the mapped files (worker/shard).
-  options.keep_mapped = plan.zero_stage == 3;
+  options.keep_mapped = plan.strategy.zero_stage == 3;
   return options;
 }
 
@@ -352,7 +352,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
     }
   }
 
-  if (plan.zero_stage > 0) {
+  if (plan.strategy.zero_stage > 0) {
     Communicator* comm = options.comm;
     if (comm == nullptr) {
       if (plan.device == DeviceKind::kCuda) {
@@ -363,9 +363,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
       comm = trainer->own_comm_.get();
     }
     ShardOptions shard;
-    shard.stage = plan.zero_stage;
-    shard.offload_optimizer = plan.offload_optimizer;
-    shard.offload_params = plan.offload_params;
+    shard.strategy = plan.strategy;
     shard.prefetch = options.prefetch;
     shard.train = train;
     LATHE_ASSIGN_OR_RETURN(trainer->sharded_,
@@ -696,8 +694,9 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
     at::NoGradGuard no_grad;
     MemoryScope scope(MemoryComponent::kActivations);
     double sum = 0.0;
-    for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
-      std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
+    for (int64_t m = begin; m < begin + per_rank; m += plan_.strategy.micro_batch) {
+      std::vector<Sequence> micro(batch.begin() + m,
+                                  batch.begin() + m + plan_.strategy.micro_batch);
       auto [ids, labels] = Collate(micro);
       at::Tensor hidden = model_->Hidden(ids.to(device));
       sum += model_->SumLossOfHidden(hidden, labels.to(device)).item<double>();
@@ -746,8 +745,8 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
   const int64_t begin = options_.rank * per_rank;
   PhaseSeconds& phases = report.phases;
   auto lap = Laps(report.phase_products);
-  for (int64_t m = begin; m < begin + per_rank; m += plan_.micro_batch) {
-    std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.micro_batch);
+  for (int64_t m = begin; m < begin + per_rank; m += plan_.strategy.micro_batch) {
+    std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.strategy.micro_batch);
     auto [ids, labels] = Collate(micro);
     lap();  // collating is not one of the phases
     at::Tensor loss;

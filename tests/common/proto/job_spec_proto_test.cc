@@ -39,7 +39,7 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.train.steps, expected.train.steps);
   EXPECT_EQ(actual.train.epochs, expected.train.epochs);
   EXPECT_EQ(actual.train.global_batch, expected.train.global_batch);
-  EXPECT_EQ(actual.train.micro_batch, expected.train.micro_batch);
+  EXPECT_EQ(actual.strategy.micro_batch, expected.strategy.micro_batch);
   EXPECT_EQ(actual.train.lr, expected.train.lr);
   EXPECT_EQ(actual.train.schedule.kind, expected.train.schedule.kind);
   EXPECT_EQ(actual.train.schedule.warmup_steps, expected.train.schedule.warmup_steps);
@@ -65,7 +65,6 @@ void ExpectSameSpec(const JobSpec& actual, const JobSpec& expected) {
   EXPECT_EQ(actual.resources.ranks, expected.resources.ranks);
   EXPECT_EQ(actual.resources.device, expected.resources.device);
   EXPECT_EQ(actual.resources.memory_per_rank, expected.resources.memory_per_rank);
-  EXPECT_EQ(actual.strategy.automatic, expected.strategy.automatic);
   EXPECT_EQ(actual.strategy.zero_stage, expected.strategy.zero_stage);
   EXPECT_EQ(actual.strategy.offload_optimizer, expected.strategy.offload_optimizer);
   EXPECT_EQ(actual.strategy.offload_params, expected.strategy.offload_params);
@@ -95,7 +94,7 @@ JobSpec FullSpec() {
   spec.lora.init_from = "/adapters/start";
   spec.train.steps = 1000;
   spec.train.global_batch = 64;
-  spec.train.micro_batch = 4;
+  spec.strategy.micro_batch = 4;
   spec.train.lr = 2.0e-4 / 3;
   spec.train.schedule.kind = ScheduleKind::kLinear;
   spec.train.schedule.warmup_steps = 50;
@@ -121,7 +120,6 @@ JobSpec FullSpec() {
   spec.resources.ranks = 8;
   spec.resources.device = DeviceKind::kCuda;
   spec.resources.memory_per_rank = UINT64_C(80) << 30;
-  spec.strategy.automatic = false;
   spec.strategy.zero_stage = 3;
   spec.strategy.offload_optimizer = true;
   spec.strategy.offload_params = true;
@@ -197,7 +195,6 @@ TEST(JobSpecProtoTest, ToProtoSetsEveryOptionalScalar) {
   EXPECT_TRUE(proto.train().has_steps());
   EXPECT_TRUE(proto.train().has_epochs());
   EXPECT_TRUE(proto.train().has_global_batch());
-  EXPECT_TRUE(proto.train().has_micro_batch());
   EXPECT_TRUE(proto.train().has_lr());
   EXPECT_TRUE(proto.train().schedule().has_warmup_steps());
   EXPECT_TRUE(proto.train().has_adam_beta1());
@@ -215,7 +212,10 @@ TEST(JobSpecProtoTest, ToProtoSetsEveryOptionalScalar) {
   EXPECT_EQ(proto.train().optimizer(), v1::OPTIMIZER_ADAMW);
   EXPECT_EQ(proto.train().precision(), v1::PRECISION_FP32);
   EXPECT_EQ(proto.resources().device(), v1::DEVICE_CPU);
-  EXPECT_TRUE(proto.strategy().automatic());
+  // auto: every strategy field absent, the planner's.
+  EXPECT_FALSE(proto.strategy().has_zero_stage());
+  EXPECT_FALSE(proto.strategy().has_micro_batch());
+  EXPECT_TRUE(proto.strategy().fused_kernels());
   // 0 means "not given" in JobSpec, so it stays absent.
   EXPECT_FALSE(proto.resources().has_memory_per_rank_bytes());
 }
@@ -235,7 +235,6 @@ TEST(JobSpecProtoTest, JsonUsesTheYamlSchema) {
   EXPECT_EQ(json["strategy"]["chunked_loss"], true);
 
   spec.strategy = StrategySpec();
-  spec.train.micro_batch = 0;
   json = nlohmann::json::parse(JobSpecToJson(spec));
   EXPECT_EQ(json["strategy"], "auto");
   EXPECT_EQ(json["train"]["micro_batch"], "auto");
@@ -245,17 +244,22 @@ TEST(JobSpecProtoTest, AnAbsentStrategyIsAutoAndKeepsFusedKernels) {
   v1::JobSpec proto = MinimalProto();
   absl::StatusOr<JobSpec> spec = JobSpecFromProto(proto, "spec");
   ASSERT_TRUE(spec.ok()) << spec.status();
-  EXPECT_TRUE(spec->strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(spec->strategy));
   EXPECT_TRUE(spec->strategy.fused_kernels);
 
-  proto.mutable_strategy()->set_automatic(true);
-  proto.mutable_strategy()->set_zero_stage(3);  // ignored under auto: the planner chooses
   proto.mutable_strategy()->set_fused_kernels(false);
   spec = JobSpecFromProto(proto, "spec");
   ASSERT_TRUE(spec.ok()) << spec.status();
-  EXPECT_TRUE(spec->strategy.automatic);
-  EXPECT_EQ(spec->strategy.zero_stage, 0);
+  EXPECT_TRUE(IsAutomatic(spec->strategy));
   EXPECT_FALSE(spec->strategy.fused_kernels);
+
+  // A present field is fixed, an absent one the planner's.
+  proto.mutable_strategy()->set_zero_stage(3);
+  spec = JobSpecFromProto(proto, "spec");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_FALSE(IsAutomatic(spec->strategy));
+  EXPECT_EQ(spec->strategy.zero_stage, 3);
+  EXPECT_EQ(spec->strategy.offload_params, std::nullopt);
 }
 
 TEST(JobSpecProtoTest, RequiredFieldsOnlyGiveTheDocumentedDefaults) {
@@ -277,23 +281,25 @@ TEST(JobSpecProtoTest, RequiredFieldsOnlyGiveTheDocumentedDefaults) {
   EXPECT_THAT(spec->lora.targets, ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                               "up_proj", "down_proj"));
   EXPECT_EQ(spec->train.global_batch, 8);
-  EXPECT_EQ(spec->train.micro_batch, 0);
+  EXPECT_EQ(spec->strategy.micro_batch, std::nullopt);  // auto
   EXPECT_EQ(spec->train.lr, 2e-4);
   EXPECT_EQ(spec->train.optimizer, OptimizerKind::kAdamW);
   EXPECT_EQ(spec->train.precision, Precision::kFp32);
   EXPECT_EQ(spec->resources.ranks, 1);
   EXPECT_EQ(spec->resources.device, DeviceKind::kCpu);
   EXPECT_EQ(spec->resources.memory_per_rank, 0u);
-  EXPECT_TRUE(spec->strategy.automatic);
+  EXPECT_TRUE(IsAutomatic(spec->strategy));
   EXPECT_EQ(spec->max_restarts, 3);
 }
 
-TEST(JobSpecProtoTest, ZeroMicroBatchMeansAuto) {
+TEST(JobSpecProtoTest, AnAbsentMicroBatchIsAutoAndZeroIsRefused) {
   v1::JobSpec proto = MinimalProto();
-  proto.mutable_train()->set_micro_batch(0);
   absl::StatusOr<JobSpec> spec = JobSpecFromProto(proto, "spec");
   ASSERT_TRUE(spec.ok()) << spec.status();
-  EXPECT_EQ(spec->train.micro_batch, 0);
+  EXPECT_EQ(spec->strategy.micro_batch, std::nullopt);
+  proto.mutable_strategy()->set_micro_batch(0);
+  EXPECT_THAT(JobSpecFromProto(proto, "spec").status().message(),
+              HasSubstr("spec: train.micro_batch: must be >= 1, got 0"));
 }
 
 struct BadProtoCase {
@@ -360,13 +366,13 @@ TEST(PlanProtoTest, RoundTrips) {
   Plan plan;
   plan.ranks = 4;
   plan.device = DeviceKind::kCuda;
-  plan.zero_stage = 3;
-  plan.offload_optimizer = true;
-  plan.offload_params = true;
-  plan.activation_checkpointing = true;
-  plan.chunked_loss = true;
-  plan.fused_kernels = false;
-  plan.micro_batch = 2;
+  plan.strategy.zero_stage = 3;
+  plan.strategy.offload_optimizer = true;
+  plan.strategy.offload_params = true;
+  plan.strategy.activation_checkpointing = true;
+  plan.strategy.chunked_loss = true;
+  plan.strategy.fused_kernels = false;
+  plan.strategy.micro_batch = 2;
   plan.gradient_accumulation = 8;
   plan.total_steps = 1000;
   plan.precision = Precision::kBf16;
@@ -379,13 +385,13 @@ TEST(PlanProtoTest, RoundTrips) {
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->ranks, plan.ranks);
   EXPECT_EQ(back->device, plan.device);
-  EXPECT_EQ(back->zero_stage, plan.zero_stage);
-  EXPECT_EQ(back->offload_optimizer, plan.offload_optimizer);
-  EXPECT_EQ(back->offload_params, plan.offload_params);
-  EXPECT_EQ(back->activation_checkpointing, plan.activation_checkpointing);
-  EXPECT_EQ(back->chunked_loss, plan.chunked_loss);
-  EXPECT_EQ(back->fused_kernels, plan.fused_kernels);
-  EXPECT_EQ(back->micro_batch, plan.micro_batch);
+  EXPECT_EQ(back->strategy.zero_stage, plan.strategy.zero_stage);
+  EXPECT_EQ(back->strategy.offload_optimizer, plan.strategy.offload_optimizer);
+  EXPECT_EQ(back->strategy.offload_params, plan.strategy.offload_params);
+  EXPECT_EQ(back->strategy.activation_checkpointing, plan.strategy.activation_checkpointing);
+  EXPECT_EQ(back->strategy.chunked_loss, plan.strategy.chunked_loss);
+  EXPECT_EQ(back->strategy.fused_kernels, plan.strategy.fused_kernels);
+  EXPECT_EQ(back->strategy.micro_batch, plan.strategy.micro_batch);
   EXPECT_EQ(back->gradient_accumulation, plan.gradient_accumulation);
   EXPECT_EQ(back->total_steps, plan.total_steps);
   EXPECT_EQ(back->precision, plan.precision);

@@ -25,8 +25,8 @@ TEST(TrainerTaskTest, RoundTripsThroughItsFile) {
   task.set_world_size(2);
   task.mutable_spec()->set_name("demo");
   task.mutable_spec()->mutable_train()->set_steps(10);
-  task.mutable_plan()->set_micro_batch(4);
-  task.mutable_plan()->set_activation_checkpointing(true);
+  task.mutable_plan()->mutable_strategy()->set_micro_batch(4);
+  task.mutable_plan()->mutable_strategy()->set_activation_checkpointing(true);
   task.set_rendezvous_address("127.0.0.1:7070");
   task.set_peak_flops(1.5e12);
   const std::string path = dir.Path("task.json");
