@@ -1,8 +1,11 @@
 #include "common/flops.h"
 
 #include <string>
+#include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/match.h"
+#include "common/lora_targets.h"
 
 namespace lathe {
 
@@ -14,15 +17,19 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
     const ProjectionShape shape = ProjectionShapeOf(config, module);
     layer_weights += static_cast<double>(shape.in_features) * shape.out_features;
   }
+  const double layers = static_cast<double>(config.num_hidden_layers);
+  // Weights of the adapters, averaged over the layers (the targets may differ between them;
+  // targets that select nothing count none: the job is refused elsewhere).
   double layer_adapters = 0;
   if (TrainsLora(spec)) {
-    for (const std::string& module : spec.lora.targets) {
-      const ProjectionShape shape = ProjectionShapeOf(config, module);
-      layer_adapters +=
-          static_cast<double>(spec.lora.rank) * (shape.in_features + shape.out_features);
+    absl::StatusOr<std::vector<LoraTarget>> targets =
+        MatchLoraTargets(spec.lora, config.num_hidden_layers, LoraTargetModules());
+    for (const LoraTarget& target : targets.ok() ? *targets : std::vector<LoraTarget>{}) {
+      const ProjectionShape shape = ProjectionShapeOf(config, target.module);
+      layer_adapters += static_cast<double>(target.rank) * (shape.in_features + shape.out_features);
     }
+    if (layers > 0) layer_adapters /= layers;
   }
-  const double layers = static_cast<double>(config.num_hidden_layers);
   const double head = static_cast<double>(config.vocab_size) * config.hidden_size;
   const double attention = 2.0 * (static_cast<double>(seq_len) + 1) *
                            static_cast<double>(config.num_attention_heads) * config.head_dim;

@@ -22,9 +22,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "common/file_util.h"
 #include "common/json_fields.h"
+#include "common/lora_targets.h"
 #include "common/model_config.h"
+#include "common/peft.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -217,7 +220,7 @@ class SpecReader {
   // Checks that `node` is a map whose keys are scalars, unique and among `known`, so that
   // the caller can then look values up by key.
   absl::Status ExpectMap(const YAML::Node& node, absl::string_view field,
-                         std::initializer_list<absl::string_view> known) const {
+                         absl::Span<const absl::string_view> known) const {
     if (!node.IsMap()) return Error(field, absl::StrCat("expected a map, got ", Describe(node)));
     std::set<std::string> seen;
     for (const auto& entry : node) {
@@ -357,12 +360,22 @@ absl::Status ParseData(const SpecReader& r, const YAML::Node& node, DataSpec* da
   return absl::OkStatus();
 }
 
-absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node,
-                              std::vector<std::string>* targets) {
+// A list of module names, or a string: "all-linear" or a regular expression (PEFT's
+// target_modules).
+absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node, LoraSpec* lora) {
   constexpr absl::string_view kField = "lora.targets";
-  if (!node.IsSequence()) {
-    return r.Error(kField, absl::StrCat("expected a list, got ", Describe(node)));
+  std::vector<std::string>* targets = &lora->targets;
+  if (node.IsScalar() && !node.IsNull()) {
+    LATHE_RETURN_IF_ERROR(r.ReadString(node, kField, &lora->targets_pattern));
+    targets->clear();
+    return absl::OkStatus();
   }
+  if (!node.IsSequence()) {
+    return r.Error(kField, absl::StrCat("expected a list or a string (all-linear or a regular "
+                                        "expression), got ",
+                                        Describe(node)));
+  }
+  lora->targets_pattern.clear();
   targets->clear();
   for (size_t i = 0; i < node.size(); ++i) {
     std::string target;
@@ -372,9 +385,63 @@ absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node,
   return absl::OkStatus();
 }
 
+// Whether `node` leaves PEFT's `option` off: null, or its default (false or empty where it
+// has no other).
+bool IsOff(const UnsupportedPeftOption& option, const YAML::Node& node) {
+  if (node.IsNull()) return true;
+  if (option.also_off.empty() && (node.IsMap() || node.IsSequence()) && node.size() == 0) {
+    return true;
+  }
+  if (!node.IsScalar()) return false;
+  if (option.also_off.empty()) return node.Scalar() == "false" && !IsStringScalar(node);
+  const nlohmann::json also_off = nlohmann::json::parse(option.also_off);
+  if (also_off.is_boolean()) {
+    return !IsStringScalar(node) && node.Scalar() == (also_off.get<bool>() ? "true" : "false");
+  }
+  return also_off.is_string() && node.Scalar() == also_off.get<std::string>();
+}
+
+// A map from a pattern (a string) to a value that `read` reads, in the spec's order.
+template <typename T, typename Read>
+absl::Status ParsePatternMap(const SpecReader& r, const YAML::Node& node, absl::string_view field,
+                             Read read, std::vector<std::pair<std::string, T>>* out) {
+  if (!node.IsMap()) return r.Error(field, absl::StrCat("expected a map, got ", Describe(node)));
+  out->clear();
+  for (const auto& entry : node) {
+    if (!entry.first.IsScalar()) {
+      return r.Error(field, absl::StrCat("keys must be strings, got ", Describe(entry.first)));
+    }
+    const std::string& key = entry.first.Scalar();
+    const std::string path = SpecReader::Join(field, ShownKey(key));
+    for (const auto& seen : *out) {
+      if (seen.first == key) return r.Error(path, "given more than once");
+    }
+    T value{};
+    LATHE_RETURN_IF_ERROR(read(entry.second, path, &value));
+    out->emplace_back(key, value);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseLora(const SpecReader& r, const YAML::Node& node, LoraSpec* lora) {
-  LATHE_RETURN_IF_ERROR(r.ExpectMap(
-      node, "lora", {"rank", "alpha", "dropout", "targets", "use_rslora", "init_from"}));
+  std::vector<absl::string_view> known = {"rank",         "alpha",         "dropout",
+                                          "targets",      "use_rslora",    "init_from",
+                                          "rank_pattern", "alpha_pattern", "modules_to_save"};
+  // PEFT's options that Lathe lacks: "not supported" rather than "unknown field"; written at
+  // their default they say what Lathe does anyway.
+  if (node.IsMap()) {
+    for (const UnsupportedPeftOption& option : UnsupportedPeftOptions()) {
+      const YAML::Node v = node[std::string(option.name)];
+      if (!v) continue;
+      if (!IsOff(option, v)) {
+        return r.Error(
+            absl::StrCat("lora.", option.name),
+            absl::StrCat("PEFT's ", option.name, " is not supported by Lathe, got ", Describe(v)));
+      }
+      known.push_back(option.name);
+    }
+  }
+  LATHE_RETURN_IF_ERROR(r.ExpectMap(node, "lora", known));
   if (const YAML::Node v = node["rank"]) {
     LATHE_RETURN_IF_ERROR(r.ReadInt(v, "lora.rank", &lora->rank));
   }
@@ -385,10 +452,38 @@ absl::Status ParseLora(const SpecReader& r, const YAML::Node& node, LoraSpec* lo
     LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "lora.dropout", &lora->dropout));
   }
   if (const YAML::Node v = node["targets"]) {
-    LATHE_RETURN_IF_ERROR(ParseLoraTargets(r, v, &lora->targets));
+    LATHE_RETURN_IF_ERROR(ParseLoraTargets(r, v, lora));
   }
   if (const YAML::Node v = node["use_rslora"]) {
     LATHE_RETURN_IF_ERROR(r.ReadBool(v, "lora.use_rslora", &lora->use_rslora));
+  }
+  if (const YAML::Node v = node["modules_to_save"]) {
+    constexpr absl::string_view kField = "lora.modules_to_save";
+    if (!v.IsSequence()) {
+      return r.Error(kField, absl::StrCat("expected a list, got ", Describe(v)));
+    }
+    lora->modules_to_save.clear();
+    for (size_t i = 0; i < v.size(); ++i) {
+      std::string module;
+      LATHE_RETURN_IF_ERROR(r.ReadString(v[i], absl::StrCat(kField, "[", i, "]"), &module));
+      lora->modules_to_save.push_back(std::move(module));
+    }
+  }
+  if (const YAML::Node v = node["rank_pattern"]) {
+    LATHE_RETURN_IF_ERROR(ParsePatternMap<int64_t>(
+        r, v, "lora.rank_pattern",
+        [&r](const YAML::Node& n, absl::string_view f, int64_t* out) {
+          return r.ReadInt(n, f, out);
+        },
+        &lora->rank_pattern));
+  }
+  if (const YAML::Node v = node["alpha_pattern"]) {
+    LATHE_RETURN_IF_ERROR(ParsePatternMap<double>(
+        r, v, "lora.alpha_pattern",
+        [&r](const YAML::Node& n, absl::string_view f, double* out) {
+          return r.ReadDouble(n, f, out);
+        },
+        &lora->alpha_pattern));
   }
   if (const YAML::Node v = node["init_from"]) {
     LATHE_RETURN_IF_ERROR(r.ReadNonEmptyString(v, "lora.init_from", &lora->init_from));
@@ -662,12 +757,25 @@ class ValueChecker {
   const SpecReader& r_;
 };
 
-absl::Status ValidateLoraTargets(const SpecReader& r, const std::vector<std::string>& targets) {
+// The model-independent checks; which modules the targets select is known where the model is
+// opened (common/lora_targets.h).
+absl::Status ValidateLoraTargets(const SpecReader& r, const LoraSpec& lora) {
   constexpr absl::string_view kField = "lora.targets";
+  if (!lora.targets_pattern.empty()) {
+    absl::Status pattern = CheckLoraTargetsPattern(lora.targets_pattern);
+    return pattern.ok() ? pattern : r.Error(kField, pattern.message());
+  }
+  const std::vector<std::string>& targets = lora.targets;
   if (targets.empty()) return r.Error(kField, "must not be empty");
   for (size_t i = 0; i < targets.size(); ++i) {
     const std::string field = absl::StrCat(kField, "[", i, "]");
-    if (!IsLoraTargetModule(targets[i])) {
+    // A module name, or a dotted suffix of a full name (self_attn.q_proj,
+    // model.layers.0.self_attn.q_proj), as PEFT matches list entries.
+    const size_t dot = targets[i].rfind('.');
+    const absl::string_view module = dot == std::string::npos
+                                         ? absl::string_view(targets[i])
+                                         : absl::string_view(targets[i]).substr(dot + 1);
+    if (!IsLoraTargetModule(module)) {
       return r.Error(field,
                      absl::StrCat("unknown module ", Quoted(targets[i]), " (expected one of: ",
                                   absl::StrJoin(LoraTargetModules(), ", "), ")"));
@@ -701,7 +809,26 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   LATHE_RETURN_IF_ERROR(check.Between("lora.rank", lora.rank, 1, 1 << 16));
   LATHE_RETURN_IF_ERROR(check.InRange("lora.alpha", lora.alpha, 0, false));
   LATHE_RETURN_IF_ERROR(check.InRange("lora.dropout", lora.dropout, 0, true, 1.0));
-  LATHE_RETURN_IF_ERROR(ValidateLoraTargets(r, lora.targets));
+  LATHE_RETURN_IF_ERROR(ValidateLoraTargets(r, lora));
+  for (const auto& [key, rank] : lora.rank_pattern) {
+    LATHE_RETURN_IF_ERROR(
+        check.Between(SpecReader::Join("lora.rank_pattern", ShownKey(key)), rank, 1, 1 << 16));
+  }
+  for (const auto& [key, alpha] : lora.alpha_pattern) {
+    LATHE_RETURN_IF_ERROR(
+        check.InRange(SpecReader::Join("lora.alpha_pattern", ShownKey(key)), alpha, 0, false));
+  }
+  if (absl::Status keys = CheckLoraPatternKeys(lora); !keys.ok()) {
+    return r.Error("", keys.message());
+  }
+  // Parsed and carried (proto, JSON form) so that a spec naming it is refused in words, but
+  // the engine does not train whole modules beside the adapters yet.
+  if (!lora.modules_to_save.empty()) {
+    return r.Error(
+        "lora.modules_to_save",
+        absl::StrCat("PEFT's modules_to_save (", absl::StrJoin(lora.modules_to_save, ", "),
+                     ") is not supported by Lathe yet: only LoRA adapters are trained"));
+  }
 
   const TrainSpec& train = spec.train;
   if (spec.method == Method::kMezo) {
@@ -888,6 +1015,14 @@ absl::StatusOr<JobSpec> LoadJobSpec(const std::string& path) {
   return ParseJobSpec(text, path);
 }
 
+// A rank or alpha pattern as a JSON object, in its order.
+template <typename T>
+nlohmann::ordered_json PatternJson(const std::vector<std::pair<std::string, T>>& entries) {
+  nlohmann::ordered_json json = nlohmann::ordered_json::object();
+  for (const auto& [key, value] : entries) json[key] = value;
+  return json;
+}
+
 std::string JobSpecToJson(const JobSpec& spec) {
   using Json = nlohmann::ordered_json;
   auto name = [](absl::string_view word) { return std::string(word); };
@@ -916,7 +1051,10 @@ std::string JobSpecToJson(const JobSpec& spec) {
        {{"rank", spec.lora.rank},
         {"alpha", spec.lora.alpha},
         {"dropout", spec.lora.dropout},
-        {"targets", spec.lora.targets},
+        {"targets", spec.lora.targets_pattern.empty() ? Json(spec.lora.targets)
+                                                      : Json(spec.lora.targets_pattern)},
+        {"rank_pattern", PatternJson(spec.lora.rank_pattern)},
+        {"alpha_pattern", PatternJson(spec.lora.alpha_pattern)},
         {"use_rslora", spec.lora.use_rslora}}},
       {"train",
        {{"steps", t.steps},

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -46,10 +47,24 @@ struct LoraSpec {
   int64_t rank = 16;
   double alpha = 32.0;
   double dropout = 0.0;
-  // Default: all seven projections (LoraTargetModules()).
+  // PEFT's target_modules, as a list: a module is targeted when its full name
+  // (model.layers.0.self_attn.q_proj) is an entry or ends with "." + entry. Default: all seven
+  // projections (LoraTargetModules()). Unused when targets_pattern is set.
   std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
+  // PEFT's target_modules, as a string (the spec's `targets: <string>`): "all-linear" (any
+  // case; every linear layer but the output layer, i.e. every projection) or a regular
+  // expression (ECMAScript) that a module's full name must match entirely. Empty: `targets`.
+  std::string targets_pattern;
+  // PEFT's rank_pattern and alpha_pattern, in the spec's order: a module whose full name
+  // matches (.*\.)?(<pattern>) entirely takes the first matching entry's rank or alpha instead
+  // of `rank` / `alpha` (peft.utils.other.get_pattern_key).
+  std::vector<std::pair<std::string, int64_t>> rank_pattern;
+  std::vector<std::pair<std::string, double>> alpha_pattern;
   bool use_rslora = false;  // scaling alpha/sqrt(rank) instead of alpha/rank
+  // PEFT's modules_to_save (whole modules trained beside the adapters): parsed so that a spec
+  // naming it is refused in words; ValidateJobSpec refuses any, the engine trains none yet.
+  std::vector<std::string> modules_to_save;
   // Optional PEFT adapter directory to start from instead of the random/zero init.
   std::string init_from;
 };

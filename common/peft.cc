@@ -40,7 +40,46 @@ Json AlphaJson(double alpha) {
   return alpha;
 }
 
+// Whether `value` leaves `option` off: null, or its default (false or empty where it has
+// no other).
+bool IsOff(const UnsupportedPeftOption& option, const Json& value) {
+  if (value.is_null()) return true;
+  if (!option.also_off.empty()) return value == Json::parse(option.also_off);
+  if (value.is_boolean() && !value.get<bool>()) return true;
+  return (value.is_object() || value.is_array()) && value.empty();
+}
+
 }  // namespace
+
+absl::Span<const UnsupportedPeftOption> UnsupportedPeftOptions() {
+  static constexpr UnsupportedPeftOption kOptions[] = {
+      {"use_dora", ""},
+      {"fan_in_fan_out", ""},
+      {"init_lora_weights", "true"},
+      {"bias", "\"none\""},
+      {"layers_to_transform", ""},
+      {"layers_pattern", ""},
+      {"lora_bias", ""},
+      {"megatron_config", ""},
+      {"loftq_config", ""},
+      {"layer_replication", ""},
+      {"exclude_modules", ""},
+      {"target_parameters", ""},
+      {"trainable_token_indices", ""},
+      {"use_qalora", ""},
+      {"alora_invocation_tokens", ""},
+      {"eva_config", ""},
+      {"corda_config", ""},
+      {"lora_ga_config", ""},
+      {"velora_config", ""},
+      {"monteclora_config", ""},
+      {"arrow_config", ""},
+      {"kasa_config", ""},
+      {"use_bdlora", ""},
+      {"ensure_weight_tying", ""},
+  };
+  return kOptions;
+}
 
 std::string PeftLoraTensorName(int64_t layer, absl::string_view module, absl::string_view which) {
   return absl::StrCat("base_model.model.model.layers.", layer, ".", BlockOf(module), module,
@@ -48,9 +87,13 @@ std::string PeftLoraTensorName(int64_t layer, absl::string_view module, absl::st
 }
 
 std::string PeftAdapterConfigJson(const PeftAdapterConfig& config) {
+  Json rank_pattern = Json::object();
+  for (const auto& [key, rank] : config.rank_pattern) rank_pattern[key] = rank;
+  Json alpha_pattern = Json::object();
+  for (const auto& [key, alpha] : config.alpha_pattern) alpha_pattern[key] = AlphaJson(alpha);
   // nlohmann::json keeps keys sorted, matching PEFT's json.dumps(..., sort_keys=True).
   Json json = {
-      {"alpha_pattern", Json::object()},
+      {"alpha_pattern", alpha_pattern},
       {"base_model_name_or_path", config.base_model_name_or_path},
       {"bias", "none"},
       {"fan_in_fan_out", false},
@@ -60,12 +103,15 @@ std::string PeftAdapterConfigJson(const PeftAdapterConfig& config) {
       {"layers_to_transform", nullptr},
       {"lora_alpha", AlphaJson(config.lora_alpha)},
       {"lora_dropout", config.lora_dropout},
-      {"modules_to_save", nullptr},
+      {"modules_to_save",
+       config.modules_to_save.empty() ? Json(nullptr) : Json(config.modules_to_save)},
       {"peft_type", "LORA"},
       {"r", config.r},
-      {"rank_pattern", Json::object()},
+      {"rank_pattern", rank_pattern},
       {"revision", nullptr},
-      {"target_modules", config.target_modules},
+      {"target_modules", config.target_modules_pattern.empty()
+                             ? Json(config.target_modules)
+                             : Json(config.target_modules_pattern)},
       {"task_type", "CAUSAL_LM"},
       {"use_dora", false},
       {"use_rslora", config.use_rslora},
@@ -91,6 +137,19 @@ absl::StatusOr<PeftAdapterConfig> ParsePeftAdapterConfig(absl::string_view json_
     return invalid(absl::StrCat("peft_type is ",
                                 peft_type == json.end() ? "missing" : peft_type->dump(),
                                 ", expected \"LORA\""));
+  }
+
+  for (const UnsupportedPeftOption& option : UnsupportedPeftOptions()) {
+    auto it = json.find(std::string(option.name));
+    if (it == json.end()) continue;
+    // How A and B were initialised no longer matters once they are trained and saved, as
+    // long as the base was left alone: not so for PiSSA, OLoRA, LoftQ, CorDA, ...
+    if (option.name == "init_lora_weights" && (it->is_boolean() || *it == "gaussian")) continue;
+    if (!IsOff(option, *it)) {
+      std::string value = it->dump();
+      if (value.size() > 40) value = value.substr(0, 40) + "...";
+      return invalid(absl::StrCat(option.name, " is ", value, ": not supported by Lathe"));
+    }
   }
 
   PeftAdapterConfig config;
@@ -129,10 +188,41 @@ absl::StatusOr<PeftAdapterConfig> ParsePeftAdapterConfig(absl::string_view json_
     config.use_rslora = it->get<bool>();
   }
 
+  if (auto it = json.find("rank_pattern"); it != json.end() && !it->is_null()) {
+    if (!it->is_object()) return invalid("rank_pattern is not an object");
+    for (const auto& [key, value] : it->items()) {
+      if (!value.is_number_integer() || value.get<int64_t>() <= 0) {
+        return invalid(absl::StrCat("rank_pattern \"", key, "\" is ", value.dump(),
+                                    ", not a positive integer"));
+      }
+      config.rank_pattern.emplace_back(key, value.get<int64_t>());
+    }
+  }
+  if (auto it = json.find("alpha_pattern"); it != json.end() && !it->is_null()) {
+    if (!it->is_object()) return invalid("alpha_pattern is not an object");
+    for (const auto& [key, value] : it->items()) {
+      if (!value.is_number()) {
+        return invalid(
+            absl::StrCat("alpha_pattern \"", key, "\" is ", value.dump(), ", not a number"));
+      }
+      config.alpha_pattern.emplace_back(key, value.get<double>());
+    }
+  }
+  if (auto it = json.find("modules_to_save"); it != json.end() && !it->is_null()) {
+    if (!it->is_array()) return invalid("modules_to_save is not a list");
+    for (const Json& module : *it) {
+      if (!module.is_string()) {
+        return invalid(absl::StrCat("modules_to_save entry ", module.dump(), " is not a string"));
+      }
+      config.modules_to_save.push_back(module.get<std::string>());
+    }
+  }
+
   auto modules = json.find("target_modules");
   if (modules == json.end() || modules->is_null()) return invalid("target_modules is missing");
   if (modules->is_string()) {
-    config.target_modules.push_back(modules->get<std::string>());
+    config.target_modules_pattern = modules->get<std::string>();
+    if (config.target_modules_pattern.empty()) return invalid("target_modules is empty");
   } else if (modules->is_array()) {
     for (const Json& module : *modules) {
       if (!module.is_string() || module.get_ref<const std::string&>().empty()) {
@@ -144,7 +234,7 @@ absl::StatusOr<PeftAdapterConfig> ParsePeftAdapterConfig(absl::string_view json_
   } else {
     return invalid("target_modules is neither a list nor a string");
   }
-  if (config.target_modules.empty() || config.target_modules.front().empty()) {
+  if (config.target_modules.empty() && config.target_modules_pattern.empty()) {
     return invalid("target_modules is empty");
   }
   return config;
@@ -156,7 +246,7 @@ absl::Status WritePeftAdapter(const std::string& dir, const PeftAdapterConfig& c
     return absl::InvalidArgumentError(
         absl::StrCat(dir, ": adapter config r is ", config.r, ", must be positive"));
   }
-  if (config.target_modules.empty()) {
+  if (config.target_modules.empty() && config.target_modules_pattern.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(dir, ": adapter config has no target_modules"));
   }
   std::error_code error;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/file_util.h"
+#include "common/lora_targets.h"
 #include "common/peft.h"
 #include "common/safetensors.h"
 #include "common/status_macros.h"
@@ -45,6 +46,11 @@ absl::Status CheckLoraInitFrom(const std::string& dir, const ModelConfig& config
   LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter,
                          ParsePeftAdapterConfig(config_text, config_path));
+  if (!adapter.modules_to_save.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(config_path, ": modules_to_save (",
+                                                   absl::StrJoin(adapter.modules_to_save, ", "),
+                                                   ") is not supported by Lathe"));
+  }
   if (adapter.r != lora.rank) {
     return absl::InvalidArgumentError(
         absl::StrCat(config_path, ": r is ", adapter.r, " but lora.rank is ", lora.rank));
@@ -52,23 +58,23 @@ absl::Status CheckLoraInitFrom(const std::string& dir, const ModelConfig& config
   const std::string weights_path = dir + "/adapter_model.safetensors";
   LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const SafetensorsFile> file,
                          SafetensorsFile::Open(weights_path));
-  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
-    for (const std::string& module : lora.targets) {
-      const ProjectionShape shape = ProjectionShapeOf(config, module);
-      for (const auto& [which, want] :
-           {std::pair{"A", std::vector<int64_t>{lora.rank, shape.in_features}},
-            std::pair{"B", std::vector<int64_t>{shape.out_features, lora.rank}}}) {
-        const std::string name = PeftLoraTensorName(l, module, which);
-        const TensorView* view = file->Find(name);
-        if (view == nullptr) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(weights_path, ": tensor \"", name, "\" is missing"));
-        }
-        if (view->shape != want) {
-          return absl::InvalidArgumentError(absl::StrCat(weights_path, ": tensor \"", name,
-                                                         "\": shape ", ShapeText(view->shape),
-                                                         " vs ", ShapeText(want), " expected"));
-        }
+  LATHE_ASSIGN_OR_RETURN(std::vector<LoraTarget> targets,
+                         MatchLoraTargets(lora, config.num_hidden_layers, LoraTargetModules()));
+  for (const LoraTarget& target : targets) {
+    const ProjectionShape shape = ProjectionShapeOf(config, target.module);
+    for (const auto& [which, want] :
+         {std::pair{"A", std::vector<int64_t>{target.rank, shape.in_features}},
+          std::pair{"B", std::vector<int64_t>{shape.out_features, target.rank}}}) {
+      const std::string name = PeftLoraTensorName(target.layer, target.module, which);
+      const TensorView* view = file->Find(name);
+      if (view == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(weights_path, ": tensor \"", name, "\" is missing"));
+      }
+      if (view->shape != want) {
+        return absl::InvalidArgumentError(absl::StrCat(weights_path, ": tensor \"", name,
+                                                       "\": shape ", ShapeText(view->shape), " vs ",
+                                                       ShapeText(want), " expected"));
       }
     }
   }

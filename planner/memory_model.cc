@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "common/flat_layout.h"
+#include "common/lora_targets.h"
+#include "common/model_config.h"
 #include "kernels/cpu/linear_cross_entropy.h"
 #include "planner/model_states.h"
 
@@ -431,8 +433,18 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   // MeZO trains LoRA or every weight, without gradients or optimizer state.
   job.method = spec.method == Method::kMezo ? spec.mezo.trainable : spec.method;
   job.zeroth_order = spec.method == Method::kMezo;
+  // Per block, as if every block were alike: the modules selected in any layer, at the
+  // largest rank any target has (exact without patterns; an upper bound with them).
+  // PlanAsGiven has checked that the targets match.
   job.lora_rank = spec.lora.rank;
   job.lora_targets = spec.lora.targets;
+  if (absl::StatusOr<std::vector<LoraTarget>> targets =
+          MatchLoraTargets(spec.lora, model.num_layers, LoraTargetModules());
+      targets.ok()) {
+    job.lora_targets = ModulesOfTargets(*targets, LoraTargetModules());
+    job.lora_rank = 0;
+    for (const LoraTarget& target : *targets) job.lora_rank = std::max(job.lora_rank, target.rank);
+  }
   job.seq_len = spec.data.seq_len;
   job.global_batch = spec.train.global_batch;
   job.ranks = spec.resources.ranks;

@@ -7,6 +7,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/flops.h"
+#include "common/lora_targets.h"
 #include "common/model_config.h"
 #include "planner/calibration.h"
 #include "planner/model_states.h"
@@ -128,9 +129,14 @@ std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
 // PlanJob for the spec's own method and optimizer.
 absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& shape,
                                        const PlanOptions& options) {
+  if (TrainsLora(spec)) {
+    absl::Status targets =
+        MatchLoraTargets(spec.lora, shape.num_layers, LoraTargetModules()).status();
+    if (!targets.ok()) return targets;
+  }
   const JobShape job = JobShapeOf(spec, shape);
   absl::StatusOr<std::vector<UnitElements>> units =
-      UnitsOf(shape, job.method, spec.lora.rank, spec.lora.targets);
+      UnitsOf(shape, job.method, job.lora_rank, job.lora_targets);
   if (!units.ok()) return units.status();
   const Totals totals = TotalsOf(*units);
   const ModelConfig config = ConfigOf(shape);

@@ -24,10 +24,12 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/allowed_roots.h"
 #include "common/command_line.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
+#include "common/lora_targets.h"
 #include "common/model_config.h"
 #include "common/peft.h"
 #include "common/plan.h"
@@ -494,12 +496,15 @@ absl::Status LoadAdapter(const std::string& adapter_dir, CausalLm* model) {
   lora.rank = adapter.r;
   lora.alpha = adapter.lora_alpha;
   lora.use_rslora = adapter.use_rslora;
-  lora.targets = adapter.target_modules;
-  for (const std::string& t : lora.targets) {
-    if (!IsLoraTargetModule(t)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(config_path, ": target_modules: unknown module \"", t, "\""));
-    }
+  SetSpecTargets(adapter, &lora);
+  lora.rank_pattern = adapter.rank_pattern;
+  lora.alpha_pattern = adapter.alpha_pattern;
+  if (absl::StatusOr<std::vector<LoraTarget>> targets =
+          MatchLoraTargets(lora, model->config().num_hidden_layers, LoraTargetModules());
+      !targets.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config_path,
+        ": target_modules: ", absl::StripPrefix(targets.status().message(), "lora.targets: ")));
   }
   return model->LoadLora(lora, adapter_dir);
 }

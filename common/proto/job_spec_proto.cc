@@ -87,6 +87,18 @@ v1::JobSpec JobSpecToProto(const JobSpec& spec) {
   lora->set_alpha(spec.lora.alpha);
   lora->set_dropout(spec.lora.dropout);
   for (const std::string& target : spec.lora.targets) lora->add_targets(target);
+  lora->set_targets_pattern(spec.lora.targets_pattern);
+  for (const auto& [pattern, rank] : spec.lora.rank_pattern) {
+    v1::LoraRankPattern* entry = lora->add_rank_pattern();
+    entry->set_pattern(pattern);
+    entry->set_rank(rank);
+  }
+  for (const auto& [pattern, alpha] : spec.lora.alpha_pattern) {
+    v1::LoraAlphaPattern* entry = lora->add_alpha_pattern();
+    entry->set_pattern(pattern);
+    entry->set_alpha(alpha);
+  }
+  for (const std::string& module : spec.lora.modules_to_save) lora->add_modules_to_save(module);
   lora->set_use_rslora(spec.lora.use_rslora);
   lora->set_init_from(spec.lora.init_from);
   if (spec.method == Method::kMezo) {
@@ -158,6 +170,17 @@ absl::StatusOr<JobSpec> JobSpecFromProto(const v1::JobSpec& in, absl::string_vie
   if (lora.has_dropout()) spec.lora.dropout = lora.dropout();
   if (lora.targets_size() > 0)
     spec.lora.targets.assign(lora.targets().begin(), lora.targets().end());
+  if (!lora.targets_pattern().empty()) {
+    spec.lora.targets.clear();
+    spec.lora.targets_pattern = lora.targets_pattern();
+  }
+  for (const v1::LoraRankPattern& entry : lora.rank_pattern()) {
+    spec.lora.rank_pattern.emplace_back(entry.pattern(), entry.rank());
+  }
+  for (const v1::LoraAlphaPattern& entry : lora.alpha_pattern()) {
+    spec.lora.alpha_pattern.emplace_back(entry.pattern(), entry.alpha());
+  }
+  spec.lora.modules_to_save.assign(lora.modules_to_save().begin(), lora.modules_to_save().end());
   if (lora.has_use_rslora()) spec.lora.use_rslora = lora.use_rslora();
   spec.lora.init_from = lora.init_from();
   if (in.has_mezo()) {

@@ -7,11 +7,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 
 namespace lathe {
 namespace {
@@ -264,6 +266,57 @@ TEST(JobSpecTest, ParsesMezoAndItsTrainableWeights) {
               Not(HasSubstr("mezo")));
 }
 
+// rank_pattern and alpha_pattern keep the spec's order, through the JSON form too.
+TEST(JobSpecTest, ParsesRankAndAlphaPatterns) {
+  const JobSpec spec = MustParse(std::string(kMinimalPrefix) +
+                                 "lora: {rank_pattern: {q_proj: 4, 'layers\\.1\\..*': 2}, "
+                                 "alpha_pattern: {down_proj: 3.5}}\ntrain: {steps: 1}\n");
+  using Rank = std::pair<std::string, int64_t>;
+  using Alpha = std::pair<std::string, double>;
+  EXPECT_THAT(spec.lora.rank_pattern, ElementsAre(Rank{"q_proj", 4}, Rank{R"(layers\.1\..*)", 2}));
+  EXPECT_THAT(spec.lora.alpha_pattern, ElementsAre(Alpha{"down_proj", 3.5}));
+  const std::string json = JobSpecToJson(spec);
+  EXPECT_THAT(json, HasSubstr(R"("rank_pattern":{"q_proj":4,"layers\\.1\\..*":2})"));
+  EXPECT_THAT(json, HasSubstr(R"("alpha_pattern":{"down_proj":3.5})"));
+  const JobSpec again = MustParse(json);
+  EXPECT_EQ(again.lora.rank_pattern, spec.lora.rank_pattern);
+  EXPECT_EQ(again.lora.alpha_pattern, spec.lora.alpha_pattern);
+}
+
+// PEFT's options that Lathe lacks, written at their defaults, say what Lathe does anyway.
+TEST(JobSpecTest, AcceptsUnsupportedPeftOptionsLeftOff) {
+  const JobSpec spec = MustParse(
+      std::string(kMinimalPrefix) +
+      "lora: {use_dora: false, fan_in_fan_out: false, init_lora_weights: true, bias: none, "
+      "layers_to_transform: null, layers_pattern: ~, lora_bias: false, megatron_config: null, "
+      "loftq_config: {}, layer_replication: []}\ntrain: {steps: 1}\n");
+  EXPECT_EQ(JobSpecToJson(spec),
+            JobSpecToJson(MustParse(std::string(kMinimalPrefix) + "train: {steps: 1}\n")));
+}
+
+// lora.targets as PEFT's target_modules: a list of names or full-name suffixes, "all-linear",
+// or a regular expression; the string forms survive the JSON form and replace the list.
+TEST(JobSpecTest, ParsesLoraTargetForms) {
+  JobSpec spec = MustParse(std::string(kMinimalPrefix) +
+                           "lora: {targets: [self_attn.q_proj, model.layers.1.mlp.up_proj]}\n"
+                           "train: {steps: 1}\n");
+  EXPECT_THAT(spec.lora.targets, ElementsAre("self_attn.q_proj", "model.layers.1.mlp.up_proj"));
+  EXPECT_EQ(spec.lora.targets_pattern, "");
+  for (const std::string pattern :
+       {"all-linear", "ALL-Linear", R"(.*\.layers\.(0|1)\.self_attn\.(q|v)_proj)"}) {
+    SCOPED_TRACE(pattern);
+    spec = MustParse(std::string(kMinimalPrefix) + "lora: {targets: '" + pattern +
+                     "'}\ntrain: {steps: 1}\n");
+    EXPECT_EQ(spec.lora.targets_pattern, pattern);
+    EXPECT_TRUE(spec.lora.targets.empty());
+    const std::string json = JobSpecToJson(spec);
+    EXPECT_THAT(json, HasSubstr(absl::StrCat("\"targets\":", nlohmann::json(pattern).dump())));
+    const JobSpec again = MustParse(json);
+    EXPECT_EQ(again.lora.targets_pattern, pattern);
+    EXPECT_TRUE(again.lora.targets.empty());
+  }
+}
+
 // JobSpecToJson writes every field, and ParseJobSpec reads it back to the same spec.
 TEST(JobSpecTest, JsonFormRoundTrips) {
   for (const char* text : {kFullYaml, kFullJson, kMinimalPrefix}) {
@@ -431,6 +484,25 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"model", "{path: /m, revision: main}"}}, "job.yaml: model.revision: unknown field"},
       {{{"data", "{train: /d, seqlen: 8}"}}, "job.yaml: data.seqlen: unknown field"},
       {{{"lora", "{rnak: 8}"}}, "job.yaml: lora.rnak: unknown field"},
+      // PEFT's options that Lathe lacks, on: not supported.
+      {{{"lora", "{use_dora: true}"}},
+       "job.yaml: lora.use_dora: PEFT's use_dora is not supported by Lathe, got true"},
+      {{{"lora", "{fan_in_fan_out: true}"}}, "job.yaml: lora.fan_in_fan_out: PEFT's"},
+      {{{"lora", "{init_lora_weights: gaussian}"}},
+       "job.yaml: lora.init_lora_weights: PEFT's init_lora_weights is not supported by Lathe, "
+       "got \"gaussian\""},
+      {{{"lora", "{init_lora_weights: false}"}}, "job.yaml: lora.init_lora_weights: PEFT's"},
+      {{{"lora", "{bias: all}"}},
+       "job.yaml: lora.bias: PEFT's bias is not supported by Lathe, got \"all\""},
+      {{{"lora", "{layers_to_transform: [0, 1]}"}},
+       "job.yaml: lora.layers_to_transform: PEFT's layers_to_transform is not supported by "
+       "Lathe, got a list"},
+      {{{"lora", "{layers_pattern: layers}"}}, "job.yaml: lora.layers_pattern: PEFT's"},
+      {{{"lora", "{lora_bias: true}"}}, "job.yaml: lora.lora_bias: PEFT's"},
+      {{{"lora", "{megatron_config: {a: 1}}"}}, "job.yaml: lora.megatron_config: PEFT's"},
+      {{{"lora", "{loftq_config: {loftq_bits: 4}}"}}, "job.yaml: lora.loftq_config: PEFT's"},
+      {{{"lora", "{layer_replication: [[0, 2]]}"}}, "job.yaml: lora.layer_replication: PEFT's"},
+      {{{"lora", "{use_dora: 'false'}"}}, "job.yaml: lora.use_dora: PEFT's"},
       {{{"train", "{steps: 10, lrr: 0.1}"}}, "job.yaml: train.lrr: unknown field"},
       {{{"train", "{steps: 10, schedule: {kind: cosine, warmup: 5}}"}},
        "job.yaml: train.schedule.warmup: unknown field"},
@@ -464,7 +536,12 @@ TEST(JobSpecTest, RejectsBadFields) {
        "job.yaml: data.pack: expected true or false, got \"yes\""},
       {{{"data", "{train: [a, b]}"}}, "job.yaml: data.train: expected a string, got a list"},
       {{{"data", "/d"}}, "job.yaml: data: expected a map, got \"/d\""},
-      {{{"lora", "{targets: q_proj}"}}, "job.yaml: lora.targets: expected a list, got \"q_proj\""},
+      {{{"lora", "{targets: {q_proj: 1}}"}},
+       "job.yaml: lora.targets: expected a list or a string (all-linear or a regular "
+       "expression), got a map"},
+      {{{"lora", "{targets: '(q|v_proj'}"}},
+       "job.yaml: lora.targets: \"(q|v_proj\" is not a regular expression: "},
+      {{{"lora", "{targets: ''}"}}, "job.yaml: lora.targets: must not be empty"},
       {{{"lora", "{targets: [q_proj, {a: 1}]}"}},
        "job.yaml: lora.targets[1]: expected a string, got a map"},
       {{{"strategy", "manual"}}, "job.yaml: strategy: expected \"auto\" or a map, got \"manual\""},
@@ -500,9 +577,29 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"lora", "{targets: [q_proj, k_proj, qproj]}"}},
        "job.yaml: lora.targets[2]: unknown module \"qproj\" (expected one of: q_proj, k_proj, "
        "v_proj, o_proj, gate_proj, up_proj, down_proj)"},
+      {{{"lora", "{targets: [self_attn.qproj]}"}},
+       "job.yaml: lora.targets[0]: unknown module \"self_attn.qproj\""},
       {{{"lora", "{targets: [q_proj, v_proj, q_proj]}"}},
        "job.yaml: lora.targets[2]: duplicate \"q_proj\""},
       {{{"lora", "{init_from: ''}"}}, "job.yaml: lora.init_from: must not be empty"},
+      {{{"lora", "{modules_to_save: lm_head}"}},
+       "job.yaml: lora.modules_to_save: expected a list, got \"lm_head\""},
+      {{{"lora", "{modules_to_save: [lm_head]}"}},
+       "job.yaml: lora.modules_to_save: PEFT's modules_to_save (lm_head) is not supported by "
+       "Lathe yet"},
+      {{{"lora", "{rank_pattern: [q_proj]}"}},
+       "job.yaml: lora.rank_pattern: expected a map, got a list"},
+      {{{"lora", "{rank_pattern: {q_proj: 2.5}}"}},
+       "job.yaml: lora.rank_pattern.q_proj: expected an integer, got 2.5"},
+      {{{"lora", "{rank_pattern: {q_proj: 0}}"}},
+       "job.yaml: lora.rank_pattern.q_proj: must be >= 1, got 0"},
+      {{{"lora", "{rank_pattern: {'(q': 4}}"}},
+       "job.yaml: lora.rank_pattern: key \"(q\" is not a regular expression"},
+      {{{"lora", "{alpha_pattern: {q_proj: fast}}"}},
+       "job.yaml: lora.alpha_pattern.q_proj: expected a number, got \"fast\""},
+      {{{"lora", "{alpha_pattern: {q_proj: 0}}"}},
+       "job.yaml: lora.alpha_pattern.q_proj: must be > 0, got 0"},
+      {{{"lora", "{alpha_pattern: {q_proj: 1, q_proj: 2}}"}}, "job.yaml: lora.alpha_pattern"},
       {{{"data", "{train: /d, seq_len: 1}"}}, "job.yaml: data.seq_len: must be >= 2, got 1"},
       {{{"train", "{steps: 10, lr: 0}"}}, "job.yaml: train.lr: must be > 0, got 0"},
       {{{"train", "{steps: 10, lr: -1e-4}"}}, "job.yaml: train.lr: must be > 0, got -0.0001"},

@@ -7,10 +7,12 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
@@ -95,6 +97,45 @@ TEST(PeftTest, FractionalAlphaStaysFractional) {
   EXPECT_DOUBLE_EQ(json["lora_alpha"].get<double>(), 12.5);
 }
 
+TEST(PeftTest, PatternTargetModulesAreAString) {
+  PeftAdapterConfig config = SampleConfig();
+  config.target_modules.clear();
+  config.target_modules_pattern = R"(.*\.layers\.(0|1)\.self_attn\.(q|v)_proj)";
+  const std::string text = PeftAdapterConfigJson(config);
+  EXPECT_EQ(nlohmann::json::parse(text)["target_modules"], config.target_modules_pattern);
+  absl::StatusOr<PeftAdapterConfig> parsed = ParsePeftAdapterConfig(text, "adapter_config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->target_modules_pattern, config.target_modules_pattern);
+  EXPECT_TRUE(parsed->target_modules.empty());
+}
+
+// rank_pattern, alpha_pattern and modules_to_save as PEFT writes them.
+TEST(PeftTest, PatternsAndModulesToSave) {
+  PeftAdapterConfig config = SampleConfig();
+  config.rank_pattern = {{"q_proj", 4}, {R"(layers\.1\..*)", 2}};
+  config.alpha_pattern = {{"down_proj", 3.5}, {"v_proj", 8}};
+  config.modules_to_save = {"lm_head"};
+  const std::string text = PeftAdapterConfigJson(config);
+  const nlohmann::json json = nlohmann::json::parse(text);
+  EXPECT_EQ(json["rank_pattern"], nlohmann::json({{"q_proj", 4}, {R"(layers\.1\..*)", 2}}));
+  EXPECT_EQ(json["alpha_pattern"], nlohmann::json({{"down_proj", 3.5}, {"v_proj", 8}}));
+  EXPECT_TRUE(json["alpha_pattern"]["v_proj"].is_number_integer());
+  EXPECT_EQ(json["modules_to_save"], nlohmann::json({"lm_head"}));
+  absl::StatusOr<PeftAdapterConfig> parsed = ParsePeftAdapterConfig(text, "adapter_config.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  // Back in the file's (sorted) order.
+  using Rank = std::pair<std::string, int64_t>;
+  EXPECT_THAT(parsed->rank_pattern, ElementsAre(Rank{R"(layers\.1\..*)", 2}, Rank{"q_proj", 4}));
+  EXPECT_EQ(parsed->alpha_pattern.size(), 2u);
+  EXPECT_THAT(parsed->modules_to_save, ElementsAre("lm_head"));
+  EXPECT_THAT(
+      ParsePeftAdapterConfig(
+          R"({"peft_type": "LORA", "target_modules": ["q_proj"], "rank_pattern": {"q": 0}})",
+          "x.json"),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               "x.json: rank_pattern \"q\" is 0, not a positive integer"));
+}
+
 TEST(PeftTest, ConfigRoundTrips) {
   PeftAdapterConfig config = SampleConfig();
   absl::StatusOr<PeftAdapterConfig> parsed =
@@ -124,11 +165,13 @@ TEST(PeftTest, ParsesConfigWrittenByPeft) {
   EXPECT_THAT(parsed->target_modules, ElementsAre("v_proj", "q_proj"));
 }
 
+// PEFT's str target_modules is a regular expression over full module names: kept as such.
 TEST(PeftTest, ParseAcceptsStringTargetModulesAndDefaults) {
   absl::StatusOr<PeftAdapterConfig> parsed =
-      ParsePeftAdapterConfig(R"({"peft_type": "LORA", "target_modules": "q_proj"})", "x");
+      ParsePeftAdapterConfig(R"({"peft_type": "LORA", "target_modules": ".*\\.(q|v)_proj"})", "x");
   ASSERT_TRUE(parsed.ok()) << parsed.status();
-  EXPECT_THAT(parsed->target_modules, ElementsAre("q_proj"));
+  EXPECT_TRUE(parsed->target_modules.empty());
+  EXPECT_EQ(parsed->target_modules_pattern, R"(.*\.(q|v)_proj)");
   EXPECT_EQ(parsed->r, 8);
   EXPECT_DOUBLE_EQ(parsed->lora_alpha, 8);
   EXPECT_DOUBLE_EQ(parsed->lora_dropout, 0);
@@ -171,6 +214,56 @@ TEST(PeftTest, ParseErrorsNameSourceAndField) {
     absl::StatusOr<PeftAdapterConfig> parsed = ParsePeftAdapterConfig(c.text, "dir/cfg.json");
     EXPECT_THAT(parsed, StatusIs(absl::StatusCode::kInvalidArgument, "dir/cfg.json: "));
     EXPECT_THAT(parsed, StatusIs(absl::StatusCode::kInvalidArgument, c.fragment));
+  }
+}
+
+// PEFT 0.21's adapter_config.json, every option at its default: nothing to refuse.
+TEST(PeftTest, AcceptsEveryUnsupportedOptionLeftOff) {
+  constexpr char kText[] = R"({"alora_invocation_tokens": null, "alpha_pattern": {},
+    "arrow_config": null, "bias": "none", "corda_config": null, "ensure_weight_tying": false,
+    "eva_config": null, "exclude_modules": null, "fan_in_fan_out": false,
+    "inference_mode": true, "init_lora_weights": true, "kasa_config": null,
+    "layer_replication": null, "layers_pattern": null, "layers_to_transform": null,
+    "loftq_config": {}, "lora_alpha": 4, "lora_bias": false, "lora_dropout": 0.0,
+    "lora_ga_config": null, "megatron_config": null, "megatron_core": "megatron.core",
+    "modules_to_save": null, "monteclora_config": null, "peft_type": "LORA",
+    "peft_version": "0.21.2", "qalora_group_size": 16, "r": 2, "rank_pattern": {},
+    "target_modules": ["model.layers.0.mlp.down_proj"], "target_parameters": null,
+    "task_type": "CAUSAL_LM", "trainable_token_indices": null, "use_bdlora": null,
+    "use_dora": false, "use_qalora": false, "use_rslora": false, "velora_config": null})";
+  absl::StatusOr<PeftAdapterConfig> parsed = ParsePeftAdapterConfig(kText, "peft.json");
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_THAT(parsed->target_modules, ElementsAre("model.layers.0.mlp.down_proj"));
+  // How A and B started does not matter in a saved adapter, unless the base was changed too.
+  for (const char* init : {"false", "\"gaussian\""}) {
+    std::string text = kText;
+    text.replace(text.find("\"init_lora_weights\": true"), 25,
+                 absl::StrCat("\"init_lora_weights\": ", init));
+    EXPECT_TRUE(ParsePeftAdapterConfig(text, "peft.json").ok()) << init;
+  }
+}
+
+// An adapter that uses an option Lathe lacks is refused, naming the file and the key.
+TEST(PeftTest, RefusesUnsupportedOptions) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("use_dora": true)", "use_dora is true: not supported by Lathe"},
+      {R"("fan_in_fan_out": true)", "fan_in_fan_out is true: not supported"},
+      {R"("init_lora_weights": "pissa")", "init_lora_weights is \"pissa\": not supported"},
+      {R"("bias": "all")", "bias is \"all\": not supported"},
+      {R"("layers_to_transform": [0, 1])", "layers_to_transform is [0,1]: not supported"},
+      {R"("layers_pattern": "layers")", "layers_pattern is \"layers\": not supported"},
+      {R"("lora_bias": true)", "lora_bias is true: not supported"},
+      {R"("megatron_config": {"a": 1})", "megatron_config is {\"a\":1}: not supported"},
+      {R"("loftq_config": {"loftq_bits": 4})", "loftq_config is "},
+      {R"("layer_replication": [[0, 2]])", "layer_replication is [[0,2]]: not supported"},
+  };
+  for (const auto& [field, fragment] : cases) {
+    const std::string text =
+        absl::StrCat(R"({"peft_type": "LORA", "target_modules": ["q_proj"], )", field, "}");
+    SCOPED_TRACE(text);
+    EXPECT_THAT(ParsePeftAdapterConfig(text, "a/adapter_config.json"),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         absl::StrCat("a/adapter_config.json: ", fragment)));
   }
 }
 

@@ -7,9 +7,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/model_config.h"
 #include "common/peft.h"
 #include "common/safetensors.h"
@@ -194,6 +196,46 @@ TEST_F(WeightsCheckTest, AnInitAdapterNeedsTheRankAndEveryTensor) {
                        absl::StrCat("tensor \"", missing, "\" is missing")));
   EXPECT_THAT(CheckLoraInitFrom(dir_.Path("none"), config_, lora),
               StatusIs(absl::StatusCode::kNotFound, ""));
+}
+
+// The targets' own form, a rank_pattern's shapes, and PEFT options Lathe lacks.
+TEST_F(WeightsCheckTest, AnInitAdapterWithPatternsOrUnsupportedOptions) {
+  LoraSpec lora;
+  lora.rank = 4;
+  lora.targets = {"q_proj", "v_proj"};
+  WriteAdapter(dir_.Path("a"), config_, 4, lora.targets);
+  // A regular expression selecting the same modules.
+  lora.targets.clear();
+  lora.targets_pattern = R"(.*\.(q|v)_proj)";
+  EXPECT_TRUE(CheckLoraInitFrom(dir_.Path("a"), config_, lora).ok());
+  // A rank_pattern makes v_proj's tensors rank 2: the adapter's are 4.
+  lora.rank_pattern = {{"v_proj", 2}};
+  EXPECT_THAT(
+      CheckLoraInitFrom(dir_.Path("a"), config_, lora),
+      StatusIs(absl::StatusCode::kInvalidArgument,
+               absl::StrCat("tensor \"", PeftLoraTensorName(0, "v_proj", "A"), "\": shape [4, ")));
+  lora.rank_pattern.clear();
+  lora.targets_pattern = "nothing";
+  EXPECT_THAT(CheckLoraInitFrom(dir_.Path("a"), config_, lora),
+              StatusIs(absl::StatusCode::kInvalidArgument, "lora.targets: \"nothing\" selects"));
+  // An adapter that uses DoRA or saves whole modules is refused naming the file and the key.
+  lora.targets_pattern.clear();
+  lora.targets = {"q_proj", "v_proj"};
+  const std::string config_path = dir_.Path("a") + "/adapter_config.json";
+  absl::StatusOr<std::string> text = ReadFile(config_path);
+  ASSERT_TRUE(text.ok());
+  for (const auto& [key, value, message] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"use_dora\": false", "\"use_dora\": true", ": use_dora is true: not supported"},
+           {"\"modules_to_save\": null", "\"modules_to_save\": [\"lm_head\"]",
+            ": modules_to_save (lm_head) is not supported by Lathe"}}) {
+    std::string edited = *text;
+    ASSERT_NE(edited.find(key), std::string::npos) << key;
+    edited.replace(edited.find(key), key.size(), value);
+    ASSERT_TRUE(WriteFileAtomically(config_path, edited).ok());
+    EXPECT_THAT(CheckLoraInitFrom(dir_.Path("a"), config_, lora),
+                StatusIs(absl::StatusCode::kInvalidArgument, config_path + message));
+  }
 }
 
 }  // namespace

@@ -4,6 +4,9 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -359,7 +362,11 @@ TEST(CausalLm, LoadLoraRejectsAnotherRank) {
   LoraSpec lora;
   lora.rank = 4;
   model->InitLora(lora, 0);
-  PeftAdapterConfig adapter{"m", 4, 8.0, 0.0, false, lora.targets};
+  PeftAdapterConfig adapter;
+  adapter.base_model_name_or_path = "m";
+  adapter.r = 4;
+  adapter.lora_alpha = 8.0;
+  adapter.target_modules = lora.targets;
   ASSERT_TRUE(model->ExportAdapter(dir.Path("adapter"), adapter).ok());
   auto other = LoadModel(dir, config);
   lora.rank = 8;
@@ -368,6 +375,80 @@ TEST(CausalLm, LoadLoraRejectsAnotherRank) {
   EXPECT_THAT(status.message(), HasSubstr("r is 4 but lora.rank is 8"));
   lora.rank = 4;
   EXPECT_TRUE(other->LoadLora(lora, dir.Path("adapter")).ok());
+}
+
+// PEFT's target forms, rank_pattern and alpha_pattern: adapters on the matched projections
+// only, each of its own rank, scaled by its own alpha (and rsLoRA's sqrt), and an adapter
+// exported with a rank_pattern loads back (init_from).
+TEST(CausalLm, PerModuleRankAndAlpha) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  auto model = LoadModel(dir, config);
+  LoraSpec lora;
+  lora.targets.clear();
+  lora.targets_pattern = R"(.*\.layers\.(0|1)\.(self_attn\.q|mlp\.down)_proj)";
+  lora.rank = 4;
+  lora.alpha = 8;
+  lora.use_rslora = true;
+  lora.rank_pattern = {{"down_proj", 2}};
+  lora.alpha_pattern = {{R"(layers\.1\..*)", 3}};
+  model->InitLora(lora, 0);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const NamedParameter& p : model->TrainableParameters()) {
+    shapes[p.name] = p.tensor.sizes().vec();
+  }
+  const int64_t hidden = config.hidden_size, inter = config.intermediate_size;
+  const int64_t q = config.num_attention_heads * config.head_dim;
+  EXPECT_EQ(shapes, (std::map<std::string, std::vector<int64_t>>{
+                        {PeftLoraTensorName(0, "q_proj", "A"), {4, hidden}},
+                        {PeftLoraTensorName(0, "q_proj", "B"), {q, 4}},
+                        {PeftLoraTensorName(0, "down_proj", "A"), {2, inter}},
+                        {PeftLoraTensorName(0, "down_proj", "B"), {hidden, 2}},
+                        {PeftLoraTensorName(1, "q_proj", "A"), {4, hidden}},
+                        {PeftLoraTensorName(1, "q_proj", "B"), {q, 4}},
+                        {PeftLoraTensorName(1, "down_proj", "A"), {2, inter}},
+                        {PeftLoraTensorName(1, "down_proj", "B"), {hidden, 2}},
+                    }));
+  ASSERT_EQ(model->lora_targets().size(), 4u);
+  EXPECT_EQ(model->lora_targets()[1], (LoraTarget{0, "down_proj", 2, 8}));
+  EXPECT_EQ(model->lora_targets()[2], (LoraTarget{1, "q_proj", 4, 3}));
+
+  // The scaling: the output moves by s * B A x, s = alpha / sqrt(rank) per module.
+  TempDir merged_dir;
+  auto merged = LoadModel(merged_dir, config, DType::kF32, /*trainable=*/true);
+  {
+    at::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> deltas;
+    std::vector<NamedParameter> params = model->TrainableParameters();
+    for (size_t i = 0; i < params.size(); i += 2) {
+      params[i + 1].tensor.uniform_(-0.1, 0.1);
+      const LoraTarget& target = model->lora_targets()[i / 2];
+      deltas[ProjectionName(target.layer, target.module) + ".weight"] =
+          at::matmul(params[i + 1].tensor, params[i].tensor) * target.Scale(true);
+    }
+    for (NamedParameter& p : merged->TrainableParameters()) {
+      if (deltas.count(p.name)) p.tensor.add_(deltas[p.name]);
+    }
+  }
+  at::Tensor ids = Ids(2, 12, config.vocab_size, 3);
+  EXPECT_TRUE(at::allclose(model->Logits(ids), merged->Logits(ids), 1e-4, 1e-5));
+
+  PeftAdapterConfig adapter;
+  adapter.r = lora.rank;
+  adapter.lora_alpha = lora.alpha;
+  adapter.target_modules_pattern = lora.targets_pattern;
+  adapter.rank_pattern = lora.rank_pattern;
+  adapter.alpha_pattern = lora.alpha_pattern;
+  ASSERT_TRUE(model->ExportAdapter(dir.Path("adapter"), adapter).ok());
+  auto again = LoadModel(dir, config);
+  ASSERT_TRUE(again->LoadLora(lora, dir.Path("adapter")).ok());
+  EXPECT_TRUE(at::allclose(model->Logits(ids), again->Logits(ids), 1e-6, 1e-7));
+  // Without the rank_pattern the adapter's down_proj tensors have the wrong rank.
+  lora.rank_pattern.clear();
+  auto wrong = LoadModel(dir, config);
+  absl::Status status = wrong->LoadLora(lora, dir.Path("adapter"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("layers.0.mlp.down_proj.lora_A.weight\": shape [2, "));
 }
 
 }  // namespace

@@ -36,7 +36,9 @@ LoRA; and ZeRO-3 on 2 ranks (two `lathe-worker train --rank R --world-size 2
 --rendezvous-dir D` processes) for the Llama LoRA and the Qwen2 full job, held to the same
 HF loops and tolerances as one process. Qwen3 (#31; q_norm and k_norm on each head) runs
 LoRA, QLoRA and full fine-tuning as the Llama LoRA and Qwen2 full jobs, each also under
-ZeRO-3 (LoRA and full) on 2 ranks.
+ZeRO-3 (LoRA and full) on 2 ranks. PEFT's options (#31): a Llama LoRA whose target_modules
+is a regular expression, with a rank_pattern, an alpha_pattern and rsLoRA (each module's own
+rank and scaling), whose exported adapter PEFT loads with the same string and maps.
 
 What is held (float32 on both sides):
   - each step's loss (computed before its update), relative STEP_LOSS_REL_TOL; its gradient
@@ -246,6 +248,15 @@ JOBS = {
                    adam_eps=1e-7, weight_decay=0.1, max_grad_norm=1.0,
                    schedule=dict(kind="constant", warmup_steps=0))),
 }
+# PEFT's target_modules as a regular expression (a full match over the module's full name):
+# q_proj and v_proj of the first two of the Llama's three layers; v_proj at rank 2 by a
+# rank_pattern, layer 1 at alpha 3 by an alpha_pattern, all with rsLoRA (alpha / sqrt(r) per
+# module). The spec says the same; the exported adapter_config.json carries it as PEFT does.
+JOBS["lora_llama_regex"] = dict(
+    JOBS["lora_llama"],
+    lora=dict(rank=4, alpha=6, targets=r".*\.layers\.(0|1)\.self_attn\.(q|v)_proj",
+              use_rslora=True, rank_pattern={"v_proj": 2},
+              alpha_pattern={r"layers\.1\..*": 3}))
 # Qwen3: lora_llama's LoRA (every projection, accumulation over 2, clipping, decay), its
 # QLoRA, and full fine-tuning as full_qwen2's (the q/k norms trained, exempt from decay).
 for _name, _like in (("lora_qwen3", "lora_llama"), ("qlora_qwen3", "qlora_llama"),
@@ -258,6 +269,8 @@ ZERO3_JOBS = {
     "full_qwen2_zero3": ("full_qwen2", dict(micro_batch=2)),
     "lora_qwen3_zero3": ("lora_qwen3", dict(micro_batch=1)),
     "full_qwen3_zero3": ("full_qwen3", dict(micro_batch=2)),
+    # Adapters of different ranks in ZeRO-3's flat units (#31).
+    "lora_llama_regex_zero3": ("lora_llama_regex", dict(micro_batch=1)),
 }
 
 # Helpers --------------------------------------------------------------------------------------
@@ -361,6 +374,8 @@ def lora_config(job):
     lora = job["lora"]
     return LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], target_modules=lora["targets"],
                       lora_dropout=0.0, use_rslora=lora["use_rslora"], init_lora_weights=False,
+                      rank_pattern=lora.get("rank_pattern", {}),
+                      alpha_pattern=lora.get("alpha_pattern", {}),
                       bias="none", task_type="CAUSAL_LM")
 
 
@@ -450,6 +465,9 @@ def job_spec(job, model_dir, data, output, init_from=None, ranks=1, **train_chan
         spec["lora"] = {"rank": lora["rank"], "alpha": lora["alpha"], "dropout": 0.0,
                         "targets": lora["targets"], "use_rslora": lora["use_rslora"],
                         "init_from": init_from}
+        for key in ("rank_pattern", "alpha_pattern"):
+            if key in lora:
+                spec["lora"][key] = lora[key]
     if ranks > 1:
         spec["strategy"] = {"zero_stage": 3}
     else:
@@ -781,6 +799,18 @@ class LoraTrainingTest(TrainingCase):
     def test_lora_qwen3(self):
         self.check_job("lora_qwen3", lathe_result("lora_qwen3"))
 
+    def test_lora_llama_regex_targets(self):
+        lathe = lathe_result("lora_llama_regex")
+        # Only the matched projections carry adapters, v_proj's of rank 2.
+        self.assertEqual(sorted({n.split(".lora_")[0].replace("base_model.model.model.", "")
+                                 for n in lathe["trained"]}),
+                         ["layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj",
+                          "layers.1.self_attn.q_proj", "layers.1.self_attn.v_proj"])
+        for name, tensor in lathe["trained"].items():
+            rank = 2 if ".v_proj." in name else 4
+            self.assertEqual(tensor.shape[0 if ".lora_A." in name else 1], rank, name)
+        self.check_job("lora_llama_regex", lathe)
+
 
 class FullTrainingTest(TrainingCase):
     """method full against the bare transformers model in the HF loop; the exported model
@@ -838,6 +868,11 @@ class Zero3TrainingTest(TrainingCase):
         lathe = lathe_result("full_qwen3_zero3")
         self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("full_qwen3_zero3", lathe)
+
+    def test_lora_llama_regex_two_ranks(self):
+        lathe = lathe_result("lora_llama_regex_zero3")
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.check_job("lora_llama_regex_zero3", lathe)
 
 
 class PlantedErrorTest(TrainingCase):
@@ -931,9 +966,12 @@ class AdapterRoundTripTest(TrainingCase):
                 model = load_peft_strictly(self, b.load(base_dir), adapter)
                 config = model.peft_config["default"]
                 self.assertEqual((config.r, config.lora_alpha, config.use_rslora,
-                                  sorted(config.target_modules)),
+                                  sorted(config.target_modules), config.rank_pattern,
+                                  config.alpha_pattern),
                                  (job["lora"]["rank"], job["lora"]["alpha"],
-                                  job["lora"]["use_rslora"], sorted(job["lora"]["targets"])))
+                                  job["lora"]["use_rslora"], sorted(job["lora"]["targets"]),
+                                  job["lora"].get("rank_pattern", {}),
+                                  job["lora"].get("alpha_pattern", {})))
                 losses.append(self.compare_scores(model, base_dir, adapter, b,
                                                   f"{job_name} on {os.path.basename(base_dir)}"))
         return losses
@@ -941,6 +979,15 @@ class AdapterRoundTripTest(TrainingCase):
     def test_lathe_lora_adapters_load_in_peft(self):
         self.check_lathe_adapter("lora_llama")
         self.check_lathe_adapter("lora_qwen2")
+
+    def test_lathe_regex_target_adapter_loads_in_peft(self):
+        # target_modules is the regular expression, a string, as PEFT saves it; the rank and
+        # alpha patterns as given.
+        self.check_lathe_adapter("lora_llama_regex")
+        with open(os.path.join(lathe_result("lora_llama_regex")["done"]["adapter"],
+                               "adapter_config.json")) as f:
+            self.assertEqual(json.load(f)["target_modules"],
+                             JOBS["lora_llama_regex"]["lora"]["targets"])
 
     def test_lathe_zero3_adapter_loads_in_peft(self):
         self.check_lathe_adapter("lora_llama_zero3")

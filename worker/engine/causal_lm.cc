@@ -118,11 +118,6 @@ bool DecaysWeight(const std::string& name) {
   return !absl::EndsWith(name, ".bias") && !absl::EndsWith(name, "norm.weight");
 }
 
-double LoraScale(const LoraSpec& spec) {
-  return spec.use_rslora ? spec.alpha / std::sqrt(static_cast<double>(spec.rank))
-                         : spec.alpha / static_cast<double>(spec.rank);
-}
-
 }  // namespace
 
 at::Tensor Projection::Forward(const at::Tensor& x, double lora_dropout, bool training,
@@ -267,25 +262,23 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
 
 void CausalLm::InitLora(const LoraSpec& spec, uint64_t seed) {
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  lora_targets_ = spec.targets;
+  absl::StatusOr<std::vector<LoraTarget>> targets =
+      MatchLoraTargets(spec, config_.num_hidden_layers, LoraTargetModules());
+  TORCH_CHECK(targets.ok(), "InitLora: ", targets.status().ToString());
+  lora_targets_ = *std::move(targets);
   lora_rank_ = spec.rank;
   lora_dropout_ = spec.dropout;
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    for (const std::string& module : LoraTargetModules()) {
-      if (std::find(spec.targets.begin(), spec.targets.end(), module) == spec.targets.end()) {
-        continue;
-      }
-      ProjectionShape shape = ProjectionShapeOf(config_, module);
-      Projection& p = layers_[l].projection(module);
-      double bound = 1.0 / std::sqrt(static_cast<double>(shape.in_features));
-      p.lora_a = at::empty({spec.rank, shape.in_features}, at::kFloat)
-                     .uniform_(-bound, bound, generator)
-                     .to(options_.device)
-                     .set_requires_grad(true);
-      p.lora_b = at::zeros({shape.out_features, spec.rank}, at::TensorOptions(options_.device))
-                     .set_requires_grad(true);
-      p.lora_scale = LoraScale(spec);
-    }
+  for (const LoraTarget& target : lora_targets_) {
+    ProjectionShape shape = ProjectionShapeOf(config_, target.module);
+    Projection& p = layers_[target.layer].projection(target.module);
+    double bound = 1.0 / std::sqrt(static_cast<double>(shape.in_features));
+    p.lora_a = at::empty({target.rank, shape.in_features}, at::kFloat)
+                   .uniform_(-bound, bound, generator)
+                   .to(options_.device)
+                   .set_requires_grad(true);
+    p.lora_b = at::zeros({shape.out_features, target.rank}, at::TensorOptions(options_.device))
+                   .set_requires_grad(true);
+    p.lora_scale = target.Scale(spec.use_rslora);
   }
 }
 
@@ -309,6 +302,11 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
   LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter,
                          ParsePeftAdapterConfig(config_text, config_path));
+  if (!adapter.modules_to_save.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lora.init_from: ", config_path, ": modules_to_save (",
+                     absl::StrJoin(adapter.modules_to_save, ", "), ") is not supported by Lathe"));
+  }
   if (adapter.r != spec.rank) {
     return absl::InvalidArgumentError(absl::StrCat("lora.init_from: ", config_path, ": r is ",
                                                    adapter.r, " but lora.rank is ", spec.rank));
@@ -316,29 +314,31 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
   const std::string weights_path = dir + "/adapter_model.safetensors";
   LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const SafetensorsFile> file,
                          SafetensorsFile::Open(weights_path));
+  LATHE_RETURN_IF_ERROR(
+      MatchLoraTargets(spec, config_.num_hidden_layers, LoraTargetModules()).status());
   InitLora(spec, /*seed=*/0);  // shapes and flags; values replaced below
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-    for (const std::string& module : spec.targets) {
-      ProjectionShape shape = ProjectionShapeOf(config_, module);
-      Projection& p = layers_[l].projection(module);
-      for (auto [which, tensor, want] :
-           {std::tuple{"A", &p.lora_a, std::vector<int64_t>{spec.rank, shape.in_features}},
-            std::tuple{"B", &p.lora_b, std::vector<int64_t>{shape.out_features, spec.rank}}}) {
-        std::string name = PeftLoraTensorName(l, module, which);
-        const TensorView* view = file->Find(name);
-        if (view == nullptr) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\" is missing"));
-        }
-        if (view->shape != want) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\": shape ",
-                           ShapeText(view->shape), " vs ", ShapeText(want), " expected"));
-        }
-        LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
-                               TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
-        *tensor = loaded.to(options_.device).set_requires_grad(true);
+  for (const LoraTarget& target : lora_targets_) {
+    const int64_t l = target.layer;
+    const std::string& module = target.module;
+    ProjectionShape shape = ProjectionShapeOf(config_, module);
+    Projection& p = layers_[l].projection(module);
+    for (auto [which, tensor, want] :
+         {std::tuple{"A", &p.lora_a, std::vector<int64_t>{target.rank, shape.in_features}},
+          std::tuple{"B", &p.lora_b, std::vector<int64_t>{shape.out_features, target.rank}}}) {
+      std::string name = PeftLoraTensorName(l, module, which);
+      const TensorView* view = file->Find(name);
+      if (view == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\" is missing"));
       }
+      if (view->shape != want) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\": shape ",
+                         ShapeText(view->shape), " vs ", ShapeText(want), " expected"));
+      }
+      LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
+                             TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
+      *tensor = loaded.to(options_.device).set_requires_grad(true);
     }
   }
   return absl::OkStatus();

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "common/job_spec.h"
+#include "common/lora_targets.h"
 #include "common/model_config.h"
 #include "common/peft.h"
 #include "common/plan.h"
@@ -119,13 +120,16 @@ class CausalLm {
                                                         bool trainable_base,
                                                         const ModelOptions& options = {});
 
-  // Adds fresh LoRA adapters per `spec` on its targets: A uniform in +-1/sqrt(in), B zero,
-  // from a generator seeded with `seed`.
+  // Adds fresh LoRA adapters per `spec` on the projections its targets select
+  // (MatchLoraTargets over LoraTargetModules()): A uniform in +-1/sqrt(in), B zero, from a
+  // generator seeded with `seed`, in model order. REQUIRES: the targets select a projection
+  // (MatchLoraTargets succeeds; the trainer checks it where it opens the model).
   void InitLora(const LoraSpec& spec, uint64_t seed);
 
   // Adds LoRA adapters from PEFT adapter directory `dir`, for `spec`'s targets and rank
   // (scaling from `spec`). INVALID_ARGUMENT naming "lora.init_from", the tensor and the
-  // file when the adapter lacks a targeted tensor or has another rank or shape.
+  // file when the adapter lacks a targeted tensor or has another rank or shape; as
+  // MatchLoraTargets when the targets select nothing.
   absl::Status LoadLora(const LoraSpec& spec, const std::string& dir);
 
   // Replaces every projection's frozen weight with its NF4 form (method qlora; docs/kernels.md
@@ -180,6 +184,8 @@ class CausalLm {
   at::Tensor Block(int64_t layer, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                    const at::Tensor& mask) const;
   int64_t lora_rank() const { return lora_rank_; }
+  // The projections that carry LoRA, in model order (empty before InitLora/LoadLora).
+  const std::vector<LoraTarget>& lora_targets() const { return lora_targets_; }
 
  private:
   CausalLm(const ModelConfig& config, const ModelOptions& options);
@@ -211,7 +217,7 @@ class CausalLm {
   at::Tensor norm_;      // [hidden]
   at::Tensor lm_head_;   // [vocab, hidden]; undefined when tied
   at::Tensor inv_freq_;  // [head_dim / 2]
-  std::vector<std::string> lora_targets_;
+  std::vector<LoraTarget> lora_targets_;
   bool trainable_base_ = false;
   int64_t lora_rank_ = 0;
   double lora_dropout_ = 0.0;

@@ -14,6 +14,7 @@
 #include "common/capabilities.h"
 #include "common/file_util.h"
 #include "common/flops.h"
+#include "common/lora_targets.h"
 #include "common/sha256.h"
 #include "common/status_macros.h"
 #include "kernels/ops/matmul.h"
@@ -144,6 +145,23 @@ std::string MezoFingerprint(const JobSpec& spec) {
   return absl::StrCat("|mezo=", MethodName(spec.mezo.trainable), ",", spec.mezo.eps);
 }
 
+// The LoRA options added after the fingerprint's first form: written only when given, so
+// that a spec without them keeps its fingerprint (and its checkpoints).
+std::string LoraOptionsFingerprint(const LoraSpec& l) {
+  std::string out;
+  if (!l.targets_pattern.empty()) absl::StrAppend(&out, "|targets_pattern=", l.targets_pattern);
+  for (const auto& [key, rank] : l.rank_pattern) {
+    absl::StrAppend(&out, "|rank_pattern=", key, "=", rank);
+  }
+  for (const auto& [key, alpha] : l.alpha_pattern) {
+    absl::StrAppend(&out, "|alpha_pattern=", key, "=", alpha);
+  }
+  if (!l.modules_to_save.empty()) {
+    absl::StrAppend(&out, "|modules_to_save=", absl::StrJoin(l.modules_to_save, "+"));
+  }
+  return out;
+}
+
 // Identifies what decides a run's trajectory, so that a checkpoint is only resumed by the
 // run it belongs to. Not included: output, ranks and micro-batch (the update is the same).
 std::string SpecFingerprint(const JobSpec& spec) {
@@ -153,7 +171,8 @@ std::string SpecFingerprint(const JobSpec& spec) {
       "model=", spec.model.path, "|train=", spec.data.train, "|seq_len=", spec.data.seq_len,
       "|pack=", spec.data.pack, "|method=", MethodName(spec.method), "|lora=", l.rank, ",", l.alpha,
       ",", l.dropout, ",", absl::StrJoin(l.targets, "+"), ",", l.use_rslora, ",", l.init_from,
-      "|steps=", t.steps, "|epochs=", t.epochs, "|global_batch=", t.global_batch, "|lr=", t.lr,
+      LoraOptionsFingerprint(l), "|steps=", t.steps, "|epochs=", t.epochs,
+      "|global_batch=", t.global_batch, "|lr=", t.lr,
       "|schedule=", ScheduleKindName(t.schedule.kind), ",", t.schedule.warmup_steps,
       "|optimizer=", OptimizerKindName(t.optimizer), ",", t.adam_beta1, ",", t.adam_beta2, ",",
       t.adam_eps, ",", t.weight_decay, OptimizerFingerprint(t), MezoFingerprint(spec),
@@ -241,14 +260,16 @@ absl::Status CheckFinite(const std::string& name, const at::Tensor& tensor) {
       "), so nothing was exported; the run diverged: lower train.lr or check the data"));
 }
 
-PeftAdapterConfig AdapterConfigOf(const JobSpec& spec) {
+PeftAdapterConfig AdapterConfigOf(const JobSpec& spec, const std::vector<LoraTarget>& targets) {
   PeftAdapterConfig adapter;
   adapter.base_model_name_or_path = spec.model.path;
   adapter.r = spec.lora.rank;
   adapter.lora_alpha = spec.lora.alpha;
+  adapter.rank_pattern = spec.lora.rank_pattern;
+  adapter.alpha_pattern = spec.lora.alpha_pattern;
   adapter.lora_dropout = spec.lora.dropout;
   adapter.use_rslora = spec.lora.use_rslora;
-  adapter.target_modules = spec.lora.targets;
+  SetPeftTargetModules(spec.lora, targets, &adapter);
   return adapter;
 }
 
@@ -345,6 +366,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   }
   MemoryScope trainable_scope(MemoryComponent::kTrainable);
   if (TrainsLora(spec)) {
+    LATHE_RETURN_IF_ERROR(
+        MatchLoraTargets(spec.lora, config->num_hidden_layers, LoraTargetModules()).status());
     if (spec.lora.init_from.empty()) {
       trainer->model_->InitLora(spec.lora, train.seed);
     } else {
@@ -574,8 +597,8 @@ absl::StatusOr<TrainResult> Trainer::Run(
       // rank 0 writes the output
     } else if (TrainsLora(spec_)) {
       result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-      LATHE_RETURN_IF_ERROR(
-          model_->ExportAdapter(result.adapter_dir, AdapterConfigOf(submitted_spec_)));
+      LATHE_RETURN_IF_ERROR(model_->ExportAdapter(
+          result.adapter_dir, AdapterConfigOf(submitted_spec_, model_->lora_targets())));
     } else {
       result.model_dir = (fs::path(spec_.output) / "model").string();
       LATHE_RETURN_IF_ERROR(model_->ExportModel(result.model_dir));
@@ -607,7 +630,8 @@ absl::Status Trainer::ExportSharded(TrainResult& result) {
           return absl::OkStatus();
         }));
     result.adapter_dir = (fs::path(spec_.output) / "adapter").string();
-    return writer ? WritePeftAdapter(result.adapter_dir, AdapterConfigOf(submitted_spec_),
+    return writer ? WritePeftAdapter(result.adapter_dir,
+                                     AdapterConfigOf(submitted_spec_, model_->lora_targets()),
                                      tensors.tensors())
                   : absl::OkStatus();
   }
