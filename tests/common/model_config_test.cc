@@ -577,6 +577,25 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
       {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
        "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2, "
        "qwen3)"},
+      // Mixture-of-experts configs (the planner refuses them by their expert keys too).
+      {"mixtral",
+       [](Json& j) {
+         j["model_type"] = "mixtral";
+         j["num_local_experts"] = 8;
+       },
+       "/m/config.json: model_type: unsupported \"mixtral\""},
+      {"qwen2_moe",
+       [](Json& j) {
+         j["model_type"] = "qwen2_moe";
+         j["num_experts"] = 60;
+       },
+       "/m/config.json: model_type: unsupported \"qwen2_moe\""},
+      {"qwen3_moe",
+       [](Json& j) {
+         j["model_type"] = "qwen3_moe";
+         j["num_experts"] = 128;
+       },
+       "/m/config.json: model_type: unsupported \"qwen3_moe\""},
       {"model_type not a string", [](Json& j) { j["model_type"] = 7; },
        "/m/config.json: model_type: expected a string, got 7"},
       {"hidden_act", [](Json& j) { j["hidden_act"] = "gelu"; },

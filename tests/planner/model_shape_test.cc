@@ -3,6 +3,10 @@
 // checkpoints (sum of every tensor in their safetensors).
 #include "planner/model_shape.h"
 
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
@@ -84,6 +88,18 @@ TEST(ModelShapeTest, RefusesMixtureOfExperts) {
   EXPECT_THAT(ShapeOf("mixtral-8x7b").status(),
               StatusIs(absl::StatusCode::kUnimplemented,
                        "mixtral-8x7b.json: num_local_experts: 8: mixture-of-experts"));
+  // Qwen2-MoE and Qwen3-MoE (their config.json's expert keys, as published), at submit.
+  for (const auto& [json, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"model_type": "qwen2_moe", "num_experts": 60, "num_experts_per_tok": 4,
+                "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632})",
+            "c.json: num_experts: 60: mixture-of-experts models are not supported"},
+           {R"({"model_type": "qwen3_moe", "num_experts": 128, "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768})",
+            "c.json: num_experts: 128: mixture-of-experts models are not supported"},
+       }) {
+    EXPECT_THAT(ParseModelShape(json, "c.json").status(),
+                StatusIs(absl::StatusCode::kUnimplemented, message));
+  }
 }
 
 TEST(ModelShapeTest, BadConfigsAreOneLineErrorsNamingTheField) {
