@@ -2,10 +2,18 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/file_util.h"
 #include "common/flops.h"
+#include "common/model_config.h"
+#include "common/peft.h"
 #include "common/safetensors.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -300,6 +308,54 @@ TEST_F(TrainerTest, AStoppedRunResumesBitIdentically) {
   spec_.train.schedule.warmup_steps = 3;
   spec_.train.weight_decay = 0.01;
   ExpectBitIdenticalResume(spec_, dir_.Path("resumed"));
+}
+
+// PEFT's options through the trainer: a regex target with per-module ranks and alphas resumes
+// bit for bit (the checkpoint holds each adapter at its own shape) and exports them as PEFT
+// writes them; targets that select nothing are refused before anything is written.
+TEST_F(TrainerTest, PerModuleRanksResumeAndExport) {
+  JobSpec spec = spec_;
+  spec.train.steps = 20;
+  spec.lora.targets.clear();
+  spec.lora.targets_pattern = R"(.*\.layers\.1\.(self_attn\.v|mlp\.up)_proj)";
+  spec.lora.rank_pattern = {{"up_proj", 2}};
+  spec.lora.alpha_pattern = {{"v_proj", 3}};
+  spec.lora.use_rslora = true;
+  ExpectBitIdenticalResume(spec, dir_.Path("patterns-resumed"));
+  const std::string adapter = dir_.Path("patterns-resumed") + "/adapter";
+  absl::StatusOr<std::string> text = ReadFile(adapter + "/adapter_config.json");
+  ASSERT_TRUE(text.ok()) << text.status();
+  const nlohmann::json config = nlohmann::json::parse(*text);
+  EXPECT_EQ(config["target_modules"], spec.lora.targets_pattern);
+  EXPECT_EQ(config["rank_pattern"], nlohmann::json({{"up_proj", 2}}));
+  EXPECT_EQ(config["alpha_pattern"], nlohmann::json({{"v_proj", 3}}));
+  EXPECT_EQ(config["use_rslora"], true);
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> file =
+      SafetensorsFile::Open(adapter + "/adapter_model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  const ProjectionShape up = ProjectionShapeOf(config_, "up_proj");
+  const ProjectionShape v = ProjectionShapeOf(config_, "v_proj");
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const std::string& name :
+       {PeftLoraTensorName(1, "up_proj", "A"), PeftLoraTensorName(1, "up_proj", "B"),
+        PeftLoraTensorName(1, "v_proj", "A"), PeftLoraTensorName(1, "v_proj", "B")}) {
+    const TensorView* view = (*file)->Find(name);
+    ASSERT_NE(view, nullptr) << name;
+    shapes[name] = view->shape;
+  }
+  EXPECT_EQ(shapes[PeftLoraTensorName(1, "up_proj", "A")],
+            (std::vector<int64_t>{2, up.in_features}));
+  EXPECT_EQ(shapes[PeftLoraTensorName(1, "v_proj", "B")],
+            (std::vector<int64_t>{v.out_features, spec.lora.rank}));
+  EXPECT_EQ((*file)->Find(PeftLoraTensorName(0, "v_proj", "A")), nullptr);
+
+  spec.output = dir_.Path("nothing");
+  spec.lora.targets_pattern = "q_proj";
+  spec.lora.rank_pattern.clear();
+  spec.lora.alpha_pattern.clear();
+  absl::Status status = CreateStatus(spec);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("lora.targets: \"q_proj\" selects no module"));
 }
 
 // Each optimizer trains the tiny LoRA job and resumes it bit for bit (its state survives
