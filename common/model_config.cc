@@ -28,20 +28,23 @@ absl::string_view DefaultArchitecture(absl::string_view model_type) {
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "gemma2") return "Gemma2ForCausalLM";
+  if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
   return "LlamaForCausalLM";
 }
 
 // The scaling of the "rope_scaling" object (transformers 4), or of "rope_parameters"
 // (transformers 5, `key`), which also holds rope_theta; `top` reads the top-level keys.
 absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::string_view source,
-                                             absl::string_view key) {
+                                             absl::string_view key,
+                                             absl::string_view outer_prefix = "") {
   RopeScaling scaling;
   const Json* value = top.Find(key);
   if (value == nullptr) return scaling;
   if (!value->is_object()) {
     return top.Error(key, absl::StrCat("expected an object or null, got ", DescribeJson(*value)));
   }
-  ConfigFields fields(*value, source, absl::StrCat(key, "."));
+  ConfigFields fields(*value, source, absl::StrCat(outer_prefix, key, "."));
   // Transformers >= 4.43 writes "rope_type"; older configs write "type".
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> type, fields.String("rope_type"));
   if (!type.has_value()) {
@@ -89,6 +92,33 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::stri
   return scaling;
 }
 
+// "layer_types" (transformers 5, and Gemma): per layer, whether it is "sliding_attention"
+// rather than "full_attention"; nullopt when absent or null.
+absl::StatusOr<std::optional<std::vector<bool>>> ParseLayerTypes(const ConfigFields& fields,
+                                                                 int64_t num_layers) {
+  const Json* types = fields.Find("layer_types");
+  if (types == nullptr) return std::nullopt;
+  if (!types->is_array()) {
+    return fields.Error("layer_types", absl::StrCat("expected a list, got ", DescribeJson(*types)));
+  }
+  std::vector<bool> sliding;
+  for (size_t i = 0; i < types->size(); ++i) {
+    const Json& type = (*types)[i];
+    if (type != "sliding_attention" && type != "full_attention") {
+      return fields.Error("layer_types", absl::StrCat("entry ", i,
+                                                      ": expected \"full_attention\" "
+                                                      "or \"sliding_attention\", got ",
+                                                      DescribeJson(type)));
+    }
+    sliding.push_back(type == "sliding_attention");
+  }
+  if (static_cast<int64_t>(sliding.size()) != num_layers) {
+    return fields.Error("layer_types",
+                        absl::StrCat(sliding.size(), " entries for ", num_layers, " layers"));
+  }
+  return sliding;
+}
+
 // The window each position attends within, by the rules of each model type's
 // transformers implementation.
 absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fields,
@@ -107,26 +137,12 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
     // Transformers 5 writes which layers slide as "layer_types", and follows it over
     // max_window_layers. A window on some layers but not others is not representable here,
     // so refuse it rather than train a different model.
-    if (const Json* types = fields.Find("layer_types"); types != nullptr && !types->is_null()) {
-      if (!types->is_array()) {
-        return fields.Error("layer_types",
-                            absl::StrCat("expected a list, got ", DescribeJson(*types)));
-      }
+    LATHE_ASSIGN_OR_RETURN(std::optional<std::vector<bool>> types,
+                           ParseLayerTypes(fields, config.num_hidden_layers));
+    if (types.has_value()) {
       std::vector<int64_t> sliding;
       for (size_t i = 0; i < types->size(); ++i) {
-        const Json& type = (*types)[i];
-        if (type == "sliding_attention") {
-          sliding.push_back(static_cast<int64_t>(i));
-        } else if (type != "full_attention") {
-          return fields.Error("layer_types", absl::StrCat("entry ", i,
-                                                          ": expected \"full_attention\" "
-                                                          "or \"sliding_attention\", got ",
-                                                          DescribeJson(type)));
-        }
-      }
-      if (static_cast<int64_t>(types->size()) != config.num_hidden_layers) {
-        return fields.Error("layer_types", absl::StrCat(types->size(), " entries for ",
-                                                        config.num_hidden_layers, " layers"));
+        if ((*types)[i]) sliding.push_back(static_cast<int64_t>(i));
       }
       if (sliding.empty()) return std::nullopt;
       if (static_cast<int64_t>(sliding.size()) < config.num_hidden_layers) {
@@ -150,6 +166,115 @@ absl::StatusOr<std::optional<int64_t>> ParseSlidingWindow(const ConfigFields& fi
     }
   }
   return window;
+}
+
+// A soft-cap of Gemma's: absent means `fallback`, null none (0), else a number > 0.
+absl::StatusOr<double> ParseSoftcap(const Json& root, const ConfigFields& fields,
+                                    absl::string_view key, double fallback) {
+  if (!root.contains(std::string(key))) return fallback;
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> cap, fields.Double(key));
+  if (!cap.has_value()) return 0.0;
+  if (!std::isfinite(*cap) || *cap <= 0) {
+    return fields.Error(key, absl::StrCat("must be > 0 or null, got ", *cap));
+  }
+  return *cap;
+}
+
+// Gemma 3's RoPE: rope_theta and rope_scaling on the global layers, rope_local_base_freq (no
+// scaling) on the sliding ones; transformers 5 writes both as rope_parameters, one object per
+// layer type.
+absl::Status ParseGemma3Rope(const ConfigFields& fields, absl::string_view source,
+                             ModelConfig& config) {
+  LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 1e6));
+  LATHE_ASSIGN_OR_RETURN(config.rope_local_base_freq,
+                         fields.PositiveDouble("rope_local_base_freq", 10000.0));
+  const Json* parameters = fields.Find("rope_parameters");
+  if (parameters == nullptr) {
+    LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source, "rope_scaling"));
+    return absl::OkStatus();
+  }
+  if (!parameters->is_object() ||
+      (!parameters->contains("full_attention") && !parameters->contains("sliding_attention"))) {
+    return fields.Error("rope_parameters",
+                        absl::StrCat("expected one object per layer type (full_attention, "
+                                     "sliding_attention), got ",
+                                     DescribeJson(*parameters)));
+  }
+  ConfigFields rope(*parameters, source, "rope_parameters.");
+  LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
+                         ParseRopeScaling(rope, source, "full_attention", "rope_parameters."));
+  if (const Json* full = rope.Find("full_attention"); full != nullptr) {
+    ConfigFields global(*full, source, "rope_parameters.full_attention.");
+    LATHE_ASSIGN_OR_RETURN(config.rope_theta,
+                           global.PositiveDouble("rope_theta", config.rope_theta));
+  }
+  LATHE_ASSIGN_OR_RETURN(RopeScaling local,
+                         ParseRopeScaling(rope, source, "sliding_attention", "rope_parameters."));
+  if (local.kind != RopeScaling::Kind::kNone) {
+    return rope.Error("sliding_attention",
+                      "RoPE scaling on the sliding layers is not supported (rope_type default)");
+  }
+  if (const Json* sliding = rope.Find("sliding_attention"); sliding != nullptr) {
+    ConfigFields local_fields(*sliding, source, "rope_parameters.sliding_attention.");
+    LATHE_ASSIGN_OR_RETURN(config.rope_local_base_freq,
+                           local_fields.PositiveDouble("rope_theta", config.rope_local_base_freq));
+  }
+  return absl::OkStatus();
+}
+
+// What Gemma 2 and Gemma 3 add to the Llama fields, with transformers' defaults; refuses what
+// the engine does not implement.
+absl::Status ParseGemma(const Json& root, const ConfigFields& fields, ModelConfig& config) {
+  const bool gemma2 = config.model_type == "gemma2";
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::string> activation, fields.String("hidden_activation"));
+  if (activation.has_value() && *activation != "gelu_pytorch_tanh") {
+    return fields.Error("hidden_activation",
+                        absl::StrCat("unsupported \"", *activation, "\" (only gelu_pytorch_tanh)"));
+  }
+  LATHE_ASSIGN_OR_RETURN(bool bidirectional, fields.BoolOr("use_bidirectional_attention", false));
+  if (bidirectional) {
+    return fields.Error("use_bidirectional_attention",
+                        "bidirectional attention is not supported (causal only)");
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> dropout, fields.Double("attention_dropout"));
+  if (dropout.value_or(0.0) != 0.0) {
+    return fields.Error(
+        "attention_dropout",
+        absl::StrCat("attention dropout is not supported (0 only), got ", *dropout));
+  }
+  LATHE_ASSIGN_OR_RETURN(config.query_pre_attn_scalar,
+                         fields.OptionalPositive("query_pre_attn_scalar", 256));
+  LATHE_ASSIGN_OR_RETURN(config.attn_logit_softcapping,
+                         ParseSoftcap(root, fields, "attn_logit_softcapping", gemma2 ? 50.0 : 0.0));
+  LATHE_ASSIGN_OR_RETURN(
+      config.final_logit_softcapping,
+      ParseSoftcap(root, fields, "final_logit_softcapping", gemma2 ? 30.0 : 0.0));
+
+  // sliding_window: absent means transformers' 4096, null none.
+  config.sliding_window = 4096;
+  if (root.contains("sliding_window")) {
+    LATHE_ASSIGN_OR_RETURN(config.sliding_window, fields.Int("sliding_window"));
+    if (config.sliding_window.has_value() && *config.sliding_window <= 0) {
+      return fields.Error("sliding_window",
+                          absl::StrCat("must be > 0, got ", *config.sliding_window));
+    }
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<std::vector<bool>> types,
+                         ParseLayerTypes(fields, config.num_hidden_layers));
+  if (types.has_value()) {
+    config.sliding_layers = std::move(*types);
+    return absl::OkStatus();
+  }
+  // Transformers' defaults: Gemma 2 alternates sliding and global layers from a sliding one;
+  // Gemma 3 makes every sliding_window_pattern-th layer (default 6) global.
+  int64_t pattern = 2;
+  if (!gemma2) {
+    LATHE_ASSIGN_OR_RETURN(pattern, fields.OptionalPositive("sliding_window_pattern", 6));
+  }
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) {
+    config.sliding_layers.push_back((i + 1) % pattern != 0);
+  }
+  return absl::OkStatus();
 }
 
 // bos_token_id / eos_token_id: an integer, a list of integers, or null, each a token id.
@@ -202,6 +327,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
 
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> model_type, fields.String("model_type"));
   if (!model_type.has_value()) return fields.Error("model_type", "required field is missing");
+  if (*model_type == "gemma3") {
+    return fields.Error("model_type",
+                        "\"gemma3\" is the multimodal Gemma 3: only its text model "
+                        "(model_type gemma3_text, Gemma3ForCausalLM) is supported");
+  }
   if (!IsSupportedModelType(*model_type)) {
     return fields.Error("model_type", absl::StrCat("unsupported \"", *model_type, "\" (supported: ",
                                                    absl::StrJoin(Engine().model_types, ", "), ")"));
@@ -218,8 +348,9 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     if (!architectures->empty()) config.architecture = (*architectures)[0].get<std::string>();
   }
 
+  // Gemma's MLP reads hidden_activation (ParseGemma) and ignores hidden_act.
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> hidden_act, fields.String("hidden_act"));
-  if (hidden_act.has_value() && *hidden_act != "silu") {
+  if (!IsGemma(config) && hidden_act.has_value() && *hidden_act != "silu") {
     return fields.Error("hidden_act",
                         absl::StrCat("unsupported \"", *hidden_act, "\" (only silu)"));
   }
@@ -243,6 +374,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     if (*head_dim <= 0)
       return fields.Error("head_dim", absl::StrCat("must be > 0, got ", *head_dim));
     config.head_dim = *head_dim;
+  } else if (IsGemma(config)) {
+    config.head_dim = 256;  // transformers' default for Gemma, not hidden_size / heads
   } else {
     if (config.hidden_size % config.num_attention_heads != 0) {
       return fields.Error(
@@ -261,8 +394,10 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   LATHE_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.PositiveDouble("rms_norm_eps", 1e-6));
   // Transformers 5 writes rope_theta and the scaling into one "rope_parameters" object and
   // neither at the top; read at the top only, such a model would silently get theta 10000.
-  if (const Json* parameters = fields.Find("rope_parameters");
-      parameters != nullptr && !parameters->is_null()) {
+  if (config.model_type == "gemma3_text") {
+    LATHE_RETURN_IF_ERROR(ParseGemma3Rope(fields, source, config));
+  } else if (const Json* parameters = fields.Find("rope_parameters");
+             parameters != nullptr && !parameters->is_null()) {
     LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
                            ParseRopeScaling(fields, source, "rope_parameters"));
     ConfigFields rope(*parameters, source, "rope_parameters.");
@@ -271,11 +406,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 10000.0));
     LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source, "rope_scaling"));
   }
-  LATHE_ASSIGN_OR_RETURN(config.tie_word_embeddings, fields.BoolOr("tie_word_embeddings", false));
+  LATHE_ASSIGN_OR_RETURN(config.tie_word_embeddings,
+                         fields.BoolOr("tie_word_embeddings", IsGemma(config)));
 
   if (config.model_type == "qwen2") {
     config.qkv_bias = true;
-  } else if (config.model_type == "llama" || config.model_type == "qwen3") {
+  } else if (config.model_type == "llama" || config.model_type == "qwen3" || IsGemma(config)) {
     LATHE_ASSIGN_OR_RETURN(bool attention_bias, fields.BoolOr("attention_bias", false));
     if (config.model_type == "llama") {
       LATHE_ASSIGN_OR_RETURN(config.mlp_bias, fields.BoolOr("mlp_bias", false));
@@ -283,8 +419,12 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     config.qkv_bias = attention_bias;
     config.o_bias = attention_bias;
   }
-  config.qk_norm = config.model_type == "qwen3";
-  LATHE_ASSIGN_OR_RETURN(config.sliding_window, ParseSlidingWindow(fields, config));
+  config.qk_norm = config.model_type == "qwen3" || config.model_type == "gemma3_text";
+  if (IsGemma(config)) {
+    LATHE_RETURN_IF_ERROR(ParseGemma(root, fields, config));
+  } else {
+    LATHE_ASSIGN_OR_RETURN(config.sliding_window, ParseSlidingWindow(fields, config));
+  }
 
   // Transformers >= 4.56 writes "dtype" in place of "torch_dtype".
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> dtype, fields.String("torch_dtype"));
@@ -299,6 +439,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   LATHE_ASSIGN_OR_RETURN(config.eos_token_ids,
                          ParseTokenIds(fields, "eos_token_id", config.vocab_size));
   return config;
+}
+
+bool IsGemma(const ModelConfig& config) {
+  return config.model_type == "gemma2" || config.model_type == "gemma3_text";
+}
+
+bool LayerSlides(const ModelConfig& config, int64_t layer) {
+  if (!config.sliding_window.has_value()) return false;
+  return config.sliding_layers.empty() || config.sliding_layers[layer];
 }
 
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
@@ -350,6 +499,9 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
     for (const std::string& module : LoraTargetModules()) {
       if (module == "gate_proj") {
         weights.push_back({prefix + "post_attention_layernorm.weight", {hidden}});
+        // Gemma: the MLP between its own pair of norms.
+        if (IsGemma(config))
+          weights.push_back({prefix + "pre_feedforward_layernorm.weight", {hidden}});
       }
       const std::string name = ProjectionName(layer, module);
       const ProjectionShape shape = ProjectionShapeOf(config, module);
@@ -366,6 +518,8 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
         weights.push_back({prefix + "self_attn.k_norm.weight", {config.head_dim}});
       }
     }
+    if (IsGemma(config))
+      weights.push_back({prefix + "post_feedforward_layernorm.weight", {hidden}});
   }
   weights.push_back({"model.norm.weight", {hidden}});
   if (!config.tie_word_embeddings) {
@@ -398,7 +552,11 @@ std::string ModelConfigToJson(const ModelConfig& config) {
   json["num_key_value_heads"] = config.num_key_value_heads;
   json["head_dim"] = config.head_dim;
   json["max_position_embeddings"] = config.max_position_embeddings;
-  json["hidden_act"] = "silu";
+  if (IsGemma(config)) {
+    json["hidden_activation"] = "gelu_pytorch_tanh";
+  } else {
+    json["hidden_act"] = "silu";
+  }
   json["rms_norm_eps"] = config.rms_norm_eps;
   json["rope_theta"] = config.rope_theta;
   const RopeScaling& rope = config.rope_scaling;
@@ -419,8 +577,10 @@ std::string ModelConfigToJson(const ModelConfig& config) {
       break;
   }
   json["tie_word_embeddings"] = config.tie_word_embeddings;
-  if (config.model_type == "llama" || config.model_type == "qwen3") {
-    // Llama and Qwen3 have one switch for all four attention biases.
+  if (config.model_type == "gemma3_text")
+    json["rope_local_base_freq"] = config.rope_local_base_freq;
+  if (config.model_type == "llama" || config.model_type == "qwen3" || IsGemma(config)) {
+    // Llama, Qwen3 and Gemma have one switch for all four attention biases.
     json["attention_bias"] = config.qkv_bias || config.o_bias;
   }
   if (config.model_type == "llama") json["mlp_bias"] = config.mlp_bias;
@@ -430,6 +590,17 @@ std::string ModelConfigToJson(const ModelConfig& config) {
     } else {
       json["sliding_window"] = nullptr;
     }
+  }
+  if (IsGemma(config)) {
+    std::vector<std::string> types;
+    for (bool sliding : config.sliding_layers) {
+      types.push_back(sliding ? "sliding_attention" : "full_attention");
+    }
+    json["layer_types"] = types;
+    json["query_pre_attn_scalar"] = config.query_pre_attn_scalar;
+    auto cap = [](double value) { return value > 0 ? Json(value) : Json(nullptr); };
+    json["attn_logit_softcapping"] = cap(config.attn_logit_softcapping);
+    json["final_logit_softcapping"] = cap(config.final_logit_softcapping);
   }
   if (config.model_type == "qwen2" || config.model_type == "qwen3") {
     json["use_sliding_window"] = config.sliding_window.has_value();

@@ -5,6 +5,13 @@
 // Llama and Qwen3: `attention_bias`; Llama: `mlp_bias`), sliding windows (Mistral, Qwen2
 // and Qwen3 with `use_sliding_window`), RoPE scaling and tied embeddings.
 //
+// Gemma 2 and Gemma 3 (text) keep that decoder with Gemma's changes (see IsGemma): embeddings
+// scaled by sqrt(hidden_size), RMSNorms that multiply by (1 + weight) in float32, four per
+// block (input, post_attention on the attention's output, pre_feedforward, post_feedforward),
+// a GeGLU MLP (gelu_pytorch_tanh), scores scaled by query_pre_attn_scalar^-0.5, sliding and
+// global layers (layer_types). Gemma 2 soft-caps the scores and the logits; Gemma 3 norms q
+// and k (as Qwen3) and gives its sliding layers their own RoPE base (rope_local_base_freq).
+//
 // Thread-safety: plain values and pure functions.
 #ifndef LATHE_COMMON_MODEL_CONFIG_H_
 #define LATHE_COMMON_MODEL_CONFIG_H_
@@ -30,7 +37,7 @@ struct RopeScaling {
 };
 
 struct ModelConfig {
-  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3"
+  std::string model_type;    // "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"
   std::string architecture;  // architectures[0], e.g. "LlamaForCausalLM"
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
@@ -44,14 +51,28 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
-  bool qkv_bias = false;  // Qwen2 always; Llama and Qwen3 when attention_bias
-  bool o_bias = false;    // Llama and Qwen3 when attention_bias
-  // Qwen3: RMSNorm (weight [head_dim], rms_norm_eps) on every head of q and of k after the
-  // projections, before RoPE (self_attn.q_norm, self_attn.k_norm).
+  bool qkv_bias = false;  // Qwen2 always; Llama, Qwen3 and Gemma when attention_bias
+  bool o_bias = false;    // Llama, Qwen3 and Gemma when attention_bias
+  // Qwen3 and Gemma 3: RMSNorm (weight [head_dim], rms_norm_eps) on every head of q and of k
+  // after the projections, before RoPE (self_attn.q_norm, self_attn.k_norm).
   bool qk_norm = false;
   bool mlp_bias = false;  // Llama when mlp_bias
-  // Tokens a position may attend back to (itself included); unset means unlimited.
+  // Tokens a position may attend back to (itself included); unset means unlimited. On every
+  // layer, or on those of sliding_layers when it is not empty.
   std::optional<int64_t> sliding_window;
+  // Gemma: per layer, whether it is a sliding layer (layer_types' "sliding_attention"; the
+  // others are global). Empty for the other families: every layer slides when sliding_window
+  // is set.
+  std::vector<bool> sliding_layers;
+  // Gemma: the attention scores are scaled by query_pre_attn_scalar^-0.5 (0: head_dim^-0.5).
+  int64_t query_pre_attn_scalar = 0;
+  // Gemma (2): s -> cap * tanh(s / cap) on the scaled attention scores and on the logits;
+  // 0 means none.
+  double attn_logit_softcapping = 0.0;
+  double final_logit_softcapping = 0.0;
+  // Gemma 3: the RoPE base of the sliding layers, which ignore rope_scaling; 0 means every
+  // layer uses rope_theta and rope_scaling.
+  double rope_local_base_freq = 0.0;
   std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
   // Special tokens, when config.json names them (null or absent: unknown). A list of
   // bos_token_id keeps its first entry; eos_token_id keeps every entry (Llama 3.1 Instruct
@@ -62,11 +83,19 @@ struct ModelConfig {
 
 // Parses the text of a config.json. `source` names the file in error messages.
 // INVALID_ARGUMENT naming the field for: malformed JSON, a missing or non-positive size,
-// an unsupported model_type (supported: llama, mistral, qwen2, qwen3), hidden_act other than
-// silu, num_attention_heads not divisible by num_key_value_heads, an unknown rope_scaling
-// type, a bos_token_id or eos_token_id that is not an integer (or list of them) in
-// [0, vocab_size).
+// an unsupported model_type (supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text; the
+// multimodal gemma3 is refused), hidden_act other than silu (Gemma: hidden_activation other
+// than gelu_pytorch_tanh), num_attention_heads not divisible by num_key_value_heads, an
+// unknown rope_scaling type, a bos_token_id or eos_token_id that is not an integer (or list of
+// them) in [0, vocab_size), and a Gemma setting the engine does not implement
+// (use_bidirectional_attention, attention_dropout, RoPE scaling on the sliding layers).
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text, absl::string_view source);
+
+// True for Gemma 2 and Gemma 3 text (model_type gemma2, gemma3_text): scaled embeddings,
+// (1 + weight) RMSNorms, four norms per block, GeGLU.
+bool IsGemma(const ModelConfig& config);
+// Whether layer `layer` attends within sliding_window (unset window: false).
+bool LayerSlides(const ModelConfig& config, int64_t layer);
 
 // Reads `dir`/config.json. NOT_FOUND when missing; otherwise as ParseModelConfig.
 absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir);

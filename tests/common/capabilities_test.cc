@@ -106,6 +106,9 @@ TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
   EXPECT_TRUE(IsSupportedModelType("llama"));
   EXPECT_TRUE(IsSupportedModelType("qwen2"));
   EXPECT_TRUE(IsSupportedModelType("qwen3"));
+  EXPECT_TRUE(IsSupportedModelType("gemma2"));
+  EXPECT_TRUE(IsSupportedModelType("gemma3_text"));
+  EXPECT_FALSE(IsSupportedModelType("gemma3"));  // the multimodal model
   EXPECT_FALSE(IsSupportedModelType("gemma"));
   absl::StatusOr<ModelConfig> config = ParseModelConfig(
       R"({"model_type": "gemma", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
@@ -113,7 +116,8 @@ TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
       "config.json");
   EXPECT_THAT(
       std::string(config.status().message()),
-      HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2, qwen3)"));
+      HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2, qwen3, "
+                "gemma2, gemma3_text)"));
 }
 
 }  // namespace

@@ -138,6 +138,72 @@ constexpr char kQwen3_06B[] = R"json({
   "vocab_size": 151936
 })json";
 
+// config.json of google/gemma-2-2b.
+constexpr char kGemma2_2B[] = R"json({
+  "architectures": ["Gemma2ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": 50.0,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": 1,
+  "final_logit_softcapping": 30.0,
+  "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh",
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 2304,
+  "initializer_range": 0.02,
+  "intermediate_size": 9216,
+  "max_position_embeddings": 8192,
+  "model_type": "gemma2",
+  "num_attention_heads": 8,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 4,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "torch_dtype": "float32",
+  "transformers_version": "4.42.4",
+  "use_cache": true,
+  "vocab_size": 256000
+})json";
+
+// config.json of google/gemma-3-1b-pt.
+constexpr char kGemma3_1B[] = R"json({
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": null,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": 1,
+  "final_logit_softcapping": null,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "initializer_range": 0.02,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.50.0.dev0",
+  "use_cache": true,
+  "vocab_size": 262144
+})json";
+
 // A tiny Llama with grouped-query attention (4 heads over 2 KV heads) and every bias on.
 nlohmann::json TinyLlama() {
   return {{"model_type", "llama"},    {"vocab_size", 10},
@@ -179,6 +245,11 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.mlp_bias, b.mlp_bias);
   EXPECT_EQ(a.qk_norm, b.qk_norm);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
+  EXPECT_EQ(a.sliding_layers, b.sliding_layers);
+  EXPECT_EQ(a.query_pre_attn_scalar, b.query_pre_attn_scalar);
+  EXPECT_EQ(a.attn_logit_softcapping, b.attn_logit_softcapping);
+  EXPECT_EQ(a.final_logit_softcapping, b.final_logit_softcapping);
+  EXPECT_EQ(a.rope_local_base_freq, b.rope_local_base_freq);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
   EXPECT_EQ(a.bos_token_id, b.bos_token_id);
   EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
@@ -295,6 +366,177 @@ TEST(ModelConfigTest, ParsesQwen3_06B) {
   EXPECT_TRUE(with_bias.qkv_bias);
   EXPECT_TRUE(with_bias.o_bias);
   EXPECT_EQ(ExpectedWeights(with_bias).size(), 1u + 28 * 15 + 1);
+}
+
+TEST(ModelConfigTest, ParsesGemma2_2B) {
+  ModelConfig config = MustParse(kGemma2_2B);
+  EXPECT_TRUE(IsGemma(config));
+  EXPECT_EQ(config.architecture, "Gemma2ForCausalLM");
+  EXPECT_EQ(config.head_dim, 256);  // given: not 2304 / 8
+  EXPECT_EQ(config.query_pre_attn_scalar, 256);
+  EXPECT_EQ(config.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(config.final_logit_softcapping, 30.0);
+  EXPECT_TRUE(config.tie_word_embeddings);  // Gemma's default
+  EXPECT_FALSE(config.qk_norm);
+  EXPECT_FALSE(config.qkv_bias);
+  EXPECT_EQ(config.rope_theta, 10000.0);
+  EXPECT_EQ(config.rope_local_base_freq, 0.0);
+  EXPECT_EQ(config.sliding_window, 4096);
+  // Transformers' default layer_types: sliding, global, sliding, ...
+  ASSERT_EQ(config.sliding_layers.size(), 26u);
+  for (int64_t l = 0; l < 26; ++l) EXPECT_EQ(LayerSlides(config, l), l % 2 == 0) << l;
+
+  // Embeddings 256000 x 2304 (tied) + 26 blocks of 77,865,984 (q 2304x2048, k and v 2304x1024,
+  // o 2048x2304, MLP 3 x 2304x9216, 4 norms of 2304) + the final norm.
+  EXPECT_EQ(ParameterCount(config), 2614341888);  // published: 2,614,341,888
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  ASSERT_EQ(weights.size(), 1u + 26 * 11 + 1);
+  std::vector<std::string> layer0;
+  for (size_t i = 1; i < 12; ++i) layer0.push_back(weights[i].name);
+  EXPECT_THAT(
+      layer0,
+      ElementsAre(
+          "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+          "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+          "model.layers.0.self_attn.o_proj.weight",
+          "model.layers.0.post_attention_layernorm.weight",
+          "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.mlp.gate_proj.weight",
+          "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight",
+          "model.layers.0.post_feedforward_layernorm.weight"));
+  EXPECT_THAT(weights[11].shape, ElementsAre(2304));
+
+  // attention_bias: q, k, v and o.
+  nlohmann::json biased = nlohmann::json::parse(kGemma2_2B);
+  biased["attention_bias"] = true;
+  ModelConfig with_bias = MustParse(biased.dump());
+  EXPECT_TRUE(with_bias.qkv_bias);
+  EXPECT_TRUE(with_bias.o_bias);
+  EXPECT_EQ(ExpectedWeights(with_bias).size(), 1u + 26 * 15 + 1);
+}
+
+TEST(ModelConfigTest, ParsesGemma3_1B) {
+  ModelConfig config = MustParse(kGemma3_1B);
+  EXPECT_TRUE(IsGemma(config));
+  EXPECT_EQ(config.architecture, "Gemma3ForCausalLM");
+  EXPECT_TRUE(config.qk_norm);
+  EXPECT_EQ(config.attn_logit_softcapping, 0.0);  // null: none
+  EXPECT_EQ(config.final_logit_softcapping, 0.0);
+  EXPECT_EQ(config.rope_theta, 1e6);
+  EXPECT_EQ(config.rope_local_base_freq, 10000.0);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kNone);
+  EXPECT_EQ(config.sliding_window, 512);
+  // sliding_window_pattern 6: every sixth layer is global.
+  ASSERT_EQ(config.sliding_layers.size(), 26u);
+  for (int64_t l = 0; l < 26; ++l) EXPECT_EQ(LayerSlides(config, l), (l + 1) % 6 != 0) << l;
+
+  // Embeddings 262144 x 1152 (tied) + 26 blocks of 26,842,112 (q 1152x1024, k and v 1152x256,
+  // o 1024x1152, MLP 3 x 1152x6912, 4 norms of 1152, q/k norms of 256) + the final norm.
+  EXPECT_EQ(ParameterCount(config), 999885952);  // published: 999,885,952
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  ASSERT_EQ(weights.size(), 1u + 26 * 13 + 1);
+  EXPECT_EQ(weights[6].name, "model.layers.0.self_attn.q_norm.weight");
+  EXPECT_EQ(weights[7].name, "model.layers.0.self_attn.k_norm.weight");
+  EXPECT_THAT(weights[7].shape, ElementsAre(256));
+  EXPECT_EQ(weights[13].name, "model.layers.0.post_feedforward_layernorm.weight");
+}
+
+// Transformers' defaults where a Gemma config.json leaves a key out, and what null means.
+TEST(ModelConfigTest, GemmaDefaults) {
+  nlohmann::json gemma2 = nlohmann::json::parse(kGemma2_2B);
+  for (const char* key :
+       {"head_dim", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+        "sliding_window", "tie_word_embeddings", "hidden_activation", "hidden_act"}) {
+    gemma2.erase(key);
+  }
+  gemma2["num_attention_heads"] = 12;  // head_dim stays 256, not 2304 / 12
+  ModelConfig config = MustParse(gemma2.dump());
+  EXPECT_EQ(config.head_dim, 256);
+  EXPECT_EQ(config.query_pre_attn_scalar, 256);
+  EXPECT_EQ(config.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(config.final_logit_softcapping, 30.0);
+  EXPECT_EQ(config.sliding_window, 4096);
+  EXPECT_TRUE(config.tie_word_embeddings);
+  gemma2["attn_logit_softcapping"] = nullptr;
+  gemma2["final_logit_softcapping"] = nullptr;
+  gemma2["sliding_window"] = nullptr;
+  config = MustParse(gemma2.dump());
+  EXPECT_EQ(config.attn_logit_softcapping, 0.0);
+  EXPECT_EQ(config.final_logit_softcapping, 0.0);
+  EXPECT_EQ(config.sliding_window, std::nullopt);
+  EXPECT_FALSE(LayerSlides(config, 0));
+
+  // layer_types, when given, says which layers slide.
+  nlohmann::json gemma3 = nlohmann::json::parse(kGemma3_1B);
+  gemma3["num_hidden_layers"] = 3;
+  gemma3["layer_types"] = {"full_attention", "sliding_attention", "full_attention"};
+  config = MustParse(gemma3.dump());
+  EXPECT_EQ(config.sliding_layers, (std::vector<bool>{false, true, false}));
+  gemma3.erase("layer_types");
+  gemma3["sliding_window_pattern"] = 2;
+  EXPECT_EQ(MustParse(gemma3.dump()).sliding_layers, (std::vector<bool>{true, false, true}));
+  gemma3.erase("sliding_window_pattern");
+  gemma3.erase("rope_theta");
+  gemma3.erase("rope_local_base_freq");
+  config = MustParse(gemma3.dump());
+  EXPECT_EQ(config.sliding_layers, (std::vector<bool>{true, true, true}));  // pattern 6
+  EXPECT_EQ(config.rope_theta, 1e6);
+  EXPECT_EQ(config.rope_local_base_freq, 10000.0);
+}
+
+// Gemma 3's RoPE: rope_scaling on the global layers only (Gemma 3 4B and larger: linear,
+// factor 8); transformers 5 writes one rope_parameters object per layer type.
+TEST(ModelConfigTest, Gemma3RopeParameters) {
+  nlohmann::json legacy = nlohmann::json::parse(kGemma3_1B);
+  legacy["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  ModelConfig config = MustParse(legacy.dump());
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kLinear);
+  EXPECT_EQ(config.rope_scaling.factor, 8.0);
+  EXPECT_EQ(config.rope_theta, 1e6);
+  EXPECT_EQ(config.rope_local_base_freq, 10000.0);
+
+  nlohmann::json nested = nlohmann::json::parse(kGemma3_1B);
+  for (const char* key : {"rope_scaling", "rope_theta", "rope_local_base_freq"}) nested.erase(key);
+  nested["rope_parameters"] = {
+      {"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 2e6}}},
+      {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 20000.0}}}};
+  config = MustParse(nested.dump());
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kLinear);
+  EXPECT_EQ(config.rope_scaling.factor, 8.0);
+  EXPECT_EQ(config.rope_theta, 2e6);
+  EXPECT_EQ(config.rope_local_base_freq, 20000.0);
+
+  nested["rope_parameters"]["sliding_attention"] = {{"rope_type", "linear"}, {"factor", 2.0}};
+  EXPECT_THAT(ParseModelConfig(nested.dump(), "/m/config.json").status().message(),
+              HasSubstr("/m/config.json: rope_parameters.sliding_attention: RoPE scaling on the "
+                        "sliding layers is not supported"));
+  nested["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 1e6}};
+  EXPECT_THAT(ParseModelConfig(nested.dump(), "/m/config.json").status().message(),
+              HasSubstr("/m/config.json: rope_parameters: expected one object per layer type"));
+}
+
+TEST(ModelConfigTest, GemmaJsonRoundTrip) {
+  nlohmann::json gemma2_bias = nlohmann::json::parse(kGemma2_2B);
+  gemma2_bias["attention_bias"] = true;
+  gemma2_bias["final_logit_softcapping"] = nullptr;
+  gemma2_bias["tie_word_embeddings"] = false;
+  nlohmann::json gemma3_scaled = nlohmann::json::parse(kGemma3_1B);
+  gemma3_scaled["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
+  gemma3_scaled["rope_local_base_freq"] = 20000.0;
+  gemma3_scaled["attn_logit_softcapping"] = 40.0;
+  gemma3_scaled["sliding_window"] = nullptr;
+  for (const std::string& text : {std::string(kGemma2_2B), gemma2_bias.dump(),
+                                  std::string(kGemma3_1B), gemma3_scaled.dump()}) {
+    ModelConfig original = MustParse(text);
+    SCOPED_TRACE(text);
+    std::string written = ModelConfigToJson(original);
+    absl::StatusOr<ModelConfig> reread = ParseModelConfig(written, "written");
+    ASSERT_TRUE(reread.ok()) << reread.status() << "\n" << written;
+    ExpectSameConfig(original, *reread);
+    nlohmann::json json = nlohmann::json::parse(written);
+    EXPECT_EQ(json["hidden_activation"], "gelu_pytorch_tanh");
+    EXPECT_FALSE(json.contains("hidden_act"));
+    EXPECT_EQ(json["layer_types"].size(), 26u);
+  }
 }
 
 TEST(ModelConfigTest, Defaults) {
@@ -576,7 +818,7 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
        "/m/config.json: model_type: required field is missing"},
       {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
        "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2, "
-       "qwen3)"},
+       "qwen3, gemma2, gemma3_text)"},
       // Mixture-of-experts configs (the planner refuses them by their expert keys too).
       {"mixtral",
        [](Json& j) {
@@ -750,6 +992,42 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
   for (const ErrorCase& c : all_cases) {
     SCOPED_TRACE(c.description);
     nlohmann::json json = TinyLlama();
+    c.mutate(json);
+    absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump(), kSource);
+    ASSERT_FALSE(config.ok());
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.fragment));
+  }
+}
+
+// What the engine does not implement is refused, naming the key.
+TEST(ModelConfigTest, RejectsGemmaSettingsItDoesNotImplement) {
+  using Json = nlohmann::json;
+  const std::vector<ErrorCase> cases = {
+      {"multimodal gemma3", [](Json& j) { j["model_type"] = "gemma3"; },
+       "/m/config.json: model_type: \"gemma3\" is the multimodal Gemma 3: only its text model "
+       "(model_type gemma3_text, Gemma3ForCausalLM) is supported"},
+      {"another activation", [](Json& j) { j["hidden_activation"] = "gelu"; },
+       "/m/config.json: hidden_activation: unsupported \"gelu\" (only gelu_pytorch_tanh)"},
+      {"bidirectional", [](Json& j) { j["use_bidirectional_attention"] = true; },
+       "/m/config.json: use_bidirectional_attention: bidirectional attention is not supported"},
+      {"attention dropout", [](Json& j) { j["attention_dropout"] = 0.1; },
+       "/m/config.json: attention_dropout: attention dropout is not supported (0 only), got 0.1"},
+      {"negative softcap", [](Json& j) { j["attn_logit_softcapping"] = -1.0; },
+       "/m/config.json: attn_logit_softcapping: must be > 0 or null, got -1"},
+      {"zero query_pre_attn_scalar", [](Json& j) { j["query_pre_attn_scalar"] = 0; },
+       "/m/config.json: query_pre_attn_scalar: must be > 0, got 0"},
+      {"zero window", [](Json& j) { j["sliding_window"] = 0; },
+       "/m/config.json: sliding_window: must be > 0, got 0"},
+      {"layer_types too short", [](Json& j) { j["layer_types"] = {"full_attention"}; },
+       "/m/config.json: layer_types: 1 entries for 26 layers"},
+      {"unknown layer type", [](Json& j) { j["layer_types"] = {"chunked_attention"}; },
+       "/m/config.json: layer_types: entry 0: expected \"full_attention\" or "
+       "\"sliding_attention\", got \"chunked_attention\""},
+  };
+  for (const ErrorCase& c : cases) {
+    SCOPED_TRACE(c.description);
+    nlohmann::json json = nlohmann::json::parse(kGemma2_2B);
     c.mutate(json);
     absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump(), kSource);
     ASSERT_FALSE(config.ok());
