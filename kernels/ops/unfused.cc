@@ -47,11 +47,21 @@ at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return normed.to(x.scalar_type()) * weight.to(x.scalar_type());
 }
 
+at::Tensor GemmaRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor xf = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return (normed * (1.0 + weight.to(xf.scalar_type()))).to(x.scalar_type());
+}
+
 at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   return x * cos + RotateHalf(x) * sin;
 }
 
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up) { return at::silu(gate) * up; }
+
+at::Tensor GeGlu(const at::Tensor& gate, const at::Tensor& up) {
+  return at::gelu(gate, "tanh") * up;
+}
 
 at::Tensor LoraLinear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       const at::Tensor& lora_a, const at::Tensor& lora_b, double scale,

@@ -15,11 +15,20 @@ namespace lathe::kernels::unfused {
 // times weight in x's dtype.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32 (x and weight
+// widened), rounded once to x's dtype. The engine's fused path is RmsNorm's kernel with the
+// float32 weight 1 + weight, which computes the same.
+at::Tensor GemmaRmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 // x * cos + rotate_half(x) * sin.
 at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // silu(gate) * up.
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+
+// gelu_tanh(gate) * up (Gemma's MLP, transformers' gelu_pytorch_tanh). There is no fused
+// GeGLU kernel yet: the engine runs this composition with fused kernels on as well.
+at::Tensor GeGlu(const at::Tensor& gate, const at::Tensor& up);
 
 // Projection::Forward: x W^T + b + scale * (dropout(x) A^T) B^T, each tensor converted to x's
 // dtype as it is used (a frozen W of another dtype through a node that saves only W). Dropout:

@@ -155,9 +155,13 @@ LossAndGrads Backward(CausalLm& model, const at::Tensor& ids, uint64_t dropout_s
 }
 
 TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
-  // qwen2: q/k/v biases; qwen3: RMSNorm on q and k (trainable in full fine-tuning).
-  for (const auto& [type, full] : {std::pair{"qwen2", false}, std::pair{"qwen2", true},
-                                   std::pair{"qwen3", false}, std::pair{"qwen3", true}}) {
+  // qwen2: q/k/v biases; qwen3: RMSNorm on q and k (trainable in full fine-tuning); gemma2
+  // and gemma3_text: four norms a block, sliding and global layers (their own masks, and for
+  // Gemma 3 their own RoPE tables).
+  for (const auto& [type, full] :
+       {std::pair{"qwen2", false}, std::pair{"qwen2", true}, std::pair{"qwen3", false},
+        std::pair{"qwen3", true}, std::pair{"gemma2", false}, std::pair{"gemma2", true},
+        std::pair{"gemma3_text", false}, std::pair{"gemma3_text", true}}) {
     SCOPED_TRACE(absl::StrCat(type, full ? ": full fine-tuning" : ": LoRA with dropout"));
     TempDir dir;
     ModelConfig config = TinyConfig(type);
@@ -204,12 +208,13 @@ TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
 // float32 rounding, and activation checkpointing recomputes them exactly.
 TEST(CausalLm, FusedAttentionMatchesTheExplicitSoftmaxAndRecomputesExactly) {
   const int64_t seq = kCpuFusedAttentionMinTokens + 16;
-  for (const bool sliding : {false, true}) {
-    SCOPED_TRACE(sliding ? "sliding window" : "causal");
+  // gemma3_text: a sliding and a global layer, scores scaled by query_pre_attn_scalar^-0.5.
+  for (const std::string type : {"llama", "mistral", "gemma3_text"}) {
+    SCOPED_TRACE(type);
     TempDir dir;
-    ModelConfig config = TinyConfig(sliding ? "mistral" : "llama");
+    ModelConfig config = TinyConfig(type);
     config.max_position_embeddings = 2 * seq;
-    if (sliding) config.sliding_window = seq / 3;
+    if (type != "llama") config.sliding_window = seq / 3;
     ModelOptions unfused, checkpointed;
     unfused.fused_kernels = false;
     checkpointed.activation_checkpointing = true;
@@ -311,6 +316,11 @@ TEST(CausalLm, ReportsMissingTensorsAndShapeMismatchesByName) {
   EXPECT_THAT(CausalLm::Load(dir.Path("m"), qwen3, false).status().message(),
               HasSubstr("tensor \"model.layers.0.self_attn.q_norm.weight\" is missing "
                         "(config.json implies shape [8])"));
+  ModelConfig gemma2 = config;
+  gemma2.model_type = "gemma2";
+  EXPECT_THAT(CausalLm::Load(dir.Path("m"), gemma2, false).status().message(),
+              HasSubstr("tensor \"model.layers.0.pre_feedforward_layernorm.weight\" is missing "
+                        "(config.json implies shape [32])"));
   EXPECT_EQ(CausalLm::Load(dir.Path("nothing"), config, false).status().code(),
             absl::StatusCode::kNotFound);
 }
@@ -353,6 +363,106 @@ TEST(CausalLm, Qwen3NormsEachHeadOfQueriesAndKeys) {
     }
   }
   EXPECT_FALSE(at::allclose(before, fused->Logits(ids), 1e-3, 1e-4));
+}
+
+// Gemma 2 and Gemma 3: the fused kernels (RMSNorm with 1 + weight, RoPE, LoRA linear, the
+// soft-capped chunked loss) give the unfused compositions' loss and gradients, the four norms
+// of every block included (trainable, without weight decay, in full fine-tuning).
+TEST(CausalLm, GemmaFusedMatchesUnfused) {
+  for (const std::string type : {"gemma2", "gemma3_text"}) {
+    SCOPED_TRACE(type);
+    TempDir dir;
+    ModelConfig config = TinyConfig(type);
+    ModelOptions unfused;
+    unfused.fused_kernels = false;
+    unfused.chunked_loss = false;
+    auto fused = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+    auto plain = LoadModel(dir, config, DType::kF32, /*trainable=*/true, unfused);
+    at::Tensor ids = Ids(2, 14, config.vocab_size, 6);
+    LossAndGrads a = Backward(*fused, ids, 1);
+    LossAndGrads b = Backward(*plain, ids, 1);
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss));
+    std::vector<NamedParameter> params = fused->TrainableParameters();
+    ASSERT_EQ(a.grads.size(), params.size());
+    int norms = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-4, 1e-5)) << params[i].name;
+      if (absl::StrContains(params[i].name, "feedforward_layernorm")) {
+        ++norms;
+        EXPECT_FALSE(params[i].weight_decay) << params[i].name;
+        EXPECT_GT(a.grads[i].abs().max().item<float>(), 0.0f) << params[i].name;
+      }
+    }
+    EXPECT_EQ(norms, 2 * config.num_hidden_layers);
+  }
+}
+
+// Gemma 2's soft-caps act: on the logits (every logit within +-cap, the chunked loss equal to
+// the cross-entropy of the capped logits) and on the attention scores.
+TEST(CausalLm, Gemma2SoftCapsTheLogitsAndTheScores) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("gemma2");
+  auto model = LoadModel(dir, config);
+  at::Tensor ids = Ids(1, 12, config.vocab_size, 2);
+  at::Tensor logits = model->Logits(ids);
+  EXPECT_LE(logits.abs().max().item<double>(), config.final_logit_softcapping);
+  at::Tensor targets = ids.slice(1, 1).reshape({-1});
+  at::Tensor expected =
+      at::cross_entropy_loss(logits[0].slice(0, 0, 11), targets, {}, at::Reduction::Sum);
+  EXPECT_NEAR(model->SumLoss(ids, ids).item<double>(), expected.item<double>(),
+              1e-5 * expected.item<double>());
+
+  for (const char* cap : {"attn_logit_softcapping", "final_logit_softcapping"}) {
+    SCOPED_TRACE(cap);
+    ModelConfig uncapped = config;
+    (std::string(cap) == "attn_logit_softcapping" ? uncapped.attn_logit_softcapping
+                                                  : uncapped.final_logit_softcapping) = 0.0;
+    auto other = LoadModel(dir, uncapped);
+    EXPECT_FALSE(at::allclose(logits, other->Logits(ids), 1e-3, 1e-4));
+  }
+}
+
+// Gemma's layers slide or not by sliding_layers: a sliding layer sees sliding_window tokens
+// back, a global one the whole prefix.
+TEST(CausalLm, GemmaSlidesOnlyOnItsSlidingLayers) {
+  for (const bool slides : {true, false}) {
+    SCOPED_TRACE(slides ? "sliding layer" : "global layer");
+    TempDir dir;
+    ModelConfig config = TinyConfig("gemma3_text");
+    config.num_hidden_layers = 1;  // one layer: the receptive field is exactly the window
+    config.sliding_layers = {slides};
+    config.sliding_window = 4;
+    auto model = LoadModel(dir, config);
+    at::Tensor ids = Ids(1, 12, config.vocab_size, 1);
+    at::Tensor changed = ids.clone();
+    changed[0][0] = (ids[0][0].item<int64_t>() + 1) % config.vocab_size;
+    at::Tensor a = model->Logits(ids)[0], b = model->Logits(changed)[0];
+    EXPECT_FALSE(at::allclose(a[3], b[3]));
+    EXPECT_EQ(at::equal(a.slice(0, 4), b.slice(0, 4)), slides);
+  }
+}
+
+// Gemma 3's sliding layers rotate by rope_local_base_freq, its global ones by rope_theta.
+TEST(CausalLm, Gemma3SlidingLayersHaveTheirOwnRopeBase) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("gemma3_text");
+  config.sliding_window = 64;  // longer than the sequence: only the RoPE base differs
+  at::Tensor ids = Ids(1, 12, config.vocab_size, 3);
+  auto model = LoadModel(dir, config);
+  at::Tensor logits = model->Logits(ids);
+  for (const bool sliding_layer : {true, false}) {
+    SCOPED_TRACE(sliding_layer ? "layer 0 (sliding)" : "layer 1 (global)");
+    ModelConfig other = config;
+    (sliding_layer ? other.rope_local_base_freq : other.rope_theta) *= 10;
+    EXPECT_FALSE(at::allclose(logits, LoadModel(dir, other)->Logits(ids), 1e-3, 1e-4));
+  }
+  // With one base for both, the kinds compute alike (no window within 12 tokens).
+  ModelConfig same_base = config;
+  same_base.rope_local_base_freq = config.rope_theta;
+  ModelConfig all_global = same_base;
+  all_global.sliding_layers = {false, false};
+  EXPECT_TRUE(at::allclose(LoadModel(dir, same_base)->Logits(ids),
+                           LoadModel(dir, all_global)->Logits(ids), 1e-5, 1e-6));
 }
 
 TEST(CausalLm, LoadLoraRejectsAnotherRank) {

@@ -21,7 +21,20 @@ inline ModelConfig TinyModelConfig(const std::string& model_type = "llama") {
   c.head_dim = 8;
   c.max_position_embeddings = 64;
   c.qkv_bias = model_type == "qwen2";
-  c.qk_norm = model_type == "qwen3";
+  c.qk_norm = model_type == "qwen3" || model_type == "gemma3_text";
+  if (IsGemma(c)) {
+    // Sliding and global layers, each Gemma's own way; scores scaled by 1/4 (not head_dim's
+    // 1/sqrt(8)); Gemma 2's soft-caps small enough to act on a tiny model's scores and logits.
+    c.sliding_window = 5;
+    c.sliding_layers = {true, false};
+    c.query_pre_attn_scalar = 16;
+    if (model_type == "gemma2") {
+      c.attn_logit_softcapping = 2.0;
+      c.final_logit_softcapping = 3.0;
+    } else {
+      c.rope_local_base_freq = 100.0;
+    }
+  }
   return c;
 }
 

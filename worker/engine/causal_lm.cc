@@ -162,6 +162,8 @@ std::vector<at::Tensor> DecoderLayer::TrainableTensors() const {
   add(post_attention_norm);
   add(q_norm);
   add(k_norm);
+  add(pre_feedforward_norm);
+  add(post_feedforward_norm);
   for (const std::string& module : LoraTargetModules()) {
     const Projection& p = projection(module);
     for (const at::Tensor* t : {&p.weight, &p.bias, &p.lora_a, &p.lora_b}) add(*t);
@@ -193,7 +195,15 @@ CausalLm::CausalLm(const ModelConfig& config, const ModelOptions& options)
     : config_(config),
       options_(options),
       layers_(config.num_hidden_layers),
-      inv_freq_(RopeInverseFrequencies(config).to(options.device)) {}
+      inv_freq_(RopeInverseFrequencies(config).to(options.device)) {
+  if (config.rope_local_base_freq > 0) {
+    // Gemma 3's sliding layers: their own base, without the global layers' scaling.
+    ModelConfig local = config;
+    local.rope_theta = config.rope_local_base_freq;
+    local.rope_scaling = RopeScaling();
+    local_inv_freq_ = RopeInverseFrequencies(local).to(options.device);
+  }
+}
 
 std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
   std::map<std::string, at::Tensor*> slots;
@@ -207,6 +217,8 @@ std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
     slots[prefix + "post_attention_layernorm.weight"] = &layer.post_attention_norm;
     slots[prefix + "self_attn.q_norm.weight"] = &layer.q_norm;
     slots[prefix + "self_attn.k_norm.weight"] = &layer.k_norm;
+    slots[prefix + "pre_feedforward_layernorm.weight"] = &layer.pre_feedforward_norm;
+    slots[prefix + "post_feedforward_layernorm.weight"] = &layer.post_feedforward_norm;
     for (const std::string& module : LoraTargetModules()) {
       Projection& p = layer.projection(module);
       slots[ProjectionName(l, module) + ".weight"] = &p.weight;
@@ -348,9 +360,10 @@ const at::Tensor& CausalLm::lm_head() const {
   return config_.tie_word_embeddings ? embed_tokens_ : lm_head_;
 }
 
-std::pair<at::Tensor, at::Tensor> CausalLm::RopeTables(int64_t seq) const {
+std::pair<at::Tensor, at::Tensor> CausalLm::RopeTables(int64_t seq,
+                                                       const at::Tensor& inv_freq) const {
   at::Tensor positions = at::arange(seq, at::TensorOptions(at::kFloat).device(options_.device));
-  at::Tensor freqs = at::outer(positions, inv_freq_);
+  at::Tensor freqs = at::outer(positions, inv_freq);
   at::Tensor emb = at::cat({freqs, freqs}, -1);
   return {emb.cos().to(options_.compute_dtype), emb.sin().to(options_.compute_dtype)};
 }
@@ -362,12 +375,16 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   const int64_t heads = config_.num_attention_heads, kv_heads = config_.num_key_value_heads;
   const int64_t head_dim = config_.head_dim;
   const bool fused = options_.fused_kernels;
+  // Gemma scales the scores by query_pre_attn_scalar^-0.5, the others by head_dim^-0.5.
+  const double scale =
+      1.0 / std::sqrt(static_cast<double>(
+                config_.query_pre_attn_scalar > 0 ? config_.query_pre_attn_scalar : head_dim));
   at::Tensor q =
       layer.q_proj.Forward(x, lora_dropout_, training_, fused).view({batch, seq, heads, head_dim});
   at::Tensor k = layer.k_proj.Forward(x, lora_dropout_, training_, fused)
                      .view({batch, seq, kv_heads, head_dim});
   if (config_.qk_norm) {
-    // Qwen3: each head of q and k normalised over head_dim, before RoPE.
+    // Qwen3 and Gemma 3: each head of q and k normalised over head_dim, before RoPE.
     q = Norm(q, layer.q_norm);
     k = Norm(k, layer.k_norm);
   }
@@ -393,7 +410,7 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
     const std::optional<at::Tensor> attn_mask =
         mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
     at::Tensor out = at::scaled_dot_product_attention(q, k, v, attn_mask, /*dropout_p=*/0.0,
-                                                      /*is_causal=*/!mask.defined());
+                                                      /*is_causal=*/!mask.defined(), scale);
     out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
     return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
   }
@@ -406,7 +423,11 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   auto matmul = [fused, bf16](const at::Tensor& a, const at::Tensor& b, bool keep_a) {
     return fused ? kernels::BatchedMatmul(a, b, bf16, keep_a) : at::matmul(a, b);
   };
-  at::Tensor scores = matmul(q, k.transpose(-2, -1), false) * (1.0 / std::sqrt(double(head_dim)));
+  at::Tensor scores = matmul(q, k.transpose(-2, -1), false) * scale;
+  if (const double cap = config_.attn_logit_softcapping; cap > 0) {
+    // Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask.
+    scores = at::tanh(scores * (1.0 / cap)) * cap;
+  }
   at::Tensor out = matmul(at::softmax(scores + mask, -1, at::kFloat).to(v.scalar_type()), v, true);
   out = out.transpose(1, 2).reshape({batch, seq, heads * head_dim});
   return layer.o_proj.Forward(out, lora_dropout_, training_, fused);
@@ -416,6 +437,18 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
                            const at::Tensor& sin, const at::Tensor& mask) const {
   const DecoderLayer& layer = layers_[layer_index];
   const bool fused = options_.fused_kernels;
+  if (IsGemma(config_)) {
+    // Gemma normalises the attention's and the MLP's outputs too, and its MLP is GeGLU (the
+    // ATen composition, fused kernels or not: there is no fused GeGLU kernel yet).
+    at::Tensor y = x + Norm(Attention(layer, Norm(x, layer.input_norm), cos, sin, mask),
+                            layer.post_attention_norm);
+    at::Tensor h = Norm(y, layer.pre_feedforward_norm);
+    at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
+    at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_, fused);
+    at::Tensor down =
+        layer.down_proj.Forward(kernels::unfused::GeGlu(gate, up), lora_dropout_, training_, fused);
+    return y + Norm(down, layer.post_feedforward_norm);
+  }
   at::Tensor y = x + Attention(layer, Norm(x, layer.input_norm), cos, sin, mask);
   at::Tensor h = Norm(y, layer.post_attention_norm);
   at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
@@ -430,28 +463,46 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const at::ScalarType type = options_.compute_dtype;
   at::Tensor x =
       at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids).to(type);
+  if (IsGemma(config_)) {
+    // Gemma scales the embeddings by sqrt(hidden_size), rounded as transformers rounds it: to
+    // the embeddings' dtype (and here to the compute dtype too): 55.5, not 55.43, in bfloat16.
+    const double normalizer =
+        at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::kDouble)
+            .to(embed_tokens_.scalar_type())
+            .to(type)
+            .item<double>();
+    x = x * normalizer;
+  }
   if (hooks_) x = hooks_->Leave(0, x);
-  auto [cos, sin] = RopeTables(seq);
+  auto [cos, sin] = RopeTables(seq, inv_freq_);
+  at::Tensor local_cos = cos, local_sin = sin;
+  if (local_inv_freq_.defined()) std::tie(local_cos, local_sin) = RopeTables(seq, local_inv_freq_);
   const at::TensorOptions mask_options = at::TensorOptions(type).device(options_.device);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool sliding = config_.sliding_window && *config_.sliding_window < seq;
-  at::Tensor mask;  // additive; undefined with libtorch's fused attention and no sliding window
-  if (!FusedSdpa(seq) || sliding) {
-    mask = at::full({seq, seq}, neg_inf, mask_options).triu(1);
-  }
+  // Additive masks, of the global layers and of the sliding ones (Gemma has both; the others
+  // one kind). Undefined with libtorch's fused attention and no sliding window.
+  at::Tensor mask;
+  if (!FusedSdpa(seq)) mask = at::full({seq, seq}, neg_inf, mask_options).triu(1);
+  at::Tensor sliding_mask = mask;
   if (sliding) {
-    mask = mask + at::full({seq, seq}, neg_inf, mask_options).tril(-*config_.sliding_window);
+    sliding_mask = at::full({seq, seq}, neg_inf, mask_options).triu(1) +
+                   at::full({seq, seq}, neg_inf, mask_options).tril(-*config_.sliding_window);
   }
   const bool checkpoint =
       options_.activation_checkpointing && training_ && at::GradMode::is_enabled();
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
     if (hooks_) x = hooks_->Enter(l + 1, x);
+    const at::Tensor& layer_mask = LayerSlides(config_, l) ? sliding_mask : mask;
+    const bool local = local_inv_freq_.defined() && config_.sliding_layers[l];
+    const at::Tensor& layer_cos = local ? local_cos : cos;
+    const at::Tensor& layer_sin = local ? local_sin : sin;
     if (!checkpoint) {
-      x = Block(l, x, cos, sin, mask);
+      x = Block(l, x, layer_cos, layer_sin, layer_mask);
     } else {
-      std::vector<at::Tensor> inputs = {x, cos, sin};
+      std::vector<at::Tensor> inputs = {x, layer_cos, layer_sin};
       for (at::Tensor& t : layers_[l].TrainableTensors()) inputs.push_back(std::move(t));
-      x = CheckpointedBlock::apply(at::TensorList(inputs), this, l, &mask);
+      x = CheckpointedBlock::apply(at::TensorList(inputs), this, l, &layer_mask);
     }
     if (hooks_) x = hooks_->Leave(l + 1, x);
   }
@@ -464,15 +515,27 @@ at::Tensor CausalLm::LeaveHead(const at::Tensor& output) const {
 }
 
 at::Tensor CausalLm::Norm(const at::Tensor& x, const at::Tensor& weight) const {
+  if (IsGemma(config_)) {
+    // (1 + weight), in float32: the fused kernel multiplies by its float32 weight before its
+    // one rounding, as Gemma's norm does.
+    return options_.fused_kernels
+               ? kernels::RmsNorm(x, weight.to(at::kFloat) + 1.0, config_.rms_norm_eps)
+               : kernels::unfused::GemmaRmsNorm(x, weight, config_.rms_norm_eps);
+  }
   return options_.fused_kernels ? kernels::RmsNorm(x, weight, config_.rms_norm_eps)
                                 : kernels::unfused::RmsNorm(x, weight, config_.rms_norm_eps);
 }
 
 at::Tensor CausalLm::HeadLogits(const at::Tensor& hidden) const {
-  return (options_.fused_kernels
-              ? kernels::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false)
-              : kernels::unfused::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false))
-      .to(at::kFloat);
+  at::Tensor logits =
+      (options_.fused_kernels
+           ? kernels::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false)
+           : kernels::unfused::LoraLinear(hidden, lm_head(), {}, {}, {}, 0.0, 0.0, false))
+          .to(at::kFloat);
+  if (const double cap = config_.final_logit_softcapping; cap > 0) {
+    logits = at::tanh(logits * (1.0 / cap)) * cap;  // Gemma 2
+  }
+  return logits;
 }
 
 at::Tensor CausalLm::Logits(const at::Tensor& input_ids) const {
@@ -505,8 +568,11 @@ at::Tensor CausalLm::SumLossOfHidden(const at::Tensor& all_hidden, const at::Ten
       head.scalar_type() == target_hidden.scalar_type() ||
       (target_hidden.scalar_type() == at::kFloat && head.scalar_type() == at::kBFloat16 &&
        !head.requires_grad() && target_hidden.is_cpu());
-  return LeaveHead(kernels::LinearCrossEntropy(
-      target_hidden, as_is ? head : head.to(target_hidden.scalar_type()), target_ids));
+  kernels::LinearCrossEntropyOptions loss_options;
+  loss_options.softcap = config_.final_logit_softcapping;  // Gemma 2; 0: none
+  return LeaveHead(kernels::LinearCrossEntropy(target_hidden,
+                                               as_is ? head : head.to(target_hidden.scalar_type()),
+                                               target_ids, loss_options));
 }
 
 std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {

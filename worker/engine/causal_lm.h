@@ -1,4 +1,5 @@
-// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; docs/training.md, "Model") with optional
+// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text; docs/training.md,
+// "Model") with optional
 // LoRA adapters on its projections, written against ATen directly: explicit parameter
 // tensors, no torch::nn modules, so the engine decides where every byte lives.
 //
@@ -87,9 +88,12 @@ struct Projection {
 struct DecoderLayer {
   at::Tensor input_norm;           // [hidden]
   at::Tensor post_attention_norm;  // [hidden]
-  // Qwen3 (ModelConfig::qk_norm): RMSNorm weights over each head of q and of k; undefined
-  // otherwise.
+  // Qwen3 and Gemma 3 (ModelConfig::qk_norm): RMSNorm weights over each head of q and of k;
+  // undefined otherwise.
   at::Tensor q_norm, k_norm;  // [head_dim]
+  // Gemma (IsGemma): the norms around the MLP (post_attention_norm then norms the attention's
+  // output); undefined otherwise.
+  at::Tensor pre_feedforward_norm, post_feedforward_norm;  // [hidden]
   Projection q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
   // The projection called `module` ("q_proj", ...). REQUIRES: IsLoraTargetModule(module).
@@ -198,13 +202,15 @@ class CausalLm {
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
   // Float32 logits of `hidden` [..., hidden].
   at::Tensor HeadLogits(const at::Tensor& hidden) const;
-  // cos/sin tables [seq, head_dim] for positions 0..seq-1.
-  std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq) const;
+  // cos/sin tables [seq, head_dim] for positions 0..seq-1 of inverse frequencies `inv_freq`.
+  std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq, const at::Tensor& inv_freq) const;
   // Whether attention over `seq` tokens is libtorch's scaled_dot_product_attention rather than
   // the explicit softmax(q k^T + mask) v, whose products on the CPU are the engine's (oneDNN,
   // bf16 where the CPU multiplies it): common/plan.h's FusedAttention, as the planner models.
+  // Gemma 2's soft-capped scores have no fused kernel: always the explicit path.
   bool FusedSdpa(int64_t seq) const {
-    return FusedAttention(options_.fused_kernels,
+    return config_.attn_logit_softcapping == 0 &&
+           FusedAttention(options_.fused_kernels,
                           options_.device.is_cuda() ? DeviceKind::kCuda : DeviceKind::kCpu, seq);
   }
   at::Tensor Attention(const DecoderLayer& layer, const at::Tensor& x, const at::Tensor& cos,
@@ -217,6 +223,8 @@ class CausalLm {
   at::Tensor norm_;      // [hidden]
   at::Tensor lm_head_;   // [vocab, hidden]; undefined when tied
   at::Tensor inv_freq_;  // [head_dim / 2]
+  // Gemma 3's sliding layers (rope_local_base_freq); undefined otherwise.
+  at::Tensor local_inv_freq_;
   std::vector<LoraTarget> lora_targets_;
   bool trainable_base_ = false;
   int64_t lora_rank_ = 0;

@@ -36,7 +36,7 @@ namespace {
 
 const std::vector<FlagSpec> kModelFlags = {
     {"out", true, "output directory (created)"},
-    {"type", true, "llama | mistral | qwen2 | qwen3 (default llama)"},
+    {"type", true, "llama | mistral | qwen2 | qwen3 | gemma2 | gemma3_text (default llama)"},
     {"vocab", true, "vocabulary size (default 256, or 576 with --tokenizer)"},
     {"tokenizer", true, "also write a tokenizer.json of this flavor: gpt2 | llama3 | qwen2"},
     {"hidden", true, "hidden size (default 64)"},
@@ -46,7 +46,8 @@ const std::vector<FlagSpec> kModelFlags = {
     {"intermediate", true, "MLP size (default 128)"},
     {"head-dim", true, "head dimension (default hidden/heads)"},
     {"max-pos", true, "max_position_embeddings (default 512)"},
-    {"sliding-window", true, "sliding window (mistral, qwen2, qwen3)"},
+    {"sliding-window", true,
+     "sliding window (mistral, qwen2, qwen3; gemma2 and gemma3_text on their sliding layers)"},
     {"rope-theta", true, "RoPE base (default 10000)"},
     {"tied", false, "tie the LM head to the embeddings"},
     {"dtype", true, "F32 | BF16 | F16 (default F32)"},
@@ -60,9 +61,10 @@ absl::Status WriteModel(const ParsedFlags& flags) {
   ModelConfig config;
   config.model_type = flags.Get("type", "llama");
   if (config.model_type != "llama" && config.model_type != "mistral" &&
-      config.model_type != "qwen2" && config.model_type != "qwen3") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--type: expected llama, mistral, qwen2 or qwen3, got \"", config.model_type, "\""));
+      config.model_type != "qwen2" && config.model_type != "qwen3" && !IsGemma(config)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--type: expected llama, mistral, qwen2, qwen3, gemma2 or gemma3_text, got \"",
+                     config.model_type, "\""));
   }
   std::optional<SyntheticTokenizer> tokenizer;
   if (flags.Has("tokenizer")) {
@@ -102,7 +104,19 @@ absl::Status WriteModel(const ParsedFlags& flags) {
   }
   config.tie_word_embeddings = flags.Has("tied");
   config.qkv_bias = config.model_type == "qwen2";
-  config.qk_norm = config.model_type == "qwen3";
+  config.qk_norm = config.model_type == "qwen3" || config.model_type == "gemma3_text";
+  if (IsGemma(config)) {
+    // Transformers' defaults: Gemma 2 alternates sliding and global layers and soft-caps;
+    // Gemma 3 makes every sixth layer global and gives the sliding ones a RoPE base of 10000.
+    const bool gemma2 = config.model_type == "gemma2";
+    for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+      config.sliding_layers.push_back((l + 1) % (gemma2 ? 2 : 6) != 0);
+    }
+    config.query_pre_attn_scalar = config.head_dim;
+    config.attn_logit_softcapping = gemma2 ? 50.0 : 0.0;
+    config.final_logit_softcapping = gemma2 ? 30.0 : 0.0;
+    config.rope_local_base_freq = gemma2 ? 0.0 : 10000.0;
+  }
   config.rms_norm_eps = 1e-6;
   LATHE_ASSIGN_OR_RETURN(DType dtype, ParseDType(flags.Get("dtype", "F32")));
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {

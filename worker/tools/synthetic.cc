@@ -64,10 +64,12 @@ absl::Status WriteSyntheticModel(const ModelConfig& config, DType dtype, int64_t
   for (const WeightSpec& w : weights) {
     std::vector<float> values(static_cast<size_t>(Numel(w.shape)));
     // Matrices scaled by 1/sqrt(fan_in) keep activations and logits of order one, so even a
-    // tiny model has something to learn; norms start near one, biases near zero.
+    // tiny model has something to learn; norms start near one (Gemma's store weight - 1, so
+    // near zero), biases near zero.
     bool is_norm = absl::EndsWith(w.name, "norm.weight");
     float scale = w.shape.size() == 2 ? 1.0f / std::sqrt(static_cast<float>(w.shape[1])) : 0.02f;
-    std::normal_distribution<float> normal(is_norm ? 1.0f : 0.0f, is_norm ? 0.1f : scale);
+    float norm_mean = IsGemma(config) ? 0.0f : 1.0f;
+    std::normal_distribution<float> normal(is_norm ? norm_mean : 0.0f, is_norm ? 0.1f : scale);
     for (float& v : values) v = normal(rng);
     buffers.push_back(Encode(values, dtype));
     tensors.push_back({w.name, dtype, w.shape, buffers.back().data(), buffers.back().size()});
