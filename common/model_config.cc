@@ -244,6 +244,16 @@ absl::Status ParseGemma(const Json& root, const ConfigFields& fields, ModelConfi
   }
   LATHE_ASSIGN_OR_RETURN(config.query_pre_attn_scalar,
                          fields.OptionalPositive("query_pre_attn_scalar", 256));
+  config.pad_token_id = 0;  // absent: transformers' 0; null: none
+  if (root.contains("pad_token_id")) {
+    LATHE_ASSIGN_OR_RETURN(config.pad_token_id, fields.Int("pad_token_id"));
+    if (config.pad_token_id.has_value() &&
+        (*config.pad_token_id < 0 || *config.pad_token_id >= config.vocab_size)) {
+      return fields.Error("pad_token_id",
+                          absl::StrCat(*config.pad_token_id, " is not a token id (vocab_size ",
+                                       config.vocab_size, ")"));
+    }
+  }
   LATHE_ASSIGN_OR_RETURN(config.attn_logit_softcapping,
                          ParseSoftcap(root, fields, "attn_logit_softcapping", gemma2 ? 50.0 : 0.0));
   LATHE_ASSIGN_OR_RETURN(
@@ -598,6 +608,8 @@ std::string ModelConfigToJson(const ModelConfig& config) {
     }
     json["layer_types"] = types;
     json["query_pre_attn_scalar"] = config.query_pre_attn_scalar;
+    json["pad_token_id"] =
+        config.pad_token_id.has_value() ? Json(*config.pad_token_id) : Json(nullptr);
     auto cap = [](double value) { return value > 0 ? Json(value) : Json(nullptr); };
     json["attn_logit_softcapping"] = cap(config.attn_logit_softcapping);
     json["final_logit_softcapping"] = cap(config.final_logit_softcapping);

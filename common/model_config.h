@@ -73,6 +73,10 @@ struct ModelConfig {
   // Gemma 3: the RoPE base of the sliding layers, which ignore rope_scaling; 0 means every
   // layer uses rope_theta and rope_scaling.
   double rope_local_base_freq = 0.0;
+  // Gemma: pad_token_id (transformers' default 0; null: none), the embedding row that the
+  // lookup never trains (nn.Embedding's padding_idx). Unset for the other families, whose
+  // pad_token_id the engine does not read.
+  std::optional<int64_t> pad_token_id;
   std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
   // Special tokens, when config.json names them (null or absent: unknown). A list of
   // bos_token_id keeps its first entry; eos_token_id keeps every entry (Llama 3.1 Instruct

@@ -250,6 +250,7 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.attn_logit_softcapping, b.attn_logit_softcapping);
   EXPECT_EQ(a.final_logit_softcapping, b.final_logit_softcapping);
   EXPECT_EQ(a.rope_local_base_freq, b.rope_local_base_freq);
+  EXPECT_EQ(a.pad_token_id, b.pad_token_id);
   EXPECT_EQ(a.torch_dtype, b.torch_dtype);
   EXPECT_EQ(a.bos_token_id, b.bos_token_id);
   EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
@@ -456,6 +457,11 @@ TEST(ModelConfigTest, GemmaDefaults) {
   EXPECT_EQ(config.final_logit_softcapping, 30.0);
   EXPECT_EQ(config.sliding_window, 4096);
   EXPECT_TRUE(config.tie_word_embeddings);
+  EXPECT_EQ(config.pad_token_id, 0);  // given as 0 too
+  gemma2.erase("pad_token_id");
+  EXPECT_EQ(MustParse(gemma2.dump()).pad_token_id, 0);
+  gemma2["pad_token_id"] = nullptr;
+  EXPECT_EQ(MustParse(gemma2.dump()).pad_token_id, std::nullopt);
   gemma2["attn_logit_softcapping"] = nullptr;
   gemma2["final_logit_softcapping"] = nullptr;
   gemma2["sliding_window"] = nullptr;
@@ -519,6 +525,7 @@ TEST(ModelConfigTest, GemmaJsonRoundTrip) {
   gemma2_bias["attention_bias"] = true;
   gemma2_bias["final_logit_softcapping"] = nullptr;
   gemma2_bias["tie_word_embeddings"] = false;
+  gemma2_bias["pad_token_id"] = nullptr;
   nlohmann::json gemma3_scaled = nlohmann::json::parse(kGemma3_1B);
   gemma3_scaled["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 8.0}};
   gemma3_scaled["rope_local_base_freq"] = 20000.0;
@@ -1017,6 +1024,8 @@ TEST(ModelConfigTest, RejectsGemmaSettingsItDoesNotImplement) {
        "/m/config.json: attn_logit_softcapping: must be > 0 or null, got -1"},
       {"zero query_pre_attn_scalar", [](Json& j) { j["query_pre_attn_scalar"] = 0; },
        "/m/config.json: query_pre_attn_scalar: must be > 0, got 0"},
+      {"pad outside the vocabulary", [](Json& j) { j["pad_token_id"] = 256000; },
+       "/m/config.json: pad_token_id: 256000 is not a token id (vocab_size 256000)"},
       {"zero window", [](Json& j) { j["sliding_window"] = 0; },
        "/m/config.json: sliding_window: must be > 0, got 0"},
       {"layer_types too short", [](Json& j) { j["layer_types"] = {"full_attention"}; },

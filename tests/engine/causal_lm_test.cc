@@ -422,6 +422,26 @@ TEST(CausalLm, Gemma2SoftCapsTheLogitsAndTheScores) {
   }
 }
 
+// Gemma's pad_token_id row of the embeddings gets no gradient from the lookup (transformers'
+// nn.Embedding padding_idx), the other rows do; without a pad_token_id it does too.
+TEST(CausalLm, GemmaPadTokenRowLearnsNothingFromTheLookup) {
+  for (const bool pad : {true, false}) {
+    SCOPED_TRACE(pad ? "pad_token_id 0" : "no pad_token_id");
+    TempDir dir;
+    ModelConfig config = TinyConfig("gemma2");  // untied: the head's gradient is apart
+    if (!pad) config.pad_token_id.reset();
+    auto model = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+    at::Tensor ids = Ids(2, 10, config.vocab_size, 4);
+    ids[0][3] = 0;
+    ids[1][5] = 0;
+    LossAndGrads grads = Backward(*model, ids, 0);
+    std::vector<NamedParameter> params = model->TrainableParameters();
+    ASSERT_EQ(params[0].name, "model.embed_tokens.weight");
+    EXPECT_EQ(grads.grads[0][0].abs().max().item<float>() == 0.0f, pad);
+    EXPECT_GT(grads.grads[0][ids[0][0].item<int64_t>()].abs().max().item<float>(), 0.0f);
+  }
+}
+
 // Gemma's layers slide or not by sliding_layers: a sliding layer sees sliding_window tokens
 // back, a global one the whole prefix.
 TEST(CausalLm, GemmaSlidesOnlyOnItsSlidingLayers) {

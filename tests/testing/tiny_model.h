@@ -28,6 +28,7 @@ inline ModelConfig TinyModelConfig(const std::string& model_type = "llama") {
     c.sliding_window = 5;
     c.sliding_layers = {true, false};
     c.query_pre_attn_scalar = 16;
+    c.pad_token_id = 0;
     if (model_type == "gemma2") {
       c.attn_logit_softcapping = 2.0;
       c.final_logit_softcapping = 3.0;

@@ -461,8 +461,10 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const int64_t seq = input_ids.size(1);
   const at::ScalarType type = options_.compute_dtype;
-  at::Tensor x =
-      at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids).to(type);
+  // Gemma's pad_token_id row gets no gradient from the lookup (transformers' padding_idx).
+  at::Tensor x = at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids,
+                               config_.pad_token_id.value_or(-1))
+                     .to(type);
   if (IsGemma(config_)) {
     // Gemma scales the embeddings by sqrt(hidden_size), rounded as transformers rounds it: to
     // the embeddings' dtype (and here to the compute dtype too): 55.5, not 55.43, in bfloat16.

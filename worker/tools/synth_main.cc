@@ -113,6 +113,7 @@ absl::Status WriteModel(const ParsedFlags& flags) {
       config.sliding_layers.push_back((l + 1) % (gemma2 ? 2 : 6) != 0);
     }
     config.query_pre_attn_scalar = config.head_dim;
+    config.pad_token_id = 0;
     config.attn_logit_softcapping = gemma2 ? 50.0 : 0.0;
     config.final_logit_softcapping = gemma2 ? 30.0 : 0.0;
     config.rope_local_base_freq = gemma2 ? 0.0 : 10000.0;
