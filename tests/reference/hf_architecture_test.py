@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Holds `lathe-worker score` to Hugging Face transformers' own modeling code (issue #28,
-item 2; Qwen3 by #31): the logits and the loss of small random Llama, Mistral, Qwen2 and
-Qwen3 models built and saved with transformers' classes (LlamaForCausalLM,
-MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), rather than to our own Python
-reference (test_reference.py).
+item 2; Qwen3, Gemma 2 and Gemma 3 by #31): the logits and the loss of small random Llama,
+Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text) models built and saved with transformers'
+classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+Gemma2ForCausalLM, Gemma3ForCausalLM), rather than to our own Python reference
+(test_reference.py).
 
 Run by ctest (label "reference") with the project venv's Python (torch, transformers,
 safetensors), or by hand:
@@ -11,7 +12,8 @@ safetensors), or by hand:
 
 What is held, float32 on both sides (Lathe's `score` always computes in float32):
   - logits, per record: max|lathe - hf| / max|hf| <= 1e-5 (LOGIT_REL_TOL, see there why
-    normwise), against HF's "eager" and "sdpa" attention both;
+    normwise), against HF's "eager" and "sdpa" attention both (Gemma 2: "eager" only, as
+    transformers has no sdpa for its soft-capped scores);
   - the scored loss (the mean next-token cross-entropy over every target of every record,
     labels of -100 skipped): |lathe - hf| <= 1e-5 * hf (LOSS_REL_TOL), where hf is
     sum over records of HF's `model(ids, labels=labels).loss` times the record's target
@@ -30,7 +32,10 @@ The cases (CASES) cover, among them: every model type the engine trains; hidden 
 intermediate sizes and vocabularies that are not powers of two or multiples of 8; GQA and
 MQA and plain multi-head attention; head_dim != hidden / heads; Llama's attention_bias and
 mlp_bias, Qwen2's q/k/v biases, Qwen3's RMSNorm on each head of q and k (and its
-attention_bias); tied and untied embeddings; rope_scaling llama3 and
+attention_bias); Gemma's scaled embeddings, (1 + weight) norms (four a block), GeGLU MLP,
+query_pre_attn_scalar, sliding and global layers (layer_types), Gemma 2's soft-caps on the
+scores and the logits, Gemma 3's q/k norms and its sliding layers' own RoPE base beside the
+global layers' linear scaling; tied and untied embeddings; rope_scaling llama3 and
 linear; sliding windows smaller than the sequence (Mistral, Qwen2 and Qwen3 use_sliding_window
 with max_window_layers 0); non-default rms_norm_eps and rope_theta; one record of 400 tokens in
 some cases, past kCpuFusedAttentionMinTokens (384), where the engine's attention switches
@@ -39,7 +44,8 @@ additive mask under a sliding window, without one otherwise).
 
 Weights are re-drawn larger than transformers' std-0.02 init (which gives nearly uniform
 logits, where a wrong epsilon or RoPE frequency barely shows): projections with std
-gain / sqrt(fan_in), embeddings std 0.5, norm weights uniform in [0.8, 1.2], biases std 0.3.
+gain / sqrt(fan_in), embeddings std 0.5, norm weights uniform in [0.8, 1.2] (Gemma's, which
+multiply by 1 + weight, in [-0.2, 0.2]), biases std 0.3.
 PlantedErrorTest keeps the tolerance honest: Lathe given a copy of a model whose config.json
 says rms_norm_eps 1e-5 (the model's is 1e-3) or a rope_theta 1% off must exceed the logit
 tolerance by at least PLANTED_MARGIN times.
@@ -77,6 +83,10 @@ from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import (  # noqa: E402
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -193,6 +203,35 @@ CASES = {
                     max_position_embeddings=512,
                     rope_parameters=dict(rope_type="default", rope_theta=1e6)),
         lengths=[39, 28, 14, LONG_RECORD]),
+    # Gemma 2: transformers' default layer_types (sliding, global, sliding) with a window of
+    # 9, soft-caps small enough to act (scores capped at 3, logits at 5), scores scaled by
+    # query_pre_attn_scalar 20 (not head_dim 24 != 64 / 4), GQA (4 heads on 2), tied, eps
+    # 1e-3; the 400-token record stays on the explicit softmax (no fused soft-cap).
+    "gemma2_softcap": dict(
+        model_type="gemma2", seed=18,
+        config=dict(vocab_size=353, hidden_size=64, intermediate_size=97, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                    query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
+                    final_logit_softcapping=5.0, sliding_window=9, rms_norm_eps=1e-3,
+                    tie_word_embeddings=True, max_position_embeddings=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0)),
+        lengths=[44, 29, 10, 4, LONG_RECORD]),
+    # Gemma 3 (text): q_norm and k_norm (1 + weight) over head_dim 16 != 48 / 6, GQA (6
+    # heads on 2), a window of 7 on layers 0 and 1, layer 2 global; the sliding layers' RoPE
+    # base 1000, the global layer's 50000 with linear scaling 2; query_pre_attn_scalar 24;
+    # untied; the 400-token record on the fused attention (scaled, masked on the sliding
+    # layers, causal on the global one).
+    "gemma3_local_rope": dict(
+        model_type="gemma3_text", seed=19,
+        config=dict(vocab_size=311, hidden_size=48, intermediate_size=91, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                    query_pre_attn_scalar=24, sliding_window=7,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rms_norm_eps=1e-3, tie_word_embeddings=False, max_position_embeddings=512,
+                    rope_parameters=dict(
+                        full_attention=dict(rope_type="linear", rope_theta=50000.0, factor=2.0),
+                        sliding_attention=dict(rope_type="default", rope_theta=1000.0))),
+        lengths=[41, 27, 12, 3, LONG_RECORD]),
 }
 
 # Cases for ConfigSpellingTest alone.
@@ -216,7 +255,14 @@ CLASSES = {
     "mistral": (MistralConfig, MistralForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+    "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
 }
+
+
+def attention_implementations(case):
+    """HF's attention implementations to hold Lathe to: Gemma 2 has no sdpa (soft-caps)."""
+    return ("eager",) if case["model_type"] == "gemma2" else ("eager", "sdpa")
 
 
 # --------------------------------------------------------------------------------------
@@ -242,9 +288,11 @@ def build_model(case):
     generator = torch.Generator().manual_seed(case["seed"])
     with torch.no_grad():
         # named_parameters lists a tied head once (as the embeddings).
+        gemma = case["model_type"].startswith("gemma")
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.copy_(0.8 + 0.4 * torch.rand(param.shape, generator=generator))
+                param.copy_((-0.2 if gemma else 0.8) + 0.4 * torch.rand(param.shape,
+                                                                        generator=generator))
             elif name.endswith(".bias"):
                 param.copy_(0.3 * torch.randn(param.shape, generator=generator))
             elif name == "model.embed_tokens.weight":
@@ -270,6 +318,35 @@ def legacy_rope_config(config):
     config["rope_theta"] = rope.pop("rope_theta")
     config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     return config
+
+
+def gemma_legacy_config(config):
+    """A Gemma config.json of transformers 5 in the spelling of transformers 4: RoPE's settings
+    as top-level rope_theta and rope_scaling (Gemma 3: the global layers') and Gemma 3's
+    rope_local_base_freq, and no layer_types (each family's default rule, Gemma 3's by
+    sliding_window_pattern, must give the same layers)."""
+    config = dict(config)
+    rope = config.pop("rope_parameters")
+    if config["model_type"] == "gemma3_text":
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+        types = config["layer_types"]
+        config["sliding_window_pattern"] = types.index("full_attention") + 1
+    rope = dict(rope)
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    del config["layer_types"]
+    return config
+
+
+def scale_rope_theta(config, factor):
+    """`config` with every RoPE base of its rope_parameters (flat or per layer type) scaled."""
+    rope = config["rope_parameters"]
+    if "rope_theta" in rope:
+        return {**config, "rope_parameters": {**rope, "rope_theta": rope["rope_theta"] * factor}}
+    return {**config, "rope_parameters": {
+        kind: {**params, "rope_theta": params["rope_theta"] * factor}
+        for kind, params in rope.items()}}
 
 
 def read_config(model_dir):
@@ -461,7 +538,7 @@ class HfTestCase(unittest.TestCase):
     def check_case(self, name, model_dir=None, hf_model=None):
         p = prepared(name)
         lathe_logits, lathe = p.lathe(model_dir or p.dir)
-        for implementation in ("eager", "sdpa"):
+        for implementation in attention_implementations(p.case):
             with self.subTest(case=name, attention=implementation):
                 if hf_model is None:
                     hf_logits, hf_loss, hf_targets = p.hf(implementation)
@@ -500,6 +577,12 @@ class ArchitectureTest(HfTestCase):
     def test_qwen3_untied_bias(self):
         self.check_case("qwen3_untied_bias")
 
+    def test_gemma2_softcap(self):
+        self.check_case("gemma2_softcap")
+
+    def test_gemma3_local_rope(self):
+        self.check_case("gemma3_local_rope")
+
 
 class Bf16CheckpointTest(HfTestCase):
     """A checkpoint stored in bfloat16: Lathe's score widens it to float32 on load, as HF's
@@ -524,6 +607,12 @@ class Bf16CheckpointTest(HfTestCase):
 
     def test_qwen3_tied_sliding(self):
         self.check_bf16("qwen3_tied_sliding")
+
+    def test_gemma2_softcap(self):
+        self.check_bf16("gemma2_softcap")
+
+    def test_gemma3_local_rope(self):
+        self.check_bf16("gemma3_local_rope")
 
 
 class MergedModelTest(HfTestCase):
@@ -553,7 +642,8 @@ class MergedModelTest(HfTestCase):
         return os.path.join(p.tmp, out), json.loads(proc.stdout)
 
     def test_float32_merge_computes_base_plus_adapter(self):
-        for name in ("llama_bias_gqa_llama3", "qwen3_untied_bias"):  # qwen3: q/k norms kept
+        # qwen3: q/k norms kept; gemma3: those and Gemma's four norms a block.
+        for name in ("llama_bias_gqa_llama3", "qwen3_untied_bias", "gemma3_local_rope"):
             with self.subTest(case=name):
                 self.check_float32_merge(name)
 
@@ -632,7 +722,7 @@ class PlantedErrorTest(HfTestCase):
     def test_rms_norm_eps(self):
         # The model's 1e-3 read as 1e-5.
         for name in ("llama_bias_gqa_llama3", "mistral_sliding_mqa", "qwen2_tied_sliding",
-                     "qwen3_tied_sliding"):
+                     "qwen3_tied_sliding", "gemma2_softcap", "gemma3_local_rope"):
             with self.subTest(case=name):
                 self.assertEqual(CASES[name]["config"]["rms_norm_eps"], 1e-3)
                 self.check_planted(name, "rms_norm_eps",
@@ -642,9 +732,40 @@ class PlantedErrorTest(HfTestCase):
         # 1% off.
         for name in CASES:
             with self.subTest(case=name):
-                self.check_planted(name, "rope_theta", lambda c: {
-                    **c, "rope_parameters": {**c["rope_parameters"],
-                                             "rope_theta": c["rope_parameters"]["rope_theta"] * 1.01}})
+                self.check_planted(name, "rope_theta", lambda c: scale_rope_theta(c, 1.01))
+
+    def test_gemma_settings(self):
+        # Each of Gemma's own settings, 10% off (the sliding layers' RoPE base 1% off), or
+        # the layer kinds swapped.
+        def scaled(key, factor, integer=False):
+            return lambda c: {**c, key: (round if integer else float)(c[key] * factor)}
+
+        def swapped_layers(c):
+            return {**c, "layer_types": ["full_attention" if t == "sliding_attention"
+                                         else "sliding_attention" for t in c["layer_types"]]}
+
+        def local_base(c):
+            rope = c["rope_parameters"]
+            sliding = rope["sliding_attention"]
+            return {**c, "rope_parameters": {
+                **rope, "sliding_attention": {**sliding,
+                                              "rope_theta": sliding["rope_theta"] * 1.01}}}
+
+        planted = [
+            ("gemma2_softcap", "query_pre_attn_scalar",
+             scaled("query_pre_attn_scalar", 1.1, integer=True)),
+            ("gemma2_softcap", "attn_logit_softcapping", scaled("attn_logit_softcapping", 1.1)),
+            ("gemma2_softcap", "final_logit_softcapping",
+             scaled("final_logit_softcapping", 1.1)),
+            ("gemma2_softcap", "layer_types", swapped_layers),
+            ("gemma3_local_rope", "query_pre_attn_scalar",
+             scaled("query_pre_attn_scalar", 1.1, integer=True)),
+            ("gemma3_local_rope", "rope_local_base_freq", local_base),
+            ("gemma3_local_rope", "layer_types", swapped_layers),
+        ]
+        for name, what, edit in planted:
+            with self.subTest(case=name, planted=what):
+                self.check_planted(name, what, edit)
 
 
 class LegacySpellingTest(HfTestCase):
@@ -658,6 +779,21 @@ class LegacySpellingTest(HfTestCase):
                 legacy = p.legacy_dir()
                 self.assertEqual(AutoConfig.from_pretrained(legacy).rope_parameters,
                                  p.model.config.rope_parameters)
+                self.check_case(name, legacy)
+
+    def test_gemma_without_layer_types(self):
+        # Gemma 2's alternation and Gemma 3's sliding_window_pattern (3 here) give the cases'
+        # layer kinds; Gemma 3's rope_local_base_freq its sliding layers' base.
+        for name in ("gemma2_softcap", "gemma3_local_rope"):
+            with self.subTest(case=name):
+                p = prepared(name)
+                legacy = os.path.join(p.tmp, "legacy-gemma")
+                if not os.path.isdir(legacy):
+                    copy_with_config(p.dir, legacy, gemma_legacy_config)
+                self.assertNotIn("layer_types", read_config(legacy))
+                loaded = AutoConfig.from_pretrained(legacy)
+                self.assertEqual(loaded.layer_types, p.model.config.layer_types)
+                self.assertEqual(loaded.rope_parameters, p.model.config.rope_parameters)
                 self.check_case(name, legacy)
 
 
@@ -698,6 +834,32 @@ class ConfigSpellingTest(HfTestCase):
         self.assertEqual(config["head_dim"], 16)
         self.assertEqual(config["layer_types"], ["sliding_attention"] * 2)
         self.assertFalse(config["attention_bias"])
+
+    def test_gemma_written_config(self):
+        # What the Gemma cases rely on: transformers' default layer_types written out (Gemma
+        # 2), Gemma 3's RoPE per layer type, the settings as given.
+        gemma2 = read_config(prepared("gemma2_softcap").dir)
+        self.assertEqual(gemma2["layer_types"],
+                         ["sliding_attention", "full_attention", "sliding_attention"])
+        self.assertEqual(gemma2["hidden_activation"], "gelu_pytorch_tanh")
+        self.assertEqual(gemma2["final_logit_softcapping"], 5.0)
+        gemma3 = read_config(prepared("gemma3_local_rope").dir)
+        self.assertEqual(gemma3["model_type"], "gemma3_text")
+        self.assertEqual(gemma3["rope_parameters"],
+                         CASES["gemma3_local_rope"]["config"]["rope_parameters"])
+        self.assertIsNone(gemma3["attn_logit_softcapping"])
+
+    def test_multimodal_gemma3_is_refused(self):
+        # The model_type of the multimodal Gemma 3 names a model the engine does not run.
+        p = prepared("gemma3_local_rope")
+        multimodal = os.path.join(p.tmp, "multimodal")
+        if not os.path.isdir(multimodal):
+            copy_with_config(p.dir, multimodal, lambda c: {**c, "model_type": "gemma3"})
+        with self.assertRaises(AssertionError) as refused:
+            p.lathe(multimodal)
+        self.assertIn('model_type: "gemma3" is the multimodal Gemma 3: only its text model '
+                      '(model_type gemma3_text, Gemma3ForCausalLM) is supported',
+                      str(refused.exception))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,10 @@ HF loops and tolerances as one process. Qwen3 (#31; q_norm and k_norm on each he
 LoRA, QLoRA and full fine-tuning as the Llama LoRA and Qwen2 full jobs, each also under
 ZeRO-3 (LoRA and full) on 2 ranks. PEFT's options (#31): a Llama LoRA whose target_modules
 is a regular expression, with a rank_pattern, an alpha_pattern and rsLoRA (each module's own
-rank and scaling), whose exported adapter PEFT loads with the same string and maps.
+rank and scaling), whose exported adapter PEFT loads with the same string and maps. Gemma 2 (#31; four (1 + weight) norms a block, GeGLU,
+soft-capped scores and logits, a sliding and a global layer) runs the same LoRA, QLoRA and
+full jobs, and full fine-tuning under ZeRO-3 (its trained norms sharded; the frozen ones of
+LoRA under ZeRO-3 are Qwen3's case already).
 
 What is held (float32 on both sides):
   - each step's loss (computed before its update), relative STEP_LOSS_REL_TOL; its gradient
@@ -198,6 +201,17 @@ MODELS = {
                               head_dim=18, rms_norm_eps=1e-6, tie_word_embeddings=False,
                               max_position_embeddings=64,
                               rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    # Gemma 2: layer 0 sliding (window 8 < SEQ_LEN), layer 1 global; scores soft-capped at 3
+    # and logits at 5 (both act on these weights: the loss's gradient goes through the cap);
+    # query_pre_attn_scalar 20, head_dim 16 != 48 / 4; tied embeddings, as Gemma's.
+    "gemma2": dict(model_type="gemma2", seed=34,
+                   config=dict(vocab_size=296, hidden_size=48, intermediate_size=76,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, query_pre_attn_scalar=20, sliding_window=8,
+                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                               rms_norm_eps=1e-6, tie_word_embeddings=True,
+                               max_position_embeddings=64,
+                               rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 SEQ_LEN = 32
@@ -262,6 +276,10 @@ JOBS["lora_llama_regex"] = dict(
 for _name, _like in (("lora_qwen3", "lora_llama"), ("qlora_qwen3", "qlora_llama"),
                      ("full_qwen3", "full_qwen2")):
     JOBS[_name] = dict(JOBS[_like], model="qwen3")
+# Gemma 2: the same three.
+for _name, _like in (("lora_gemma2", "lora_llama"), ("qlora_gemma2", "qlora_llama"),
+                     ("full_gemma2", "full_qwen2")):
+    JOBS[_name] = dict(JOBS[_like], model="gemma2")
 # The ZeRO-3 runs: the same jobs on 2 ranks (a rank's half of the global batch, in
 # micro-batches of 1 for LoRA, of 2 for full), so the HF loop's result is the same.
 ZERO3_JOBS = {
@@ -271,6 +289,7 @@ ZERO3_JOBS = {
     "full_qwen3_zero3": ("full_qwen3", dict(micro_batch=2)),
     # Adapters of different ranks in ZeRO-3's flat units (#31).
     "lora_llama_regex_zero3": ("lora_llama_regex", dict(micro_batch=1)),
+    "full_gemma2_zero3": ("full_gemma2", dict(micro_batch=2)),
 }
 
 # Helpers --------------------------------------------------------------------------------------
@@ -810,6 +829,8 @@ class LoraTrainingTest(TrainingCase):
             rank = 2 if ".v_proj." in name else 4
             self.assertEqual(tensor.shape[0 if ".lora_A." in name else 1], rank, name)
         self.check_job("lora_llama_regex", lathe)
+    def test_lora_gemma2(self):
+        self.check_job("lora_gemma2", lathe_result("lora_gemma2"))
 
 
 class FullTrainingTest(TrainingCase):
@@ -827,6 +848,11 @@ class FullTrainingTest(TrainingCase):
         self.assertIn("model.layers.1.self_attn.k_norm.weight", lathe["trained"])
         self.check_job("full_qwen3", lathe)
 
+    def test_full_gemma2(self):
+        lathe = lathe_result("full_gemma2")
+        self.assertIn("model.layers.1.post_feedforward_layernorm.weight", lathe["trained"])
+        self.check_job("full_gemma2", lathe)
+
 
 class QLoraTrainingTest(TrainingCase):
     """method qlora against PEFT's LoRA over the NF4-dequantized base."""
@@ -843,6 +869,9 @@ class QLoraTrainingTest(TrainingCase):
 
     def test_qlora_qwen3(self):
         self.check_job("qlora_qwen3", lathe_result("qlora_qwen3"))
+
+    def test_qlora_gemma2(self):
+        self.check_job("qlora_gemma2", lathe_result("qlora_gemma2"))
 
 
 class Zero3TrainingTest(TrainingCase):
@@ -871,8 +900,12 @@ class Zero3TrainingTest(TrainingCase):
 
     def test_lora_llama_regex_two_ranks(self):
         lathe = lathe_result("lora_llama_regex_zero3")
-        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["zero_stage"]), ("2", "3"))
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("lora_llama_regex_zero3", lathe)
+    def test_full_gemma2_two_ranks(self):
+        lathe = lathe_result("full_gemma2_zero3")
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
+        self.check_job("full_gemma2_zero3", lathe)
 
 
 class PlantedErrorTest(TrainingCase):
