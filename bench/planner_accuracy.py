@@ -25,9 +25,19 @@ import ranks as launcher  # noqa: E402
 MIB = 1 << 20
 FULL = dict(vocab=8192, hidden=512, layers=4, heads=8, kv_heads=4, intermediate=1408, seq=128)
 QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate=704, seq=64)
-# Configurations named "qwen3-..." run a Qwen3 model of the same sizes (#31: q_norm and
-# k_norm on every head) with a head_dim other than hidden / heads.
-QWEN3 = dict(type="qwen3", head_dim=80)
+# Configurations named "<family>-..." run a model of that family of the same sizes (#31) with
+# a head_dim other than hidden / heads: Qwen3 (q_norm and k_norm on every head), Gemma 2 (four
+# norms a block, GeGLU, soft-capped scores and logits) and Gemma 3 (text: Gemma 2's block
+# without the caps, with q_norm and k_norm).
+FAMILIES = {"qwen3": dict(type="qwen3", head_dim=80),
+            "gemma2": dict(type="gemma2", head_dim=80),
+            "gemma3": dict(type="gemma3_text", head_dim=80)}
+
+
+def family_of(name):
+    """The FAMILIES key a configuration's name starts with, or None (the Llama)."""
+    prefix = name.split("-")[0]
+    return prefix if prefix in FAMILIES else None
 
 # (name, method, ranks, zero stage, checkpointing, micro-batch, fused kernels[, accumulation
 #  [, more train fields, more top-level fields]])
@@ -70,6 +80,8 @@ CONFIGS = [
     ("qwen3-lora-mb4", "lora", 1, 0, False, 4, True),
     ("qwen3-lora-unfused-ckpt-mb4", "lora", 1, 0, True, 4, False),
     ("qwen3-full-z3-r2", "full", 2, 3, False, 1, True),
+    ("gemma2-lora-mb4", "lora", 1, 0, False, 4, True),
+    ("gemma3-lora-mb4", "lora", 1, 0, False, 4, True),
 ]
 
 
@@ -88,12 +100,12 @@ def main():
     launcher.synth_model(args.bin_dir, f"{work}/model", m)
     configs = [c for c in CONFIGS
                if not args.only or any(part in c[0] for part in args.only.split(","))]
-    if any(c[0].startswith("qwen3-") for c in configs):
-        launcher.synth_model(args.bin_dir, f"{work}/model-qwen3", {**m, **QWEN3})
+    for family in sorted({family_of(c[0]) for c in configs} - {None}):
+        launcher.synth_model(args.bin_dir, f"{work}/model-{family}", {**m, **FAMILIES[family]})
     launcher.synth_data(args.bin_dir, f"{work}/train.jsonl", m["vocab"], m["seq"])
 
     print(f"# Planner accuracy, {datetime.date.today()}, {launcher.machine()}\n")
-    print(f"Model {m} (qwen3-*: with {QWEN3}); 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
+    print(f"Model {m} (<family>-*: with {FAMILIES}); 2 steps; predicted per-rank peak (`lathe plan --local`) vs the tracking "
           "allocator's peak of the last step, the largest over ranks\n")
     print("| config | method | ranks | ZeRO | ckpt | micro-batch | accumulation | fused | "
           "peak at | predicted MiB | measured MiB | error |")
@@ -104,7 +116,7 @@ def main():
         more_train = f", {rest[1]}" if len(rest) > 1 and rest[1] else ""
         fields = {
             "name": name,
-            "model": f"{{path: {work}/model{'-qwen3' if name.startswith('qwen3-') else ''}}}",
+            "model": f"{{path: {work}/model{'-' + family_of(name) if family_of(name) else ''}}}",
             "data": f"{{train: {work}/train.jsonl, seq_len: {m['seq']}}}",
             "method": method,
             "train": f"{{steps: 2, global_batch: {micro * ranks * accumulation}, "

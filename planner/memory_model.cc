@@ -46,7 +46,9 @@ int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
     const int64_t logits = n * m.vocab_size;
     // The log-softmax kept for backward, and at the start of backward the gradients of the
     // loss and of the log-softmax, all [targets, vocab] float32.
-    return rows + 3 * logits * 4 + (w.compute == 4 ? 0 : logits * w.compute);
+    // Gemma 2's soft-cap keeps its capped logits too.
+    return rows + (m.softcapped_logits ? 4 : 3) * logits * 4 +
+           (w.compute == 4 ? 0 : logits * w.compute);
   }
   kernels::LinearCrossEntropyProblem problem;
   problem.tokens = n;
@@ -78,6 +80,12 @@ int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
 // k_norm keep their inputs (q and k as projected) and a float32 reciprocal RMS per head and
 // token, fused or not (bench/planner_accuracy.py measured 1.42 and 1.43 MiB over a Llama of
 // the same shape). The unfused kernels keep more: the norms' intermediates and SiLU(gate).
+// Gemma keeps, besides, the inputs and reciprocal RMS of its two norms on the attention's and
+// the MLP's outputs and GELU(gate) (its GeGLU is always the unfused composition), and with
+// Gemma 2's soft-capped scores, which always take the explicit softmax, the capped scores.
+// Gemma's unfused kernels measured no more than its fused ones (bench/planner_accuracy.py at
+// --quick's sizes, LoRA with micro-batches of 4 without checkpointing: counting a float32
+// normalised input per unfused norm predicted 6.5% and 8.4% over), so none is counted.
 int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t bt = p.micro_batch * job.seq_len;
@@ -86,12 +94,17 @@ int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w)
                            ? job.lora_rank * static_cast<int64_t>(job.lora_targets.size())
                            : 0;
   const int64_t rows = p.micro_batch * m.num_heads * job.seq_len;
-  const int64_t attention = FusedAttention(p.fused_kernels, job.device, job.seq_len)
-                                ? rows * 4
-                                : rows * job.seq_len * (4 + (w.compute == 4 ? 0 : w.compute));
+  const bool fused_attention =
+      !m.softcapped_attention && FusedAttention(p.fused_kernels, job.device, job.seq_len);
+  const int64_t attention =
+      fused_attention
+          ? rows * 4
+          : rows * job.seq_len *
+                (4 + (w.compute == 4 ? 0 : w.compute) + (m.softcapped_attention ? w.compute : 0));
   int64_t bytes =
       bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 + attention;
-  if (!p.fused_kernels) bytes += bt * w.compute * (2 * h + i);
+  if (m.geglu) bytes += bt * w.compute * (2 * h + i) + 2 * bt * 4;
+  if (!p.fused_kernels && !m.geglu) bytes += bt * w.compute * (2 * h + i);
   if (m.block.head_norms > 0) {
     const int64_t qk = q + m.num_kv_heads * m.head_dim;
     bytes += bt * w.compute * qk + bt * 4 * (m.num_heads + m.num_kv_heads);

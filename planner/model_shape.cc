@@ -17,17 +17,20 @@ struct FamilyInfo {
   bool tied_by_default;          // the transformers default of tie_word_embeddings
   bool qkv_bias;                 // q, k, v biases always present (Qwen2)
   int64_t norms_per_block;       // over hidden
-  int64_t head_norms_per_block;  // over head_dim (Qwen3's q_norm and k_norm)
+  int64_t head_norms_per_block;  // over head_dim (Qwen3's and Gemma 3's q_norm and k_norm)
+  int64_t default_head_dim;      // when config.json has none (0: hidden_size / heads)
 };
 
 constexpr FamilyInfo kFamilies[] = {
-    {ModelFamily::kLlama, "llama", false, false, 2, 0},
-    {ModelFamily::kMistral, "mistral", false, false, 2, 0},
-    {ModelFamily::kQwen2, "qwen2", false, true, 2, 0},
-    {ModelFamily::kQwen3, "qwen3", false, false, 2, 2},
-    {ModelFamily::kGemma, "gemma", true, false, 2, 0},
-    {ModelFamily::kGemma2, "gemma2", true, false, 4, 0},
-    {ModelFamily::kPhi3, "phi3", false, false, 2, 0},
+    {ModelFamily::kLlama, "llama", false, false, 2, 0, 0},
+    {ModelFamily::kMistral, "mistral", false, false, 2, 0, 0},
+    {ModelFamily::kQwen2, "qwen2", false, true, 2, 0, 0},
+    {ModelFamily::kQwen3, "qwen3", false, false, 2, 2, 0},
+    {ModelFamily::kGemma, "gemma", true, false, 2, 0, 0},
+    // Transformers' Gemma 2 and 3 configs default head_dim to 256, whatever the hidden size.
+    {ModelFamily::kGemma2, "gemma2", true, false, 4, 0, 256},
+    {ModelFamily::kGemma3Text, "gemma3_text", true, false, 4, 2, 256},
+    {ModelFamily::kPhi3, "phi3", false, false, 2, 0, 0},
 };
 
 // Keys that mark a mixture-of-experts config, by the families that use them.
@@ -72,7 +75,7 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json,
     return fields.Error("model_type",
                         absl::StrCat("\"", *model_type,
                                      "\" is not a known dense decoder (known: llama, mistral, "
-                                     "qwen2, qwen3, gemma, gemma2, phi3)"));
+                                     "qwen2, qwen3, gemma, gemma2, gemma3_text, phi3)"));
   }
   ModelShape shape;
   shape.family = info->family;
@@ -93,6 +96,8 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json,
     if (*head_dim <= 0)
       return fields.Error("head_dim", absl::StrCat("must be > 0, got ", *head_dim));
     shape.head_dim = *head_dim;
+  } else if (info->default_head_dim > 0) {
+    shape.head_dim = info->default_head_dim;
   } else if (shape.hidden_size % shape.num_heads != 0) {
     return fields.Error("num_attention_heads",
                         absl::StrCat(shape.num_heads, " does not divide hidden_size ",
@@ -104,6 +109,15 @@ absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json,
                          fields.BoolOr("tie_word_embeddings", info->tied_by_default));
   LATHE_ASSIGN_OR_RETURN(bool attention_bias, fields.BoolOr("attention_bias", false));
   LATHE_ASSIGN_OR_RETURN(bool mlp_bias, fields.BoolOr("mlp_bias", false));
+  if (info->family == ModelFamily::kGemma2 || info->family == ModelFamily::kGemma3Text) {
+    shape.geglu = true;
+    // Present and null: none; absent: Gemma 2's default 50 (Gemma 3's none).
+    auto capped = [&](const char* key) {
+      return root.contains(key) ? !root[key].is_null() : info->family == ModelFamily::kGemma2;
+    };
+    shape.softcapped_attention = capped("attn_logit_softcapping");
+    shape.softcapped_logits = capped("final_logit_softcapping");
+  }
 
   const int64_t h = shape.hidden_size, i = shape.intermediate_size;
   const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;

@@ -1,6 +1,6 @@
 // The shape of a Hugging Face causal LM as the planner needs it (issue #11): exact parameter
 // counts by tensor kind and by block, from config.json alone. Covers the dense decoders of
-// the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma and Gemma 2, and Phi-3;
+// the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma, Gemma 2 and Gemma 3 (text), and Phi-3;
 // mixture-of-experts configs are refused. The engine trains a subset of these
 // (common/capabilities.h); the planner can size them all, so that it can say what a job would need
 // before anything runs.
@@ -19,9 +19,10 @@
 
 namespace lathe {
 
-enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kPhi3 };
+enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kGemma3Text, kPhi3 };
 
-// "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3" (config.json's model_type).
+// "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3" (config.json's
+// model_type).
 absl::string_view ModelFamilyName(ModelFamily family);
 
 // Parameters of one decoder block by kind. Phi-3's fused qkv_proj and gate_up_proj count
@@ -31,10 +32,13 @@ struct BlockParams {
   int64_t attention_bias = 0;  // q, k, v (and o) biases
   int64_t mlp = 0;             // gate, up, down weights
   int64_t mlp_bias = 0;
-  // 2 RMSNorm weights of hidden; 4 in Gemma 2 (pre/post attention and MLP); Qwen3 adds
-  // q_norm and k_norm of head_dim each (head_norms of them).
+  // 2 RMSNorm weights of hidden; 4 in Gemma 2 and 3 (pre/post attention and MLP); Qwen3 and
+  // Gemma 3 add q_norm and k_norm of head_dim each (head_norms of them).
   int64_t norms = 0;
-  int64_t head_norms = 0;  // how many of the norms are over head_dim (Qwen3: 2)
+  int64_t head_norms = 0;  // how many of the norms are over head_dim (Qwen3, Gemma 3: 2)
+  int64_t hidden_norms(int64_t hidden_size, int64_t head_dim) const {
+    return hidden_size > 0 ? (norms - head_norms * head_dim) / hidden_size : 0;
+  }
   int64_t total() const { return attention + attention_bias + mlp + mlp_bias + norms; }
 };
 
@@ -48,6 +52,14 @@ struct ModelShape {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   bool tied_embeddings = false;
+  // Gemma 2 and 3 (the engine's GeGLU MLP is its unfused composition, with fused kernels too).
+  bool geglu = false;
+  // Gemma 2's attn_logit_softcapping (absent: transformers' 50; null: none): the engine's
+  // attention is then always the explicit softmax, never libtorch's fused kernel.
+  bool softcapped_attention = false;
+  // Gemma 2's final_logit_softcapping (absent: 30; null: none): unchunked, the capped logits
+  // are one more [targets, vocab] float32 tensor.
+  bool softcapped_logits = false;
 
   BlockParams block;       // every block has the same shape
   int64_t embeddings = 0;  // vocab x hidden

@@ -74,8 +74,7 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
     const std::pair<int64_t, int64_t> projections[] = {{h, q}, {h, kv}, {h, kv}, {q, h},
                                                        {h, i}, {h, i},  {i, h}};  // [in, out]
     for (const auto& [in, out] : projections) shapes.push_back({{out, in}});
-    const int64_t head_norms = shape.block.head_norms * shape.head_dim;
-    for (int64_t n = 0; n < (shape.block.norms - head_norms) / std::max<int64_t>(1, h); ++n) {
+    for (int64_t n = 0; n < shape.block.hidden_norms(h, shape.head_dim); ++n) {
       shapes.push_back({{h}});
     }
     for (int64_t n = 0; n < shape.block.head_norms; ++n) shapes.push_back({{shape.head_dim}});

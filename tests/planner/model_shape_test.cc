@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
@@ -51,6 +52,7 @@ INSTANTIATE_TEST_SUITE_P(
                       CountCase{"qwen3-0.6b", 596'049'920, ModelFamily::kQwen3, true},
                       CountCase{"gemma-2b", 2'506'172'416, ModelFamily::kGemma, true},
                       CountCase{"gemma-2-9b", 9'241'705'984, ModelFamily::kGemma2, true},
+                      CountCase{"gemma-3-1b", 999'885'952, ModelFamily::kGemma3Text, true},
                       CountCase{"phi-3-mini-4k", 3'821'079'552, ModelFamily::kPhi3, false}),
     [](const ::testing::TestParamInfo<CountCase>& param) {
       std::string name = param.param.config;
@@ -75,6 +77,18 @@ TEST(ModelShapeTest, BreaksABlockDownByKind) {
   ASSERT_TRUE(gemma2.ok()) << gemma2.status();
   EXPECT_EQ(gemma2->block.norms, 4 * 3584);  // pre/post attention and MLP
   EXPECT_EQ(gemma2->block.attention, 2 * 3584 * 4096 + 2 * 3584 * 2048);  // head_dim 256
+  EXPECT_TRUE(gemma2->geglu);
+  EXPECT_TRUE(gemma2->softcapped_attention);
+  EXPECT_TRUE(gemma2->softcapped_logits);
+  absl::StatusOr<ModelShape> gemma3 = ShapeOf("gemma-3-1b");
+  ASSERT_TRUE(gemma3.ok()) << gemma3.status();
+  // Four norms of hidden 1152, q_norm and k_norm of head_dim 256; no soft-caps (null).
+  EXPECT_EQ(gemma3->block.norms, 4 * 1152 + 2 * 256);
+  EXPECT_EQ(gemma3->block.head_norms, 2);
+  EXPECT_EQ(gemma3->block.hidden_norms(1152, 256), 4);
+  EXPECT_TRUE(gemma3->geglu);
+  EXPECT_FALSE(gemma3->softcapped_attention);
+  EXPECT_FALSE(gemma3->softcapped_logits);
   absl::StatusOr<ModelShape> qwen3 = ShapeOf("qwen3-0.6b");
   ASSERT_TRUE(qwen3.ok()) << qwen3.status();
   // hidden 1024, 16 heads and 8 key/value heads of 128 (q projects to 2048).
@@ -82,6 +96,32 @@ TEST(ModelShapeTest, BreaksABlockDownByKind) {
   EXPECT_EQ(qwen3->block.attention_bias, 0);
   EXPECT_EQ(qwen3->block.norms, 2 * 1024 + 2 * 128);  // and q_norm, k_norm over head_dim
   EXPECT_EQ(qwen3->block.head_norms, 2);
+}
+
+// Transformers' Gemma 2 and 3 configs: head_dim 256 when absent (not hidden / heads), Gemma
+// 2's soft-caps on when absent, off when null.
+TEST(ModelShapeTest, GemmaDefaults) {
+  for (const char* type : {"gemma2", "gemma3_text"}) {
+    SCOPED_TRACE(type);
+    absl::StatusOr<ModelShape> shape = ParseModelShape(
+        absl::StrCat(R"({"model_type": ")", type,
+                     R"(", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+                     "num_hidden_layers": 1, "num_attention_heads": 4})"),
+        "c.json");
+    ASSERT_TRUE(shape.ok()) << shape.status();
+    EXPECT_EQ(shape->head_dim, 256);
+    EXPECT_TRUE(shape->tied_embeddings);
+    EXPECT_EQ(shape->softcapped_attention, std::string(type) == "gemma2");
+    EXPECT_EQ(shape->softcapped_logits, std::string(type) == "gemma2");
+  }
+  absl::StatusOr<ModelShape> uncapped = ParseModelShape(
+      R"({"model_type": "gemma2", "vocab_size": 8, "hidden_size": 64, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "attn_logit_softcapping": null,
+          "final_logit_softcapping": null})",
+      "c.json");
+  ASSERT_TRUE(uncapped.ok()) << uncapped.status();
+  EXPECT_FALSE(uncapped->softcapped_attention);
+  EXPECT_FALSE(uncapped->softcapped_logits);
 }
 
 TEST(ModelShapeTest, RefusesMixtureOfExperts) {

@@ -20,10 +20,11 @@ namespace {
 
 TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
   testing::TempDir dir;
-  // qwen2: biases, tied; qwen3: q/k norms of head_dim in every block.
-  for (const std::string type : {"llama", "qwen2", "qwen3"}) {
+  // qwen2: biases, tied; qwen3: q/k norms of head_dim in every block; gemma2: four norms of
+  // hidden in every block, tied; gemma3_text: those and q/k norms.
+  for (const std::string type : {"llama", "qwen2", "qwen3", "gemma2", "gemma3_text"}) {
     ModelConfig config = testing::TinyModelConfig(type);
-    config.tie_word_embeddings = type == "qwen2";
+    config.tie_word_embeddings = type == "qwen2" || type == "gemma2";
     const std::string model_dir = dir.Path(type);
     ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, model_dir).ok());
     absl::StatusOr<ModelShape> shape = ParseModelShape(ModelConfigToJson(config), "config.json");
