@@ -81,11 +81,11 @@ int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
 // token, fused or not (bench/planner_accuracy.py measured 1.42 and 1.43 MiB over a Llama of
 // the same shape). The unfused kernels keep more: the norms' intermediates and SiLU(gate).
 // Gemma keeps, besides, the inputs and reciprocal RMS of its two norms on the attention's and
-// the MLP's outputs and GELU(gate) (its GeGLU is always the unfused composition), and with
-// Gemma 2's soft-capped scores, which always take the explicit softmax, the capped scores.
-// Gemma's unfused kernels measured no more than its fused ones (bench/planner_accuracy.py at
-// --quick's sizes, LoRA with micro-batches of 4 without checkpointing: counting a float32
-// normalised input per unfused norm predicted 6.5% and 8.4% over), so none is counted.
+// the MLP's outputs, and with Gemma 2's soft-capped scores, which always take the explicit
+// softmax, the capped scores; unfused, GELU(gate) too. Its unfused norms measured no more
+// than its fused ones (bench/planner_accuracy.py at --quick's sizes, LoRA with micro-batches
+// of 4 without checkpointing: counting a float32 normalised input per unfused norm predicted
+// 6.5% and 8.4% over), so none is counted.
 int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const ModelShape& m = job.model;
   const int64_t bt = p.micro_batch * job.seq_len;
@@ -103,7 +103,7 @@ int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w)
                 (4 + (w.compute == 4 ? 0 : w.compute) + (m.softcapped_attention ? w.compute : 0));
   int64_t bytes =
       bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 + attention;
-  if (m.geglu) bytes += bt * w.compute * (2 * h + i) + 2 * bt * 4;
+  if (m.geglu) bytes += bt * w.compute * (2 * h + (p.fused_kernels ? 0 : i)) + 2 * bt * 4;
   if (!p.fused_kernels && !m.geglu) bytes += bt * w.compute * (2 * h + i);
   if (m.block.head_norms > 0) {
     const int64_t qk = q + m.num_kv_heads * m.head_dim;

@@ -52,7 +52,7 @@ struct ModelShape {
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
   bool tied_embeddings = false;
-  // Gemma 2 and 3 (the engine's GeGLU MLP is its unfused composition, with fused kernels too).
+  // Gemma 2 and 3: a GeGLU MLP, four norms of hidden a block.
   bool geglu = false;
   // Gemma 2's attn_logit_softcapping (absent: transformers' 50; null: none): the engine's
   // attention is then always the explicit softmax, never libtorch's fused kernel.

@@ -1,4 +1,4 @@
-// SwiGLU on CUDA: the same arithmetic as kernels/cpu/swiglu.h over n contiguous elements,
+// SwiGLU and GeGLU on CUDA: the same arithmetic as kernels/cpu/swiglu.h over n contiguous elements,
 // launched on `stream` (the sigmoid uses CUDA's expf, the CPU kernel its own exp: results
 // agree to a few ulp).
 //
@@ -22,6 +22,14 @@ cudaError_t SwiGluForward(const T* gate, const T* up, int64_t n, T* y, cudaStrea
 template <typename T>
 cudaError_t SwiGluBackward(const T* dy, const T* gate, const T* up, int64_t n, T* dgate, T* dup,
                            cudaStream_t stream);
+
+// GeGLU (kernels/cpu/swiglu.h's formulas).
+template <typename T>
+cudaError_t GeGluForward(const T* gate, const T* up, int64_t n, T* y, cudaStream_t stream);
+
+template <typename T>
+cudaError_t GeGluBackward(const T* dy, const T* gate, const T* up, int64_t n, T* dgate, T* dup,
+                          cudaStream_t stream);
 
 }  // namespace lathe::kernels::cuda
 

@@ -1,4 +1,4 @@
-// Fused SwiGLU as one autograd node (docs/kernels.md, "SwiGLU").
+// Fused SwiGLU and GeGLU as one autograd node each (docs/kernels.md, "SwiGLU").
 //
 // Thread-safety: as any ATen op; the CPU kernels run on ATen's intra-op thread pool.
 #ifndef LATHE_KERNELS_OPS_SWIGLU_H_
@@ -13,6 +13,10 @@ namespace lathe::kernels {
 // caller's tensors, or contiguous copies of non-contiguous ones); backward recomputes the
 // sigmoid. Not twice differentiable.
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
+
+// gelu_tanh(gate) * up (Gemma's MLP, transformers' gelu_pytorch_tanh), as SwiGlu: float32
+// arithmetic, one rounding, gate and up saved, the activation recomputed in backward.
+at::Tensor GeGlu(const at::Tensor& gate, const at::Tensor& up);
 
 }  // namespace lathe::kernels
 

@@ -26,8 +26,7 @@ at::Tensor Rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 // silu(gate) * up.
 at::Tensor SwiGlu(const at::Tensor& gate, const at::Tensor& up);
 
-// gelu_tanh(gate) * up (Gemma's MLP, transformers' gelu_pytorch_tanh). There is no fused
-// GeGLU kernel yet: the engine runs this composition with fused kernels on as well.
+// gelu_tanh(gate) * up (Gemma's MLP, transformers' gelu_pytorch_tanh).
 at::Tensor GeGlu(const at::Tensor& gate, const at::Tensor& up);
 
 // Projection::Forward: x W^T + b + scale * (dropout(x) A^T) B^T, each tensor converted to x's

@@ -365,8 +365,8 @@ TEST(CausalLm, Qwen3NormsEachHeadOfQueriesAndKeys) {
   EXPECT_FALSE(at::allclose(before, fused->Logits(ids), 1e-3, 1e-4));
 }
 
-// Gemma 2 and Gemma 3: the fused kernels (RMSNorm with 1 + weight, RoPE, LoRA linear, the
-// soft-capped chunked loss) give the unfused compositions' loss and gradients, the four norms
+// Gemma 2 and Gemma 3: the fused kernels (RMSNorm with 1 + weight, RoPE, GeGLU, LoRA linear,
+// the soft-capped chunked loss) give the unfused compositions' loss and gradients, the four norms
 // of every block included (trainable, without weight decay, in full fine-tuning).
 TEST(CausalLm, GemmaFusedMatchesUnfused) {
   for (const std::string type : {"gemma2", "gemma3_text"}) {

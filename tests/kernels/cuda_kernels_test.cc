@@ -221,6 +221,35 @@ TEST_F(CudaKernelsTest, SwiGluMatchesTheCpuKernel) {
 }
 
 template <typename T>
+void CheckGeGlu(std::mt19937_64& rng, int64_t n) {
+  SCOPED_TRACE(::testing::Message() << "n " << n);
+  const std::vector<T> gate = Random<T>(n, rng, 3.0f);
+  const std::vector<T> up = Random<T>(n, rng);
+  const std::vector<T> dy = Random<T>(n, rng);
+  std::vector<T> y(n), dgate(n), dup(n);
+  kernels::cpu::GeGluForward(gate.data(), up.data(), n, 0, 1, y.data());
+  kernels::cpu::GeGluBackward(dy.data(), gate.data(), up.data(), n, 0, 1, dgate.data(), dup.data());
+  DeviceBuffer<T> d_gate(gate), d_up(up), d_dy(dy);
+  auto d_y = DeviceBuffer<T>::Poisoned(n);
+  auto d_dgate = DeviceBuffer<T>::Poisoned(n);
+  auto d_dup = DeviceBuffer<T>::Poisoned(n);
+  ASSERT_CUDA_OK(kernels::cuda::GeGluForward(d_gate.get(), d_up.get(), n, d_y.get(), nullptr));
+  ASSERT_CUDA_OK(kernels::cuda::GeGluBackward(d_dy.get(), d_gate.get(), d_up.get(), n,
+                                              d_dgate.get(), d_dup.get(), nullptr));
+  ExpectClose(d_y.ToHost(), y, "y");
+  ExpectClose(d_dgate.ToHost(), dgate, "dgate");
+  ExpectClose(d_dup.ToHost(), dup, "dup");
+}
+
+TEST_F(CudaKernelsTest, GeGluMatchesTheCpuKernel) {
+  for (int64_t n : {1, 65, 2048 * 2816}) {
+    CheckGeGlu<float>(rng_, n);
+    CheckGeGlu<BFloat16>(rng_, n);
+    CheckGeGlu<Half>(rng_, n);
+  }
+}
+
+template <typename T>
 void CheckDropout(std::mt19937_64& rng, int64_t rows, int64_t cols, double p) {
   const std::vector<T> x = Random<T>(rows * cols, rng);
   std::vector<T> y(rows * cols);

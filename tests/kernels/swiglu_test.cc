@@ -89,6 +89,57 @@ TEST(SwiGluOpTest, ExtremeGatesStayFinite) {
   EXPECT_LT(RelErr(up.grad(), up64.grad()), 1e-6);
 }
 
+// Gemma's GeGLU: the fused op against at::gelu(gate, "tanh") * up in float64, within the
+// dtype's tolerance (the same cases as SwiGLU's), gates into the tanh's tails.
+TEST_P(SwiGluTest, GeGluForwardAndGradientsMatchTheUnfusedCompositionInFloat64) {
+  const SwiGluCase& c = GetParam();
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  at::Generator gen = testing::Generator(seed);
+  at::Tensor gate, up;
+  if (c.halves_of_one_tensor) {
+    std::vector<int64_t> both = c.shape;
+    both.back() *= 2;
+    std::vector<at::Tensor> halves = Randn(both, c.type, gen, 3.0).chunk(2, -1);
+    gate = halves[0].requires_grad_(true);
+    up = halves[1].requires_grad_(true);
+  } else {
+    gate = Randn(c.shape, c.type, gen, 3.0).requires_grad_(true);
+    up = Randn(c.shape, c.type, gen).requires_grad_(true);
+  }
+  at::Tensor y = kernels::GeGlu(gate, up);
+  const at::Tensor dy = Randn(c.shape, c.type, gen);
+  y.backward(dy);
+
+  at::Tensor gate64 = gate.detach().to(at::kDouble).requires_grad_(true);
+  at::Tensor up64 = up.detach().to(at::kDouble).requires_grad_(true);
+  at::Tensor y64 = kernels::unfused::GeGlu(gate64, up64);
+  y64.backward(dy.to(at::kDouble));
+
+  const double tol = Tolerance(c.type);
+  EXPECT_LT(RelErr(y, y64), tol);
+  EXPECT_LT(RelErr(gate.grad(), gate64.grad()), tol);
+  EXPECT_LT(RelErr(up.grad(), up64.grad()), tol);
+}
+
+TEST(SwiGluOpTest, GeGluExtremeGatesStayFinite) {
+  at::Tensor gate = at::tensor({-1e4f, -100.0f, -88.5f, -20.0f, -3.0f, 0.0f, 1e-3f, 3.0f, 20.0f,
+                                88.5f, 100.0f, 1e4f})
+                        .requires_grad_(true);
+  at::Tensor up = at::ones_like(gate).requires_grad_(true);
+  at::Tensor y = kernels::GeGlu(gate, up);
+  y.backward(at::ones_like(y));
+  at::Tensor gate64 = gate.detach().to(at::kDouble).requires_grad_(true);
+  at::Tensor up64 = up.detach().to(at::kDouble).requires_grad_(true);
+  at::Tensor y64 = kernels::unfused::GeGlu(gate64, up64);
+  y64.backward(at::ones_like(y64));
+  EXPECT_TRUE(at::isfinite(y).all().item<bool>()) << y;
+  EXPECT_TRUE(at::isfinite(gate.grad()).all().item<bool>()) << gate.grad();
+  EXPECT_LT(RelErr(y, y64), 1e-6);
+  EXPECT_LT(RelErr(gate.grad(), gate64.grad()), 1e-6);
+  EXPECT_LT(RelErr(up.grad(), up64.grad()), 1e-6);
+}
+
 TEST(SwiGluOpTest, RejectsMismatchedShapes) {
   EXPECT_THROW(kernels::SwiGlu(at::ones({2, 3}), at::ones({2, 4})), c10::Error);
 }
@@ -111,6 +162,26 @@ TYPED_TEST(SwiGluKernelTest, WritesEveryElement) {
     kernels::cpu::SwiGluForward(gate.data(), up.data(), cols, begin, end, y.data());
     kernels::cpu::SwiGluBackward(dy.data(), gate.data(), up.data(), cols, begin, end, dgate.data(),
                                  dup.data());
+  }
+  EXPECT_EQ(testing::FirstNonFinite(y), -1);
+  EXPECT_EQ(testing::FirstNonFinite(dgate), -1);
+  EXPECT_EQ(testing::FirstNonFinite(dup), -1);
+}
+
+TYPED_TEST(SwiGluKernelTest, GeGluWritesEveryElement) {
+  using T = TypeParam;
+  const int64_t rows = 3, cols = 37;
+  std::mt19937_64 rng(FreshSeed());
+  const std::vector<T> gate = testing::RandomVector<T>(rows * cols, rng, 4.0f);
+  const std::vector<T> up = testing::RandomVector<T>(rows * cols, rng);
+  const std::vector<T> dy = testing::RandomVector<T>(rows * cols, rng);
+  std::vector<T> y = testing::Poisoned<T>(rows * cols);
+  std::vector<T> dgate = testing::Poisoned<T>(rows * cols);
+  std::vector<T> dup = testing::Poisoned<T>(rows * cols);
+  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 1}, {1, rows}}) {
+    kernels::cpu::GeGluForward(gate.data(), up.data(), cols, begin, end, y.data());
+    kernels::cpu::GeGluBackward(dy.data(), gate.data(), up.data(), cols, begin, end, dgate.data(),
+                                dup.data());
   }
   EXPECT_EQ(testing::FirstNonFinite(y), -1);
   EXPECT_EQ(testing::FirstNonFinite(dgate), -1);

@@ -438,15 +438,15 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
   const DecoderLayer& layer = layers_[layer_index];
   const bool fused = options_.fused_kernels;
   if (IsGemma(config_)) {
-    // Gemma normalises the attention's and the MLP's outputs too, and its MLP is GeGLU (the
-    // ATen composition, fused kernels or not: there is no fused GeGLU kernel yet).
+    // Gemma normalises the attention's and the MLP's outputs too, and its MLP is GeGLU.
     at::Tensor y = x + Norm(Attention(layer, Norm(x, layer.input_norm), cos, sin, mask),
                             layer.post_attention_norm);
     at::Tensor h = Norm(y, layer.pre_feedforward_norm);
     at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
     at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_, fused);
-    at::Tensor down =
-        layer.down_proj.Forward(kernels::unfused::GeGlu(gate, up), lora_dropout_, training_, fused);
+    at::Tensor down = layer.down_proj.Forward(
+        fused ? kernels::GeGlu(gate, up) : kernels::unfused::GeGlu(gate, up), lora_dropout_,
+        training_, fused);
     return y + Norm(down, layer.post_feedforward_norm);
   }
   at::Tensor y = x + Attention(layer, Norm(x, layer.input_norm), cos, sin, mask);

@@ -37,8 +37,8 @@ struct ModelOptions {
   // While training, keep only each decoder block's input for backward and recompute the
   // block's forward there (with the same dropout masks) instead of storing its activations.
   bool activation_checkpointing = false;
-  // The fused kernels of kernels/ (RMSNorm, RoPE, SwiGLU, LoRA linear); otherwise the plain
-  // ATen compositions (kernels/ops/unfused.h).
+  // The fused kernels of kernels/ (RMSNorm, RoPE, SwiGLU or GeGLU, LoRA linear); otherwise the
+  // plain ATen compositions (kernels/ops/unfused.h).
   bool fused_kernels = true;
   // The loss by the fused linear cross-entropy (chunked, no [targets, vocab] logits);
   // otherwise the logits and at::cross_entropy_loss.
