@@ -18,6 +18,9 @@ namespace lathe {
 enum class MemoryComponent : uint8_t {
   kWeights,    // frozen base
   kTrainable,  // LoRA or full parameters, master copy
+  // What backward makes: the trainable tensors' gradients (kept until the optimizer step),
+  // the gradients flowing back through the activations, and backward's working buffers.
+  // Activations recomputed under checkpointing are kActivations.
   kGradients,
   kOptimizer,
   kActivations,  // saved for backward, peak
