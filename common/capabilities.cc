@@ -29,7 +29,7 @@ absl::Status Unsupported(absl::string_view field, const T& value, const std::vec
 const EngineCapabilities& Engine() {
   static const EngineCapabilities* const kEngine = new EngineCapabilities{
       /*methods=*/{Method::kLora, Method::kFull, Method::kQLora, Method::kMezo},
-      /*model_types=*/{"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"},
+      /*model_types=*/{"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"},
       /*precisions=*/{Precision::kFp32, Precision::kBf16, Precision::kFp16},
       /*optimizers=*/
       {OptimizerKind::kAdamW, OptimizerKind::kAdamW8bit, OptimizerKind::kAdafactor,

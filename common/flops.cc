@@ -13,7 +13,7 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
                              bool recompute) {
   // Weights of one layer's projections, and of the LoRA adapters on them.
   double layer_weights = 0;
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : ProjectionModules(config)) {
     const ProjectionShape shape = ProjectionShapeOf(config, module);
     layer_weights += static_cast<double>(shape.in_features) * shape.out_features;
   }
@@ -22,8 +22,7 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
   // targets that select nothing count none: the job is refused elsewhere).
   double layer_adapters = 0;
   if (TrainsLora(spec)) {
-    absl::StatusOr<std::vector<LoraTarget>> targets =
-        MatchLoraTargets(spec.lora, config.num_hidden_layers, LoraTargetModules());
+    absl::StatusOr<std::vector<LoraTarget>> targets = MatchLoraTargets(spec.lora, config);
     for (const LoraTarget& target : targets.ok() ? *targets : std::vector<LoraTarget>{}) {
       const ProjectionShape shape = ProjectionShapeOf(config, target.module);
       layer_adapters += static_cast<double>(target.rank) * (shape.in_features + shape.out_features);

@@ -367,6 +367,7 @@ absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node, LoraS
   std::vector<std::string>* targets = &lora->targets;
   if (node.IsScalar() && !node.IsNull()) {
     LATHE_RETURN_IF_ERROR(r.ReadString(node, kField, &lora->targets_pattern));
+    if (lora->targets_pattern.empty()) return r.Error(kField, "must not be empty");
     targets->clear();
     return absl::OkStatus();
   }
@@ -376,6 +377,7 @@ absl::Status ParseLoraTargets(const SpecReader& r, const YAML::Node& node, LoraS
                                         Describe(node)));
   }
   lora->targets_pattern.clear();
+  if (node.size() == 0) return r.Error(kField, "must not be empty");
   targets->clear();
   for (size_t i = 0; i < node.size(); ++i) {
     std::string target;
@@ -451,7 +453,8 @@ absl::Status ParseLora(const SpecReader& r, const YAML::Node& node, LoraSpec* lo
   if (const YAML::Node v = node["dropout"]) {
     LATHE_RETURN_IF_ERROR(r.ReadDouble(v, "lora.dropout", &lora->dropout));
   }
-  if (const YAML::Node v = node["targets"]) {
+  // null: not given (every projection of the model), as JobSpecToJson writes it.
+  if (const YAML::Node v = node["targets"]; v && !v.IsNull()) {
     LATHE_RETURN_IF_ERROR(ParseLoraTargets(r, v, lora));
   }
   if (const YAML::Node v = node["use_rslora"]) {
@@ -765,8 +768,9 @@ absl::Status ValidateLoraTargets(const SpecReader& r, const LoraSpec& lora) {
     absl::Status pattern = CheckLoraTargetsPattern(lora.targets_pattern);
     return pattern.ok() ? pattern : r.Error(kField, pattern.message());
   }
+  // Empty: every projection of the model. Names are checked against the model's own
+  // projections where it is opened (MatchLoraTargets); here, against every architecture's.
   const std::vector<std::string>& targets = lora.targets;
-  if (targets.empty()) return r.Error(kField, "must not be empty");
   for (size_t i = 0; i < targets.size(); ++i) {
     const std::string field = absl::StrCat(kField, "[", i, "]");
     // A module name, or a dotted suffix of a full name (self_attn.q_proj,
@@ -775,10 +779,10 @@ absl::Status ValidateLoraTargets(const SpecReader& r, const LoraSpec& lora) {
     const absl::string_view module = dot == std::string::npos
                                          ? absl::string_view(targets[i])
                                          : absl::string_view(targets[i]).substr(dot + 1);
-    if (!IsLoraTargetModule(module)) {
+    if (!IsProjectionModule(module)) {
       return r.Error(field,
                      absl::StrCat("unknown module ", Quoted(targets[i]), " (expected one of: ",
-                                  absl::StrJoin(LoraTargetModules(), ", "), ")"));
+                                  absl::StrJoin(AllProjectionModules(), ", "), ")"));
     }
     for (size_t j = 0; j < i; ++j) {
       if (targets[j] == targets[i])
@@ -1051,8 +1055,9 @@ std::string JobSpecToJson(const JobSpec& spec) {
        {{"rank", spec.lora.rank},
         {"alpha", spec.lora.alpha},
         {"dropout", spec.lora.dropout},
-        {"targets", spec.lora.targets_pattern.empty() ? Json(spec.lora.targets)
-                                                      : Json(spec.lora.targets_pattern)},
+        {"targets", !spec.lora.targets_pattern.empty() ? Json(spec.lora.targets_pattern)
+                    : spec.lora.targets.empty()        ? Json(nullptr)
+                                                       : Json(spec.lora.targets)},
         {"rank_pattern", PatternJson(spec.lora.rank_pattern)},
         {"alpha_pattern", PatternJson(spec.lora.alpha_pattern)},
         {"use_rslora", spec.lora.use_rslora}}},

@@ -48,10 +48,11 @@ struct LoraSpec {
   double alpha = 32.0;
   double dropout = 0.0;
   // PEFT's target_modules, as a list: a module is targeted when its full name
-  // (model.layers.0.self_attn.q_proj) is an entry or ends with "." + entry. Default: all seven
-  // projections (LoraTargetModules()). Unused when targets_pattern is set.
-  std::vector<std::string> targets = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                      "gate_proj", "up_proj", "down_proj"};
+  // (model.layers.0.self_attn.q_proj) is an entry or ends with "." + entry; each entry names
+  // a projection (IsProjectionModule) or ends with one. Empty, the default (with
+  // targets_pattern empty too): every projection of the model (ProjectionModules, resolved
+  // where the model is read). Unused when targets_pattern is set.
+  std::vector<std::string> targets;
   // PEFT's target_modules, as a string (the spec's `targets: <string>`): "all-linear" (any
   // case; every linear layer but the output layer, i.e. every projection) or a regular
   // expression (ECMAScript) that a module's full name must match entirely. Empty: `targets`.

@@ -158,7 +158,9 @@ absl::Status CheckLoraTargetsPattern(absl::string_view pattern) {
 
 absl::StatusOr<std::vector<LoraTarget>> MatchLoraTargets(const LoraSpec& lora, int64_t num_layers,
                                                          absl::Span<const std::string> modules) {
-  const bool all_linear = !lora.targets_pattern.empty() && IsAllLinear(lora.targets_pattern);
+  // No targets at all (the spec's default): every projection of the model.
+  const bool all_linear =
+      lora.targets_pattern.empty() ? lora.targets.empty() : IsAllLinear(lora.targets_pattern);
   std::regex regex;
   if (!lora.targets_pattern.empty() && !all_linear) {
     absl::StatusOr<std::regex> compiled = CompilePattern(lora.targets_pattern);
@@ -227,6 +229,22 @@ absl::StatusOr<std::vector<LoraTarget>> MatchLoraTargets(const LoraSpec& lora, i
   return matched;
 }
 
+absl::StatusOr<std::vector<LoraTarget>> MatchLoraTargets(const LoraSpec& lora,
+                                                         const ModelConfig& config) {
+  if (lora.targets_pattern.empty()) {
+    // The projection each entry names (its last dotted component); the spec allows any
+    // architecture's (IsProjectionModule), the model has its own.
+    std::vector<std::string> named;
+    for (const std::string& entry : lora.targets) {
+      const size_t dot = entry.rfind('.');
+      const std::string module = dot == std::string::npos ? entry : entry.substr(dot + 1);
+      if (IsProjectionModule(module)) named.push_back(module);
+    }
+    if (!named.empty()) LATHE_RETURN_IF_ERROR(LoraTargetsOf(config, named).status());
+  }
+  return MatchLoraTargets(lora, config.num_hidden_layers, ProjectionModules(config));
+}
+
 std::vector<std::string> ModulesOfTargets(absl::Span<const LoraTarget> targets,
                                           absl::Span<const std::string> modules) {
   std::vector<std::string> selected;
@@ -245,7 +263,14 @@ void SetPeftTargetModules(const LoraSpec& lora, absl::Span<const LoraTarget> mat
                           PeftAdapterConfig* config) {
   config->target_modules.clear();
   config->target_modules_pattern.clear();
-  if (lora.targets_pattern.empty()) {
+  if (lora.targets_pattern.empty() && lora.targets.empty()) {
+    for (const LoraTarget& target : matched) {
+      if (std::find(config->target_modules.begin(), config->target_modules.end(), target.module) ==
+          config->target_modules.end()) {
+        config->target_modules.push_back(target.module);
+      }
+    }
+  } else if (lora.targets_pattern.empty()) {
     config->target_modules = lora.targets;
   } else if (!IsAllLinear(lora.targets_pattern)) {
     config->target_modules_pattern = lora.targets_pattern;

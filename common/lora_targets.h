@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "common/job_spec.h"
+#include "common/model_config.h"
 #include "common/peft.h"
 
 namespace lathe {
@@ -52,14 +53,22 @@ struct LoraTarget {
 // The projections of a model of `num_layers` layers, each with the projections `modules`
 // (in model order), that `lora`'s targets select, in model order (layer, then `modules`):
 // a list entry selects a module whose full name (ProjectionName) is the entry or ends with
-// "." + entry; "all-linear" selects every projection; another pattern selects the modules
-// whose full name it matches entirely. Each target's rank and alpha are the first matching
-// rank_pattern / alpha_pattern entry's (PEFT's get_pattern_key), else lora.rank / lora.alpha.
-// INVALID_ARGUMENT "lora.targets: ..." (one line) when the targets select nothing or the
-// pattern does not compile; "lora.rank_pattern: ..." / "lora.alpha_pattern: ..." when a key
-// does not compile or applies to no selected module.
+// "." + entry; "all-linear", or no targets at all (the spec's default), selects every
+// projection; another pattern selects the modules whose full name it matches entirely. Each
+// target's rank and alpha are the first matching rank_pattern / alpha_pattern entry's (PEFT's
+// get_pattern_key), else lora.rank / lora.alpha. INVALID_ARGUMENT "lora.targets: ..." (one line)
+// when the targets select nothing or the pattern does not compile; "lora.rank_pattern: ..." /
+// "lora.alpha_pattern: ..." when a key does not compile or applies to no selected module.
 absl::StatusOr<std::vector<LoraTarget>> MatchLoraTargets(const LoraSpec& lora, int64_t num_layers,
                                                          absl::Span<const std::string> modules);
+
+// MatchLoraTargets over the projections of `config`'s model (ProjectionModules(config)) in its
+// num_hidden_layers layers. A list entry that names (or ends with) a projection this
+// architecture lacks ("q_proj" on Phi-3, whose attention has qkv_proj) is refused as
+// LoraTargetsOf refuses it: INVALID_ARGUMENT "lora.targets: \"q_proj\" is not a projection of
+// this phi3 model (its modules: ...)".
+absl::StatusOr<std::vector<LoraTarget>> MatchLoraTargets(const LoraSpec& lora,
+                                                         const ModelConfig& config);
 
 // The modules of `modules` that `targets` (MatchLoraTargets' result) select in any layer, in
 // `modules`' order: the per-block targets of a count that assumes every block alike (the
@@ -68,8 +77,9 @@ std::vector<std::string> ModulesOfTargets(absl::Span<const LoraTarget> targets,
                                           absl::Span<const std::string> modules);
 
 // Sets config's target_modules as PEFT's adapter_config.json stores them after matching: the
-// list itself; a regular expression as that string; and for "all-linear" the full names of
-// the `matched` modules (PEFT replaces the shorthand by them).
+// list itself; a regular expression as that string; for "all-linear" the full names of the
+// `matched` modules (PEFT replaces the shorthand by them); for no targets (every projection
+// of the model) the module names of `matched`, in model order ("qkv_proj", "o_proj", ...).
 void SetPeftTargetModules(const LoraSpec& lora, absl::Span<const LoraTarget> matched,
                           PeftAdapterConfig* config);
 

@@ -1,5 +1,6 @@
 #include "common/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -30,13 +31,105 @@ absl::string_view DefaultArchitecture(absl::string_view model_type) {
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
   if (model_type == "gemma2") return "Gemma2ForCausalLM";
   if (model_type == "gemma3_text") return "Gemma3ForCausalLM";
+  if (model_type == "phi3") return "Phi3ForCausalLM";
   return "LlamaForCausalLM";
+}
+
+// A list of numbers (LongRoPE's factors), each finite and > 0.
+absl::StatusOr<std::vector<double>> PositiveNumbers(const ConfigFields& fields,
+                                                    absl::string_view key) {
+  const Json* value = fields.Find(key);
+  if (value == nullptr) return fields.Error(key, "required field is missing");
+  if (!value->is_array()) {
+    return fields.Error(key,
+                        absl::StrCat("expected a list of numbers, got ", DescribeJson(*value)));
+  }
+  std::vector<double> numbers;
+  for (size_t i = 0; i < value->size(); ++i) {
+    const Json& entry = (*value)[i];
+    if (!entry.is_number() || !std::isfinite(entry.get<double>()) || entry.get<double>() <= 0) {
+      return fields.Error(
+          key, absl::StrCat("entry ", i, ": expected a number > 0, got ", DescribeJson(entry)));
+    }
+    numbers.push_back(entry.get<double>());
+  }
+  return numbers;
+}
+
+// LongRoPE's factors of the "rope_scaling" (or "rope_parameters") object `fields`; the
+// factor and the attention factor follow from the top-level keys (FinishLongRope).
+absl::StatusOr<RopeScaling> ParseLongRope(const ConfigFields& fields) {
+  RopeScaling scaling;
+  scaling.kind = RopeScaling::Kind::kLongRope;
+  LATHE_ASSIGN_OR_RETURN(scaling.short_factor, PositiveNumbers(fields, "short_factor"));
+  LATHE_ASSIGN_OR_RETURN(scaling.long_factor, PositiveNumbers(fields, "long_factor"));
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> factor, fields.Double("factor"));
+  if (factor.has_value()) {
+    if (!std::isfinite(*factor) || *factor <= 0) {
+      return fields.Error("factor", absl::StrCat("must be > 0, got ", *factor));
+    }
+    scaling.factor = *factor;
+  } else {
+    scaling.factor = 0;  // max_position_embeddings / original_max_position_embeddings
+  }
+  LATHE_ASSIGN_OR_RETURN(std::optional<double> attention, fields.Double("attention_factor"));
+  if (attention.has_value()) {
+    if (!std::isfinite(*attention) || *attention <= 0) {
+      return fields.Error("attention_factor", absl::StrCat("must be > 0, got ", *attention));
+    }
+    scaling.attention_factor = *attention;
+  } else {
+    scaling.attention_factor = 0;  // from the factor
+  }
+  return scaling;
+}
+
+// Phi-3's LongRoPE as transformers completes it: original_max_position_embeddings from the
+// top level (Phi3Config's field, default 4096, preferred over the scaling object's), the
+// factor and the attention factor where not given, the factors' lengths against the rotary
+// dimension.
+absl::Status FinishLongRope(const ConfigFields& fields, absl::string_view key,
+                            ModelConfig& config) {
+  RopeScaling& scaling = config.rope_scaling;
+  LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> original,
+                         fields.Int("original_max_position_embeddings"));
+  scaling.original_max_position_embeddings = original.value_or(4096);
+  if (scaling.original_max_position_embeddings <= 0) {
+    return fields.Error("original_max_position_embeddings",
+                        absl::StrCat("must be > 0, got ", *original));
+  }
+  if (scaling.factor == 0) {
+    scaling.factor = static_cast<double>(config.max_position_embeddings) /
+                     static_cast<double>(scaling.original_max_position_embeddings);
+  }
+  if (scaling.attention_factor == 0) {
+    scaling.attention_factor =
+        scaling.factor <= 1.0
+            ? 1.0
+            : std::sqrt(
+                  1 + std::log(scaling.factor) /
+                          std::log(static_cast<double>(scaling.original_max_position_embeddings)));
+  }
+  const size_t pairs = static_cast<size_t>(RotaryDim(config) / 2);
+  for (const auto& [name, factors] : {std::pair{"short_factor", &scaling.short_factor},
+                                      std::pair{"long_factor", &scaling.long_factor}}) {
+    if (factors->size() != pairs) {
+      return fields.Error(
+          absl::StrCat(key, ".", name),
+          absl::StrCat(factors->size(), " entries for ", pairs, " rotary frequencies (head_dim ",
+                       config.head_dim, " x partial_rotary_factor ", config.partial_rotary_factor,
+                       " / 2)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // The scaling of the "rope_scaling" object (transformers 4), or of "rope_parameters"
 // (transformers 5, `key`), which also holds rope_theta; `top` reads the top-level keys.
+// Phi-3 takes default and longrope only (and "su" and "yarn", which transformers renames
+// longrope); the others take default, linear and llama3.
 absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::string_view source,
-                                             absl::string_view key,
+                                             absl::string_view key, absl::string_view model_type,
                                              absl::string_view outer_prefix = "") {
   RopeScaling scaling;
   const Json* value = top.Find(key);
@@ -53,6 +146,11 @@ absl::StatusOr<RopeScaling> ParseRopeScaling(const ConfigFields& top, absl::stri
   if (!type.has_value()) return fields.Error("rope_type", "required field is missing");
   if (*type == "default") return scaling;
 
+  if (model_type == "phi3") {
+    if (*type == "longrope" || *type == "su" || *type == "yarn") return ParseLongRope(fields);
+    return fields.Error("rope_type", absl::StrCat("unsupported \"", *type,
+                                                  "\" for phi3 (supported: default, longrope)"));
+  }
   if (*type == "linear") {
     scaling.kind = RopeScaling::Kind::kLinear;
   } else if (*type == "llama3") {
@@ -190,7 +288,8 @@ absl::Status ParseGemma3Rope(const ConfigFields& fields, absl::string_view sourc
                          fields.PositiveDouble("rope_local_base_freq", 10000.0));
   const Json* parameters = fields.Find("rope_parameters");
   if (parameters == nullptr) {
-    LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source, "rope_scaling"));
+    LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
+                           ParseRopeScaling(fields, source, "rope_scaling", config.model_type));
     return absl::OkStatus();
   }
   if (!parameters->is_object() ||
@@ -201,15 +300,17 @@ absl::Status ParseGemma3Rope(const ConfigFields& fields, absl::string_view sourc
                                      DescribeJson(*parameters)));
   }
   ConfigFields rope(*parameters, source, "rope_parameters.");
-  LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
-                         ParseRopeScaling(rope, source, "full_attention", "rope_parameters."));
+  LATHE_ASSIGN_OR_RETURN(
+      config.rope_scaling,
+      ParseRopeScaling(rope, source, "full_attention", config.model_type, "rope_parameters."));
   if (const Json* full = rope.Find("full_attention"); full != nullptr) {
     ConfigFields global(*full, source, "rope_parameters.full_attention.");
     LATHE_ASSIGN_OR_RETURN(config.rope_theta,
                            global.PositiveDouble("rope_theta", config.rope_theta));
   }
-  LATHE_ASSIGN_OR_RETURN(RopeScaling local,
-                         ParseRopeScaling(rope, source, "sliding_attention", "rope_parameters."));
+  LATHE_ASSIGN_OR_RETURN(
+      RopeScaling local,
+      ParseRopeScaling(rope, source, "sliding_attention", config.model_type, "rope_parameters."));
   if (local.kind != RopeScaling::Kind::kNone) {
     return rope.Error("sliding_attention",
                       "RoPE scaling on the sliding layers is not supported (rope_type default)");
@@ -347,6 +448,7 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
                                                    absl::StrJoin(Engine().model_types, ", "), ")"));
   }
   config.model_type = *model_type;
+  const bool phi3 = config.model_type == "phi3";
 
   config.architecture = std::string(DefaultArchitecture(config.model_type));
   if (const Json* architectures = fields.Find("architectures"); architectures != nullptr) {
@@ -401,20 +503,48 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   }
   LATHE_ASSIGN_OR_RETURN(config.max_position_embeddings,
                          fields.RequiredPositive("max_position_embeddings"));
-  LATHE_ASSIGN_OR_RETURN(config.rms_norm_eps, fields.PositiveDouble("rms_norm_eps", 1e-6));
+  // Phi3Config's default is 1e-5, the others' 1e-6.
+  LATHE_ASSIGN_OR_RETURN(config.rms_norm_eps,
+                         fields.PositiveDouble("rms_norm_eps", phi3 ? 1e-5 : 1e-6));
   // Transformers 5 writes rope_theta and the scaling into one "rope_parameters" object and
   // neither at the top; read at the top only, such a model would silently get theta 10000.
+  const Json* parameters = fields.Find("rope_parameters");
+  const bool in_parameters = parameters != nullptr && !parameters->is_null();
   if (config.model_type == "gemma3_text") {
     LATHE_RETURN_IF_ERROR(ParseGemma3Rope(fields, source, config));
-  } else if (const Json* parameters = fields.Find("rope_parameters");
-             parameters != nullptr && !parameters->is_null()) {
+  } else if (in_parameters) {
     LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
-                           ParseRopeScaling(fields, source, "rope_parameters"));
+                           ParseRopeScaling(fields, source, "rope_parameters", config.model_type));
     ConfigFields rope(*parameters, source, "rope_parameters.");
     LATHE_ASSIGN_OR_RETURN(config.rope_theta, rope.PositiveDouble("rope_theta", 10000.0));
+    if (phi3 && rope.Find("partial_rotary_factor") != nullptr) {
+      LATHE_ASSIGN_OR_RETURN(config.partial_rotary_factor,
+                             rope.PositiveDouble("partial_rotary_factor", 1.0));
+    } else if (phi3) {
+      LATHE_ASSIGN_OR_RETURN(config.partial_rotary_factor,
+                             fields.PositiveDouble("partial_rotary_factor", 1.0));
+    }
   } else {
     LATHE_ASSIGN_OR_RETURN(config.rope_theta, fields.PositiveDouble("rope_theta", 10000.0));
-    LATHE_ASSIGN_OR_RETURN(config.rope_scaling, ParseRopeScaling(fields, source, "rope_scaling"));
+    LATHE_ASSIGN_OR_RETURN(config.rope_scaling,
+                           ParseRopeScaling(fields, source, "rope_scaling", config.model_type));
+    if (phi3) {
+      LATHE_ASSIGN_OR_RETURN(config.partial_rotary_factor,
+                             fields.PositiveDouble("partial_rotary_factor", 1.0));
+    }
+  }
+  if (phi3) {
+    const int64_t rotary = RotaryDim(config);
+    if (config.partial_rotary_factor > 1.0 || rotary <= 0 || rotary % 2 != 0) {
+      return fields.Error(
+          "partial_rotary_factor",
+          absl::StrCat(config.partial_rotary_factor, " of head_dim ", config.head_dim, " rotates ",
+                       rotary, " features (must be even, > 0 and at most head_dim)"));
+    }
+    if (config.rope_scaling.kind == RopeScaling::Kind::kLongRope) {
+      LATHE_RETURN_IF_ERROR(
+          FinishLongRope(fields, in_parameters ? "rope_parameters" : "rope_scaling", config));
+    }
   }
   LATHE_ASSIGN_OR_RETURN(config.tie_word_embeddings,
                          fields.BoolOr("tie_word_embeddings", IsGemma(config)));
@@ -430,6 +560,20 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
     config.o_bias = attention_bias;
   }
   config.qk_norm = config.model_type == "qwen3" || config.model_type == "gemma3_text";
+  if (phi3) {
+    // Transformers' Phi3 has no biases and no dropout Lathe would apply; Phi-4-mini's
+    // config.json carries the switches of its remote code, refused where they are on.
+    for (absl::string_view key : {"attention_bias", "mlp_bias", "lm_head_bias"}) {
+      LATHE_ASSIGN_OR_RETURN(bool on, fields.BoolOr(key, false));
+      if (on) return fields.Error(key, "true is not supported for phi3 (no biases)");
+    }
+    for (absl::string_view key : {"attention_dropout", "resid_pdrop"}) {
+      LATHE_ASSIGN_OR_RETURN(std::optional<double> dropout, fields.Double(key));
+      if (dropout.value_or(0.0) != 0.0) {
+        return fields.Error(key, absl::StrCat(*dropout, " is not supported (only 0)"));
+      }
+    }
+  }
   if (IsGemma(config)) {
     LATHE_RETURN_IF_ERROR(ParseGemma(root, fields, config));
   } else {
@@ -448,6 +592,11 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   if (!bos.empty()) config.bos_token_id = bos.front();
   LATHE_ASSIGN_OR_RETURN(config.eos_token_ids,
                          ParseTokenIds(fields, "eos_token_id", config.vocab_size));
+  if (!IsGemma(config)) {  // Gemma's is read with its other settings (ParseGemma)
+    LATHE_ASSIGN_OR_RETURN(std::vector<int64_t> pad,
+                           ParseTokenIds(fields, "pad_token_id", config.vocab_size));
+    if (!pad.empty()) config.pad_token_id = pad.front();
+  }
   return config;
 }
 
@@ -468,18 +617,59 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& dir) {
   return ParseModelConfig(text, path);
 }
 
-const std::vector<std::string>& LoraTargetModules() {
-  static const auto* const kModules = new std::vector<std::string>{
-      "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  return *kModules;
+int64_t RotaryDim(const ModelConfig& config) {
+  // Transformers: int(head_dim * partial_rotary_factor).
+  return static_cast<int64_t>(static_cast<double>(config.head_dim) * config.partial_rotary_factor);
 }
 
-bool IsLoraTargetModule(absl::string_view module) {
-  for (const std::string& target : LoraTargetModules()) {
-    if (target == module) return true;
-  }
-  return false;
+const std::vector<std::string>& ProjectionModules(const ModelConfig& config) {
+  static const auto* const kSeparate = new std::vector<std::string>{
+      "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  static const auto* const kPhi3 =
+      new std::vector<std::string>{"qkv_proj", "o_proj", "gate_up_proj", "down_proj"};
+  return config.model_type == "phi3" ? *kPhi3 : *kSeparate;
 }
+
+const std::vector<std::string>& AllProjectionModules() {
+  static const auto* const kAll =
+      new std::vector<std::string>{"q_proj",    "k_proj",  "v_proj",       "qkv_proj", "o_proj",
+                                   "gate_proj", "up_proj", "gate_up_proj", "down_proj"};
+  return *kAll;
+}
+
+bool IsProjectionModule(absl::string_view module) {
+  const std::vector<std::string>& all = AllProjectionModules();
+  return std::find(all.begin(), all.end(), module) != all.end();
+}
+
+absl::StatusOr<std::vector<std::string>> LoraTargetsOf(const ModelConfig& config,
+                                                       const std::vector<std::string>& targets) {
+  const std::vector<std::string>& modules = ProjectionModules(config);
+  if (targets.empty()) return modules;
+  for (const std::string& target : targets) {
+    if (std::find(modules.begin(), modules.end(), target) == modules.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lora.targets: \"", target, "\" is not a projection of this ", config.model_type,
+          " model (its modules: ", absl::StrJoin(modules, ", "), ")"));
+    }
+  }
+  std::vector<std::string> ordered;
+  for (const std::string& module : modules) {
+    if (std::find(targets.begin(), targets.end(), module) != targets.end()) {
+      ordered.push_back(module);
+    }
+  }
+  return ordered;
+}
+
+namespace {
+
+bool IsAttentionProjection(absl::string_view module) {
+  return module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "qkv_proj" ||
+         module == "o_proj";
+}
+
+}  // namespace
 
 ProjectionShape ProjectionShapeOf(const ModelConfig& config, absl::string_view module) {
   const int64_t hidden = config.hidden_size;
@@ -487,16 +677,17 @@ ProjectionShape ProjectionShapeOf(const ModelConfig& config, absl::string_view m
   const int64_t kv_features = config.num_key_value_heads * config.head_dim;
   if (module == "q_proj") return {hidden, q_features};
   if (module == "k_proj" || module == "v_proj") return {hidden, kv_features};
+  if (module == "qkv_proj") return {hidden, q_features + 2 * kv_features};
   if (module == "o_proj") return {q_features, hidden};
   if (module == "down_proj") return {config.intermediate_size, hidden};
+  if (module == "gate_up_proj") return {hidden, 2 * config.intermediate_size};
   // gate_proj, up_proj.
   return {hidden, config.intermediate_size};
 }
 
 std::string ProjectionName(int64_t layer, absl::string_view module) {
-  const bool attention =
-      module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
-  return absl::StrCat("model.layers.", layer, attention ? ".self_attn." : ".mlp.", module);
+  return absl::StrCat("model.layers.", layer,
+                      IsAttentionProjection(module) ? ".self_attn." : ".mlp.", module);
 }
 
 std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
@@ -506,8 +697,8 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
     const std::string prefix = absl::StrCat("model.layers.", layer, ".");
     weights.push_back({prefix + "input_layernorm.weight", {hidden}});
-    for (const std::string& module : LoraTargetModules()) {
-      if (module == "gate_proj") {
+    for (const std::string& module : ProjectionModules(config)) {
+      if (module == "gate_proj" || module == "gate_up_proj") {
         weights.push_back({prefix + "post_attention_layernorm.weight", {hidden}});
         // Gemma: the MLP between its own pair of norms.
         if (IsGemma(config))
@@ -516,8 +707,7 @@ std::vector<WeightSpec> ExpectedWeights(const ModelConfig& config) {
       const std::string name = ProjectionName(layer, module);
       const ProjectionShape shape = ProjectionShapeOf(config, module);
       weights.push_back({name + ".weight", {shape.out_features, shape.in_features}});
-      const bool attention =
-          module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
+      const bool attention = IsAttentionProjection(module);
       const bool bias = module == "o_proj" ? config.o_bias
                         : attention        ? config.qkv_bias
                                            : config.mlp_bias;
@@ -585,6 +775,20 @@ std::string ModelConfigToJson(const ModelConfig& config) {
           {"high_freq_factor", rope.high_freq_factor},
           {"original_max_position_embeddings", rope.original_max_position_embeddings}};
       break;
+    case RopeScaling::Kind::kLongRope:
+      // The attention factor as computed, so that it need not be derived again.
+      json["rope_scaling"] = {{"rope_type", "longrope"},
+                              {"short_factor", rope.short_factor},
+                              {"long_factor", rope.long_factor},
+                              {"factor", rope.factor},
+                              {"attention_factor", rope.attention_factor}};
+      break;
+  }
+  if (config.model_type == "phi3") {
+    json["partial_rotary_factor"] = config.partial_rotary_factor;
+    if (rope.kind == RopeScaling::Kind::kLongRope) {
+      json["original_max_position_embeddings"] = rope.original_max_position_embeddings;
+    }
   }
   json["tie_word_embeddings"] = config.tie_word_embeddings;
   if (config.model_type == "gemma3_text")
@@ -622,6 +826,11 @@ std::string ModelConfigToJson(const ModelConfig& config) {
   }
   if (!config.torch_dtype.empty()) json["torch_dtype"] = config.torch_dtype;
   if (config.bos_token_id.has_value()) json["bos_token_id"] = *config.bos_token_id;
+  if (config.pad_token_id.has_value()) {
+    json["pad_token_id"] = *config.pad_token_id;
+  } else if (config.model_type == "phi3") {
+    json["pad_token_id"] = nullptr;  // not Phi3Config's default 32000
+  }
   if (config.eos_token_ids.size() == 1) {
     json["eos_token_id"] = config.eos_token_ids.front();
   } else if (!config.eos_token_ids.empty()) {

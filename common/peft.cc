@@ -25,10 +25,14 @@ constexpr int64_t kDefaultR = 8;
 constexpr double kDefaultLoraAlpha = 8.0;
 
 absl::string_view BlockOf(absl::string_view module) {
-  if (module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj") {
+  if (module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "qkv_proj" ||
+      module == "o_proj") {
     return "self_attn.";
   }
-  if (module == "gate_proj" || module == "up_proj" || module == "down_proj") return "mlp.";
+  if (module == "gate_proj" || module == "up_proj" || module == "gate_up_proj" ||
+      module == "down_proj") {
+    return "mlp.";
+  }
   return "";
 }
 

@@ -58,8 +58,7 @@ absl::Status CheckLoraInitFrom(const std::string& dir, const ModelConfig& config
   const std::string weights_path = dir + "/adapter_model.safetensors";
   LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const SafetensorsFile> file,
                          SafetensorsFile::Open(weights_path));
-  LATHE_ASSIGN_OR_RETURN(std::vector<LoraTarget> targets,
-                         MatchLoraTargets(lora, config.num_hidden_layers, LoraTargetModules()));
+  LATHE_ASSIGN_OR_RETURN(std::vector<LoraTarget> targets, MatchLoraTargets(lora, config));
   for (const LoraTarget& target : targets) {
     const ProjectionShape shape = ProjectionShapeOf(config, target.module);
     for (const auto& [which, want] :

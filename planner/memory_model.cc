@@ -450,11 +450,12 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   // largest rank any target has (exact without patterns; an upper bound with them).
   // PlanAsGiven has checked that the targets match.
   job.lora_rank = spec.lora.rank;
-  job.lora_targets = spec.lora.targets;
+  job.lora_targets = LoraTargetsOn(model, spec.lora.targets);
+  const std::vector<std::string>& modules = ProjectionNamesOf(model);
   if (absl::StatusOr<std::vector<LoraTarget>> targets =
-          MatchLoraTargets(spec.lora, model.num_layers, LoraTargetModules());
+          MatchLoraTargets(spec.lora, model.num_layers, modules);
       targets.ok()) {
-    job.lora_targets = ModulesOfTargets(*targets, LoraTargetModules());
+    job.lora_targets = ModulesOfTargets(*targets, modules);
     job.lora_rank = 0;
     for (const LoraTarget& target : *targets) job.lora_rank = std::max(job.lora_rank, target.rank);
   }

@@ -3,26 +3,45 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "common/flat_layout.h"
+#include "common/model_config.h"
 
 namespace lathe {
+
+const std::vector<std::string>& ProjectionNamesOf(const ModelShape& shape) {
+  ModelConfig config;
+  config.model_type = std::string(ModelFamilyName(shape.family));
+  return ProjectionModules(config);
+}
+
+std::vector<std::string> LoraTargetsOn(const ModelShape& shape,
+                                       const std::vector<std::string>& targets) {
+  return targets.empty() ? ProjectionNamesOf(shape) : targets;
+}
 
 absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name) {
   const int64_t h = shape.hidden_size, i = shape.intermediate_size;
   const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
-  if (name == "q_proj") return ProjectionDims{h, q};
-  if (name == "k_proj" || name == "v_proj") return ProjectionDims{h, kv};
-  if (name == "o_proj") return ProjectionDims{q, h};
-  if (name == "gate_proj" || name == "up_proj") return ProjectionDims{h, i};
-  if (name == "down_proj") return ProjectionDims{i, h};
-  return absl::InvalidArgumentError(absl::StrCat("lora.targets: \"", name, "\" is not a ",
-                                                 ModelFamilyName(shape.family), " projection"));
+  const std::vector<std::string>& names = ProjectionNamesOf(shape);
+  const bool known = std::find(names.begin(), names.end(), name) != names.end();
+  if (known && name == "q_proj") return ProjectionDims{h, q};
+  if (known && (name == "k_proj" || name == "v_proj")) return ProjectionDims{h, kv};
+  if (known && name == "qkv_proj") return ProjectionDims{h, q + 2 * kv};
+  if (known && name == "o_proj") return ProjectionDims{q, h};
+  if (known && (name == "gate_proj" || name == "up_proj")) return ProjectionDims{h, i};
+  if (known && name == "gate_up_proj") return ProjectionDims{h, 2 * i};
+  if (known && name == "down_proj") return ProjectionDims{i, h};
+  // The words of common/model_config.h's LoraTargetsOf, which the engine answers.
+  return absl::InvalidArgumentError(absl::StrCat(
+      "lora.targets: \"", name, "\" is not a projection of this ", ModelFamilyName(shape.family),
+      " model (its modules: ", absl::StrJoin(names, ", "), ")"));
 }
 
 absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
                                            const std::vector<std::string>& targets) {
   int64_t total = 0;
-  for (const std::string& target : targets) {
+  for (const std::string& target : LoraTargetsOn(shape, targets)) {
     absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
     if (!p.ok()) return p.status();
     total += rank * (p->in + p->out);  // A [rank, in] and B [out, rank]
@@ -54,7 +73,7 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
     const std::vector<std::string>& targets) {
   std::vector<TrainableShape> shapes;
   if (method != Method::kFull) {
-    for (const std::string& target : targets) {
+    for (const std::string& target : LoraTargetsOn(shape, targets)) {
       absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
       if (!p.ok()) return p.status();
       for (int64_t layer = 0; layer < shape.num_layers; ++layer) {

@@ -24,18 +24,26 @@ struct UnitElements {
   int64_t trainable = 0;
 };
 
-// The [in, out] features of a projection by the engine's name (q_proj, k_proj, v_proj,
-// o_proj, gate_proj, up_proj, down_proj). INVALID_ARGUMENT "lora.targets: ..." for a name
-// the family has no projection of.
+// The engine's projections of `shape`'s family, in model order (common/model_config.h's
+// ProjectionModules): Phi-3's qkv_proj, o_proj, gate_up_proj, down_proj; the others' seven.
+const std::vector<std::string>& ProjectionNamesOf(const ModelShape& shape);
+
+// A spec's lora.targets on `shape`: every projection of the family when empty (the spec's
+// default), else `targets` as given.
+std::vector<std::string> LoraTargetsOn(const ModelShape& shape,
+                                       const std::vector<std::string>& targets);
+
+// The [in, out] features of a projection by the engine's name (ProjectionNamesOf).
+// INVALID_ARGUMENT "lora.targets: ..." for a name the family has no projection of.
 struct ProjectionDims {
   int64_t in = 0;
   int64_t out = 0;
 };
 absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name);
 
-// LoRA parameters of one block for `rank` on `targets` (the engine's names: q_proj, k_proj,
-// v_proj, o_proj, gate_proj, up_proj, down_proj). INVALID_ARGUMENT "lora.targets: ..." for
-// a name the family has no projection of.
+// LoRA parameters of one block for `rank` on `targets` (the engine's names; empty: every
+// projection, LoraTargetsOn). INVALID_ARGUMENT "lora.targets: ..." for a name the family
+// has no projection of.
 absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
                                            const std::vector<std::string>& targets);
 

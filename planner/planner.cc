@@ -18,6 +18,7 @@ namespace {
 // The engine's FLOPs per token (common/flops.h) need only the shape's sizes.
 ModelConfig ConfigOf(const ModelShape& shape) {
   ModelConfig config;
+  config.model_type = std::string(ModelFamilyName(shape.family));  // its projections
   config.vocab_size = shape.vocab_size;
   config.hidden_size = shape.hidden_size;
   config.intermediate_size = shape.intermediate_size;
@@ -130,8 +131,7 @@ std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
 absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& shape,
                                        const PlanOptions& options) {
   if (TrainsLora(spec)) {
-    absl::Status targets =
-        MatchLoraTargets(spec.lora, shape.num_layers, LoraTargetModules()).status();
+    absl::Status targets = MatchLoraTargets(spec.lora, ConfigOf(shape)).status();
     if (!targets.ok()) return targets;
   }
   const JobShape job = JobShapeOf(spec, shape);

@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -24,6 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/allowed_roots.h"
 #include "common/command_line.h"
@@ -499,8 +501,7 @@ absl::Status LoadAdapter(const std::string& adapter_dir, CausalLm* model) {
   SetSpecTargets(adapter, &lora);
   lora.rank_pattern = adapter.rank_pattern;
   lora.alpha_pattern = adapter.alpha_pattern;
-  if (absl::StatusOr<std::vector<LoraTarget>> targets =
-          MatchLoraTargets(lora, model->config().num_hidden_layers, LoraTargetModules());
+  if (absl::StatusOr<std::vector<LoraTarget>> targets = MatchLoraTargets(lora, model->config());
       !targets.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(
         config_path,

@@ -154,8 +154,14 @@ class WorkerTrainBadInputTest(unittest.TestCase):
                                "token id 256", "vocab_size 256")
 
     def test_unknown_target_module(self):
+        self.expect_spec_error(self.spec(lora__targets=["q_proj", "qproj"]),
+                               "lora.targets[1]", "qproj")
+
+    def test_target_module_of_another_architecture(self):
+        # Phi-3's fused qkv_proj is a projection name, but not one of this Llama's.
         self.expect_spec_error(self.spec(lora__targets=["q_proj", "qkv_proj"]),
-                               "lora.targets[1]", "qkv_proj")
+                               "lora.targets", "qkv_proj", "is not a projection of this llama",
+                               "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
 
     def test_rank_not_positive(self):
         self.expect_spec_error(self.spec(lora__rank=0), "lora.rank")

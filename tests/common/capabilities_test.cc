@@ -109,6 +109,7 @@ TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
   EXPECT_TRUE(IsSupportedModelType("gemma2"));
   EXPECT_TRUE(IsSupportedModelType("gemma3_text"));
   EXPECT_FALSE(IsSupportedModelType("gemma3"));  // the multimodal model
+  EXPECT_TRUE(IsSupportedModelType("phi3"));
   EXPECT_FALSE(IsSupportedModelType("gemma"));
   absl::StatusOr<ModelConfig> config = ParseModelConfig(
       R"({"model_type": "gemma", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
@@ -117,7 +118,7 @@ TEST(CapabilitiesTest, ModelTypesComeFromTheList) {
   EXPECT_THAT(
       std::string(config.status().message()),
       HasSubstr("model_type: unsupported \"gemma\" (supported: llama, mistral, qwen2, qwen3, "
-                "gemma2, gemma3_text)"));
+                "gemma2, gemma3_text, phi3)"));
 }
 
 }  // namespace

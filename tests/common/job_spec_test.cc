@@ -214,8 +214,7 @@ output: /out
   EXPECT_EQ(spec.lora.rank, 16);
   EXPECT_EQ(spec.lora.alpha, 32.0);
   EXPECT_EQ(spec.lora.dropout, 0.0);
-  EXPECT_THAT(spec.lora.targets, ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                             "up_proj", "down_proj"));
+  EXPECT_TRUE(spec.lora.targets.empty());  // every projection of the model
   EXPECT_FALSE(spec.lora.use_rslora);
   EXPECT_EQ(spec.lora.init_from, "");
   EXPECT_EQ(spec.train.steps, 0);
@@ -576,7 +575,7 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"lora", "{targets: []}"}}, "job.yaml: lora.targets: must not be empty"},
       {{{"lora", "{targets: [q_proj, k_proj, qproj]}"}},
        "job.yaml: lora.targets[2]: unknown module \"qproj\" (expected one of: q_proj, k_proj, "
-       "v_proj, o_proj, gate_proj, up_proj, down_proj)"},
+       "v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj)"},
       {{{"lora", "{targets: [self_attn.qproj]}"}},
        "job.yaml: lora.targets[0]: unknown module \"self_attn.qproj\""},
       {{{"lora", "{targets: [q_proj, v_proj, q_proj]}"}},

@@ -183,5 +183,44 @@ TEST(LoraTargetsTest, PeftTargetModules) {
   EXPECT_THAT(MustMatch(back, 2), ElementsAre(T(0, "q_proj"), T(0, "down_proj")));
 }
 
+// Against a model's own projections (ProjectionModules): Phi-3's fused ones take every target
+// form and pattern, no targets at all (the spec's default) is every projection of the model,
+// and a projection of another architecture is refused by name.
+TEST(LoraTargetsTest, MatchesTheModelsOwnProjections) {
+  ModelConfig phi3;
+  phi3.model_type = "phi3";
+  phi3.num_hidden_layers = 2;
+  const LoraSpec defaults;
+  ASSERT_TRUE(defaults.targets.empty() && defaults.targets_pattern.empty());
+  absl::StatusOr<std::vector<LoraTarget>> every = MatchLoraTargets(defaults, phi3);
+  ASSERT_TRUE(every.ok()) << every.status();
+  EXPECT_THAT(*every, ElementsAre(T(0, "qkv_proj"), T(0, "o_proj"), T(0, "gate_up_proj"),
+                                  T(0, "down_proj"), T(1, "qkv_proj"), T(1, "o_proj"),
+                                  T(1, "gate_up_proj"), T(1, "down_proj")));
+  PeftAdapterConfig config;
+  SetPeftTargetModules(defaults, *every, &config);
+  EXPECT_THAT(config.target_modules,
+              ElementsAre("qkv_proj", "o_proj", "gate_up_proj", "down_proj"));
+
+  LoraSpec regex = PatternOf(R"(.*\.layers\.1\.(self_attn\.qkv|mlp\.gate_up)_proj)");
+  regex.rank_pattern = {{"qkv_proj", 4}};
+  absl::StatusOr<std::vector<LoraTarget>> matched = MatchLoraTargets(regex, phi3);
+  ASSERT_TRUE(matched.ok()) << matched.status();
+  EXPECT_THAT(*matched,
+              ElementsAre(LoraTarget{1, "qkv_proj", 4, defaults.alpha}, T(1, "gate_up_proj")));
+  absl::StatusOr<std::vector<LoraTarget>> all = MatchLoraTargets(PatternOf("all-linear"), phi3);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, *every);
+
+  EXPECT_EQ(MatchLoraTargets(ListOf({"qkv_proj", "self_attn.q_proj"}), phi3).status().message(),
+            "lora.targets: \"q_proj\" is not a projection of this phi3 model (its modules: "
+            "qkv_proj, o_proj, gate_up_proj, down_proj)");
+  ModelConfig llama = phi3;
+  llama.model_type = "llama";
+  EXPECT_THAT(MatchLoraTargets(ListOf({"gate_up_proj"}), llama).status().message(),
+              HasSubstr("\"gate_up_proj\" is not a projection of this llama model"));
+  EXPECT_EQ(MatchLoraTargets(defaults, llama)->size(), 14u);
+}
+
 }  // namespace
 }  // namespace lathe

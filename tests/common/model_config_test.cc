@@ -204,6 +204,83 @@ constexpr char kGemma3_1B[] = R"json({
   "vocab_size": 262144
 })json";
 
+// config.json of microsoft/Phi-3-mini-4k-instruct (auto_map left out).
+constexpr char kPhi3Mini4k[] = R"json({
+  "architectures": ["Phi3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "embd_pdrop": 0.0,
+  "eos_token_id": 32000,
+  "hidden_act": "silu",
+  "hidden_size": 3072,
+  "initializer_range": 0.02,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 4096,
+  "model_type": "phi3",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 32,
+  "original_max_position_embeddings": 4096,
+  "pad_token_id": 32000,
+  "resid_pdrop": 0.0,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "rope_theta": 10000.0,
+  "sliding_window": 2047,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.2",
+  "use_cache": true,
+  "vocab_size": 32064
+})json";
+
+// config.json of microsoft/Phi-4-mini-instruct (auto_map left out), its 48 short and long
+// LongRoPE factors replaced by Phi4MiniFactors' (the same count).
+nlohmann::json Phi4Mini() {
+  nlohmann::json json = nlohmann::json::parse(R"json({
+    "architectures": ["Phi3ForCausalLM"],
+    "attention_bias": false,
+    "attention_dropout": 0.0,
+    "bos_token_id": 199999,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 199999,
+    "full_attn_mod": 1,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "interpolate_factor": 1,
+    "lm_head_bias": false,
+    "max_position_embeddings": 131072,
+    "mlp_bias": false,
+    "model_type": "phi3",
+    "num_attention_heads": 24,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "original_max_position_embeddings": 4096,
+    "pad_token_id": 199999,
+    "partial_rotary_factor": 0.75,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 262144,
+    "tie_word_embeddings": true,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0",
+    "use_cache": true,
+    "vocab_size": 200064
+  })json");
+  std::vector<double> short_factor, long_factor;
+  for (int i = 0; i < 48; ++i) {
+    short_factor.push_back(1.0 + 0.01 * i);
+    long_factor.push_back(1.0 + 0.5 * i);
+  }
+  json["rope_scaling"] = {
+      {"long_factor", long_factor}, {"short_factor", short_factor}, {"type", "longrope"}};
+  return json;
+}
+
 // A tiny Llama with grouped-query attention (4 heads over 2 KV heads) and every bias on.
 nlohmann::json TinyLlama() {
   return {{"model_type", "llama"},    {"vocab_size", 10},
@@ -244,6 +321,10 @@ void ExpectSameConfig(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.o_bias, b.o_bias);
   EXPECT_EQ(a.mlp_bias, b.mlp_bias);
   EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(a.partial_rotary_factor, b.partial_rotary_factor);
+  EXPECT_EQ(a.rope_scaling.short_factor, b.rope_scaling.short_factor);
+  EXPECT_EQ(a.rope_scaling.long_factor, b.rope_scaling.long_factor);
+  EXPECT_EQ(a.rope_scaling.attention_factor, b.rope_scaling.attention_factor);
   EXPECT_EQ(a.sliding_window, b.sliding_window);
   EXPECT_EQ(a.sliding_layers, b.sliding_layers);
   EXPECT_EQ(a.query_pre_attn_scalar, b.query_pre_attn_scalar);
@@ -546,6 +627,174 @@ TEST(ModelConfigTest, GemmaJsonRoundTrip) {
   }
 }
 
+TEST(ModelConfigTest, ParsesPhi3Mini4k) {
+  ModelConfig config = MustParse(kPhi3Mini4k);
+  EXPECT_EQ(config.model_type, "phi3");
+  EXPECT_EQ(config.architecture, "Phi3ForCausalLM");
+  EXPECT_EQ(config.head_dim, 96);
+  EXPECT_EQ(config.partial_rotary_factor, 1.0);
+  EXPECT_EQ(RotaryDim(config), 96);
+  EXPECT_EQ(config.rope_scaling.kind, RopeScaling::Kind::kNone);
+  EXPECT_EQ(config.sliding_window, 2047);  // as Mistral's: every layer
+  EXPECT_FALSE(config.qkv_bias || config.o_bias || config.mlp_bias || config.qk_norm);
+  EXPECT_EQ(config.rms_norm_eps, 1e-5);
+  EXPECT_EQ(config.pad_token_id, 32000);
+  EXPECT_THAT(ProjectionModules(config),
+              ElementsAre("qkv_proj", "o_proj", "gate_up_proj", "down_proj"));
+
+  // Embeddings and head 32064 x 3072 + 32 blocks of 113,252,352 (qkv 3072x9216, o 3072x3072,
+  // gate_up 3072x16384, down 8192x3072, 2 norms) + the final norm.
+  EXPECT_EQ(ParameterCount(config), 3821079552);  // published: 3.8B
+  std::vector<WeightSpec> weights = ExpectedWeights(config);
+  ASSERT_EQ(weights.size(), 1u + 32 * 6 + 2);
+  std::vector<std::string> layer0;
+  for (int i = 1; i <= 6; ++i) layer0.push_back(weights[i].name);
+  EXPECT_THAT(layer0, ElementsAre("model.layers.0.input_layernorm.weight",
+                                  "model.layers.0.self_attn.qkv_proj.weight",
+                                  "model.layers.0.self_attn.o_proj.weight",
+                                  "model.layers.0.post_attention_layernorm.weight",
+                                  "model.layers.0.mlp.gate_up_proj.weight",
+                                  "model.layers.0.mlp.down_proj.weight"));
+  EXPECT_THAT(weights[2].shape, ElementsAre(9216, 3072));
+  EXPECT_THAT(weights[5].shape, ElementsAre(16384, 3072));
+  EXPECT_THAT(weights[6].shape, ElementsAre(3072, 8192));
+
+  // rms_norm_eps defaults to Phi3Config's 1e-5.
+  nlohmann::json no_eps = nlohmann::json::parse(kPhi3Mini4k);
+  no_eps.erase("rms_norm_eps");
+  EXPECT_EQ(MustParse(no_eps.dump()).rms_norm_eps, 1e-5);
+}
+
+TEST(ModelConfigTest, ParsesPhi4MiniLongRope) {
+  ModelConfig config = MustParse(Phi4Mini().dump());
+  EXPECT_EQ(config.head_dim, 128);
+  EXPECT_EQ(config.partial_rotary_factor, 0.75);
+  EXPECT_EQ(RotaryDim(config), 96);
+  EXPECT_TRUE(config.tie_word_embeddings);
+  const RopeScaling& rope = config.rope_scaling;
+  EXPECT_EQ(rope.kind, RopeScaling::Kind::kLongRope);  // "type": "longrope"
+  ASSERT_EQ(rope.short_factor.size(), 48u);
+  EXPECT_EQ(rope.short_factor[47], 1.47);
+  EXPECT_EQ(rope.long_factor[1], 1.5);
+  EXPECT_EQ(rope.original_max_position_embeddings, 4096);
+  // factor 131072 / 4096 = 32: sqrt(1 + ln 32 / ln 4096) = sqrt(17 / 12).
+  EXPECT_EQ(rope.factor, 32.0);
+  EXPECT_DOUBLE_EQ(rope.attention_factor, std::sqrt(17.0 / 12.0));
+  EXPECT_EQ(config.sliding_window, 262144);
+  // qkv: (24 + 2 x 8) x 128 = 5120 rows.
+  EXPECT_EQ(ProjectionShapeOf(config, "qkv_proj").out_features, 5120);
+  EXPECT_EQ(ProjectionShapeOf(config, "gate_up_proj").out_features, 16384);
+  EXPECT_EQ(ParameterCount(config), 3836021760);  // published: 3.8B
+  // No pad_token_id: written as null, not left to Phi3Config's default 32000.
+  nlohmann::json unpadded = Phi4Mini();
+  unpadded.erase("pad_token_id");
+  EXPECT_TRUE(nlohmann::json::parse(ModelConfigToJson(MustParse(unpadded.dump())))["pad_token_id"]
+                  .is_null());
+
+  // A given factor or attention_factor is used as transformers uses it; the top-level
+  // original_max_position_embeddings wins over the scaling object's.
+  nlohmann::json json = Phi4Mini();
+  json["rope_scaling"]["factor"] = 8.0;
+  json["rope_scaling"]["original_max_position_embeddings"] = 2048;
+  ModelConfig given = MustParse(json.dump());
+  EXPECT_EQ(given.rope_scaling.original_max_position_embeddings, 4096);
+  EXPECT_DOUBLE_EQ(given.rope_scaling.attention_factor,
+                   std::sqrt(1 + std::log(8.0) / std::log(4096.0)));
+  json["rope_scaling"]["attention_factor"] = 1.25;
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.attention_factor, 1.25);
+  // No longer than the original length: no attention scaling.
+  json = Phi4Mini();
+  json["max_position_embeddings"] = 4096;
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.attention_factor, 1.0);
+  // Without the top-level key, Phi3Config's default 4096.
+  json = Phi4Mini();
+  json.erase("original_max_position_embeddings");
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.original_max_position_embeddings, 4096);
+  // "su" (the first Phi-3 128k configs) is LongRoPE.
+  json["rope_scaling"]["type"] = "su";
+  EXPECT_EQ(MustParse(json.dump()).rope_scaling.kind, RopeScaling::Kind::kLongRope);
+  // Transformers 5: everything in rope_parameters.
+  json = Phi4Mini();
+  json["rope_parameters"] = json["rope_scaling"];
+  json["rope_parameters"]["rope_theta"] = 250000.0;
+  json["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  json["rope_parameters"]["short_factor"] = std::vector<double>(32, 1.0);
+  json["rope_parameters"]["long_factor"] = std::vector<double>(32, 2.0);
+  json.erase("rope_scaling");
+  json.erase("rope_theta");
+  ModelConfig five = MustParse(json.dump());
+  EXPECT_EQ(five.rope_theta, 250000.0);
+  EXPECT_EQ(RotaryDim(five), 64);
+  EXPECT_EQ(five.rope_scaling.long_factor.size(), 32u);
+}
+
+TEST(ModelConfigTest, Phi3RefusesWhatLatheDoesNotImplement) {
+  const std::vector<std::tuple<std::string, std::function<void(nlohmann::json&)>, std::string>>
+      cases = {
+          {"linear scaling",
+           [](auto& j) {
+             j["rope_scaling"] = {{"type", "linear"}, {"factor", 2}};
+           },
+           "rope_scaling.rope_type: unsupported \"linear\" for phi3 (supported: default, "
+           "longrope)"},
+          {"short factors",
+           [](auto& j) {
+             j["rope_scaling"]["short_factor"] = {1.0, 2.0};
+           },
+           "rope_scaling.short_factor: 2 entries for 48 rotary frequencies"},
+          {"long factors missing", [](auto& j) { j["rope_scaling"].erase("long_factor"); },
+           "rope_scaling.long_factor: required field is missing"},
+          {"factor not > 0", [](auto& j) { j["rope_scaling"]["long_factor"][3] = 0; },
+           "rope_scaling.long_factor: entry 3: expected a number > 0, got 0"},
+          {"odd rotary", [](auto& j) { j["partial_rotary_factor"] = 0.7; },
+           "partial_rotary_factor: 0.7 of head_dim 128 rotates 89 features"},
+          {"rotary above 1", [](auto& j) { j["partial_rotary_factor"] = 1.5; },
+           "partial_rotary_factor: 1.5 of head_dim 128"},
+          {"attention_bias", [](auto& j) { j["attention_bias"] = true; },
+           "attention_bias: true is not supported for phi3"},
+          {"mlp_bias", [](auto& j) { j["mlp_bias"] = true; },
+           "mlp_bias: true is not supported for phi3"},
+          {"lm_head_bias", [](auto& j) { j["lm_head_bias"] = true; },
+           "lm_head_bias: true is not supported for phi3"},
+          {"resid_pdrop", [](auto& j) { j["resid_pdrop"] = 0.1; },
+           "resid_pdrop: 0.1 is not supported (only 0)"},
+          {"attention_dropout", [](auto& j) { j["attention_dropout"] = 0.1; },
+           "attention_dropout: 0.1 is not supported (only 0)"},
+      };
+  for (const auto& [what, edit, message] : cases) {
+    SCOPED_TRACE(what);
+    nlohmann::json json = Phi4Mini();
+    edit(json);
+    absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump(), "/m/config.json");
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr("/m/config.json: " + message));
+  }
+  // LongRoPE is Phi-3's only.
+  nlohmann::json llama = TinyLlama();
+  llama["rope_scaling"] = Phi4Mini()["rope_scaling"];
+  EXPECT_THAT(ParseModelConfig(llama.dump(), "c").status().message(),
+              HasSubstr("rope_scaling.rope_type: unsupported \"longrope\""));
+}
+
+TEST(ModelConfigTest, LoraTargetsAreTheModelsProjections) {
+  ModelConfig phi3 = MustParse(kPhi3Mini4k);
+  ModelConfig llama = MustParse(TinyLlama().dump());
+  EXPECT_THAT(*LoraTargetsOf(phi3, {}),
+              ElementsAre("qkv_proj", "o_proj", "gate_up_proj", "down_proj"));
+  EXPECT_EQ(*LoraTargetsOf(llama, {}), ProjectionModules(llama));
+  // In model order, whatever the spec's order.
+  EXPECT_THAT(*LoraTargetsOf(phi3, {"down_proj", "qkv_proj"}),
+              ElementsAre("qkv_proj", "down_proj"));
+  absl::StatusOr<std::vector<std::string>> wrong = LoraTargetsOf(phi3, {"qkv_proj", "q_proj"});
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(wrong.status().message(),
+            "lora.targets: \"q_proj\" is not a projection of this phi3 model (its modules: "
+            "qkv_proj, o_proj, gate_up_proj, down_proj)");
+  EXPECT_THAT(LoraTargetsOf(llama, {"gate_up_proj"}).status().message(),
+              HasSubstr("(its modules: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                        "down_proj)"));
+}
+
 TEST(ModelConfigTest, Defaults) {
   nlohmann::json json = {{"model_type", "llama"},  {"vocab_size", 10},
                          {"hidden_size", 8},       {"intermediate_size", 12},
@@ -717,14 +966,19 @@ TEST(ModelConfigTest, ProjectionNamesAndShapes) {
   EXPECT_EQ(ProjectionName(12, "up_proj"), "model.layers.12.mlp.up_proj");
   EXPECT_EQ(ProjectionName(1, "down_proj"), "model.layers.1.mlp.down_proj");
 
-  EXPECT_THAT(LoraTargetModules(), ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                               "up_proj", "down_proj"));
-  EXPECT_TRUE(IsLoraTargetModule("gate_proj"));
-  EXPECT_FALSE(IsLoraTargetModule("qproj"));
-  EXPECT_FALSE(IsLoraTargetModule("lm_head"));
-  EXPECT_FALSE(IsLoraTargetModule(""));
+  EXPECT_EQ(ProjectionName(2, "qkv_proj"), "model.layers.2.self_attn.qkv_proj");
+  EXPECT_EQ(ProjectionName(2, "gate_up_proj"), "model.layers.2.mlp.gate_up_proj");
 
   ModelConfig config = MustParse(TinyLlama().dump());
+  EXPECT_THAT(ProjectionModules(config), ElementsAre("q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj"));
+  EXPECT_TRUE(IsProjectionModule("gate_proj"));
+  EXPECT_TRUE(IsProjectionModule("qkv_proj"));
+  EXPECT_TRUE(IsProjectionModule("gate_up_proj"));
+  EXPECT_FALSE(IsProjectionModule("qproj"));
+  EXPECT_FALSE(IsProjectionModule("lm_head"));
+  EXPECT_FALSE(IsProjectionModule(""));
+
   auto shape = [&](const char* module) {
     ProjectionShape s = ProjectionShapeOf(config, module);
     return std::vector<int64_t>{s.in_features, s.out_features};
@@ -736,6 +990,9 @@ TEST(ModelConfigTest, ProjectionNamesAndShapes) {
   EXPECT_THAT(shape("gate_proj"), ElementsAre(8, 12));
   EXPECT_THAT(shape("up_proj"), ElementsAre(8, 12));
   EXPECT_THAT(shape("down_proj"), ElementsAre(12, 8));
+  // Phi-3's fused projections: q, k and v rows; gate and up rows.
+  EXPECT_THAT(shape("qkv_proj"), ElementsAre(8, 16));
+  EXPECT_THAT(shape("gate_up_proj"), ElementsAre(8, 24));
 }
 
 TEST(ModelConfigTest, JsonRoundTrip) {
@@ -758,7 +1015,7 @@ TEST(ModelConfigTest, JsonRoundTrip) {
   for (const std::string& text :
        {std::string(kLlama32_1B), std::string(kMistral7B), std::string(kQwen25_05B), linear.dump(),
         qwen_sliding.dump(), mistral_no_window.dump(), std::string(kQwen3_06B),
-        qwen3_bias_window.dump()}) {
+        qwen3_bias_window.dump(), std::string(kPhi3Mini4k), Phi4Mini().dump()}) {
     ModelConfig original = MustParse(text);
     SCOPED_TRACE(original.model_type);
     std::string written = ModelConfigToJson(original);
@@ -825,7 +1082,7 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
        "/m/config.json: model_type: required field is missing"},
       {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
        "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2, "
-       "qwen3, gemma2, gemma3_text)"},
+       "qwen3, gemma2, gemma3_text, phi3)"},
       // Mixture-of-experts configs (the planner refuses them by their expert keys too).
       {"mixtral",
        [](Json& j) {

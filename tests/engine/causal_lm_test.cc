@@ -31,6 +31,23 @@ ModelConfig TinyConfig(const std::string& type = "llama") {
   return c;
 }
 
+// A tiny Phi-3 rotating `partial` of each head, with LongRoPE when `original` > 0.
+ModelConfig TinyPhi3(double partial, int64_t original = 0) {
+  ModelConfig c = TinyConfig("phi3");
+  c.partial_rotary_factor = partial;
+  if (original > 0) {
+    RopeScaling& rope = c.rope_scaling;
+    rope.kind = RopeScaling::Kind::kLongRope;
+    rope.original_max_position_embeddings = original;
+    for (int64_t i = 0; i < RotaryDim(c) / 2; ++i) {
+      rope.short_factor.push_back(1.0 + 0.25 * static_cast<double>(i));
+      rope.long_factor.push_back(2.0 + 3.0 * static_cast<double>(i));
+    }
+    rope.attention_factor = 1.125;
+  }
+  return c;
+}
+
 std::unique_ptr<CausalLm> LoadModel(const TempDir& dir, const ModelConfig& config,
                                     DType dtype = DType::kF32, bool trainable = false,
                                     const ModelOptions& options = {}) {
@@ -157,14 +174,17 @@ LossAndGrads Backward(CausalLm& model, const at::Tensor& ids, uint64_t dropout_s
 TEST(CausalLm, ActivationCheckpointingGivesTheSameGradients) {
   // qwen2: q/k/v biases; qwen3: RMSNorm on q and k (trainable in full fine-tuning); gemma2
   // and gemma3_text: four norms a block, sliding and global layers (their own masks, and for
-  // Gemma 3 their own RoPE tables).
+  // Gemma 3 their own RoPE tables). phi3: fused qkv_proj and gate_up_proj, half of each head
+  // rotated, LongRoPE's long factors (16 positions beyond its original 8).
   for (const auto& [type, full] :
        {std::pair{"qwen2", false}, std::pair{"qwen2", true}, std::pair{"qwen3", false},
         std::pair{"qwen3", true}, std::pair{"gemma2", false}, std::pair{"gemma2", true},
-        std::pair{"gemma3_text", false}, std::pair{"gemma3_text", true}}) {
+        std::pair{"gemma3_text", false}, std::pair{"gemma3_text", true}, std::pair{"phi3", false},
+        std::pair{"phi3", true}}) {
     SCOPED_TRACE(absl::StrCat(type, full ? ": full fine-tuning" : ": LoRA with dropout"));
     TempDir dir;
     ModelConfig config = TinyConfig(type);
+    if (config.model_type == "phi3") config = TinyPhi3(0.5, /*original=*/8);
     ModelOptions checkpointed;
     checkpointed.activation_checkpointing = true;
     auto plain = LoadModel(dir, config, DType::kF32, full);
@@ -287,7 +307,11 @@ TEST(CausalLm, Llama3RopeScalingKeepsHighAndDividesLowFrequencies) {
   config.head_dim = 128;
   config.rope_theta = 500000;
   at::Tensor plain = RopeInverseFrequencies(config);
-  config.rope_scaling = {RopeScaling::Kind::kLlama3, 32.0, 1.0, 4.0, 8192};
+  config.rope_scaling.kind = RopeScaling::Kind::kLlama3;
+  config.rope_scaling.factor = 32.0;
+  config.rope_scaling.low_freq_factor = 1.0;
+  config.rope_scaling.high_freq_factor = 4.0;
+  config.rope_scaling.original_max_position_embeddings = 8192;
   at::Tensor scaled = RopeInverseFrequencies(config);
   EXPECT_FLOAT_EQ(scaled[0].item<float>(), plain[0].item<float>());
   EXPECT_FLOAT_EQ(scaled[63].item<float>(), plain[63].item<float>() / 32.0f);
@@ -485,6 +509,162 @@ TEST(CausalLm, Gemma3SlidingLayersHaveTheirOwnRopeBase) {
                            LoadModel(dir, all_global)->Logits(ids), 1e-5, 1e-6));
 }
 
+// Phi-3's qkv_proj holds q, k and v's rows in that order and gate_up_proj gate's then up's:
+// a Llama given those slices as its separate projections computes the same logits.
+TEST(CausalLm, Phi3FusedProjectionsAreTheSeparateOnesStacked) {
+  TempDir phi3_dir, llama_dir;
+  ModelConfig phi3 = TinyConfig("phi3");
+  ModelConfig llama = TinyConfig("llama");
+  auto fused = LoadModel(phi3_dir, phi3, DType::kF32, /*trainable=*/true);
+  auto separate = LoadModel(llama_dir, llama, DType::kF32, /*trainable=*/true);
+  std::map<std::string, at::Tensor> weights;
+  for (NamedParameter& p : fused->TrainableParameters()) weights[p.name] = p.tensor;
+  const int64_t q = phi3.num_attention_heads * phi3.head_dim;
+  const int64_t kv = phi3.num_key_value_heads * phi3.head_dim;
+  const int64_t i = phi3.intermediate_size;
+  {
+    at::NoGradGuard no_grad;
+    for (NamedParameter& p : separate->TrainableParameters()) {
+      std::string name = p.name;
+      auto take = [&](const std::string& from, const std::string& fused_module, int64_t start,
+                      int64_t rows) {
+        if (!absl::StrContains(name, from)) return false;
+        std::string fused_name = name;
+        fused_name.replace(fused_name.find(from), from.size(), fused_module);
+        p.tensor.copy_(weights.at(fused_name).narrow(0, start, rows));
+        return true;
+      };
+      if (take(".q_proj.", ".qkv_proj.", 0, q) || take(".k_proj.", ".qkv_proj.", q, kv) ||
+          take(".v_proj.", ".qkv_proj.", q + kv, kv) ||
+          take(".gate_proj.", ".gate_up_proj.", 0, i) ||
+          take(".up_proj.", ".gate_up_proj.", i, i)) {
+        continue;
+      }
+      p.tensor.copy_(weights.at(name));
+    }
+  }
+  at::Tensor ids = Ids(2, 11, phi3.vocab_size, 9);
+  EXPECT_TRUE(at::allclose(fused->Logits(ids), separate->Logits(ids), 1e-5, 1e-6));
+  // LoRA: one A/B pair per fused projection, B of qkv_proj (heads + 2 kv_heads) x head_dim.
+  auto adapted = LoadModel(phi3_dir, phi3);
+  LoraSpec lora;
+  lora.rank = 4;
+  adapted->InitLora(lora, 1);
+  std::vector<NamedParameter> params = adapted->TrainableParameters();
+  ASSERT_EQ(params.size(), 2u * 4 * 2);
+  EXPECT_EQ(params[0].name, "base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight");
+  EXPECT_THAT(params[1].tensor.sizes(), ::testing::ElementsAre(q + 2 * kv, 4));
+  EXPECT_EQ(params[4].name, "base_model.model.model.layers.0.mlp.gate_up_proj.lora_A.weight");
+  EXPECT_THAT(params[5].tensor.sizes(), ::testing::ElementsAre(2 * i, 4));
+}
+
+// Partial rotary and LongRoPE: the frequencies of the rotated features, the long factors
+// beyond the original length, the attention factor on cos and sin; the fused and unfused
+// kernels agree, and only the rotated features see positions.
+TEST(CausalLm, Phi3PartialRotaryAndLongRope) {
+  ModelConfig config = TinyPhi3(0.5, /*original=*/8);
+  config.rope_theta = 100.0;
+  ASSERT_EQ(RotaryDim(config), 4);
+  at::Tensor short_freq = RopeInverseFrequencies(config, 8);
+  at::Tensor long_freq = RopeInverseFrequencies(config, 9);
+  ASSERT_EQ(short_freq.size(0), 2);
+  // 1 / (factor * theta^(2j / rotary)): j = 1 divides by 1.25 (short) or 5 (long) and 10.
+  EXPECT_FLOAT_EQ(short_freq[1].item<float>(), 1.0f / (1.25f * 10.0f));
+  EXPECT_FLOAT_EQ(long_freq[1].item<float>(), 1.0f / (5.0f * 10.0f));
+  EXPECT_FLOAT_EQ(long_freq[0].item<float>(), 0.5f);
+
+  TempDir dir;
+  ModelOptions unfused;
+  unfused.fused_kernels = false;
+  auto fused = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+  auto plain = LoadModel(dir, config, DType::kF32, /*trainable=*/true, unfused);
+  for (int64_t seq : {6, 14}) {  // short factors, long factors
+    SCOPED_TRACE(seq);
+    at::Tensor ids = Ids(2, seq, config.vocab_size, 6);
+    LossAndGrads a = Backward(*fused, ids, 1);
+    LossAndGrads b = Backward(*plain, ids, 1);
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss));
+    ASSERT_EQ(a.grads.size(), b.grads.size());
+    for (size_t i = 0; i < a.grads.size(); ++i) {
+      EXPECT_TRUE(at::allclose(a.grads[i], b.grads[i], 1e-4, 1e-5)) << i;
+    }
+  }
+  // The factors matter: other long factors change the logits of a long sequence only.
+  ModelConfig other = config;
+  for (double& f : other.rope_scaling.long_factor) f *= 2;
+  auto changed = LoadModel(dir, other);
+  auto base = LoadModel(dir, config);
+  EXPECT_TRUE(at::equal(base->Logits(Ids(1, 8, config.vocab_size, 2)),
+                        changed->Logits(Ids(1, 8, config.vocab_size, 2))));
+  EXPECT_FALSE(at::allclose(base->Logits(Ids(1, 9, config.vocab_size, 2)),
+                            changed->Logits(Ids(1, 9, config.vocab_size, 2)), 1e-4, 1e-5));
+}
+
+// QLoRA and ZeRO on Phi-3: the fused projections are the NF4 weights and the units' tensors.
+TEST(CausalLm, Phi3UnitsAndNf4WeightsAreTheFusedProjections) {
+  TempDir dir;
+  ModelConfig config = TinyPhi3(0.75);
+  auto model = LoadModel(dir, config);
+  LoraSpec lora;
+  lora.rank = 2;
+  lora.targets = {"qkv_proj", "down_proj"};
+  model->InitLora(lora, 3);
+  std::vector<std::string> names;
+  for (const UnitTensor& t : model->UnitTensors(2)) names.push_back(t.name);
+  EXPECT_THAT(
+      names,
+      ::testing::ElementsAre(
+          "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.weight",
+          "model.layers.1.self_attn.o_proj.weight",
+          "model.layers.1.post_attention_layernorm.weight",
+          "model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight",
+          "base_model.model.model.layers.1.self_attn.qkv_proj.lora_A.weight",
+          "base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight",
+          "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight",
+          "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"));
+  at::Tensor ids = Ids(2, 10, config.vocab_size, 4);
+  at::Tensor dense = model->Logits(ids);
+  EXPECT_GT(model->QuantizeProjections(), 0);
+  std::vector<std::string> nf4;
+  for (const auto& [name, weight] : model->UnitNf4Weights(1)) nf4.push_back(name);
+  EXPECT_THAT(nf4,
+              ::testing::ElementsAre("model.layers.0.qkv_proj", "model.layers.0.o_proj",
+                                     "model.layers.0.gate_up_proj", "model.layers.0.down_proj"));
+  // The NF4 model computes what a dense one holding the dequantized weights computes (the
+  // fresh adapters add nothing), and the adapters learn.
+  auto reference = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+  {
+    at::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> dequantized;
+    for (int64_t unit = 1; unit <= config.num_hidden_layers; ++unit) {
+      for (const auto& [name, weight] : model->UnitNf4Weights(unit)) {
+        const std::string module = name.substr(name.rfind('.') + 1);
+        dequantized[ProjectionName(unit - 1, module) + ".weight"] =
+            kernels::DequantizeNf4(*weight, 0, weight->rows * weight->cols)
+                .view({weight->rows, weight->cols});
+      }
+    }
+    int replaced = 0;
+    for (NamedParameter& p : reference->TrainableParameters()) {
+      if (dequantized.count(p.name)) {
+        p.tensor.copy_(dequantized[p.name]);
+        ++replaced;
+      }
+    }
+    EXPECT_EQ(replaced, 4 * config.num_hidden_layers);
+  }
+  at::Tensor quantized = model->Logits(ids);
+  EXPECT_FALSE(at::allclose(quantized, dense, 1e-3, 1e-4));
+  EXPECT_TRUE(at::allclose(quantized, reference->Logits(ids), 1e-4, 1e-5));
+  LossAndGrads grads = Backward(*model, ids, 0);
+  ASSERT_EQ(grads.grads.size(), 2u * 2 * 2);
+  EXPECT_GT(grads.grads[0].abs().max().item<float>() + grads.grads[1].abs().max().item<float>(),
+            0.0f);
+  // A target the model lacks is refused where the model is opened.
+  lora.targets = {"q_proj"};
+  EXPECT_THAT(model->LoadLora(lora, dir.Path("none")).message(), HasSubstr("lora.targets"));
+}
+
 TEST(CausalLm, LoadLoraRejectsAnotherRank) {
   TempDir dir;
   ModelConfig config = TinyConfig();
@@ -496,7 +676,7 @@ TEST(CausalLm, LoadLoraRejectsAnotherRank) {
   adapter.base_model_name_or_path = "m";
   adapter.r = 4;
   adapter.lora_alpha = 8.0;
-  adapter.target_modules = lora.targets;
+  adapter.target_modules = ProjectionModules(config);
   ASSERT_TRUE(model->ExportAdapter(dir.Path("adapter"), adapter).ok());
   auto other = LoadModel(dir, config);
   lora.rank = 8;

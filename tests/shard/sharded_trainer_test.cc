@@ -396,7 +396,7 @@ TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
   const int64_t whole = frozen_bytes(1, 0);
   // The NF4 bytes (each tensor padded to 4 bytes) take the projections' place.
   int64_t projections = 0;
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : ProjectionModules(config_)) {
     const ProjectionShape p = ProjectionShapeOf(config_, module);
     projections += config_.num_hidden_layers * p.in_features * p.out_features * 4;
   }

@@ -597,7 +597,7 @@ TEST_F(TrainerTest, StepMemoryIsBrokenDownByComponentAndSumsToThePeak) {
   };
   // LoRA rank 4 on all seven projections of 2 layers: A [4, in] and B [out, 4] in float32.
   int64_t lora = 0;
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : ProjectionModules(config_)) {
     ProjectionShape shape = ProjectionShapeOf(config_, module);
     lora += 4 * (shape.in_features + shape.out_features) * 4 * config_.num_hidden_layers;
   }

@@ -146,9 +146,11 @@ const Projection& DecoderLayer::projection(absl::string_view module) const {
   if (module == "q_proj") return q_proj;
   if (module == "k_proj") return k_proj;
   if (module == "v_proj") return v_proj;
+  if (module == "qkv_proj") return qkv_proj;
   if (module == "o_proj") return o_proj;
   if (module == "gate_proj") return gate_proj;
   if (module == "up_proj") return up_proj;
+  if (module == "gate_up_proj") return gate_up_proj;
   TORCH_CHECK(module == "down_proj", "unknown projection ", std::string(module));
   return down_proj;
 }
@@ -164,18 +166,25 @@ std::vector<at::Tensor> DecoderLayer::TrainableTensors() const {
   add(k_norm);
   add(pre_feedforward_norm);
   add(post_feedforward_norm);
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : AllProjectionModules()) {
     const Projection& p = projection(module);
     for (const at::Tensor* t : {&p.weight, &p.bias, &p.lora_a, &p.lora_b}) add(*t);
   }
   return tensors;
 }
 
-at::Tensor RopeInverseFrequencies(const ModelConfig& config) {
-  const int64_t dim = config.head_dim;
+at::Tensor RopeInverseFrequencies(const ModelConfig& config, int64_t seq_len) {
+  const int64_t dim = RotaryDim(config);
   at::Tensor exponents = at::arange(0, dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(dim);
-  at::Tensor inv_freq = 1.0 / at::pow(config.rope_theta, exponents);
   const RopeScaling& scaling = config.rope_scaling;
+  if (scaling.kind == RopeScaling::Kind::kLongRope) {
+    // Transformers: 1 / (factors * base ** exponents), in float32.
+    const bool long_seq = seq_len > scaling.original_max_position_embeddings;
+    const std::vector<double>& factors = long_seq ? scaling.long_factor : scaling.short_factor;
+    at::Tensor ext = at::tensor(factors, at::kDouble).to(at::kFloat);
+    return 1.0 / (ext * at::pow(config.rope_theta, exponents));
+  }
+  at::Tensor inv_freq = 1.0 / at::pow(config.rope_theta, exponents);
   if (scaling.kind == RopeScaling::Kind::kLinear) return inv_freq / scaling.factor;
   if (scaling.kind != RopeScaling::Kind::kLlama3) return inv_freq;
   // Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate between.
@@ -203,6 +212,11 @@ CausalLm::CausalLm(const ModelConfig& config, const ModelOptions& options)
     local.rope_scaling = RopeScaling();
     local_inv_freq_ = RopeInverseFrequencies(local).to(options.device);
   }
+  if (config.rope_scaling.kind == RopeScaling::Kind::kLongRope) {
+    long_inv_freq_ =
+        RopeInverseFrequencies(config, config.rope_scaling.original_max_position_embeddings + 1)
+            .to(options.device);
+  }
 }
 
 std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
@@ -219,7 +233,7 @@ std::vector<std::pair<std::string, at::Tensor*>> CausalLm::BaseWeights() {
     slots[prefix + "self_attn.k_norm.weight"] = &layer.k_norm;
     slots[prefix + "pre_feedforward_layernorm.weight"] = &layer.pre_feedforward_norm;
     slots[prefix + "post_feedforward_layernorm.weight"] = &layer.post_feedforward_norm;
-    for (const std::string& module : LoraTargetModules()) {
+    for (const std::string& module : ProjectionModules(config_)) {
       Projection& p = layer.projection(module);
       slots[ProjectionName(l, module) + ".weight"] = &p.weight;
       slots[ProjectionName(l, module) + ".bias"] = &p.bias;
@@ -274,8 +288,7 @@ absl::StatusOr<std::unique_ptr<CausalLm>> CausalLm::Load(const std::string& dir,
 
 void CausalLm::InitLora(const LoraSpec& spec, uint64_t seed) {
   at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(seed);
-  absl::StatusOr<std::vector<LoraTarget>> targets =
-      MatchLoraTargets(spec, config_.num_hidden_layers, LoraTargetModules());
+  absl::StatusOr<std::vector<LoraTarget>> targets = MatchLoraTargets(spec, config_);
   TORCH_CHECK(targets.ok(), "InitLora: ", targets.status().ToString());
   lora_targets_ = *std::move(targets);
   lora_rank_ = spec.rank;
@@ -298,7 +311,7 @@ int64_t CausalLm::QuantizeProjections() {
   at::NoGradGuard no_grad;
   int64_t bytes = 0;
   for (DecoderLayer& layer : layers_) {
-    for (const std::string& module : LoraTargetModules()) {
+    for (const std::string& module : ProjectionModules(config_)) {
       Projection& p = layer.projection(module);
       TORCH_CHECK(!p.weight.requires_grad(), "QuantizeProjections: ", module, " is trainable");
       p.nf4 = kernels::QuantizeNf4(p.weight, p.weight.device());
@@ -310,6 +323,7 @@ int64_t CausalLm::QuantizeProjections() {
 }
 
 absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
+  LATHE_RETURN_IF_ERROR(LoraTargetsOf(config_, spec.targets).status());
   const std::string config_path = dir + "/adapter_config.json";
   LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter,
@@ -326,8 +340,7 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
   const std::string weights_path = dir + "/adapter_model.safetensors";
   LATHE_ASSIGN_OR_RETURN(std::shared_ptr<const SafetensorsFile> file,
                          SafetensorsFile::Open(weights_path));
-  LATHE_RETURN_IF_ERROR(
-      MatchLoraTargets(spec, config_.num_hidden_layers, LoraTargetModules()).status());
+  LATHE_RETURN_IF_ERROR(MatchLoraTargets(spec, config_).status());
   InitLora(spec, /*seed=*/0);  // shapes and flags; values replaced below
   for (const LoraTarget& target : lora_targets_) {
     const int64_t l = target.layer;
@@ -363,9 +376,20 @@ const at::Tensor& CausalLm::lm_head() const {
 std::pair<at::Tensor, at::Tensor> CausalLm::RopeTables(int64_t seq,
                                                        const at::Tensor& inv_freq) const {
   at::Tensor positions = at::arange(seq, at::TensorOptions(at::kFloat).device(options_.device));
-  at::Tensor freqs = at::outer(positions, inv_freq);
+  const RopeScaling& scaling = config_.rope_scaling;
+  // LongRoPE (Phi-3, whose layers all use inv_freq_): the long factors' frequencies beyond
+  // its original length.
+  const bool long_rope = scaling.kind == RopeScaling::Kind::kLongRope;
+  const bool long_seq = long_rope && seq > scaling.original_max_position_embeddings;
+  at::Tensor freqs = at::outer(positions, long_seq ? long_inv_freq_ : inv_freq);
   at::Tensor emb = at::cat({freqs, freqs}, -1);
-  return {emb.cos().to(options_.compute_dtype), emb.sin().to(options_.compute_dtype)};
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+  if (long_rope) {
+    // Transformers scales both tables in float32, before the cast.
+    cos = cos * scaling.attention_factor;
+    sin = sin * scaling.attention_factor;
+  }
+  return {cos.to(options_.compute_dtype), sin.to(options_.compute_dtype)};
 }
 
 at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
@@ -379,10 +403,21 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   const double scale =
       1.0 / std::sqrt(static_cast<double>(
                 config_.query_pre_attn_scalar > 0 ? config_.query_pre_attn_scalar : head_dim));
-  at::Tensor q =
-      layer.q_proj.Forward(x, lora_dropout_, training_, fused).view({batch, seq, heads, head_dim});
-  at::Tensor k = layer.k_proj.Forward(x, lora_dropout_, training_, fused)
-                     .view({batch, seq, kv_heads, head_dim});
+  at::Tensor q, k, v;
+  if (config_.model_type == "phi3") {
+    // Phi-3: one product, then the q, k and v rows (views, read in place).
+    at::Tensor qkv = layer.qkv_proj.Forward(x, lora_dropout_, training_, fused);
+    q = qkv.narrow(-1, 0, heads * head_dim);
+    k = qkv.narrow(-1, heads * head_dim, kv_heads * head_dim);
+    v = qkv.narrow(-1, (heads + kv_heads) * head_dim, kv_heads * head_dim);
+  } else {
+    q = layer.q_proj.Forward(x, lora_dropout_, training_, fused);
+    k = layer.k_proj.Forward(x, lora_dropout_, training_, fused);
+    v = layer.v_proj.Forward(x, lora_dropout_, training_, fused);
+  }
+  q = q.view({batch, seq, heads, head_dim});
+  k = k.view({batch, seq, kv_heads, head_dim});
+  v = v.view({batch, seq, kv_heads, head_dim}).transpose(1, 2);
   if (config_.qk_norm) {
     // Qwen3 and Gemma 3: each head of q and k normalised over head_dim, before RoPE.
     q = Norm(q, layer.q_norm);
@@ -390,14 +425,25 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   }
   q = q.transpose(1, 2);
   k = k.transpose(1, 2);
-  at::Tensor v = layer.v_proj.Forward(x, lora_dropout_, training_, fused)
-                     .view({batch, seq, kv_heads, head_dim})
-                     .transpose(1, 2);
+  // Partial rotary (Phi-4-mini): the first `rotary` features of each head turn, the rest
+  // pass through.
+  const int64_t rotary = cos.size(-1);
+  at::Tensor q_pass, k_pass;
+  if (rotary < head_dim) {
+    q_pass = q.narrow(-1, rotary, head_dim - rotary);
+    k_pass = k.narrow(-1, rotary, head_dim - rotary);
+    q = q.narrow(-1, 0, rotary);
+    k = k.narrow(-1, 0, rotary);
+  }
   if (fused) {
     std::tie(q, k) = kernels::ApplyRope(q, k, cos, sin);
   } else {
     q = kernels::unfused::Rope(q, cos, sin);
     k = kernels::unfused::Rope(k, cos, sin);
+  }
+  if (rotary < head_dim) {
+    q = at::cat({q, q_pass}, -1);
+    k = at::cat({k, k_pass}, -1);
   }
   if (kv_heads != heads) {
     k = k.repeat_interleave(heads / kv_heads, 1);
@@ -451,8 +497,16 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
   }
   at::Tensor y = x + Attention(layer, Norm(x, layer.input_norm), cos, sin, mask);
   at::Tensor h = Norm(y, layer.post_attention_norm);
-  at::Tensor gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
-  at::Tensor up = layer.up_proj.Forward(h, lora_dropout_, training_, fused);
+  at::Tensor gate, up;
+  if (config_.model_type == "phi3") {
+    // Phi-3: the gate rows, then the up rows (transformers' chunk(2)).
+    at::Tensor gate_up = layer.gate_up_proj.Forward(h, lora_dropout_, training_, fused);
+    gate = gate_up.narrow(-1, 0, config_.intermediate_size);
+    up = gate_up.narrow(-1, config_.intermediate_size, config_.intermediate_size);
+  } else {
+    gate = layer.gate_proj.Forward(h, lora_dropout_, training_, fused);
+    up = layer.up_proj.Forward(h, lora_dropout_, training_, fused);
+  }
   return y + layer.down_proj.Forward(
                  fused ? kernels::SwiGlu(gate, up) : kernels::unfused::SwiGlu(gate, up),
                  lora_dropout_, training_, fused);
@@ -461,10 +515,12 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const int64_t seq = input_ids.size(1);
   const at::ScalarType type = options_.compute_dtype;
-  // Gemma's pad_token_id row gets no gradient from the lookup (transformers' padding_idx).
-  at::Tensor x = at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids,
-                               config_.pad_token_id.value_or(-1))
-                     .to(type);
+  // Gemma's pad_token_id row gets no gradient from the lookup (transformers' padding_idx);
+  // the other families' pad_token_id is only written back (ModelConfig).
+  const int64_t padding_idx = IsGemma(config_) ? config_.pad_token_id.value_or(-1) : -1;
+  at::Tensor x =
+      at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids, padding_idx)
+          .to(type);
   if (IsGemma(config_)) {
     // Gemma scales the embeddings by sqrt(hidden_size), rounded as transformers rounds it: to
     // the embeddings' dtype (and here to the compute dtype too): 55.5, not 55.43, in bfloat16.
@@ -589,7 +645,7 @@ std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
     if (mine) tensors.push_back({name, slot, trainable_base_, DecaysWeight(name)});
   }
   if (unit == 0 || head) return tensors;
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : ProjectionModules(config_)) {
     Projection& p = layers_[unit - 1].projection(module);
     if (!p.lora_a.defined()) continue;
     tensors.push_back({PeftLoraTensorName(unit - 1, module, "A"), &p.lora_a, true, true});
@@ -602,7 +658,7 @@ std::vector<std::pair<std::string, kernels::Nf4Weight*>> CausalLm::UnitNf4Weight
   TORCH_CHECK(unit >= 0 && unit < num_units(), "no unit ", unit);
   std::vector<std::pair<std::string, kernels::Nf4Weight*>> weights;
   if (unit == 0 || unit == num_units() - 1) return weights;
-  for (const std::string& module : LoraTargetModules()) {
+  for (const std::string& module : ProjectionModules(config_)) {
     Projection& p = layers_[unit - 1].projection(module);
     if (p.nf4.defined()) {
       weights.emplace_back(absl::StrCat("model.layers.", unit - 1, ".", module), &p.nf4);
@@ -615,7 +671,7 @@ std::vector<NamedParameter> CausalLm::TrainableParameters() {
   std::vector<NamedParameter> params;
   if (lora_rank_ > 0) {
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-      for (const std::string& module : LoraTargetModules()) {
+      for (const std::string& module : ProjectionModules(config_)) {
         Projection& p = layers_[l].projection(module);
         if (!p.lora_a.defined()) continue;
         params.push_back({PeftLoraTensorName(l, module, "A"), p.lora_a, true});
@@ -636,7 +692,7 @@ absl::Status CausalLm::ExportAdapter(const std::string& dir,
   TensorsToWrite tensors;
   try {
     for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-      for (const std::string& module : LoraTargetModules()) {
+      for (const std::string& module : ProjectionModules(config_)) {
         const Projection& p = layers_[l].projection(module);
         if (!p.lora_a.defined()) continue;
         tensors.Add(PeftLoraTensorName(l, module, "A"), p.lora_a);
@@ -676,7 +732,7 @@ absl::Status CausalLm::MergeLora() {
   try {
     at::NoGradGuard no_grad;
     for (DecoderLayer& layer : layers_) {
-      for (const std::string& module : LoraTargetModules()) {
+      for (const std::string& module : ProjectionModules(config_)) {
         Projection& p = layer.projection(module);
         if (!p.lora_a.defined()) continue;
         if (!p.weight.defined()) {

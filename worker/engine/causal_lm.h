@@ -1,7 +1,7 @@
-// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text; docs/training.md,
-// "Model") with optional
-// LoRA adapters on its projections, written against ATen directly: explicit parameter
-// tensors, no torch::nn modules, so the engine decides where every byte lives.
+// A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3;
+// docs/training.md, "Model") with optional LoRA adapters on its projections, written against
+// ATen directly: explicit parameter tensors, no torch::nn modules, so the engine decides where
+// every byte lives.
 //
 // Thread-safety: not thread-safe; one trainer thread owns a model.
 #ifndef LATHE_WORKER_ENGINE_CAUSAL_LM_H_
@@ -94,9 +94,11 @@ struct DecoderLayer {
   // Gemma (IsGemma): the norms around the MLP (post_attention_norm then norms the attention's
   // output); undefined otherwise.
   at::Tensor pre_feedforward_norm, post_feedforward_norm;  // [hidden]
-  Projection q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+  // The model's ProjectionModules: q/k/v/gate/up_proj, or Phi-3's fused qkv_proj (q, k and v
+  // rows) and gate_up_proj (gate rows, then up); the others stay empty.
+  Projection q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
 
-  // The projection called `module` ("q_proj", ...). REQUIRES: IsLoraTargetModule(module).
+  // The projection called `module` ("q_proj", ...). REQUIRES: IsProjectionModule(module).
   Projection& projection(absl::string_view module);
   const Projection& projection(absl::string_view module) const;
   // The block's tensors that require grad.
@@ -125,9 +127,10 @@ class CausalLm {
                                                         const ModelOptions& options = {});
 
   // Adds fresh LoRA adapters per `spec` on the projections its targets select
-  // (MatchLoraTargets over LoraTargetModules()): A uniform in +-1/sqrt(in), B zero, from a
-  // generator seeded with `seed`, in model order. REQUIRES: the targets select a projection
-  // (MatchLoraTargets succeeds; the trainer checks it where it opens the model).
+  // (MatchLoraTargets over the model's ProjectionModules; none named: every projection):
+  // A uniform in +-1/sqrt(in), B zero, from a generator seeded with `seed`, in model order.
+  // REQUIRES: the targets select a projection (MatchLoraTargets succeeds; the trainer checks
+  // it where it opens the model).
   void InitLora(const LoraSpec& spec, uint64_t seed);
 
   // Adds LoRA adapters from PEFT adapter directory `dir`, for `spec`'s targets and rank
@@ -202,7 +205,9 @@ class CausalLm {
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
   // Float32 logits of `hidden` [..., hidden].
   at::Tensor HeadLogits(const at::Tensor& hidden) const;
-  // cos/sin tables [seq, head_dim] for positions 0..seq-1 of inverse frequencies `inv_freq`.
+  // cos/sin tables [seq, RotaryDim] for positions 0..seq-1 of inverse frequencies `inv_freq`
+  // (LongRoPE: its long factors' beyond its original length; cos and sin times its attention
+  // factor).
   std::pair<at::Tensor, at::Tensor> RopeTables(int64_t seq, const at::Tensor& inv_freq) const;
   // Whether attention over `seq` tokens is libtorch's scaled_dot_product_attention rather than
   // the explicit softmax(q k^T + mask) v, whose products on the CPU are the engine's (oneDNN,
@@ -220,9 +225,10 @@ class CausalLm {
   ModelOptions options_;
   at::Tensor embed_tokens_;  // [vocab, hidden]
   std::vector<DecoderLayer> layers_;
-  at::Tensor norm_;      // [hidden]
-  at::Tensor lm_head_;   // [vocab, hidden]; undefined when tied
-  at::Tensor inv_freq_;  // [head_dim / 2]
+  at::Tensor norm_;           // [hidden]
+  at::Tensor lm_head_;        // [vocab, hidden]; undefined when tied
+  at::Tensor inv_freq_;       // [RotaryDim / 2]
+  at::Tensor long_inv_freq_;  // LongRoPE's for sequences beyond its original length
   // Gemma 3's sliding layers (rope_local_base_freq); undefined otherwise.
   at::Tensor local_inv_freq_;
   std::vector<LoraTarget> lora_targets_;
@@ -233,8 +239,11 @@ class CausalLm {
   UnitHooks* hooks_ = nullptr;
 };
 
-// RoPE inverse frequencies [head_dim / 2] (float32) for `config`, rope_scaling applied.
-at::Tensor RopeInverseFrequencies(const ModelConfig& config);
+// RoPE inverse frequencies [RotaryDim / 2] (float32) for `config`, rope_scaling applied, for
+// sequences of `seq_len` positions: LongRoPE divides by its long factors beyond
+// original_max_position_embeddings, by its short ones otherwise (as transformers picks by the
+// largest position id + 1).
+at::Tensor RopeInverseFrequencies(const ModelConfig& config, int64_t seq_len = 0);
 
 }  // namespace lathe
 

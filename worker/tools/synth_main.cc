@@ -36,7 +36,7 @@ namespace {
 
 const std::vector<FlagSpec> kModelFlags = {
     {"out", true, "output directory (created)"},
-    {"type", true, "llama | mistral | qwen2 | qwen3 | gemma2 | gemma3_text (default llama)"},
+    {"type", true, "llama | mistral | qwen2 | qwen3 | gemma2 | gemma3_text | phi3 (default llama)"},
     {"vocab", true, "vocabulary size (default 256, or 576 with --tokenizer)"},
     {"tokenizer", true, "also write a tokenizer.json of this flavor: gpt2 | llama3 | qwen2"},
     {"hidden", true, "hidden size (default 64)"},
@@ -47,7 +47,12 @@ const std::vector<FlagSpec> kModelFlags = {
     {"head-dim", true, "head dimension (default hidden/heads)"},
     {"max-pos", true, "max_position_embeddings (default 512)"},
     {"sliding-window", true,
-     "sliding window (mistral, qwen2, qwen3; gemma2 and gemma3_text on their sliding layers)"},
+     "sliding window (mistral, qwen2, qwen3, phi3; gemma2 and gemma3_text on their sliding "
+     "layers)"},
+    {"partial-rotary", true, "phi3: partial_rotary_factor (default 1)"},
+    {"longrope", true,
+     "phi3: LongRoPE with this original_max_position_embeddings (short factors 1..1.5, long "
+     "factors 1..8 over the frequencies)"},
     {"rope-theta", true, "RoPE base (default 10000)"},
     {"tied", false, "tie the LM head to the embeddings"},
     {"dtype", true, "F32 | BF16 | F16 (default F32)"},
@@ -61,10 +66,11 @@ absl::Status WriteModel(const ParsedFlags& flags) {
   ModelConfig config;
   config.model_type = flags.Get("type", "llama");
   if (config.model_type != "llama" && config.model_type != "mistral" &&
-      config.model_type != "qwen2" && config.model_type != "qwen3" && !IsGemma(config)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--type: expected llama, mistral, qwen2, qwen3, gemma2 or gemma3_text, got \"",
-                     config.model_type, "\""));
+      config.model_type != "qwen2" && config.model_type != "qwen3" && !IsGemma(config) &&
+      config.model_type != "phi3") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--type: expected llama, mistral, qwen2, qwen3, gemma2, gemma3_text or phi3, got \"",
+        config.model_type, "\""));
   }
   std::optional<SyntheticTokenizer> tokenizer;
   if (flags.Has("tokenizer")) {
@@ -119,6 +125,37 @@ absl::Status WriteModel(const ParsedFlags& flags) {
     config.rope_local_base_freq = gemma2 ? 0.0 : 10000.0;
   }
   config.rms_norm_eps = 1e-6;
+  if ((flags.Has("partial-rotary") || flags.Has("longrope")) && config.model_type != "phi3") {
+    return absl::InvalidArgumentError("--partial-rotary and --longrope are for --type phi3");
+  }
+  LATHE_ASSIGN_OR_RETURN(config.partial_rotary_factor, flags.GetDouble("partial-rotary", 1.0));
+  const int64_t rotary = RotaryDim(config);
+  if (config.partial_rotary_factor > 1 || rotary <= 0 || rotary % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--partial-rotary: rotates ", rotary, " of ",
+                                                   config.head_dim, " features (must be even)"));
+  }
+  if (flags.Has("longrope")) {
+    RopeScaling& rope = config.rope_scaling;
+    rope.kind = RopeScaling::Kind::kLongRope;
+    LATHE_ASSIGN_OR_RETURN(rope.original_max_position_embeddings, flags.GetInt("longrope", 0));
+    if (rope.original_max_position_embeddings <= 0) {
+      return absl::InvalidArgumentError("--longrope must be > 0");
+    }
+    const int64_t pairs = rotary / 2;
+    for (int64_t i = 0; i < pairs; ++i) {
+      const double t = pairs > 1 ? static_cast<double>(i) / static_cast<double>(pairs - 1) : 0.0;
+      rope.short_factor.push_back(1.0 + 0.5 * t);
+      rope.long_factor.push_back(1.0 + 7.0 * t);
+    }
+    // As transformers derives them from the lengths (ModelConfig's RopeScaling).
+    rope.factor = static_cast<double>(config.max_position_embeddings) /
+                  static_cast<double>(rope.original_max_position_embeddings);
+    rope.attention_factor =
+        rope.factor <= 1.0
+            ? 1.0
+            : std::sqrt(1 + std::log(rope.factor) / std::log(static_cast<double>(
+                                                        rope.original_max_position_embeddings)));
+  }
   LATHE_ASSIGN_OR_RETURN(DType dtype, ParseDType(flags.Get("dtype", "F32")));
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
     return absl::InvalidArgumentError("--dtype: expected F32, BF16 or F16");
@@ -231,24 +268,19 @@ absl::Status WriteAdapter(const ParsedFlags& flags) {
   LATHE_ASSIGN_OR_RETURN(int64_t seed, flags.GetInt("seed", 0));
   adapter.use_rslora = flags.Has("rslora");
   if (adapter.r <= 0) return absl::InvalidArgumentError("--rank must be > 0");
-  adapter.target_modules = flags.Has("targets")
-                               ? std::vector<std::string>(absl::StrSplit(flags.Get("targets"), ','))
-                               : LoraTargetModules();
-  for (const std::string& t : adapter.target_modules) {
-    if (!IsLoraTargetModule(t)) {
-      return absl::InvalidArgumentError(absl::StrCat("--targets: unknown module \"", t, "\""));
-    }
+  std::vector<std::string> targets;
+  if (flags.Has("targets")) targets = absl::StrSplit(flags.Get("targets"), ',');
+  absl::StatusOr<std::vector<std::string>> resolved = LoraTargetsOf(config, targets);
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--targets: ", resolved.status().message()));
   }
+  adapter.target_modules = *resolved;
   std::mt19937_64 rng(static_cast<uint64_t>(seed));
   std::vector<std::vector<float>> buffers;
   std::vector<TensorToWrite> tensors;
   buffers.reserve(2 * config.num_hidden_layers * adapter.target_modules.size());
   for (int64_t layer = 0; layer < config.num_hidden_layers; ++layer) {
-    for (const std::string& module : LoraTargetModules()) {
-      if (std::find(adapter.target_modules.begin(), adapter.target_modules.end(), module) ==
-          adapter.target_modules.end()) {
-        continue;
-      }
+    for (const std::string& module : adapter.target_modules) {
       ProjectionShape shape = ProjectionShapeOf(config, module);
       float bound = 1.0f / std::sqrt(static_cast<float>(shape.in_features));
       std::uniform_real_distribution<float> a_dist(-bound, bound);

@@ -287,7 +287,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
                                                          const TrainerOptions& options) {
   LATHE_RETURN_IF_ERROR(CheckSupported(given, plan, options));
   // The method and optimizer the planner chose, when it chose them (strategy: auto).
-  const JobSpec spec = WithPlannedTechniques(given, plan);
+  JobSpec spec = WithPlannedTechniques(given, plan);
   at::set_num_threads(options.threads > 0 ? options.threads
                                           : static_cast<int>(std::thread::hardware_concurrency()));
   std::unique_ptr<Trainer> trainer(new Trainer());
@@ -298,6 +298,12 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   absl::StatusOr<ModelConfig> config = LoadModelConfig(spec.model.path);
   if (!config.ok()) return Annotate(config.status(), "model.path");
   trainer->model_config_ = *config;
+  if (TrainsLora(spec) && spec.lora.targets.empty() && spec.lora.targets_pattern.empty()) {
+    // The spec's default, every projection of the model, as their names: the same modules,
+    // and the fingerprint of a Llama-family spec stays the one its default's seven names gave.
+    spec.lora.targets = ProjectionModules(*config);
+    trainer->spec_.lora.targets = spec.lora.targets;
+  }
   if (spec.data.seq_len > config->max_position_embeddings) {
     return absl::InvalidArgumentError(absl::StrCat("data.seq_len: ", spec.data.seq_len,
                                                    " exceeds the model's max_position_embeddings ",
@@ -353,7 +359,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
     if (model_options.device.is_cpu() && !model_options.keep_mapped) {
       // What stays mapped: the weights left dense, less what of them was copied.
       int64_t projections = 0;
-      for (const std::string& module : LoraTargetModules()) {
+      for (const std::string& module : ProjectionModules(*config)) {
         const ProjectionShape shape = ProjectionShapeOf(*config, module);
         projections += config->num_hidden_layers * shape.in_features * shape.out_features;
       }
@@ -366,8 +372,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   }
   MemoryScope trainable_scope(MemoryComponent::kTrainable);
   if (TrainsLora(spec)) {
-    LATHE_RETURN_IF_ERROR(
-        MatchLoraTargets(spec.lora, config->num_hidden_layers, LoraTargetModules()).status());
+    // The model's own projections: the spec's default (none named) is every one of them.
+    LATHE_RETURN_IF_ERROR(MatchLoraTargets(spec.lora, *config).status());
     if (spec.lora.init_from.empty()) {
       trainer->model_->InitLora(spec.lora, train.seed);
     } else {

@@ -191,7 +191,7 @@ TEST(JobSpecProtoTest, ToProtoSetsEveryOptionalScalar) {
   EXPECT_TRUE(proto.lora().has_alpha());
   EXPECT_TRUE(proto.lora().has_dropout());
   EXPECT_TRUE(proto.lora().has_use_rslora());
-  EXPECT_EQ(proto.lora().targets_size(), 7);
+  EXPECT_EQ(proto.lora().targets_size(), 0);  // every projection of the model
   EXPECT_TRUE(proto.train().has_steps());
   EXPECT_TRUE(proto.train().has_epochs());
   EXPECT_TRUE(proto.train().has_global_batch());
@@ -278,8 +278,7 @@ TEST(JobSpecProtoTest, RequiredFieldsOnlyGiveTheDocumentedDefaults) {
   EXPECT_EQ(spec->method, Method::kLora);
   EXPECT_EQ(spec->lora.rank, 16);
   EXPECT_EQ(spec->lora.alpha, 32.0);
-  EXPECT_THAT(spec->lora.targets, ElementsAre("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                              "up_proj", "down_proj"));
+  EXPECT_TRUE(spec->lora.targets.empty());  // every projection of the model
   EXPECT_EQ(spec->train.global_batch, 8);
   EXPECT_EQ(spec->strategy.micro_batch, std::nullopt);  // auto
   EXPECT_EQ(spec->train.lr, 2e-4);
