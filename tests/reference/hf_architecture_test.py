@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Holds `lathe-worker score` to Hugging Face transformers' own modeling code (issue #28,
-item 2; Qwen3, Gemma 2 and Gemma 3 by #31): the logits and the loss of small random Llama,
-Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 (text) models built and saved with transformers'
-classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Gemma2ForCausalLM, Gemma3ForCausalLM), rather than to our own Python reference
-(test_reference.py).
+item 2; Qwen3, Gemma 2, Gemma 3 and Phi-3 by #31): the logits and the loss of small random
+Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 models built and saved with
+transformers' classes (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM), rather than to our
+own Python reference (test_reference.py).
 
 Run by ctest (label "reference") with the project venv's Python (torch, transformers,
 safetensors), or by hand:
@@ -35,10 +35,11 @@ mlp_bias, Qwen2's q/k/v biases, Qwen3's RMSNorm on each head of q and k (and its
 attention_bias); Gemma's scaled embeddings, (1 + weight) norms (four a block), GeGLU MLP,
 query_pre_attn_scalar, sliding and global layers (layer_types), Gemma 2's soft-caps on the
 scores and the logits, Gemma 3's q/k norms and its sliding layers' own RoPE base beside the
-global layers' linear scaling; tied and untied embeddings; rope_scaling llama3 and
-linear; sliding windows smaller than the sequence (Mistral, Qwen2 and Qwen3 use_sliding_window
-with max_window_layers 0); non-default rms_norm_eps and rope_theta; one record of 400 tokens in
-some cases, past kCpuFusedAttentionMinTokens (384), where the engine's attention switches
+global layers' linear scaling; Phi-3's fused qkv_proj and gate_up_proj, partial rotary and
+LongRoPE (records on both sides of its original length: short and long factors); tied and
+untied embeddings; rope_scaling llama3 and linear; sliding windows smaller than the sequence
+(Mistral, Qwen2 and Qwen3 use_sliding_window with max_window_layers 0); non-default
+rms_norm_eps and rope_theta; one record of 400 tokens in some cases, past kCpuFusedAttentionMinTokens (384), where the engine's attention switches
 from its explicit softmax to libtorch's fused scaled_dot_product_attention (with an
 additive mask under a sliding window, without one otherwise).
 
@@ -91,6 +92,8 @@ from transformers import (  # noqa: E402
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -232,6 +235,32 @@ CASES = {
                         full_attention=dict(rope_type="linear", rope_theta=50000.0, factor=2.0),
                         sliding_attention=dict(rope_type="default", rope_theta=1000.0))),
         lengths=[41, 27, 12, 3, LONG_RECORD]),
+    # Phi-3 mini's shape: fused qkv_proj and gate_up_proj, multi-head attention (4 heads of
+    # 18), untied, a sliding window of 11 on every layer, no RoPE scaling, eps 1e-3.
+    "phi3_sliding_mha": dict(
+        model_type="phi3", seed=18,
+        config=dict(vocab_size=353, hidden_size=72, intermediate_size=97, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4, sliding_window=11,
+                    rms_norm_eps=1e-3, tie_word_embeddings=False, max_position_embeddings=512,
+                    pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0)),
+        lengths=[37, 25, 12, LONG_RECORD]),
+    # Phi-4-mini's: GQA (6 heads on 2), head_dim 16 of which 0.75 (12 features, 6
+    # frequencies) rotate, LongRoPE with an original length of 32 (records of 43 and 400
+    # take the long factors, 27 and 10 the short ones; factor 512 / 32 gives cos and sin
+    # sqrt(1 + ln 16 / ln 32)), tied embeddings.
+    "phi4_mini_longrope_tied": dict(
+        model_type="phi3", seed=19,
+        config=dict(vocab_size=331, hidden_size=96, intermediate_size=89, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, partial_rotary_factor=0.75,
+                    original_max_position_embeddings=32, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, max_position_embeddings=512, sliding_window=None,
+                    pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                    rope_parameters=dict(
+                        rope_type="longrope", rope_theta=10000.0,
+                        short_factor=[1.0, 1.05, 1.1, 1.3, 1.6, 2.0],
+                        long_factor=[1.0, 1.5, 2.5, 4.0, 8.0, 16.0])),
+        lengths=[43, 27, 10, LONG_RECORD]),
 }
 
 # Cases for ConfigSpellingTest alone.
@@ -257,6 +286,7 @@ CLASSES = {
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM),
     "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
 }
 
 
@@ -300,7 +330,7 @@ def build_model(case):
             else:
                 # Queries and keys larger, for attention that is neither uniform nor one-hot;
                 # the head larger, for logits of std ~2-3 (up to 9-22 in absolute value).
-                gain = (1.5 if any(p in name for p in ("q_proj", "k_proj"))
+                gain = (1.5 if any(p in name for p in ("q_proj", "k_proj", "qkv_proj"))
                         else 2.0 if name == "lm_head.weight" else 1.0)
                 std = gain / math.sqrt(param.shape[1])
                 param.copy_(std * torch.randn(param.shape, generator=generator))
@@ -399,10 +429,12 @@ def write_records(path, records):
     return path
 
 
-def lathe_score(model_dir, data, out):
+def lathe_score(model_dir, data, out, adapter=None):
     """Lathe's logits per record and its scored loss: (list of [len, vocab], json)."""
     cmd = [os.path.join(BIN_DIR, "lathe-worker"), "score", "--model", model_dir, "--data", data,
            "--logits-out", out, "--output", "json", "--threads", "1"]
+    if adapter is not None:
+        cmd += ["--adapter", adapter]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise AssertionError(f"lathe-worker score failed (exit {proc.returncode}):\n"
@@ -582,6 +614,11 @@ class ArchitectureTest(HfTestCase):
 
     def test_gemma3_local_rope(self):
         self.check_case("gemma3_local_rope")
+    def test_phi3_sliding_mha(self):
+        self.check_case("phi3_sliding_mha")
+
+    def test_phi4_mini_longrope_tied(self):
+        self.check_case("phi4_mini_longrope_tied")
 
 
 class Bf16CheckpointTest(HfTestCase):
@@ -613,6 +650,8 @@ class Bf16CheckpointTest(HfTestCase):
 
     def test_gemma3_local_rope(self):
         self.check_bf16("gemma3_local_rope")
+    def test_phi4_mini_longrope_tied(self):
+        self.check_bf16("phi4_mini_longrope_tied")
 
 
 class MergedModelTest(HfTestCase):
@@ -622,14 +661,17 @@ class MergedModelTest(HfTestCase):
     computed together."""
 
     TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # Phi-3's projections as PEFT names them (B of qkv_proj: (heads + 2 kv_heads) x head_dim).
+    PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
     def adapter(self, p):
         """A PEFT adapter of the case's model, made and saved by PEFT (B non-zero)."""
         path = os.path.join(p.tmp, "adapter")
         if not os.path.isdir(path):
             torch.manual_seed(7)
+            targets = self.PHI3_TARGETS if p.case["model_type"] == "phi3" else self.TARGETS
             peft_model = get_peft_model(copy.deepcopy(p.model), LoraConfig(
-                r=4, lora_alpha=12, target_modules=self.TARGETS, lora_dropout=0.0,
+                r=4, lora_alpha=12, target_modules=targets, lora_dropout=0.0,
                 init_lora_weights=False))
             peft_model.save_pretrained(path)
         return path
@@ -642,10 +684,36 @@ class MergedModelTest(HfTestCase):
         return os.path.join(p.tmp, out), json.loads(proc.stdout)
 
     def test_float32_merge_computes_base_plus_adapter(self):
-        # qwen3: q/k norms kept; gemma3: those and Gemma's four norms a block.
-        for name in ("llama_bias_gqa_llama3", "qwen3_untied_bias", "gemma3_local_rope"):
+        # qwen3: q/k norms kept; gemma3: those and Gemma's four norms a block; phi4: LoRA on
+        # the fused projections.
+        for name in ("llama_bias_gqa_llama3", "qwen3_untied_bias", "gemma3_local_rope",
+                     "phi4_mini_longrope_tied"):
             with self.subTest(case=name):
                 self.check_float32_merge(name)
+
+    def test_phi3_adapter_scores_as_peft(self):
+        # PEFT's adapter on qkv_proj, o_proj, gate_up_proj and down_proj, applied by Lathe's
+        # score (not merged): the logits and loss of PeftModel.
+        for name in ("phi3_sliding_mha", "phi4_mini_longrope_tied"):
+            with self.subTest(case=name):
+                p = prepared(name)
+                adapter = self.adapter(p)
+                with open(os.path.join(adapter, "adapter_config.json")) as f:
+                    self.assertEqual(sorted(json.load(f)["target_modules"]),
+                                     sorted(self.PHI3_TARGETS))
+                shapes = {k: tuple(v.shape) for k, v in load_file(
+                    os.path.join(adapter, "adapter_model.safetensors")).items()}
+                config = p.model.config
+                head_dim = config.hidden_size // config.num_attention_heads
+                self.assertEqual(
+                    shapes["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"],
+                    ((config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim, 4))
+                peft = PeftModel.from_pretrained(copy.deepcopy(p.model), adapter).eval()
+                out = os.path.join(p.tmp, "logits-adapter.safetensors")
+                lathe_logits, lathe = lathe_score(p.dir, p.data, out, adapter=adapter)
+                peft_logits, peft_loss, peft_targets = hf_score(peft, p.records)
+                self.assert_logits_match(lathe_logits, peft_logits, f"{name} + adapter")
+                self.assert_loss_matches(lathe, peft_loss, peft_targets, f"{name} + adapter")
 
     def check_float32_merge(self, name):
         p = prepared(name)
@@ -722,7 +790,8 @@ class PlantedErrorTest(HfTestCase):
     def test_rms_norm_eps(self):
         # The model's 1e-3 read as 1e-5.
         for name in ("llama_bias_gqa_llama3", "mistral_sliding_mqa", "qwen2_tied_sliding",
-                     "qwen3_tied_sliding", "gemma2_softcap", "gemma3_local_rope"):
+                     "qwen3_tied_sliding", "gemma2_softcap", "gemma3_local_rope",
+                     "phi3_sliding_mha"):
             with self.subTest(case=name):
                 self.assertEqual(CASES[name]["config"]["rms_norm_eps"], 1e-3)
                 self.check_planted(name, "rms_norm_eps",
@@ -766,6 +835,52 @@ class PlantedErrorTest(HfTestCase):
         for name, what, edit in planted:
             with self.subTest(case=name, planted=what):
                 self.check_planted(name, what, edit)
+
+
+class Phi3RopeTest(HfTestCase):
+    """Phi-3's partial rotary and LongRoPE settings each act: a planted partial factor, long
+    factor or original length moves Lathe's logits away from HF's (the short and the long
+    factors each have records that use them)."""
+
+    def test_planted_rope_settings(self):
+        name = "phi4_mini_longrope_tied"
+        plants = {
+            "partial_rotary_factor": lambda c: {**c, "partial_rotary_factor": 1.0, "rope_parameters": {
+                **c["rope_parameters"], "partial_rotary_factor": 1.0,
+                "short_factor": c["rope_parameters"]["short_factor"] + [1.0, 1.0],
+                "long_factor": c["rope_parameters"]["long_factor"] + [1.0, 1.0]}},
+            "long_factor": lambda c: {**c, "rope_parameters": {
+                **c["rope_parameters"], "long_factor": [1.0] * 6}},
+            "short_factor": lambda c: {**c, "rope_parameters": {
+                **c["rope_parameters"], "short_factor": [1.0] * 6}},
+            "original_max_position_embeddings": lambda c: {
+                **c, "original_max_position_embeddings": 64},
+        }
+        for what, edit in plants.items():
+            with self.subTest(planted=what):
+                PlantedErrorTest.check_planted(self, name, what, edit)
+
+    def test_legacy_rope_scaling(self):
+        # transformers < 5's spelling: "rope_scaling" with "type": "longrope" (Phi-4-mini's
+        # config.json) and top-level rope_theta and partial_rotary_factor.
+        name = "phi4_mini_longrope_tied"
+        p = prepared(name)
+        legacy = p.legacy_dir()
+        config = read_config(legacy)
+        self.assertEqual(config["rope_scaling"]["rope_type"], "longrope")
+        self.assertEqual(config["partial_rotary_factor"], 0.75)
+        self.check_case(name, legacy)
+
+    def test_biases_are_refused(self):
+        # Phi-4-mini's config.json carries its remote code's bias switches; on, they are
+        # refused by name rather than ignored.
+        p = prepared("phi3_sliding_mha")
+        biased = os.path.join(p.tmp, "biased")
+        if not os.path.isdir(biased):
+            copy_with_config(p.dir, biased, lambda c: {**c, "attention_bias": True})
+        with self.assertRaises(AssertionError) as refused:
+            lathe_score(biased, p.data, os.path.join(p.tmp, "biased.safetensors"))
+        self.assertIn("attention_bias: true is not supported for phi3", str(refused.exception))
 
 
 class LegacySpellingTest(HfTestCase):

@@ -41,7 +41,11 @@ is a regular expression, with a rank_pattern, an alpha_pattern and rsLoRA (each 
 rank and scaling), whose exported adapter PEFT loads with the same string and maps. Gemma 2 (#31; four (1 + weight) norms a block, GeGLU,
 soft-capped scores and logits, a sliding and a global layer) runs the same LoRA, QLoRA and
 full jobs, and full fine-tuning under ZeRO-3 (its trained norms sharded; the frozen ones of
-LoRA under ZeRO-3 are Qwen3's case already).
+LoRA under ZeRO-3 are Qwen3's case already). A Phi-4-mini-like Phi-3 (#31: fused qkv_proj and
+gate_up_proj, partial rotary, LongRoPE, tied) runs the LoRA, QLoRA and full jobs, each also
+under ZeRO-3 (LoRA and full) on 2 ranks, its LoRA job on the spec's default targets (every
+projection of the model: the four fused ones, as the exported adapter_config.json says and
+PEFT loads).
 
 What is held (float32 on both sides):
   - each step's loss (computed before its update), relative STEP_LOSS_REL_TOL; its gradient
@@ -212,11 +216,28 @@ MODELS = {
                                rms_norm_eps=1e-6, tie_word_embeddings=True,
                                max_position_embeddings=64,
                                rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # Phi-3 as Phi-4-mini: fused qkv_proj and gate_up_proj, GQA, head_dim 16 of which 0.75
+    # rotate (6 frequencies), LongRoPE with an original length of 8 (every training
+    # sequence, 9 to 32 tokens, takes the long factors, whatever its micro-batch: the set is
+    # chosen per batch by its width, as transformers does; the eval record of 5 the short),
+    # tied embeddings.
+    "phi3": dict(model_type="phi3", seed=34,
+                 config=dict(vocab_size=304, hidden_size=64, intermediate_size=76,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             partial_rotary_factor=0.75, original_max_position_embeddings=8,
+                             rms_norm_eps=1e-5, tie_word_embeddings=True,
+                             max_position_embeddings=64, sliding_window=None,
+                             pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                             rope_parameters=dict(
+                                 rope_type="longrope", rope_theta=10000.0,
+                                 short_factor=[1.0, 1.1, 1.2, 1.4, 1.7, 2.0],
+                                 long_factor=[1.0, 1.5, 2.0, 3.0, 5.0, 8.0]))),
 }
 
 SEQ_LEN = 32
 STEPS = 5
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 # The training data: 10 records, two longer than SEQ_LEN (truncated when unpacked), some
 # with -100 prompts and labels other than the inputs. Global batch 4 < 10, so the 5 steps
@@ -280,6 +301,14 @@ for _name, _like in (("lora_qwen3", "lora_llama"), ("qlora_qwen3", "qlora_llama"
 for _name, _like in (("lora_gemma2", "lora_llama"), ("qlora_gemma2", "qlora_llama"),
                      ("full_gemma2", "full_qwen2")):
     JOBS[_name] = dict(JOBS[_like], model="gemma2")
+# Phi-3: the same three on its fused projections; the LoRA job's spec names no targets (the
+# default: every projection of the model), PEFT's names the four.
+for _name, _like in (("lora_phi3", "lora_llama"), ("qlora_phi3", "qlora_llama"),
+                     ("full_phi3", "full_qwen2")):
+    JOBS[_name] = dict(JOBS[_like], model="phi3")
+    if "lora" in JOBS[_name]:
+        JOBS[_name]["lora"] = dict(JOBS[_name]["lora"], targets=PHI3_TARGETS)
+JOBS["lora_phi3"]["spec_default_targets"] = True
 # The ZeRO-3 runs: the same jobs on 2 ranks (a rank's half of the global batch, in
 # micro-batches of 1 for LoRA, of 2 for full), so the HF loop's result is the same.
 ZERO3_JOBS = {
@@ -290,6 +319,8 @@ ZERO3_JOBS = {
     # Adapters of different ranks in ZeRO-3's flat units (#31).
     "lora_llama_regex_zero3": ("lora_llama_regex", dict(micro_batch=1)),
     "full_gemma2_zero3": ("full_gemma2", dict(micro_batch=2)),
+    "lora_phi3_zero3": ("lora_phi3", dict(micro_batch=1)),
+    "full_phi3_zero3": ("full_phi3", dict(micro_batch=2)),
 }
 
 # Helpers --------------------------------------------------------------------------------------
@@ -487,6 +518,8 @@ def job_spec(job, model_dir, data, output, init_from=None, ranks=1, **train_chan
         for key in ("rank_pattern", "alpha_pattern"):
             if key in lora:
                 spec["lora"][key] = lora[key]
+        if job.get("spec_default_targets"):
+            del spec["lora"]["targets"]
     if ranks > 1:
         spec["strategy"] = {"zero_stage": 3}
     else:
@@ -574,12 +607,13 @@ def normwise(a, b):
 
 
 def nf4_dequantized_copy(model_dir, out_dir, tmp):
-    """A copy of `model_dir` whose seven projections of every layer are Lathe's NF4 round
-    trip of them (lathe-nf4-quantize's .dequantized), the values method qlora computes with."""
+    """A copy of `model_dir` whose projections of every layer (seven, or Phi-3's four) are
+    Lathe's NF4 round trip of them (lathe-nf4-quantize's .dequantized), the values method
+    qlora computes with."""
     shutil.copytree(model_dir, out_dir)
     weights = load_file(os.path.join(model_dir, "model.safetensors"))
     projections = {n: w for n, w in weights.items()
-                   if n.endswith(".weight") and n.split(".")[-2] in ALL_TARGETS}
+                   if n.endswith(".weight") and n.split(".")[-2] in ALL_TARGETS + PHI3_TARGETS}
     src, dst = os.path.join(tmp, "nf4-in.safetensors"), os.path.join(tmp, "nf4-out.safetensors")
     save_file(projections, src)
     run([os.path.join(BIN_DIR, "lathe-nf4-quantize"), "--in", src, "--out", dst],
@@ -832,6 +866,9 @@ class LoraTrainingTest(TrainingCase):
     def test_lora_gemma2(self):
         self.check_job("lora_gemma2", lathe_result("lora_gemma2"))
 
+    def test_lora_phi3_default_targets(self):
+        self.check_job("lora_phi3", lathe_result("lora_phi3"))
+
 
 class FullTrainingTest(TrainingCase):
     """method full against the bare transformers model in the HF loop; the exported model
@@ -853,6 +890,12 @@ class FullTrainingTest(TrainingCase):
         self.assertIn("model.layers.1.post_feedforward_layernorm.weight", lathe["trained"])
         self.check_job("full_gemma2", lathe)
 
+    def test_full_phi3(self):
+        lathe = lathe_result("full_phi3")
+        self.assertIn("model.layers.1.self_attn.qkv_proj.weight", lathe["trained"])
+        self.assertIn("model.layers.1.mlp.gate_up_proj.weight", lathe["trained"])
+        self.check_job("full_phi3", lathe)
+
 
 class QLoraTrainingTest(TrainingCase):
     """method qlora against PEFT's LoRA over the NF4-dequantized base."""
@@ -872,6 +915,8 @@ class QLoraTrainingTest(TrainingCase):
 
     def test_qlora_gemma2(self):
         self.check_job("qlora_gemma2", lathe_result("qlora_gemma2"))
+    def test_qlora_phi3(self):
+        self.check_job("qlora_phi3", lathe_result("qlora_phi3"))
 
 
 class Zero3TrainingTest(TrainingCase):
@@ -906,6 +951,14 @@ class Zero3TrainingTest(TrainingCase):
         lathe = lathe_result("full_gemma2_zero3")
         self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("full_gemma2_zero3", lathe)
+
+    def test_phi3_two_ranks(self):
+        for job_name in ("lora_phi3_zero3", "full_phi3_zero3"):
+            with self.subTest(job=job_name):
+                lathe = lathe_result(job_name)
+                self.assertEqual(
+                    (lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
+                self.check_job(job_name, lathe)
 
 
 class PlantedErrorTest(TrainingCase):
@@ -1012,6 +1065,16 @@ class AdapterRoundTripTest(TrainingCase):
     def test_lathe_lora_adapters_load_in_peft(self):
         self.check_lathe_adapter("lora_llama")
         self.check_lathe_adapter("lora_qwen2")
+        # Phi-3: the spec named no targets; the adapter says the four fused projections, with
+        # qkv_proj's B of (heads + 2 kv_heads) x head_dim rows, and PEFT loads every key.
+        self.check_lathe_adapter("lora_phi3")
+        config = MODELS["phi3"]["config"]
+        adapter = load_file(os.path.join(lathe_result("lora_phi3")["done"]["adapter"],
+                                         "adapter_model.safetensors"))
+        self.assertEqual(
+            tuple(adapter["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"].shape),
+            ((config["num_attention_heads"] + 2 * config["num_key_value_heads"])
+             * config["hidden_size"] // config["num_attention_heads"], 8))
 
     def test_lathe_regex_target_adapter_loads_in_peft(self):
         # target_modules is the regular expression, a string, as PEFT saves it; the rank and
