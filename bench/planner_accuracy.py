@@ -28,10 +28,16 @@ QUICK = dict(vocab=4096, hidden=256, layers=3, heads=4, kv_heads=2, intermediate
 # Configurations named "<family>-..." run a model of that family of the same sizes (#31) with
 # a head_dim other than hidden / heads: Qwen3 (q_norm and k_norm on every head), Gemma 2 (four
 # norms a block, GeGLU, soft-capped scores and logits) and Gemma 3 (text: Gemma 2's block
-# without the caps, with q_norm and k_norm).
+# without the caps, with q_norm and k_norm). "phi3-..." a Phi-3 of the same sizes (fused
+# qkv_proj and gate_up_proj), Phi-4-mini's partial rotary (0.75) and LongRoPE whose original
+# length is below seq (the long factors); "phi3mha-...": Phi-3 mini's multi-head attention (v a
+# view of qkv_proj's output until copied).
+PHI3 = dict(type="phi3", partial_rotary=0.75, longrope=32)
 FAMILIES = {"qwen3": dict(type="qwen3", head_dim=80),
             "gemma2": dict(type="gemma2", head_dim=80),
-            "gemma3": dict(type="gemma3_text", head_dim=80)}
+            "gemma3": dict(type="gemma3_text", head_dim=80),
+            "phi3": PHI3,
+            "phi3mha": dict(PHI3, kv_heads=4)}
 
 
 def family_of(name):
@@ -82,6 +88,10 @@ CONFIGS = [
     ("qwen3-full-z3-r2", "full", 2, 3, False, 1, True),
     ("gemma2-lora-mb4", "lora", 1, 0, False, 4, True),
     ("gemma3-lora-mb4", "lora", 1, 0, False, 4, True),
+    ("phi3-lora-mb4", "lora", 1, 0, False, 4, True),
+    ("phi3-lora-unfused-ckpt-mb4", "lora", 1, 0, True, 4, False),
+    ("phi3-full-z3-r2", "full", 2, 3, False, 1, True),
+    ("phi3mha-lora-mb4", "lora", 1, 0, False, 4, True),
 ]
 
 

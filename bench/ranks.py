@@ -20,9 +20,10 @@ def machine():
 
 def synth_model(bin_dir, out, m):
     """`lathe-synth model` with the sizes of `m` (vocab, hidden, layers, heads, kv_heads,
-    intermediate; optionally type and head_dim)."""
-    extra = [arg for key, flag in (("type", "--type"), ("head_dim", "--head-dim")) if key in m
-             for arg in (flag, str(m[key]))]
+    intermediate; optionally type, head_dim, partial_rotary and longrope)."""
+    flags = (("type", "--type"), ("head_dim", "--head-dim"),
+             ("partial_rotary", "--partial-rotary"), ("longrope", "--longrope"))
+    extra = [arg for key, flag in flags if key in m for arg in (flag, str(m[key]))]
     subprocess.run([os.path.join(bin_dir, "lathe-synth"), "model", "--out", out, "--vocab",
                     str(m["vocab"]), "--hidden", str(m["hidden"]), "--layers", str(m["layers"]),
                     "--heads", str(m["heads"]), "--kv-heads", str(m["kv_heads"]),

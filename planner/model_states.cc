@@ -87,12 +87,13 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
   shapes.push_back({{v, h}, /*embeddings=*/true});
   if (shape.lm_head > 0) shapes.push_back({{v, h}});
   shapes.push_back({{h}});  // the final norm
-  const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
-  const int64_t i = shape.intermediate_size;
   for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-    const std::pair<int64_t, int64_t> projections[] = {{h, q}, {h, kv}, {h, kv}, {q, h},
-                                                       {h, i}, {h, i},  {i, h}};  // [in, out]
-    for (const auto& [in, out] : projections) shapes.push_back({{out, in}});
+    // The engine's tensors: Phi-3's fused qkv_proj and gate_up_proj are one each.
+    for (const std::string& name : ProjectionNamesOf(shape)) {
+      const absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, name);
+      if (!p.ok()) return p.status();
+      shapes.push_back({{p->out, p->in}});
+    }
     for (int64_t n = 0; n < shape.block.hidden_norms(h, shape.head_dim); ++n) {
       shapes.push_back({{h}});
     }

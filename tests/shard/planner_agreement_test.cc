@@ -21,10 +21,11 @@ namespace {
 TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
   testing::TempDir dir;
   // qwen2: biases, tied; qwen3: q/k norms of head_dim in every block; gemma2: four norms of
-  // hidden in every block, tied; gemma3_text: those and q/k norms.
-  for (const std::string type : {"llama", "qwen2", "qwen3", "gemma2", "gemma3_text"}) {
+  // hidden in every block, tied; gemma3_text: those and q/k norms; phi3: fused qkv_proj and
+  // gate_up_proj (one tensor each), tied.
+  for (const std::string type : {"llama", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}) {
     ModelConfig config = testing::TinyModelConfig(type);
-    config.tie_word_embeddings = type == "qwen2" || type == "gemma2";
+    config.tie_word_embeddings = type == "qwen2" || type == "gemma2" || type == "phi3";
     const std::string model_dir = dir.Path(type);
     ASSERT_TRUE(WriteSyntheticModel(config, DType::kF32, 1, 0, model_dir).ok());
     absl::StatusOr<ModelShape> shape = ParseModelShape(ModelConfigToJson(config), "config.json");
@@ -32,7 +33,8 @@ TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
     EXPECT_EQ(shape->total_params(), ParameterCount(config));
     LoraSpec lora;
     lora.rank = 5;
-    lora.targets = {"q_proj", "v_proj", "down_proj"};
+    lora.targets = type == "phi3" ? std::vector<std::string>{"qkv_proj", "down_proj"}
+                                  : std::vector<std::string>{"q_proj", "v_proj", "down_proj"};
     for (Method method : {Method::kLora, Method::kFull}) {
       absl::StatusOr<std::vector<UnitElements>> units =
           UnitsOf(*shape, method, lora.rank, lora.targets);

@@ -456,6 +456,34 @@ TEST_F(ShardedTrainerTest, GemmaOnEveryStage) {
   }
 }
 
+TEST_F(ShardedTrainerTest, Phi3OnEveryStage) {
+  // Phi-3's fused qkv_proj and gate_up_proj (one unit tensor each, NF4 under QLoRA), LoRA on
+  // every projection (the spec names none), partial rotary and LongRoPE's long factors.
+  ModelConfig config = testing::TinyModelConfig("phi3");
+  config.partial_rotary_factor = 0.5;
+  config.rope_scaling.kind = RopeScaling::Kind::kLongRope;
+  config.rope_scaling.original_max_position_embeddings = 8;
+  config.rope_scaling.short_factor = {1.0, 1.5};
+  config.rope_scaling.long_factor = {2.0, 4.0};
+  config.rope_scaling.attention_factor = 1.2;
+  FullFineTuning(config);
+  JobSpec full = spec_;
+  full.train.weight_decay = 0.01;
+  JobSpec lora = spec_;
+  lora.method = Method::kLora;
+  lora.lora.targets.clear();
+  lora.train.lr = 1e-2;
+  JobSpec qlora = lora;
+  qlora.method = Method::kQLora;
+  for (const auto& [name, spec] :
+       {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
+    const std::vector<double> want = Reference(spec, absl::StrCat(name, "-single"));
+    for (int64_t stage : {1, 2, 3}) {
+      ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(name, "-s", stage)), want, 1e-5);
+    }
+  }
+}
+
 TEST_F(ShardedTrainerTest, AStageZeroRunRefusesASharedCheckpointClearly) {
   JobSpec spec = Sharded(spec_, 2, 3, "mixed");
   spec.train.steps = 6;

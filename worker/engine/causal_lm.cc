@@ -448,6 +448,10 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
   if (kv_heads != heads) {
     k = k.repeat_interleave(heads / kv_heads, 1);
     v = v.repeat_interleave(heads / kv_heads, 1);
+  } else if (config_.model_type == "phi3") {
+    // v is still a view of the fused qkv output: attention saves it for backward, which would
+    // keep all of qkv alive; a copy keeps v alone, as the separate projections do.
+    v = v.contiguous();
   }
   if (FusedSdpa(seq)) {
     // libtorch's fused attention (flash or memory-efficient kernels). Without a sliding
