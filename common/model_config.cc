@@ -593,9 +593,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   LATHE_ASSIGN_OR_RETURN(config.eos_token_ids,
                          ParseTokenIds(fields, "eos_token_id", config.vocab_size));
   if (!IsGemma(config)) {  // Gemma's is read with its other settings (ParseGemma)
-    LATHE_ASSIGN_OR_RETURN(std::vector<int64_t> pad,
-                           ParseTokenIds(fields, "pad_token_id", config.vocab_size));
-    if (!pad.empty()) config.pad_token_id = pad.front();
+    // Lathe computes nothing from the other families' pad_token_id: a value that is not a
+    // token id (LLaMA 1's -1) is dropped rather than refused.
+    if (absl::StatusOr<std::vector<int64_t>> pad =
+            ParseTokenIds(fields, "pad_token_id", config.vocab_size);
+        pad.ok() && !pad->empty()) {
+      config.pad_token_id = pad->front();
+    }
   }
   return config;
 }

@@ -685,6 +685,10 @@ TEST(ModelConfigTest, ParsesPhi4MiniLongRope) {
   EXPECT_EQ(ProjectionShapeOf(config, "qkv_proj").out_features, 5120);
   EXPECT_EQ(ProjectionShapeOf(config, "gate_up_proj").out_features, 16384);
   EXPECT_EQ(ParameterCount(config), 3836021760);  // published: 3.8B
+  // A pad_token_id that is no token id is dropped, not refused (LLaMA 1 configs write -1).
+  nlohmann::json minus_one = Phi4Mini();
+  minus_one["pad_token_id"] = -1;
+  EXPECT_EQ(MustParse(minus_one.dump()).pad_token_id, std::nullopt);
   // No pad_token_id: written as null, not left to Phi3Config's default 32000.
   nlohmann::json unpadded = Phi4Mini();
   unpadded.erase("pad_token_id");
