@@ -90,9 +90,9 @@ struct ModelConfig {
   // layer uses rope_theta and rope_scaling.
   double rope_local_base_freq = 0.0;
   // Gemma: pad_token_id (transformers' default 0; null: none), the embedding row that the
-  // lookup never trains (nn.Embedding's padding_idx). The other families: as read, unused by
-  // the engine but written back (Phi3Config would otherwise assume 32000, which may lie
-  // outside a smaller vocabulary).
+  // lookup never trains (nn.Embedding's padding_idx). The other families: unused by the engine
+  // but written back (Phi3Config would otherwise assume 32000, which may lie outside a smaller
+  // vocabulary); a value that is not a token id is dropped.
   std::optional<int64_t> pad_token_id;
   std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
   // Special tokens, when config.json names them (null or absent: unknown). A list of
