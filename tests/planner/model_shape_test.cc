@@ -53,7 +53,9 @@ INSTANTIATE_TEST_SUITE_P(
                       CountCase{"gemma-2b", 2'506'172'416, ModelFamily::kGemma, true},
                       CountCase{"gemma-2-9b", 9'241'705'984, ModelFamily::kGemma2, true},
                       CountCase{"gemma-3-1b", 999'885'952, ModelFamily::kGemma3Text, true},
-                      CountCase{"phi-3-mini-4k", 3'821'079'552, ModelFamily::kPhi3, false}),
+                      CountCase{"phi-3-mini-4k", 3'821'079'552, ModelFamily::kPhi3, false},
+                      // GQA (24 heads on 8), tied: qkv_proj 3072 x 5120 per block.
+                      CountCase{"phi-4-mini", 3'836'021'760, ModelFamily::kPhi3, true}),
     [](const ::testing::TestParamInfo<CountCase>& param) {
       std::string name = param.param.config;
       for (char& c : name) {
