@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The model families added for issue #31, through the services as a user runs them: a
+"""The model families added for issue #31 (Gemma 2, Phi-3), through the services as a user runs them: a
 coordinator and a worker agent as real processes, a scripts/demo-sized LoRA job submitted with
 the `lathe` CLI on a synthetic model of the family (lathe-synth), and its exported adapter
 loaded by PEFT over transformers' own model class for that directory. PEFT's model must give
@@ -27,6 +27,10 @@ FAMILIES = {
     "gemma2": ["--type", "gemma2", "--layers", "2", "--hidden", "64", "--heads", "4",
                "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128",
                "--sliding-window", "8"],
+    # Phi-4-mini-like: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE, tied.
+    "phi3": ["--type", "phi3", "--layers", "2", "--hidden", "64", "--heads", "4",
+             "--kv-heads", "2", "--intermediate", "128", "--partial-rotary", "0.75",
+             "--longrope", "16", "--tied"],
 }
 
 
@@ -98,6 +102,10 @@ output: {output}
 
     def test_gemma2_lora_through_the_services_loads_in_peft(self):
         model, adapter = self.train("gemma2")
+        self.check_peft_loads(model, adapter)
+
+    def test_phi3_lora_through_the_services_loads_in_peft(self):
+        model, adapter = self.train("phi3")
         self.check_peft_loads(model, adapter)
 
 
