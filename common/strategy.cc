@@ -3,14 +3,6 @@
 #include "absl/strings/str_cat.h"
 
 namespace lathe {
-namespace {
-
-template <typename T>
-bool Keeps(const std::optional<T>& fixed, const T& value) {
-  return !fixed || *fixed == value;
-}
-
-}  // namespace
 
 bool IsAutomatic(const StrategySpec& spec) {
   return !spec.zero_stage && !spec.offload_optimizer && !spec.offload_params &&
@@ -43,18 +35,6 @@ StrategySpec AsSpec(const Strategy& strategy) {
   spec.micro_batch = strategy.micro_batch;
   spec.fused_kernels = strategy.fused_kernels;
   return spec;
-}
-
-bool Allows(const StrategySpec& spec, const Strategy& strategy) {
-  const std::optional<bool> chunked =
-      spec.chunked_loss ? std::optional<bool>(*spec.chunked_loss || spec.fused_kernels)
-                        : std::nullopt;
-  return Keeps(spec.zero_stage, strategy.zero_stage) &&
-         Keeps(spec.offload_optimizer, strategy.offload_optimizer) &&
-         Keeps(spec.offload_params, strategy.offload_params) &&
-         Keeps(spec.activation_checkpointing, strategy.activation_checkpointing) &&
-         Keeps(chunked, strategy.chunked_loss) && Keeps(spec.micro_batch, strategy.micro_batch) &&
-         spec.fused_kernels == strategy.fused_kernels;
 }
 
 absl::Status ValidateStrategy(const StrategySpec& s, const StrategyContext& context) {

@@ -77,9 +77,6 @@ std::optional<Strategy> FixedStrategy(const StrategySpec& spec);
 // `strategy` as a spec that fixes every field.
 StrategySpec AsSpec(const Strategy& strategy);
 
-// Whether `strategy` keeps every field `spec` fixes (chunked_loss as FixedStrategy reads it).
-bool Allows(const StrategySpec& spec, const Strategy& strategy);
-
 // The engine's limits on the strategy (common/capabilities.h, Engine().strategy). The
 // defaults limit nothing: what a spec may say on its own (ValidateJobSpec).
 struct StrategyLimits {

@@ -50,21 +50,6 @@ TEST(StrategyTest, FixedOnlyWhenEveryFieldIsGiven) {
   EXPECT_FALSE(FixedStrategy(spec).has_value());
 }
 
-TEST(StrategyTest, AllowsKeepsEveryFixedField) {
-  StrategySpec spec;
-  spec.zero_stage = 3;
-  Strategy s;
-  s.zero_stage = 3;
-  s.micro_batch = 7;
-  s.activation_checkpointing = true;
-  EXPECT_TRUE(Allows(spec, s));
-  s.zero_stage = 2;
-  EXPECT_FALSE(Allows(spec, s));
-  s.zero_stage = 3;
-  s.fused_kernels = false;  // never the planner's
-  EXPECT_FALSE(Allows(spec, s));
-}
-
 struct RuleCase {
   const char* name;
   std::function<void(StrategySpec*, StrategyContext*)> mutate;
