@@ -507,7 +507,13 @@ absl::Status LoadAdapter(const std::string& adapter_dir, CausalLm* model) {
         config_path,
         ": target_modules: ", absl::StripPrefix(targets.status().message(), "lora.targets: ")));
   }
-  return model->LoadLora(lora, adapter_dir);
+  // LoadLora names the spec's field (a training job's lora.init_from); here it is the flag.
+  if (absl::Status loaded = model->LoadLora(lora, adapter_dir); !loaded.ok()) {
+    return absl::Status(
+        loaded.code(),
+        absl::StrCat("--adapter: ", absl::StripPrefix(loaded.message(), "lora.init_from: ")));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Score(const ParsedFlags& flags, bool json) {

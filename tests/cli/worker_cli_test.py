@@ -86,6 +86,29 @@ class WorkerTrainBadInputTest(unittest.TestCase):
                 self.assertIn(f"usage: {command[0]} {command[1]} [flags]", result.stdout)
                 self.assertIn("  --", result.stdout)
 
+    def test_score_names_the_adapter_flag(self):
+        # An adapter that does not fit the model: its errors name --adapter, not the spec's
+        # lora.init_from (there is no spec).
+        adapter = os.path.join(self.dir, "adapter")
+        result = run("lathe-synth", "adapter", "--model", self.model, "--out", adapter,
+                     "--rank", "4")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        config_path = os.path.join(adapter, "adapter_config.json")
+        with open(config_path) as f:
+            config = json.load(f)
+        config["r"] = 8  # the tensors have rank 4
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        result = run("lathe-worker", "score", "--model", self.model, "--adapter", adapter,
+                     "--data", self.data, "--seq-len", "32")
+        self.assertNotEqual(result.returncode, 0, result.stdout)
+        lines = result.stderr.strip().splitlines()
+        self.assertEqual(len(lines), 1, result.stderr)
+        self.assertTrue(lines[0].startswith("lathe-worker score: --adapter: "), lines[0])
+        self.assertIn("adapter_model.safetensors", lines[0])
+        self.assertIn("[4, 64] vs [8, 64]", lines[0])
+        self.assertNotIn("lora.init_from", lines[0])
+
     def test_missing_spec(self):
         self.expect_error(os.path.join(self.dir, "nope.yaml"), "nope.yaml")
 
