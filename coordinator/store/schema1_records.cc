@@ -14,13 +14,12 @@ using google::protobuf::Message;
 using google::protobuf::UnknownField;
 using google::protobuf::UnknownFieldSet;
 
-// The unknown fields of `message`, by number (the last occurrence wins, as for a scalar),
-// removed from it. Repeated strings are collected in `strings`.
+// Unknown fields by number: varints (the last occurrence wins, as for a scalar) and
+// length-delimited fields (every occurrence, in order: a repeated string's).
 struct OldFields {
   std::map<int, uint64_t> varints;
-  std::map<int, std::string> bytes;
   std::multimap<int, std::string> strings;
-  bool Has(int number) const { return varints.count(number) > 0 || bytes.count(number) > 0; }
+  bool Has(int number) const { return varints.count(number) > 0 || strings.count(number) > 0; }
   uint64_t Varint(int number) const {
     auto it = varints.find(number);
     return it == varints.end() ? 0 : it->second;
@@ -33,13 +32,13 @@ OldFields Read(const UnknownFieldSet& set) {
     const UnknownField& f = set.field(i);
     if (f.type() == UnknownField::TYPE_VARINT) out.varints[f.number()] = f.varint();
     if (f.type() == UnknownField::TYPE_LENGTH_DELIMITED) {
-      out.bytes[f.number()] = f.length_delimited();
       out.strings.emplace(f.number(), f.length_delimited());
     }
   }
   return out;
 }
 
+// The unknown fields of `message`, removed from it.
 OldFields Take(Message* message) {
   UnknownFieldSet* set = message->GetReflection()->MutableUnknownFields(message);
   OldFields out = Read(*set);
@@ -52,8 +51,8 @@ void MigrateSpec(v1::JobSpec* spec) {
   const OldFields root = Take(spec);
   v1::Strategy* strategy = spec->mutable_strategy();
   if (train.Varint(4) > 0) strategy->set_micro_batch(static_cast<int64_t>(train.Varint(4)));
-  auto old_strategy = root.bytes.find(8);
-  if (old_strategy == root.bytes.end()) return;  // absent: auto
+  auto old_strategy = root.strings.find(8);
+  if (old_strategy == root.strings.end()) return;  // absent: auto
   UnknownFieldSet parsed;
   if (!parsed.ParseFromString(old_strategy->second)) return;
   const OldFields s = Read(parsed);

@@ -35,13 +35,16 @@ inline Plan DefaultPlan(const JobSpec& spec) {
   strategy.chunked_loss = s.fused_kernels || s.chunked_loss.value_or(false);
   const int64_t per_rank = spec.train.global_batch / spec.resources.ranks;
   strategy.micro_batch = 1;
-  for (int64_t m = per_rank; m > 1 && !s.micro_batch; --m) {
-    if (per_rank % m == 0 && m * spec.data.seq_len <= 8192) {
-      strategy.micro_batch = m;
-      break;
+  if (s.micro_batch) {
+    strategy.micro_batch = *s.micro_batch;
+  } else {
+    for (int64_t m = per_rank; m > 1; --m) {
+      if (per_rank % m == 0 && m * spec.data.seq_len <= 8192) {
+        strategy.micro_batch = m;
+        break;
+      }
     }
   }
-  if (s.micro_batch) strategy.micro_batch = *s.micro_batch;
   return PlanOf(spec, strategy);
 }
 
