@@ -119,6 +119,29 @@ class ShardedTrainerTest : public ::testing::Test {
     spec_.train.max_grad_norm = 0.5;  // clipping by the norm across shards
   }
 
+  // On `config`'s tiny model (FullFineTuning's job): full fine-tuning with weight decay 0.01
+  // and, unless `full_only`, LoRA and QLoRA (lr 1e-2, the spec's targets), each on 3 ranks at
+  // ZeRO 1, 2 and 3 against the single process within 1e-5 relative.
+  void ExpectEveryStage(const ModelConfig& config, const std::string& tag, bool full_only = false) {
+    FullFineTuning(config);
+    JobSpec full = spec_;
+    full.train.weight_decay = 0.01;
+    JobSpec lora = spec_;
+    lora.method = Method::kLora;
+    lora.train.lr = 1e-2;
+    JobSpec qlora = lora;
+    qlora.method = Method::kQLora;
+    for (const auto& [name, spec] :
+         {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
+      if (full_only && std::string(name) != "full") continue;
+      const std::string run = absl::StrCat(tag, name);
+      const std::vector<double> want = Reference(spec, run + "-single");
+      for (int64_t stage : {1, 2, 3}) {
+        ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(run, "-s", stage)), want, 1e-5);
+      }
+    }
+  }
+
   // Full fine-tuning of `config`'s tiny model: 4 steps of 6 sequences, one per micro-batch.
   void FullFineTuning(const ModelConfig& config) {
     config_ = config;
@@ -411,49 +434,17 @@ TEST_F(ShardedTrainerTest, QLoraOnEveryStage) {
 TEST_F(ShardedTrainerTest, Qwen3OnEveryStage) {
   // Qwen3's q_norm and k_norm: frozen tensors of each block's unit under LoRA and QLoRA
   // (gathered at ZeRO-3), trained without weight decay in full fine-tuning.
-  FullFineTuning(testing::TinyModelConfig("qwen3"));
-  JobSpec full = spec_;
-  full.train.weight_decay = 0.01;
-  JobSpec lora = spec_;
-  lora.method = Method::kLora;
-  lora.train.lr = 1e-2;
-  JobSpec qlora = lora;
-  qlora.method = Method::kQLora;
-  for (const auto& [name, spec] :
-       {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
-    const std::vector<double> want = Reference(spec, absl::StrCat(name, "-single"));
-    for (int64_t stage : {1, 2, 3}) {
-      ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(name, "-s", stage)), want, 1e-5);
-    }
-  }
+  ExpectEveryStage(testing::TinyModelConfig("qwen3"), "");
 }
 
 TEST_F(ShardedTrainerTest, GemmaOnEveryStage) {
   // Gemma 2's four norms a block (Gemma 3's q/k norms too): frozen tensors of each block's
   // unit under LoRA and QLoRA (gathered at ZeRO-3), trained without weight decay in full
   // fine-tuning; soft-capped scores and logits, a sliding and a global layer.
-  for (const std::string type : {"gemma2", "gemma3_text"}) {
-    SCOPED_TRACE(type);
-    FullFineTuning(testing::TinyModelConfig(type));
-    JobSpec full = spec_;
-    full.train.weight_decay = 0.01;
-    JobSpec lora = spec_;
-    lora.method = Method::kLora;
-    lora.train.lr = 1e-2;
-    JobSpec qlora = lora;
-    qlora.method = Method::kQLora;
-    for (const auto& [name, spec] :
-         {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
-      // gemma3_text: full fine-tuning only (its units differ from Gemma 2's by the q/k norms
-      // the Qwen3 test covers under LoRA and QLoRA).
-      if (type == "gemma3_text" && std::string(name) != "full") continue;
-      const std::string tag = absl::StrCat(type, "-", name);
-      const std::vector<double> want = Reference(spec, tag + "-single");
-      for (int64_t stage : {1, 2, 3}) {
-        ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(tag, "-s", stage)), want, 1e-5);
-      }
-    }
-  }
+  ExpectEveryStage(testing::TinyModelConfig("gemma2"), "gemma2-");
+  // gemma3_text: full fine-tuning only (its units differ from Gemma 2's by the q/k norms the
+  // Qwen3 test covers under LoRA and QLoRA).
+  ExpectEveryStage(testing::TinyModelConfig("gemma3_text"), "gemma3_text-", /*full_only=*/true);
 }
 
 TEST_F(ShardedTrainerTest, Phi3OnEveryStage) {
@@ -466,22 +457,7 @@ TEST_F(ShardedTrainerTest, Phi3OnEveryStage) {
   config.rope_scaling.short_factor = {1.0, 1.5};
   config.rope_scaling.long_factor = {2.0, 4.0};
   config.rope_scaling.attention_factor = 1.2;
-  FullFineTuning(config);
-  JobSpec full = spec_;
-  full.train.weight_decay = 0.01;
-  JobSpec lora = spec_;
-  lora.method = Method::kLora;
-  lora.lora.targets.clear();
-  lora.train.lr = 1e-2;
-  JobSpec qlora = lora;
-  qlora.method = Method::kQLora;
-  for (const auto& [name, spec] :
-       {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
-    const std::vector<double> want = Reference(spec, absl::StrCat(name, "-single"));
-    for (int64_t stage : {1, 2, 3}) {
-      ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(name, "-s", stage)), want, 1e-5);
-    }
-  }
+  ExpectEveryStage(config, "");
 }
 
 TEST_F(ShardedTrainerTest, AStageZeroRunRefusesASharedCheckpointClearly) {
