@@ -14,6 +14,8 @@
 #include "absl/strings/str_format.h"
 #include "common/file_util.h"
 #include "common/job_spec.h"
+#include "common/model_config.h"
+#include "planner/model_shape.h"
 #include "planner/planner.h"
 
 namespace {
@@ -38,17 +40,18 @@ int Run(const std::string& dir) {
       std::fprintf(stderr, "%s\n", std::string(text.status().message()).c_str());
       return 1;
     }
-    absl::StatusOr<lathe::ModelShape> shape = lathe::ParseModelShape(*text, path);
+    absl::StatusOr<lathe::ModelConfig> config = lathe::ParseModelConfig(*text, path);
     absl::StatusOr<lathe::JobSpec> spec = lathe::ParseJobSpec(
         absl::StrFormat("name: b\nmodel: {path: /m}\ndata: {train: /d, seq_len: 4096}\n"
                         "method: %s\ntrain: {steps: 100, global_batch: %d, precision: bf16}\n"
                         "resources: {ranks: 8, device: cuda}\noutput: /o\n",
                         c.method, c.global_batch),
         "bench.yaml");
-    if (!shape.ok() || !spec.ok()) {
+    if (!config.ok() || !spec.ok()) {
       std::fprintf(stderr, "bad case %s\n", c.config);
       return 1;
     }
+    const lathe::ModelShape shape = lathe::ModelShapeOf(*config);
     lathe::PlanOptions options;
     options.rates = *lathe::DefaultRates("h100");
     std::vector<double> ms;
@@ -56,7 +59,7 @@ int Run(const std::string& dir) {
     size_t configurations = 0;
     for (int i = 0; i < 20; ++i) {
       const auto start = std::chrono::steady_clock::now();
-      absl::StatusOr<lathe::PlanResult> result = lathe::PlanJob(*spec, *shape, options);
+      absl::StatusOr<lathe::PlanResult> result = lathe::PlanJob(*spec, shape, options);
       ms.push_back(
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
               .count());

@@ -25,6 +25,11 @@ namespace {
 
 using Json = nlohmann::json;
 
+// Keys that mark a mixture-of-experts config (Mixtral, Qwen2-MoE and Qwen3-MoE, DeepSeek,
+// ...): refused by name (docs/mixture-of-experts.md).
+constexpr absl::string_view kExpertKeys[] = {"num_local_experts", "num_experts", "n_routed_experts",
+                                             "moe_num_experts"};
+
 absl::string_view DefaultArchitecture(absl::string_view model_type) {
   if (model_type == "mistral") return "MistralForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
@@ -436,6 +441,15 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   ConfigFields fields(root, source, "");
   ModelConfig config;
 
+  // Before model_type, so that a mixture-of-experts model is named as one, by its key.
+  for (absl::string_view key : kExpertKeys) {
+    LATHE_ASSIGN_OR_RETURN(std::optional<int64_t> experts, fields.Int(key));
+    if (experts.has_value() && *experts > 0) {
+      return absl::UnimplementedError(
+          absl::StrCat(source, ": ", key, ": ", *experts,
+                       ": mixture-of-experts models are not supported (dense decoders only)"));
+    }
+  }
   LATHE_ASSIGN_OR_RETURN(std::optional<std::string> model_type, fields.String("model_type"));
   if (!model_type.has_value()) return fields.Error("model_type", "required field is missing");
   if (*model_type == "gemma3") {

@@ -102,7 +102,10 @@ struct ModelConfig {
   std::vector<int64_t> eos_token_ids;
 };
 
-// Parses the text of a config.json. `source` names the file in error messages.
+// Parses the text of a config.json: the one reading of it, which the trainer, the
+// coordinator's admission and the planner (planner/model_shape.h) share. `source` names the
+// file in error messages. UNIMPLEMENTED "<source>: num_local_experts: 8: mixture-of-experts
+// ..." for a mixture-of-experts model (by its expert count key, whatever its model_type).
 // INVALID_ARGUMENT naming the field for: malformed JSON, a missing or non-positive size,
 // an unsupported model_type (supported: llama, mistral, qwen2, qwen3, gemma2, gemma3_text,
 // phi3; the multimodal gemma3 is refused), hidden_act other than silu (Gemma:

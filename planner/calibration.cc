@@ -9,11 +9,11 @@
 namespace lathe {
 
 std::string CalibrationKey(const JobShape& job, const Strategy& point, absl::string_view pool) {
-  const ModelShape& m = job.model;
-  std::string key = absl::StrCat(ModelFamilyName(m.family), " h", m.hidden_size, " L", m.num_layers,
-                                 " i", m.intermediate_size, " a", m.num_heads, "/", m.num_kv_heads,
-                                 " d", m.head_dim, " v", m.vocab_size,
-                                 m.tied_embeddings ? " tied" : "", " | ", MethodName(job.method));
+  const ModelConfig& m = job.model.config;
+  std::string key = absl::StrCat(
+      m.model_type, " h", m.hidden_size, " L", m.num_hidden_layers, " i", m.intermediate_size, " a",
+      m.num_attention_heads, "/", m.num_key_value_heads, " d", m.head_dim, " v", m.vocab_size,
+      m.tie_word_embeddings ? " tied" : "", " | ", MethodName(job.method));
   if (job.method == Method::kLora) {
     std::vector<absl::string_view> targets;
     for (const std::string& t : job.lora_targets) {

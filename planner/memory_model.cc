@@ -37,7 +37,7 @@ Widths WidthsOf(const JobShape& job) {
 // the kernel's workspace as the kernel sizes it; unfused, the [targets, vocab] logits and
 // their log-softmax.
 int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
-  const ModelShape& m = job.model;
+  const ModelConfig& m = job.model.config;
   const int64_t n = p.micro_batch * (job.seq_len - 1);  // every position a target: the worst
   // MeZO's forward passes make no gradient: the target rows alone.
   const bool grad = !job.zeroth_order;
@@ -47,7 +47,7 @@ int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
     // The log-softmax kept for backward, and at the start of backward the gradients of the
     // loss and of the log-softmax, all [targets, vocab] float32.
     // Gemma 2's soft-cap keeps its capped logits too.
-    return rows + (m.softcapped_logits ? 4 : 3) * logits * 4 +
+    return rows + (m.final_logit_softcapping > 0 ? 4 : 3) * logits * 4 +
            (w.compute == 4 ? 0 : logits * w.compute);
   }
   kernels::LinearCrossEntropyProblem problem;
@@ -92,27 +92,27 @@ int64_t LossPeakBytes(const JobShape& job, const Strategy& p, const Widths& w) {
 // of 4 without checkpointing: counting a float32 normalised input per unfused norm predicted
 // 6.5% and 8.4% over), so none is counted.
 int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w) {
-  const ModelShape& m = job.model;
+  const ModelConfig& m = job.model.config;
   const int64_t bt = p.micro_batch * job.seq_len;
-  const int64_t h = m.hidden_size, q = m.num_heads * m.head_dim, i = m.intermediate_size;
+  const int64_t h = m.hidden_size, q = m.num_attention_heads * m.head_dim, i = m.intermediate_size;
+  const bool softcapped = m.attn_logit_softcapping > 0, geglu = IsGemma(m);
   const int64_t lora = job.method == Method::kLora
                            ? job.lora_rank * static_cast<int64_t>(job.lora_targets.size())
                            : 0;
-  const int64_t rows = p.micro_batch * m.num_heads * job.seq_len;
+  const int64_t rows = p.micro_batch * m.num_attention_heads * job.seq_len;
   const bool fused_attention =
-      !m.softcapped_attention && FusedAttention(p.fused_kernels, job.device, job.seq_len);
+      !softcapped && FusedAttention(p.fused_kernels, job.device, job.seq_len);
   const int64_t attention =
-      fused_attention
-          ? rows * 4
-          : rows * job.seq_len *
-                (4 + (w.compute == 4 ? 0 : w.compute) + (m.softcapped_attention ? w.compute : 0));
+      fused_attention ? rows * 4
+                      : rows * job.seq_len *
+                            (4 + (w.compute == 4 ? 0 : w.compute) + (softcapped ? w.compute : 0));
   int64_t bytes =
       bt * w.compute * (4 * h + 4 * q + 3 * i) + bt * w.math * lora + 2 * bt * 4 + attention;
-  if (m.geglu) bytes += bt * w.compute * (2 * h + (p.fused_kernels ? 0 : i)) + 2 * bt * 4;
-  if (!p.fused_kernels && !m.geglu) bytes += bt * w.compute * (2 * h + i);
-  if (m.block.head_norms > 0) {
-    const int64_t qk = q + m.num_kv_heads * m.head_dim;
-    bytes += bt * w.compute * qk + bt * 4 * (m.num_heads + m.num_kv_heads);
+  if (geglu) bytes += bt * w.compute * (2 * h + (p.fused_kernels ? 0 : i)) + 2 * bt * 4;
+  if (!p.fused_kernels && !geglu) bytes += bt * w.compute * (2 * h + i);
+  if (m.qk_norm) {
+    const int64_t qk = q + m.num_key_value_heads * m.head_dim;
+    bytes += bt * w.compute * qk + bt * 4 * (m.num_attention_heads + m.num_key_value_heads);
   }
   return bytes;
 }
@@ -123,8 +123,8 @@ int64_t BlockSavedBytes(const JobShape& job, const Strategy& p, const Widths& w)
 // 1.7 unfused.
 int64_t BackwardTransientBytes(const JobShape& job, const Strategy& p, const Widths& w) {
   const int64_t bt = p.micro_batch * job.seq_len;
-  const int64_t h = bt * job.model.hidden_size * w.compute;
-  const int64_t i = bt * job.model.intermediate_size * w.compute;
+  const int64_t h = bt * job.model.config.hidden_size * w.compute;
+  const int64_t i = bt * job.model.config.intermediate_size * w.compute;
   return p.fused_kernels ? (13 * h + 21 * i) / 10 : (16 * h + 17 * i) / 10;
 }
 
@@ -134,17 +134,19 @@ int64_t LargestTrainableTensor(const JobShape& job, bool with_embeddings = true)
   const ModelShape& m = job.model;
   if (job.method == Method::kFull) {
     // The head, or the largest projection (Phi-3's fused qkv_proj or gate_up_proj).
-    int64_t largest = (with_embeddings || m.lm_head > 0 ? m.vocab_size : 0) * m.hidden_size;
+    int64_t largest = with_embeddings || m.lm_head > 0 ? m.embeddings : 0;
     for (const std::string& name : ProjectionNamesOf(m)) {
-      const absl::StatusOr<ProjectionDims> p = ProjectionOf(m, name);
-      if (p.ok()) largest = std::max(largest, p->in * p->out);
+      const absl::StatusOr<ProjectionShape> p = ProjectionOf(m, name);
+      if (p.ok()) largest = std::max(largest, p->in_features * p->out_features);
     }
     return largest;
   }
   int64_t largest = 0;
   for (const std::string& t : job.lora_targets) {
-    const absl::StatusOr<ProjectionDims> p = ProjectionOf(m, t);
-    if (p.ok()) largest = std::max(largest, job.lora_rank * std::max(p->in, p->out));
+    const absl::StatusOr<ProjectionShape> p = ProjectionOf(m, t);
+    if (p.ok()) {
+      largest = std::max(largest, job.lora_rank * std::max(p->in_features, p->out_features));
+    }
   }
   return largest;
 }
@@ -190,7 +192,7 @@ absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const Strategy& p,
   // FrozenSliceBytes says.
   if (job.method == Method::kQLora && p.zero_stage < 3) {
     const int64_t projections =
-        job.model.num_layers * (job.model.block.attention + job.model.block.mlp);
+        job.model.config.num_hidden_layers * (job.model.block.attention + job.model.block.mlp);
     states.weights += Nf4Bytes(projections) - projections * w.weight;
   } else if (job.method == Method::kQLora) {
     int64_t saved = 0;
@@ -258,13 +260,13 @@ class Activations {
   Activations(const JobShape& job, const Strategy& p, const Widths& w)
       : checkpointing_(p.activation_checkpointing),
         zeroth_order_(job.zeroth_order),
-        layers_(job.model.num_layers),
-        input_(p.micro_batch * job.seq_len * job.model.hidden_size * w.compute),
+        layers_(job.model.config.num_hidden_layers),
+        input_(p.micro_batch * job.seq_len * job.model.config.hidden_size * w.compute),
         mask_(job.seq_len * job.seq_len * w.compute),
         block_(BlockSavedBytes(job, p, w)) {
     const int64_t b = p.micro_batch, t = job.seq_len;
-    fixed_ = input_ + 2 * t * job.model.head_dim * w.compute + b * t * 8;
-    if (b > 1) fixed_ += b * (t - 1) * job.model.hidden_size * w.compute;
+    fixed_ = input_ + 2 * t * job.model.config.head_dim * w.compute + b * t * 8;
+    if (b > 1) fixed_ += b * (t - 1) * job.model.config.hidden_size * w.compute;
   }
   // At the end of the forward pass.
   int64_t Kept() const { return zeroth_order_ ? fixed_ : Below(layers_); }
@@ -463,7 +465,7 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
   job.lora_targets = LoraTargetsOn(model, spec.lora.targets);
   const std::vector<std::string>& modules = ProjectionNamesOf(model);
   if (absl::StatusOr<std::vector<LoraTarget>> targets =
-          MatchLoraTargets(spec.lora, model.num_layers, modules);
+          MatchLoraTargets(spec.lora, model.config.num_hidden_layers, modules);
       targets.ok()) {
     job.lora_targets = ModulesOfTargets(*targets, modules);
     job.lora_rank = 0;
@@ -554,7 +556,7 @@ absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strateg
     gradients.HandedOver(unit);
   };
   hand_over(head, activations.Kept(), activations.Incoming());
-  for (int64_t j = job.model.num_layers - 1; j >= 0; --j) {
+  for (int64_t j = job.model.config.num_hidden_layers - 1; j >= 0; --j) {
     const int64_t unit = j + 1;
     // The embeddings are gathered for backward only when they train.
     const bool below = unit - 1 >= 1 || (*units)[0].trainable > 0;

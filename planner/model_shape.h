@@ -1,9 +1,9 @@
 // The shape of a Hugging Face causal LM as the planner needs it (issue #11): exact parameter
-// counts by tensor kind and by block, from config.json alone. Covers the dense decoders of
-// the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma, Gemma 2 and Gemma 3 (text), and Phi-3;
-// mixture-of-experts configs are refused. The engine trains a subset of these
-// (common/capabilities.h); the planner can size them all, so that it can say what a job would need
-// before anything runs.
+// counts by tensor kind and by block, derived from the model's ModelConfig
+// (common/model_config.h), the one description of config.json that the trainer, the
+// coordinator's admission checks and the planner all read. Covers what ParseModelConfig
+// accepts: the dense decoders of the Llama family (Llama, Mistral, Qwen2, Qwen3), Gemma 2 and
+// Gemma 3 (text), and Phi-3.
 //
 // No libtorch, no I/O: pure functions (planner/ builds with the coordinator).
 //
@@ -12,18 +12,10 @@
 #define LATHE_PLANNER_MODEL_SHAPE_H_
 
 #include <cstdint>
-#include <string>
 
-#include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
+#include "common/model_config.h"
 
 namespace lathe {
-
-enum class ModelFamily { kLlama, kMistral, kQwen2, kQwen3, kGemma, kGemma2, kGemma3Text, kPhi3 };
-
-// "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3" (config.json's
-// model_type).
-absl::string_view ModelFamilyName(ModelFamily family);
 
 // Parameters of one decoder block by kind. Phi-3's fused qkv_proj and gate_up_proj count
 // as the q/k/v and gate/up projections they hold.
@@ -43,23 +35,10 @@ struct BlockParams {
 };
 
 struct ModelShape {
-  ModelFamily family = ModelFamily::kLlama;
-  int64_t vocab_size = 0;
-  int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;
-  int64_t num_layers = 0;
-  int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
-  bool tied_embeddings = false;
-  // Gemma 2 and 3: a GeGLU MLP, four norms of hidden a block.
-  bool geglu = false;
-  // Gemma 2's attn_logit_softcapping (absent: transformers' 50; null: none): the engine's
-  // attention is then always the explicit softmax, never libtorch's fused kernel.
-  bool softcapped_attention = false;
-  // Gemma 2's final_logit_softcapping (absent: 30; null: none): unchunked, the capped logits
-  // are one more [targets, vocab] float32 tensor.
-  bool softcapped_logits = false;
+  // The sizes (hidden_size, num_hidden_layers, ...), the family (model_type) and the features
+  // (IsGemma: GeGLU and four norms a block; attn_logit_softcapping: the explicit attention
+  // path; final_logit_softcapping: one more [targets, vocab] float32 tensor unchunked).
+  ModelConfig config;
 
   BlockParams block;       // every block has the same shape
   int64_t embeddings = 0;  // vocab x hidden
@@ -67,19 +46,15 @@ struct ModelShape {
   int64_t final_norm = 0;  // hidden
 
   int64_t total_params() const {
-    return embeddings + lm_head + final_norm + num_layers * block.total();
+    return embeddings + lm_head + final_norm + config.num_hidden_layers * block.total();
   }
   // The largest unit a ZeRO-3 run gathers (docs/sharding.md): a block, or the embeddings,
   // or the final norm with the head.
   int64_t largest_unit_params() const;
 };
 
-// Reads a config.json's text. `source` names the file in errors, which are one line:
-// INVALID_ARGUMENT "<source>: <field>: <problem>" for a missing or bad field, an unknown
-// model_type (naming the families above) or sizes that disagree (heads that do not divide
-// the hidden size without a head_dim, key/value heads that do not divide the heads);
-// UNIMPLEMENTED for mixture-of-experts models ("<source>: num_local_experts: 8: ...").
-absl::StatusOr<ModelShape> ParseModelShape(absl::string_view config_json, absl::string_view source);
+// The counts of `config`'s model (as ParseModelConfig accepted it).
+ModelShape ModelShapeOf(const ModelConfig& config);
 
 }  // namespace lathe
 

@@ -10,9 +10,7 @@
 namespace lathe {
 
 const std::vector<std::string>& ProjectionNamesOf(const ModelShape& shape) {
-  ModelConfig config;
-  config.model_type = std::string(ModelFamilyName(shape.family));
-  return ProjectionModules(config);
+  return ProjectionModules(shape.config);
 }
 
 std::vector<std::string> LoraTargetsOn(const ModelShape& shape,
@@ -20,31 +18,24 @@ std::vector<std::string> LoraTargetsOn(const ModelShape& shape,
   return targets.empty() ? ProjectionNamesOf(shape) : targets;
 }
 
-absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name) {
-  const int64_t h = shape.hidden_size, i = shape.intermediate_size;
-  const int64_t q = shape.num_heads * shape.head_dim, kv = shape.num_kv_heads * shape.head_dim;
+absl::StatusOr<ProjectionShape> ProjectionOf(const ModelShape& shape, absl::string_view name) {
   const std::vector<std::string>& names = ProjectionNamesOf(shape);
-  const bool known = std::find(names.begin(), names.end(), name) != names.end();
-  if (known && name == "q_proj") return ProjectionDims{h, q};
-  if (known && (name == "k_proj" || name == "v_proj")) return ProjectionDims{h, kv};
-  if (known && name == "qkv_proj") return ProjectionDims{h, q + 2 * kv};
-  if (known && name == "o_proj") return ProjectionDims{q, h};
-  if (known && (name == "gate_proj" || name == "up_proj")) return ProjectionDims{h, i};
-  if (known && name == "gate_up_proj") return ProjectionDims{h, 2 * i};
-  if (known && name == "down_proj") return ProjectionDims{i, h};
-  // The words of common/model_config.h's LoraTargetsOf, which the engine answers.
-  return absl::InvalidArgumentError(absl::StrCat(
-      "lora.targets: \"", name, "\" is not a projection of this ", ModelFamilyName(shape.family),
-      " model (its modules: ", absl::StrJoin(names, ", "), ")"));
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    // The words of common/model_config.h's LoraTargetsOf, which the engine answers.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lora.targets: \"", name, "\" is not a projection of this ", shape.config.model_type,
+        " model (its modules: ", absl::StrJoin(names, ", "), ")"));
+  }
+  return ProjectionShapeOf(shape.config, name);
 }
 
 absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank,
                                            const std::vector<std::string>& targets) {
   int64_t total = 0;
   for (const std::string& target : LoraTargetsOn(shape, targets)) {
-    absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
+    absl::StatusOr<ProjectionShape> p = ProjectionOf(shape, target);
     if (!p.ok()) return p.status();
-    total += rank * (p->in + p->out);  // A [rank, in] and B [out, rank]
+    total += rank * (p->in_features + p->out_features);  // A [rank, in] and B [out, rank]
   }
   return total;
 }
@@ -63,7 +54,7 @@ absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Metho
     adapters = *lora;
   }
   std::vector<UnitElements> units = {unit(shape.embeddings, 0)};
-  units.insert(units.end(), shape.num_layers, unit(shape.block.total(), adapters));
+  units.insert(units.end(), shape.config.num_hidden_layers, unit(shape.block.total(), adapters));
   units.push_back(unit(shape.final_norm + shape.lm_head, 0));
   return units;
 }
@@ -74,30 +65,31 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
   std::vector<TrainableShape> shapes;
   if (method != Method::kFull) {
     for (const std::string& target : LoraTargetsOn(shape, targets)) {
-      absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, target);
+      absl::StatusOr<ProjectionShape> p = ProjectionOf(shape, target);
       if (!p.ok()) return p.status();
-      for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
-        shapes.push_back({{lora_rank, p->in}});
-        shapes.push_back({{p->out, lora_rank}});
+      for (int64_t layer = 0; layer < shape.config.num_hidden_layers; ++layer) {
+        shapes.push_back({{lora_rank, p->in_features}});
+        shapes.push_back({{p->out_features, lora_rank}});
       }
     }
     return shapes;
   }
-  const int64_t h = shape.hidden_size, v = shape.vocab_size;
+  const int64_t h = shape.config.hidden_size, v = shape.config.vocab_size;
   shapes.push_back({{v, h}, /*embeddings=*/true});
   if (shape.lm_head > 0) shapes.push_back({{v, h}});
   shapes.push_back({{h}});  // the final norm
-  for (int64_t layer = 0; layer < shape.num_layers; ++layer) {
+  for (int64_t layer = 0; layer < shape.config.num_hidden_layers; ++layer) {
     // The engine's tensors: Phi-3's fused qkv_proj and gate_up_proj are one each.
     for (const std::string& name : ProjectionNamesOf(shape)) {
-      const absl::StatusOr<ProjectionDims> p = ProjectionOf(shape, name);
+      const absl::StatusOr<ProjectionShape> p = ProjectionOf(shape, name);
       if (!p.ok()) return p.status();
-      shapes.push_back({{p->out, p->in}});
+      shapes.push_back({{p->out_features, p->in_features}});
     }
-    for (int64_t n = 0; n < shape.block.hidden_norms(h, shape.head_dim); ++n) {
+    for (int64_t n = 0; n < shape.block.hidden_norms(h, shape.config.head_dim); ++n) {
       shapes.push_back({{h}});
     }
-    for (int64_t n = 0; n < shape.block.head_norms; ++n) shapes.push_back({{shape.head_dim}});
+    for (int64_t n = 0; n < shape.block.head_norms; ++n)
+      shapes.push_back({{shape.config.head_dim}});
     // Biases: q, k, v (Qwen2) and any others, as vectors of their total size.
     if (shape.block.attention_bias > 0) shapes.push_back({{shape.block.attention_bias}});
     if (shape.block.mlp_bias > 0) shapes.push_back({{shape.block.mlp_bias}});

@@ -33,13 +33,9 @@ const std::vector<std::string>& ProjectionNamesOf(const ModelShape& shape);
 std::vector<std::string> LoraTargetsOn(const ModelShape& shape,
                                        const std::vector<std::string>& targets);
 
-// The [in, out] features of a projection by the engine's name (ProjectionNamesOf).
-// INVALID_ARGUMENT "lora.targets: ..." for a name the family has no projection of.
-struct ProjectionDims {
-  int64_t in = 0;
-  int64_t out = 0;
-};
-absl::StatusOr<ProjectionDims> ProjectionOf(const ModelShape& shape, absl::string_view name);
+// ProjectionShapeOf for a name the spec gave (ProjectionNamesOf's). INVALID_ARGUMENT
+// "lora.targets: ..." for a name the family has no projection of.
+absl::StatusOr<ProjectionShape> ProjectionOf(const ModelShape& shape, absl::string_view name);
 
 // LoRA parameters of one block for `rank` on `targets` (the engine's names; empty: every
 // projection, LoraTargetsOn). INVALID_ARGUMENT "lora.targets: ..." for a name the family

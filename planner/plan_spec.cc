@@ -4,8 +4,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/capabilities.h"
-#include "common/file_util.h"
 #include "common/host_memory.h"
+#include "common/model_config.h"
 
 namespace lathe {
 
@@ -37,18 +37,12 @@ absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_vie
 }
 
 absl::StatusOr<PlanResult> PlanSpec(const JobSpec& spec, const PlanOptions& options) {
-  const std::string path = spec.model.path + "/config.json";
-  absl::StatusOr<std::string> text = ReadFile(path);
-  if (!text.ok()) {
-    return absl::Status(text.status().code(),
-                        absl::StrCat("model.path: ", text.status().message()));
+  absl::StatusOr<ModelConfig> model = LoadModelConfig(spec.model.path);
+  if (!model.ok()) {
+    return absl::Status(model.status().code(),
+                        absl::StrCat("model.path: ", model.status().message()));
   }
-  absl::StatusOr<ModelShape> shape = ParseModelShape(*text, path);
-  if (!shape.ok()) {
-    return absl::Status(shape.status().code(),
-                        absl::StrCat("model.path: ", shape.status().message()));
-  }
-  return PlanJob(spec, *shape, options);
+  return PlanJob(spec, ModelShapeOf(*model), options);
 }
 
 }  // namespace lathe

@@ -23,8 +23,9 @@ namespace lathe {
 absl::StatusOr<PlanOptions> PlanOptionsFor(const JobSpec& spec, absl::string_view pool,
                                            DeviceRates rates);
 
-// Reads `spec.model.path`/config.json and plans. NOT_FOUND / INVALID_ARGUMENT naming
-// model.path's file for a missing or bad config; otherwise PlanJob's errors.
+// Reads `spec.model.path`/config.json (LoadModelConfig) and plans. NOT_FOUND /
+// INVALID_ARGUMENT naming model.path's file for a missing or bad config; otherwise PlanJob's
+// errors. (The coordinator, which has read the config already, calls PlanJob itself.)
 absl::StatusOr<PlanResult> PlanSpec(const JobSpec& spec, const PlanOptions& options);
 
 }  // namespace lathe

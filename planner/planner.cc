@@ -15,21 +15,6 @@
 namespace lathe {
 namespace {
 
-// The engine's FLOPs per token (common/flops.h) need only the shape's sizes.
-ModelConfig ConfigOf(const ModelShape& shape) {
-  ModelConfig config;
-  config.model_type = std::string(ModelFamilyName(shape.family));  // its projections
-  config.vocab_size = shape.vocab_size;
-  config.hidden_size = shape.hidden_size;
-  config.intermediate_size = shape.intermediate_size;
-  config.num_hidden_layers = shape.num_layers;
-  config.num_attention_heads = shape.num_heads;
-  config.num_key_value_heads = shape.num_kv_heads;
-  config.head_dim = shape.head_dim;
-  config.tie_word_embeddings = shape.tied_embeddings;
-  return config;
-}
-
 std::string StrategyText(const Strategy& p) {
   std::vector<std::string> parts = {absl::StrCat("ZeRO-", p.zero_stage)};
   if (p.offload_optimizer) parts.push_back("optimizer offload");
@@ -131,7 +116,7 @@ std::string SecondsText(double s) { return absl::StrFormat("%.3g s", s); }
 absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& shape,
                                        const PlanOptions& options) {
   if (TrainsLora(spec)) {
-    absl::Status targets = MatchLoraTargets(spec.lora, ConfigOf(shape)).status();
+    absl::Status targets = MatchLoraTargets(spec.lora, shape.config).status();
     if (!targets.ok()) return targets;
   }
   const JobShape job = JobShapeOf(spec, shape);
@@ -139,9 +124,8 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
       UnitsOf(shape, job.method, job.lora_rank, job.lora_targets);
   if (!units.ok()) return units.status();
   const Totals totals = TotalsOf(*units);
-  const ModelConfig config = ConfigOf(shape);
-  const double flops = TrainingFlopsPerToken(config, spec, spec.data.seq_len, false);
-  const double flops_recompute = TrainingFlopsPerToken(config, spec, spec.data.seq_len, true);
+  const double flops = TrainingFlopsPerToken(shape.config, spec, spec.data.seq_len, false);
+  const double flops_recompute = TrainingFlopsPerToken(shape.config, spec, spec.data.seq_len, true);
 
   const StrategySpec& s = spec.strategy;
   const StrategyContext context = StrategyContextOf(spec, options.limits);

@@ -20,8 +20,10 @@
 #include "common/proto/job_spec_proto.h"
 #include "common/status_macros.h"
 #include "common/weights_check.h"
+#include "planner/model_shape.h"
 #include "planner/plan_proto.h"
 #include "planner/plan_spec.h"
+#include "planner/planner.h"
 
 namespace lathe {
 namespace {
@@ -98,7 +100,8 @@ absl::StatusOr<JobManager::Admitted> JobManager::Admit(const v1::JobSpec& proto)
   LATHE_ASSIGN_OR_RETURN(PlanOptions options, PlanOptionsFor(spec, pool, rates));
   const MemoryCalibration calibration = scheduler_->Calibration();
   options.calibration = &calibration;
-  absl::StatusOr<PlanResult> plan = PlanSpec(spec, options);
+  // The config read above is the one the planner sizes (config.json is read once).
+  absl::StatusOr<PlanResult> plan = PlanJob(spec, ModelShapeOf(*model), options);
   if (!plan.ok()) return Annotate(plan.status(), "spec");
   return Admitted{std::move(spec), *std::move(plan), options.rates.memory_bytes};
 }

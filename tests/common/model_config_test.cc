@@ -1087,25 +1087,16 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
       {"unsupported model_type", [](Json& j) { j["model_type"] = "gpt2"; },
        "/m/config.json: model_type: unsupported \"gpt2\" (supported: llama, mistral, qwen2, "
        "qwen3, gemma2, gemma3_text, phi3)"},
-      // Mixture-of-experts configs (the planner refuses them by their expert keys too).
-      {"mixtral",
+      {"heads do not divide hidden without head_dim",
        [](Json& j) {
-         j["model_type"] = "mixtral";
-         j["num_local_experts"] = 8;
+         j["num_attention_heads"] = 6;
+         j["num_key_value_heads"] = 6;
+         j.erase("head_dim");
        },
-       "/m/config.json: model_type: unsupported \"mixtral\""},
-      {"qwen2_moe",
-       [](Json& j) {
-         j["model_type"] = "qwen2_moe";
-         j["num_experts"] = 60;
-       },
-       "/m/config.json: model_type: unsupported \"qwen2_moe\""},
-      {"qwen3_moe",
-       [](Json& j) {
-         j["model_type"] = "qwen3_moe";
-         j["num_experts"] = 128;
-       },
-       "/m/config.json: model_type: unsupported \"qwen3_moe\""},
+       "/m/config.json: hidden_size: 8 is not divisible by num_attention_heads 6 and head_dim is "
+       "not given"},
+      {"vocab_size not an integer", [](Json& j) { j["vocab_size"] = "many"; },
+       "/m/config.json: vocab_size: expected an integer, got \"many\""},
       {"model_type not a string", [](Json& j) { j["model_type"] = 7; },
        "/m/config.json: model_type: expected a string, got 7"},
       {"hidden_act", [](Json& j) { j["hidden_act"] = "gelu"; },
@@ -1265,6 +1256,47 @@ TEST(ModelConfigTest, RejectsBadConfigs) {
     ASSERT_FALSE(config.ok());
     EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.fragment));
+  }
+}
+
+// Mixture-of-experts configs are refused by their expert count, whatever their model_type
+// (Mixtral, Qwen2-MoE and Qwen3-MoE as published): one line naming the key, at submit too.
+TEST(ModelConfigTest, RefusesMixtureOfExpertsByTheirKey) {
+  using Json = nlohmann::json;
+  const std::vector<ErrorCase> cases = {
+      {"mixtral",
+       [](Json& j) {
+         j["model_type"] = "mixtral";
+         j["num_local_experts"] = 8;
+       },
+       "/m/config.json: num_local_experts: 8: mixture-of-experts models are not supported"},
+      {"qwen2_moe",
+       [](Json& j) {
+         j["model_type"] = "qwen2_moe";
+         j["num_experts"] = 60;
+         j["num_experts_per_tok"] = 4;
+         j["moe_intermediate_size"] = 1408;
+         j["shared_expert_intermediate_size"] = 5632;
+       },
+       "/m/config.json: num_experts: 60: mixture-of-experts models are not supported"},
+      {"qwen3_moe",
+       [](Json& j) {
+         j["model_type"] = "qwen3_moe";
+         j["num_experts"] = 128;
+         j["num_experts_per_tok"] = 8;
+         j["moe_intermediate_size"] = 768;
+       },
+       "/m/config.json: num_experts: 128: mixture-of-experts models are not supported"},
+  };
+  for (const ErrorCase& c : cases) {
+    SCOPED_TRACE(c.description);
+    nlohmann::json json = TinyLlama();
+    c.mutate(json);
+    absl::StatusOr<ModelConfig> config = ParseModelConfig(json.dump(), kSource);
+    ASSERT_FALSE(config.ok());
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kUnimplemented);
+    EXPECT_THAT(std::string(config.status().message()), HasSubstr(c.fragment));
+    EXPECT_EQ(std::string(config.status().message()).find('\n'), std::string::npos);
   }
 }
 

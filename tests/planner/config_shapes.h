@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/file_util.h"
+#include "common/model_config.h"
 #include "common/status_macros.h"
 #include "gtest/gtest.h"
 #include "planner/model_shape.h"
@@ -18,7 +19,8 @@ namespace lathe::testing {
 inline absl::StatusOr<ModelShape> ShapeOf(const std::string& name) {
   const std::string path = SourcePath("tests/planner/data/configs/" + name + ".json");
   LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
-  return ParseModelShape(text, path);
+  LATHE_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(text, path));
+  return ModelShapeOf(config);
 }
 
 // The same for a config the test needs: a failure fails the test (an empty shape then).

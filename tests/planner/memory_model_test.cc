@@ -23,8 +23,8 @@ using testing::Shape;
 // The dense models of tests/planner/data/configs (mixtral-8x7b's experts are not modelled).
 const std::vector<std::string>& ConfigNames() {
   static const std::vector<std::string> kNames = {
-      "gemma-2-9b",      "gemma-2b",      "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b",
-      "mistral-7b-v0.1", "phi-3-mini-4k", "qwen2.5-0.5b",  "qwen2.5-7b"};
+      "gemma-2-9b",      "llama-3.1-70b", "llama-3.1-8b", "llama-3.2-1b",
+      "mistral-7b-v0.1", "phi-3-mini-4k", "qwen2.5-0.5b", "qwen2.5-7b"};
   return kNames;
 }
 
@@ -134,9 +134,10 @@ TEST(MemoryTimelineTest, ZeroThreesBackwardHoldsTwoGatheredBlocks) {
   const uint64_t block = 2 * static_cast<uint64_t>(job.model.block.attention + job.model.block.mlp);
   EXPECT_GE(gathered, 2 * block);
   EXPECT_LT(gathered, 2 * block + block / 10);
-  EXPECT_EQ(Bytes(stage3.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers) -
-                Bytes(stage2.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers),
-            2 * static_cast<uint64_t>((job.model.vocab_size + 1) * job.model.hidden_size));
+  EXPECT_EQ(
+      Bytes(stage3.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers) -
+          Bytes(stage2.Phase(kPhaseHandOver), MemoryComponent::kCommBuffers),
+      2 * static_cast<uint64_t>((job.model.config.vocab_size + 1) * job.model.config.hidden_size));
   // The optimizer step gathers nothing.
   EXPECT_EQ(Bytes(stage3.Phase(kPhaseOptimizer), MemoryComponent::kCommBuffers), 0u);
 }
@@ -311,14 +312,17 @@ TEST(MemoryModelGoldenTest, EveryEstimateOfTheGridIsUnchanged) {
     }
   }
   EXPECT_EQ(golden.count,
-            9 * 3 * (4 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 2));
+            8 * 3 * (4 * 4 * 2 * 2 * 2 * 2 * 2 * 2 * 2 + 4 * 2 * 2 * 4 * 2 * 2 * 2 * 2 * 2));
   // Recorded before the timeline refactor (issue #30); changed by #31's Gemma 2 (its fused or
   // unfused GeGLU, four norms, soft-caps: gemma-2-9b's estimates only; with those off the grid
   // hashes as before) and by #31's Phi-3 for phi-3-mini-4k alone, whose projections are now
   // the engine's four fused ones (qkv_proj, o_proj, gate_up_proj, down_proj: the default LoRA
   // targets, and one trainable tensor each in full fine-tuning) instead of seven separate ones
   // (checked: with phi3 read as llama, the grid's hash is Gemma's, 11442435261107408614).
-  EXPECT_EQ(golden.h, 12116351652837705848u);
+  // Then #30 item 3 dropped gemma-2b (model_type gemma: the engine, and now the planner, which
+  // reads config.json through the engine's parser, refuses it); every other row is as before
+  // (checked: the rows dumped at e80efea without gemma-2b's equal these).
+  EXPECT_EQ(golden.h, 8205543328040125548u);
 }
 
 }  // namespace

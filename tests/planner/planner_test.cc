@@ -197,7 +197,8 @@ TEST(MemoryModelTest, QLoraStoresTheProjectionsInHalfAByte) {
       Estimate(Job(shape, Spec("train: {steps: 10, precision: bf16}\n")), point);
   const MemoryEstimate qlora =
       Estimate(Job(shape, Spec("method: qlora\ntrain: {steps: 10, precision: bf16}\n")), point);
-  const int64_t projections = shape.num_layers * (shape.block.attention + shape.block.mlp);
+  const int64_t projections =
+      shape.config.num_hidden_layers * (shape.block.attention + shape.block.mlp);
   EXPECT_EQ(
       Component(lora, MemoryComponent::kWeights) - Component(qlora, MemoryComponent::kWeights),
       static_cast<uint64_t>(2 * projections - Nf4Bytes(projections)));
