@@ -276,6 +276,61 @@ grpc::ServerUnaryReactor* JobServiceImpl::GetLogs(grpc::CallbackServerContext* c
       });
 }
 
+grpc::ServerUnaryReactor* JobServiceImpl::ProfileJob(grpc::CallbackServerContext* context,
+                                                     const v1::ProfileJobRequest* request,
+                                                     v1::ProfileJobResponse* response) {
+  return Serve(context, auth_, kClientCall, "ProfileJob", &pool_, options_.rpc_observer,
+               [=](const Caller& caller) {
+                 if (options_.profiles == nullptr) {
+                   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                       "this coordinator keeps no profiles");
+                 }
+                 return Respond(scheduler_->ProfileJob(*request, RequesterOf(caller)), response);
+               });
+}
+
+grpc::ServerUnaryReactor* JobServiceImpl::GetProfileFile(grpc::CallbackServerContext* context,
+                                                         const v1::GetProfileFileRequest* request,
+                                                         v1::GetProfileFileResponse* response) {
+  return Serve(
+      context, auth_, kClientCall, "GetProfileFile", &pool_, options_.rpc_observer,
+      [=](const Caller& caller) {
+        if (options_.profiles == nullptr) {
+          return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                              "this coordinator keeps no profiles");
+        }
+        if (request->offset() < 0 || request->max_bytes() < 0) {
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "offset and max_bytes: must be >= 0");
+        }
+        absl::StatusOr<std::pair<int64_t, v1::ProfileCapture>> capture =
+            scheduler_->FindProfile(request->job_id(), request->capture_id(), RequesterOf(caller));
+        if (!capture.ok()) return ToGrpcStatus(capture.status());
+        // Only a file the capture lists: a name never reaches the file system unchecked.
+        bool listed = false;
+        for (const v1::ProfileFile& file : capture->second.files()) {
+          listed = listed || (file.rank() == request->rank() && file.name() == request->name());
+        }
+        if (!listed) {
+          return grpc::Status(
+              grpc::StatusCode::NOT_FOUND,
+              absl::StrCat("capture ", request->capture_id(), " has no file \"",
+                           request->name().substr(0, 128), "\" of rank ", request->rank()));
+        }
+        const int64_t max = request->max_bytes() == 0
+                                ? kMaxLogChunk
+                                : std::min<int64_t>(request->max_bytes(), kMaxLogChunk);
+        absl::StatusOr<ProfileStore::Chunk> chunk =
+            options_.profiles->Read({request->job_id(), capture->first, request->capture_id(),
+                                     request->rank(), request->name()},
+                                    request->offset(), max);
+        if (!chunk.ok()) return ToGrpcStatus(chunk.status());
+        response->set_data(std::move(chunk->data));
+        response->set_size(chunk->size);
+        return grpc::Status::OK;
+      });
+}
+
 // --- WorkerService --------------------------------------------------------------------
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RegisterWorker(
@@ -372,7 +427,9 @@ class HeartbeatReactor final
       session = session_id_;
     }
     v1::HeartbeatResponse mail = scheduler_->TakeMail(worker, session);
-    if (mail.assignments_size() > 0 || mail.cancellations_size() > 0) Send(std::move(mail));
+    if (mail.assignments_size() > 0 || mail.cancellations_size() > 0 || mail.profiles_size() > 0) {
+      Send(std::move(mail));
+    }
   }
 
   // Answers and pushes go out one at a time, in order.
@@ -464,6 +521,84 @@ grpc::ServerUnaryReactor* WorkerServiceImpl::AppendLogs(grpc::CallbackServerCont
         response->set_size(*size);
         return grpc::Status::OK;
       });
+}
+
+grpc::ServerUnaryReactor* WorkerServiceImpl::UploadProfile(grpc::CallbackServerContext* context,
+                                                           const v1::UploadProfileRequest* request,
+                                                           v1::UploadProfileResponse* response) {
+  return Serve(
+      context, auth_, kWorkerCall, "UploadProfile", &pool_, observer_, [=](const Caller& caller) {
+        if (grpc::Status denied = ActingFor(caller, request->worker_id()); !denied.ok())
+          return denied;
+        if (profiles_ == nullptr) {
+          return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                              "this coordinator keeps no profiles");
+        }
+        if (request->offset() < 0 || static_cast<int64_t>(request->data().size()) > kMaxLogChunk) {
+          return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                              "offset: must be >= 0; data: at most 1 MiB");
+        }
+        if (absl::Status bad = CheckCaptureId(request->capture_id()); !bad.ok()) {
+          return ToGrpcStatus(bad);
+        }
+        if (absl::Status bad = CheckProfileFileName(request->name()); !bad.ok()) {
+          return ToGrpcStatus(bad);
+        }
+        absl::Status allowed = scheduler_->CheckProfileWriter(
+            request->job_id(), request->generation(), request->rank(), request->capture_id(),
+            request->worker_id());
+        if (!allowed.ok()) return ToGrpcStatus(allowed);
+        absl::StatusOr<int64_t> size =
+            profiles_->Append({request->job_id(), request->generation(), request->capture_id(),
+                               request->rank(), request->name()},
+                              request->offset(), request->data());
+        if (!size.ok()) return ToGrpcStatus(size.status());
+        response->set_size(*size);
+        return grpc::Status::OK;
+      });
+}
+
+grpc::ServerUnaryReactor* WorkerServiceImpl::ReportProfile(grpc::CallbackServerContext* context,
+                                                           const v1::ReportProfileRequest* request,
+                                                           v1::ReportProfileResponse*) {
+  return Serve(context, auth_, kWorkerCall, "ReportProfile", &pool_, observer_,
+               [=](const Caller& caller) {
+                 if (grpc::Status denied = ActingFor(caller, request->worker_id()); !denied.ok())
+                   return denied;
+                 if (profiles_ == nullptr) {
+                   return grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                                       "this coordinator keeps no profiles");
+                 }
+                 constexpr int kMaxFiles = 64;
+                 if (request->files_size() > kMaxFiles) {
+                   return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                       absl::StrCat("files: at most ", kMaxFiles));
+                 }
+                 if (absl::Status bad = CheckCaptureId(request->capture_id()); !bad.ok()) {
+                   return ToGrpcStatus(bad);
+                 }
+                 v1::ReportProfileRequest checked = *request;
+                 std::string missing;
+                 for (int i = 0; i < checked.files_size(); ++i) {
+                   v1::ProfileFile* file = checked.mutable_files(i);
+                   if (absl::Status bad =
+                           CheckProfileFileName(file->name(), absl::StrCat("files[", i, "].name"));
+                       !bad.ok()) {
+                     return ToGrpcStatus(bad);
+                   }
+                   absl::StatusOr<int64_t> stored =
+                       profiles_->Size({checked.job_id(), checked.generation(),
+                                        checked.capture_id(), checked.rank(), file->name()});
+                   const int64_t held = stored.ok() ? *stored : 0;
+                   if (held != static_cast<int64_t>(file->size()) && missing.empty()) {
+                     missing = absl::StrCat("file ", file->name(), ": the coordinator holds ", held,
+                                            " of its ", file->size(), " bytes");
+                   }
+                   file->set_size(static_cast<uint64_t>(held));
+                 }
+                 if (!missing.empty() && checked.error().empty()) checked.set_error(missing);
+                 return ToGrpcStatus(scheduler_->ReportProfile(checked));
+               });
 }
 
 grpc::ServerUnaryReactor* WorkerServiceImpl::RemoveWorker(grpc::CallbackServerContext* context,

@@ -1,9 +1,9 @@
 // The coordinator's gRPC services: thin adapters from the generated callback service
 // classes to the domain (JobManager, Scheduler). Each handler checks the caller's role
-// (common/rpc/auth.h: JobService and ListWorkers are clients' calls, DrainWorker and
-// RemoveWorker admins', the rest of WorkerService workers'), checks that a worker's call names
-// a worker id its token acts for, hands a client's identity to the domain (which shows it
-// only its own jobs), converts its request, calls one domain method and converts the
+// (common/rpc/auth.h: JobService, ProfileJob included, and ListWorkers are clients' calls,
+// DrainWorker and RemoveWorker admins', the rest of WorkerService workers'), checks that a worker's
+// call names a worker id its token acts for, hands a client's identity to the domain (which shows
+// it only its own jobs), converts its request, calls one domain method and converts the
 // absl::Status to a grpc::Status; no other logic lives here.
 //
 // Thread-safety: thread-safe (the domain classes are).
@@ -18,6 +18,7 @@
 #include "common/rpc/auth.h"
 #include "coordinator/api/work_pool.h"
 #include "coordinator/logs/log_store.h"
+#include "coordinator/logs/profile_store.h"
 #include "coordinator/scheduler/job_manager.h"
 #include "coordinator/scheduler/scheduler.h"
 #include "grpcpp/grpcpp.h"
@@ -43,6 +44,8 @@ struct JobServiceOptions {
   size_t max_queued = 4096;             // calls waiting for a thread; UNAVAILABLE beyond
   RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
   LogStore* logs = nullptr;             // the ranks' logs; null: GetLogs is UNIMPLEMENTED
+  // Profile captures' files; null: GetProfileFile is UNIMPLEMENTED.
+  ProfileStore* profiles = nullptr;
 };
 
 class JobServiceImpl final : public v1::JobService::CallbackService {
@@ -79,6 +82,12 @@ class JobServiceImpl final : public v1::JobService::CallbackService {
   grpc::ServerUnaryReactor* GetLogs(grpc::CallbackServerContext* context,
                                     const v1::GetLogsRequest* request,
                                     v1::GetLogsResponse* response) override;
+  grpc::ServerUnaryReactor* ProfileJob(grpc::CallbackServerContext* context,
+                                       const v1::ProfileJobRequest* request,
+                                       v1::ProfileJobResponse* response) override;
+  grpc::ServerUnaryReactor* GetProfileFile(grpc::CallbackServerContext* context,
+                                           const v1::GetProfileFileRequest* request,
+                                           v1::GetProfileFileResponse* response) override;
 
  private:
   friend class WatchReactor;
@@ -101,6 +110,8 @@ struct WorkerServiceOptions {
   size_t max_queued = 16384;  // a registration burst of thousands waits here, not in threads
   RpcObserver* rpc_observer = nullptr;  // may be null; outlives the service
   LogStore* logs = nullptr;             // the ranks' logs; null: AppendLogs is UNIMPLEMENTED
+  // Profile captures' files; null: UploadProfile and ReportProfile are UNIMPLEMENTED.
+  ProfileStore* profiles = nullptr;
 };
 
 class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
@@ -111,6 +122,7 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
         auth_(auth),
         observer_(options.rpc_observer),
         logs_(options.logs),
+        profiles_(options.profiles),
         pool_(options.threads, options.max_queued) {}
 
   grpc::ServerUnaryReactor* RegisterWorker(grpc::CallbackServerContext* context,
@@ -137,12 +149,21 @@ class WorkerServiceImpl final : public v1::WorkerService::CallbackService {
   grpc::ServerUnaryReactor* AppendLogs(grpc::CallbackServerContext* context,
                                        const v1::AppendLogsRequest* request,
                                        v1::AppendLogsResponse* response) override;
+  grpc::ServerUnaryReactor* UploadProfile(grpc::CallbackServerContext* context,
+                                          const v1::UploadProfileRequest* request,
+                                          v1::UploadProfileResponse* response) override;
+  // The sizes the request lists are checked against the files stored: a file missing or
+  // short turns the answer into an error naming it.
+  grpc::ServerUnaryReactor* ReportProfile(grpc::CallbackServerContext* context,
+                                          const v1::ReportProfileRequest* request,
+                                          v1::ReportProfileResponse* response) override;
 
  private:
   Scheduler* const scheduler_;
   const Authenticator* const auth_;
   RpcObserver* const observer_;
   LogStore* const logs_;
+  ProfileStore* const profiles_;
   WorkPool pool_;
 };
 

@@ -6,9 +6,11 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/job_spec.h"
 #include "common/proto/job_state.h"
 #include "common/proto/memory_breakdown.h"
@@ -827,6 +829,14 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
       FreeSlot(p.worker_id(), p.slot());
     }
   }
+  // A capture the trainers have not answered never will: it fails with the attempt.
+  for (v1::ProfileCapture& capture : *attempt->mutable_profiles()) {
+    if (capture.state() != v1::PROFILE_STATE_PENDING) continue;
+    capture.set_state(v1::PROFILE_STATE_FAILED);
+    capture.set_ended_unix_ms(NowMs());
+    capture.set_error(absl::StrCat("attempt ", attempt->generation(),
+                                   " ended before every rank answered: ", reason.substr(0, 512)));
+  }
   job.status.set_reason(reason);
   SetJobState(job, job_state);
 }
@@ -1340,6 +1350,197 @@ bool Scheduler::IsActiveAttemptLocked(absl::string_view job_id, int64_t generati
   if (it == jobs_.end() || it->second.status.attempts().empty()) return false;
   const v1::Attempt& attempt = *it->second.status.attempts().rbegin();
   return attempt.generation() == generation && IsActive(attempt);
+}
+
+// --- profiling ------------------------------------------------------------------------
+
+namespace {
+
+v1::ProfileCapture* FindCapture(v1::Attempt& attempt, absl::string_view capture_id) {
+  for (v1::ProfileCapture& capture : *attempt.mutable_profiles()) {
+    if (capture.capture_id() == capture_id) return &capture;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ProfileJobResponse> Scheduler::ProfileJob(const v1::ProfileJobRequest& request,
+                                                             const Requester& requester) {
+  const int64_t steps = request.steps() == 0 ? kDefaultProfileSteps : request.steps();
+  if (steps < 1 || steps > kMaxProfileSteps) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("steps: must be in 1..", kMaxProfileSteps, ", got ", request.steps()));
+  }
+  uint64_t sequence = 0;
+  v1::ProfileJobResponse response;
+  {
+    absl::MutexLock lock(&mu_);
+    if (Find(request.job_id(), requester) == nullptr) return JobNotFound(request.job_id());
+    JobState& job = jobs_.find(request.job_id())->second;
+    const std::string& job_id = job.status.job_id();
+    if (job.status.state() != v1::JOB_STATE_RUNNING || job.status.attempts().empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job ", job_id, " is ",
+                       absl::AsciiStrToLower(v1::JobState_Name(job.status.state()).substr(10)),
+                       ", not running: only a running job can be profiled"));
+    }
+    v1::Attempt* attempt = job.status.mutable_attempts(job.status.attempts_size() - 1);
+    const int64_t ranks = attempt->placements_size();
+    if (!request.all_ranks() && (request.rank() < 0 || request.rank() >= ranks)) {
+      return absl::InvalidArgumentError(absl::StrCat("rank: attempt ", attempt->generation(),
+                                                     " of job ", job_id, " has ranks 0 to ",
+                                                     ranks - 1, ", not ", request.rank()));
+    }
+    for (const v1::ProfileCapture& capture : attempt->profiles()) {
+      if (capture.state() == v1::PROFILE_STATE_PENDING) {
+        // The trainer reads one request at a time: a second would replace the first.
+        return absl::FailedPreconditionError(
+            absl::StrCat("job ", job_id, ": capture ", capture.capture_id(),
+                         " is still pending; wait for it to end (lathe status ", job_id, ")"));
+      }
+    }
+    if (attempt->profiles_size() >= kMaxProfilesPerAttempt) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("job ", job_id, ": attempt ", attempt->generation(), " already has ",
+                       kMaxProfilesPerAttempt, " captures, the most one attempt keeps"));
+    }
+    int64_t captures = 0;
+    for (const v1::Attempt& a : job.status.attempts()) captures += a.profiles_size();
+    v1::ProfileCapture* capture = attempt->add_profiles();
+    capture->set_capture_id(absl::StrCat("prof-", captures + 1));
+    capture->set_steps(steps);
+    capture->set_memory(request.memory());
+    capture->set_state(v1::PROFILE_STATE_PENDING);
+    capture->set_requested_unix_ms(NowMs());
+    capture->set_requested_by(requester.by.empty() ? "the user" : requester.by);
+    for (const v1::RankPlacement& p : attempt->placements()) {
+      if (!request.all_ranks() && p.rank() != request.rank()) continue;
+      capture->add_ranks(p.rank());
+      v1::ProfileOrder order;
+      order.set_job_id(job_id);
+      order.set_generation(attempt->generation());
+      order.set_rank(p.rank());
+      order.set_capture_id(capture->capture_id());
+      order.set_steps(steps);
+      order.set_memory(request.memory());
+      registry_.PostProfile(p.worker_id(), std::move(order));
+    }
+    std::sort(capture->mutable_ranks()->begin(), capture->mutable_ranks()->end());
+    spdlog::info("job={} attempt={} capture {} of {} step(s) on rank(s) {} asked by {}", job_id,
+                 attempt->generation(), capture->capture_id(), steps,
+                 absl::StrJoin(capture->ranks(), ","), capture->requested_by());
+    response.set_generation(attempt->generation());
+    *response.mutable_capture() = *capture;
+    Touch(job);
+    sequence = Stage();
+  }
+  RequestPass();  // the scheduling loop pushes the orders (Settle)
+  LATHE_RETURN_IF_ERROR(commit_.WaitDurable(sequence));
+  return response;
+}
+
+absl::Status Scheduler::CheckProfileWriter(absl::string_view job_id, int64_t generation,
+                                           int64_t rank, absl::string_view capture_id,
+                                           absl::string_view worker_id) const {
+  absl::MutexLock lock(&mu_);
+  return CheckProfileWriterLocked(job_id, generation, rank, capture_id, worker_id);
+}
+
+absl::Status Scheduler::CheckProfileWriterLocked(absl::string_view job_id, int64_t generation,
+                                                 int64_t rank, absl::string_view capture_id,
+                                                 absl::string_view worker_id) const {
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end()) return JobNotFound(job_id);
+  const auto& attempts = it->second.status.attempts();
+  if (generation < 1 || generation > attempts.size()) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, " has no attempt ", generation));
+  }
+  const v1::Attempt& attempt = attempts[static_cast<int>(generation - 1)];
+  const v1::ProfileCapture* capture = nullptr;
+  for (const v1::ProfileCapture& c : attempt.profiles()) {
+    if (c.capture_id() == capture_id) capture = &c;
+  }
+  if (capture == nullptr) {
+    return absl::NotFoundError(absl::StrCat("job ", job_id, ": attempt ", generation,
+                                            " has no capture \"", capture_id.substr(0, 64), "\""));
+  }
+  if (capture->state() != v1::PROFILE_STATE_PENDING) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, ": capture ", capture_id, " is no longer pending (",
+                     v1::ProfileState_Name(capture->state()), ")"));
+  }
+  if (std::find(capture->ranks().begin(), capture->ranks().end(), rank) == capture->ranks().end()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job ", job_id, ": capture ", capture_id, " did not ask rank ", rank));
+  }
+  for (const v1::RankPlacement& p : attempt.placements()) {
+    if (p.rank() == rank && p.worker_id() == worker_id) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat("job ", job_id, ": rank ", rank, " of attempt ",
+                                                    generation, " was not placed on worker ",
+                                                    worker_id));
+}
+
+absl::Status Scheduler::ReportProfile(const v1::ReportProfileRequest& request) {
+  uint64_t sequence = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(request.job_id());
+    if (it == jobs_.end()) return JobNotFound(request.job_id());
+    JobState& job = it->second;
+    const int64_t generation = request.generation();
+    if (generation < 1 || generation > job.status.attempts_size()) {
+      return absl::NotFoundError(
+          absl::StrCat("job ", request.job_id(), " has no attempt ", generation));
+    }
+    v1::Attempt& attempt = *job.status.mutable_attempts(static_cast<int>(generation - 1));
+    v1::ProfileCapture* capture = FindCapture(attempt, request.capture_id());
+    if (capture != nullptr) {
+      for (const v1::ProfileRankResult& r : capture->results()) {
+        if (r.rank() == request.rank()) return absl::OkStatus();  // a resend
+      }
+    }
+    LATHE_RETURN_IF_ERROR(CheckProfileWriterLocked(request.job_id(), generation, request.rank(),
+                                                   request.capture_id(), request.worker_id()));
+    v1::ProfileRankResult* result = capture->add_results();
+    result->set_rank(request.rank());
+    result->set_first_step(request.first_step());
+    result->set_last_step(request.last_step());
+    result->set_error(request.error().substr(0, kMaxErrorBytes));
+    for (const v1::ProfileFile& file : request.files()) {
+      v1::ProfileFile* kept = capture->add_files();
+      *kept = file;
+      kept->set_rank(request.rank());
+    }
+    if (!request.error().empty()) {
+      capture->set_state(v1::PROFILE_STATE_FAILED);
+      capture->set_error(absl::StrCat("rank ", request.rank(), ": ", result->error()));
+    } else if (capture->results_size() == capture->ranks_size()) {
+      capture->set_state(v1::PROFILE_STATE_DONE);
+    }
+    if (capture->state() != v1::PROFILE_STATE_PENDING) capture->set_ended_unix_ms(NowMs());
+    spdlog::info("job={} attempt={} rank={} capture {}: {} file(s){}{}", request.job_id(),
+                 generation, request.rank(), capture->capture_id(), request.files_size(),
+                 request.error().empty() ? "" : ", error: ", result->error());
+    Touch(job);
+    sequence = Stage();
+  }
+  return commit_.WaitDurable(sequence);
+}
+
+absl::StatusOr<std::pair<int64_t, v1::ProfileCapture>> Scheduler::FindProfile(
+    absl::string_view job_id, absl::string_view capture_id, const Requester& requester) const {
+  absl::MutexLock lock(&mu_);
+  const JobState* job = Find(job_id, requester);
+  if (job == nullptr) return JobNotFound(job_id);
+  for (const v1::Attempt& attempt : job->status.attempts()) {
+    for (const v1::ProfileCapture& capture : attempt.profiles()) {
+      if (capture.capture_id() == capture_id) return std::make_pair(attempt.generation(), capture);
+    }
+  }
+  return absl::NotFoundError(
+      absl::StrCat("job ", job_id, " has no capture \"", capture_id.substr(0, 64), "\""));
 }
 
 }  // namespace lathe

@@ -291,6 +291,36 @@ class Scheduler {
   // the rendezvous store's fencing check.
   bool IsActiveAttempt(absl::string_view job_id, int64_t generation) const;
 
+  // --- profiling (`lathe profile`, docs/observability.md "Profiling") -----------------
+
+  static constexpr int64_t kDefaultProfileSteps = 3;
+  static constexpr int64_t kMaxProfileSteps = 100;
+  // Captures one attempt may have: with the bounds on a capture's files (services.h), what
+  // the coordinator keeps of an attempt's profiles stays bounded.
+  static constexpr int kMaxProfilesPerAttempt = 16;
+  // Records a capture (PENDING, "prof-<n>") in the job's current attempt, durably, and
+  // orders the workers of the chosen ranks to profile their next steps (delivered like a
+  // cancellation). NOT_FOUND for an unknown job or one the requester does not see;
+  // FAILED_PRECONDITION when the job is not running or a capture of it is pending;
+  // INVALID_ARGUMENT for steps outside 1..kMaxProfileSteps or a rank out of range;
+  // RESOURCE_EXHAUSTED past kMaxProfilesPerAttempt.
+  absl::StatusOr<v1::ProfileJobResponse> ProfileJob(const v1::ProfileJobRequest& request,
+                                                    const Requester& requester = {});
+  // Whether `worker_id` may upload files and answer for `rank` of the capture: the capture
+  // is pending in attempt `generation`, asks that rank, and the rank was placed on the
+  // worker. NOT_FOUND for an unknown job, attempt or capture; FAILED_PRECONDITION otherwise.
+  absl::Status CheckProfileWriter(absl::string_view job_id, int64_t generation, int64_t rank,
+                                  absl::string_view capture_id, absl::string_view worker_id) const;
+  // A rank's answer (its files already stored, with those sizes): the capture fails at the
+  // first error and is done once every rank answered. Durable before it returns; a repeated
+  // answer of a rank is a no-op. The errors of CheckProfileWriter.
+  absl::Status ReportProfile(const v1::ReportProfileRequest& request);
+  // The capture and the generation of its attempt, for reading its files. NOT_FOUND for an
+  // unknown job (or one the requester does not see) or capture.
+  absl::StatusOr<std::pair<int64_t, v1::ProfileCapture>> FindProfile(
+      absl::string_view job_id, absl::string_view capture_id,
+      const Requester& requester = {}) const;
+
  private:
   struct SlotRef {
     std::string job_id;
@@ -380,6 +410,11 @@ class Scheduler {
   void FailAttempt(JobState& job, const std::string& reason, v1::FailureKind kind,
                    bool charged = true) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkLost(WorkerState& worker, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckProfileWriter with the lock held.
+  absl::Status CheckProfileWriterLocked(absl::string_view job_id, int64_t generation, int64_t rank,
+                                        absl::string_view capture_id,
+                                        absl::string_view worker_id) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // IsActiveAttempt with the lock held.
   bool IsActiveAttemptLocked(absl::string_view job_id, int64_t generation) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);

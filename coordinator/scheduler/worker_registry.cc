@@ -114,6 +114,8 @@ void WorkerRegistry::TakeDeliverable(Mailbox& mailbox, uint64_t durable,
   pending.erase(kept, pending.end());
   for (v1::Cancellation& c : mailbox.cancellations) *response->add_cancellations() = std::move(c);
   mailbox.cancellations.clear();
+  for (v1::ProfileOrder& order : mailbox.profiles) *response->add_profiles() = std::move(order);
+  mailbox.profiles.clear();
 }
 
 absl::StatusOr<v1::HeartbeatResponse> WorkerRegistry::Heartbeat(
@@ -183,6 +185,7 @@ void WorkerRegistry::Lose(const std::string& worker_id) {
   mailbox.running.clear();
   mailbox.assignments.clear();
   mailbox.cancellations.clear();
+  mailbox.profiles.clear();
 }
 
 int64_t WorkerRegistry::RenewWindows() {
@@ -222,6 +225,12 @@ void WorkerRegistry::Post(const std::string& worker_id, uint64_t batch,
   absl::MutexLock lock(&mu_);
   Mailbox& mailbox = mail_[worker_id];
   for (v1::Assignment& a : assignments) mailbox.assignments.emplace_back(batch, std::move(a));
+  waiting_.insert(worker_id);
+}
+
+void WorkerRegistry::PostProfile(const std::string& worker_id, v1::ProfileOrder order) {
+  absl::MutexLock lock(&mu_);
+  mail_[worker_id].profiles.push_back(std::move(order));
   waiting_.insert(worker_id);
 }
 

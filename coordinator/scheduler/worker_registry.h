@@ -127,6 +127,9 @@ class WorkerRegistry {
   // is waiting for a push (TakeWaiting).
   void Post(const std::string& worker_id, uint64_t batch, std::vector<v1::Assignment> assignments)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Queues a profile order for the worker, deliverable at once like a cancellation (the
+  // worker waits for a push).
+  void PostProfile(const std::string& worker_id, v1::ProfileOrder order) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes back the assignment of (job, generation, rank) when it was not delivered yet and
   // returns true; otherwise queues a cancellation of (job, generation) with `reason` (the
   // worker waits for a push) and returns false.
@@ -167,6 +170,7 @@ class WorkerRegistry {
     // durable.
     std::vector<std::pair<uint64_t, v1::Assignment>> assignments;
     std::vector<v1::Cancellation> cancellations;
+    std::vector<v1::ProfileOrder> profiles;
     std::weak_ptr<MailListener> listener;
   };
 

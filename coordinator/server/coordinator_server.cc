@@ -127,12 +127,15 @@ absl::StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(
     log_dir = server->temporary_log_dir_ = pattern;
   }
   LATHE_ASSIGN_OR_RETURN(server->logs_, LogStore::Open(log_dir));
+  LATHE_ASSIGN_OR_RETURN(server->profiles_, ProfileStore::Open(log_dir));
   JobServiceOptions job_options;
   job_options.rpc_observer = observer;
   job_options.logs = server->logs_.get();
+  job_options.profiles = server->profiles_.get();
   WorkerServiceOptions worker_options;
   worker_options.rpc_observer = observer;
   worker_options.logs = server->logs_.get();
+  worker_options.profiles = server->profiles_.get();
   server->job_service_ =
       std::make_unique<JobServiceImpl>(server->jobs_.get(), scheduler, auth, job_options);
   server->worker_service_ = std::make_unique<WorkerServiceImpl>(scheduler, auth, worker_options);

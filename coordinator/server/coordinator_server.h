@@ -22,6 +22,7 @@
 #include "common/rpc/tls.h"
 #include "coordinator/api/services.h"
 #include "coordinator/logs/log_store.h"
+#include "coordinator/logs/profile_store.h"
 #include "coordinator/metrics/coordinator_metrics.h"
 #include "coordinator/rendezvous/rendezvous_service.h"
 #include "coordinator/rendezvous/rendezvous_store.h"
@@ -48,8 +49,8 @@ struct CoordinatorConfig {
   bool insecure_no_auth = false;  // every caller may do anything: logged loudly
   // TLS (common/rpc/tls.h); with a client CA, worker calls need a verified certificate.
   ServerTlsFiles tls;
-  // Where the ranks' logs are kept; empty: beside the database (<db>.logs), or a temporary
-  // directory (removed at exit) with ":memory:".
+  // Where the ranks' logs and the profile captures' files are kept; empty: beside the
+  // database (<db>.logs), or a temporary directory (removed at exit) with ":memory:".
   std::string log_dir;
   // On shutdown, how long calls in flight have to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(2);
@@ -108,7 +109,8 @@ class CoordinatorServer {
   std::unique_ptr<RendezvousStore> rendezvous_;
   std::unique_ptr<CoordinatorMetrics> metrics_;
   std::unique_ptr<LogStore> logs_;
-  std::string temporary_log_dir_;  // removed by the destructor
+  std::unique_ptr<ProfileStore> profiles_;  // in the logs' directory
+  std::string temporary_log_dir_;           // removed by the destructor
   std::unique_ptr<HttpEndpoints> http_;
   // Serving: between a successful Start and Shutdown (/readyz, the gRPC health service).
   std::atomic<bool> ready_{false};

@@ -130,6 +130,30 @@ class AuthMatrixTest : public ::testing::Test {
            v1::GetLogsResponse r;
            return jobs->GetLogs(c, v1::GetLogsRequest(), &r);
          }},
+        {"ProfileJob", kClient,
+         [jobs](grpc::ClientContext* c) {
+           v1::ProfileJobResponse r;
+           return jobs->ProfileJob(c, v1::ProfileJobRequest(), &r);
+         }},
+        {"GetProfileFile", kClient,
+         [jobs](grpc::ClientContext* c) {
+           v1::GetProfileFileResponse r;
+           return jobs->GetProfileFile(c, v1::GetProfileFileRequest(), &r);
+         }},
+        {"UploadProfile", kWorker,
+         [workers](grpc::ClientContext* c) {
+           v1::UploadProfileRequest request;
+           request.set_worker_id("w1");
+           v1::UploadProfileResponse r;
+           return workers->UploadProfile(c, request, &r);
+         }},
+        {"ReportProfile", kWorker,
+         [workers](grpc::ClientContext* c) {
+           v1::ReportProfileRequest request;
+           request.set_worker_id("w1");
+           v1::ReportProfileResponse r;
+           return workers->ReportProfile(c, request, &r);
+         }},
         {"AppendLogs", kWorker,
          [workers](grpc::ClientContext* c) {
            v1::AppendLogsRequest request;
@@ -239,7 +263,7 @@ bool IsAuthError(const grpc::Status& status) {
 
 TEST_F(AuthMatrixTest, EveryRpcAgainstEveryCaller) {
   const std::vector<Rpc> rpcs = EveryRpc();
-  ASSERT_EQ(rpcs.size(), 19u);  // every method of the three services
+  ASSERT_EQ(rpcs.size(), 23u);  // every method of the three services
   for (const Rpc& rpc : rpcs) {
     SCOPED_TRACE(rpc.name);
     grpc::Status none = CallAs(rpc, "");

@@ -749,6 +749,179 @@ TEST_F(SchedulerTest, CancelStopsRunningRanksAndFreesTheSlot) {
   scheduler_->Settle();
 }
 
+// --- profiling (`lathe profile`) ---
+
+class ProfileTest : public SchedulerTest {
+ protected:
+  absl::StatusOr<v1::ProfileJobResponse> Profile(const std::string& job, int64_t rank,
+                                                 bool all_ranks = false, int64_t steps = 0,
+                                                 const Requester& requester = {}) {
+    v1::ProfileJobRequest request;
+    request.set_job_id(job);
+    request.set_rank(rank);
+    request.set_all_ranks(all_ranks);
+    request.set_steps(steps);
+    absl::StatusOr<v1::ProfileJobResponse> response = scheduler_->ProfileJob(request, requester);
+    scheduler_->Settle();
+    return response;
+  }
+
+  absl::Status Answer(const std::string& worker, const std::string& job, int64_t rank,
+                      const std::string& capture, const std::vector<std::string>& files,
+                      const std::string& error = "", int64_t generation = 1) {
+    v1::ReportProfileRequest request;
+    request.set_worker_id(worker);
+    request.set_job_id(job);
+    request.set_generation(generation);
+    request.set_rank(rank);
+    request.set_capture_id(capture);
+    request.set_first_step(4);
+    request.set_last_step(6);
+    for (const std::string& name : files) {
+      v1::ProfileFile* file = request.add_files();
+      file->set_name(name);
+      file->set_size(100);
+    }
+    request.set_error(error);
+    absl::Status status = scheduler_->ReportProfile(request);
+    scheduler_->Settle();
+    return status;
+  }
+
+  // Two workers running the two ranks of `job`; returns the worker of each rank.
+  std::vector<std::string> RunTwoRanks(const std::string& job) {
+    Register("w1");
+    Register("w2");
+    Add(job, 2);
+    Beat("w1");
+    Beat("w2");
+    const v1::Attempt attempt = Job(job).attempts(0);
+    return {attempt.placements(0).worker_id(), attempt.placements(1).worker_id()};
+  }
+};
+
+TEST_F(ProfileTest, AProfileIsOrderedToItsRanksAndIsDoneWhenEveryRankAnswered) {
+  const std::vector<std::string> workers = RunTwoRanks("job");
+  absl::StatusOr<v1::ProfileJobResponse> asked = Profile("job", 0, /*all_ranks=*/true);
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  EXPECT_EQ(asked->generation(), 1);
+  EXPECT_EQ(asked->capture().capture_id(), "prof-1");
+  EXPECT_EQ(asked->capture().steps(), Scheduler::kDefaultProfileSteps);
+  EXPECT_EQ(asked->capture().state(), v1::PROFILE_STATE_PENDING);
+  EXPECT_THAT(asked->capture().ranks(), ::testing::ElementsAre(0, 1));
+
+  // Each worker gets the order for its rank, once.
+  for (int64_t rank : {0, 1}) {
+    v1::HeartbeatResponse mail = Beat(workers[rank]);
+    ASSERT_EQ(mail.profiles_size(), 1) << rank;
+    EXPECT_EQ(mail.profiles(0).job_id(), "job");
+    EXPECT_EQ(mail.profiles(0).generation(), 1);
+    EXPECT_EQ(mail.profiles(0).rank(), rank);
+    EXPECT_EQ(mail.profiles(0).capture_id(), "prof-1");
+    EXPECT_EQ(mail.profiles(0).steps(), 3);
+    EXPECT_EQ(Beat(workers[rank]).profiles_size(), 0);
+  }
+
+  ASSERT_TRUE(Answer(workers[0], "job", 0, "prof-1", {"trace.json"}).ok());
+  EXPECT_EQ(Job("job").attempts(0).profiles(0).state(), v1::PROFILE_STATE_PENDING);
+  // The answer resent (its response was lost) changes nothing.
+  ASSERT_TRUE(Answer(workers[0], "job", 0, "prof-1", {"trace.json"}).ok());
+  ASSERT_TRUE(Answer(workers[1], "job", 1, "prof-1", {"trace.json", "memory.json"}).ok());
+  const v1::ProfileCapture done = Job("job").attempts(0).profiles(0);
+  EXPECT_EQ(done.state(), v1::PROFILE_STATE_DONE);
+  EXPECT_EQ(done.results_size(), 2);
+  ASSERT_EQ(done.files_size(), 3);
+  EXPECT_EQ(done.files(0).rank(), 0);
+  EXPECT_EQ(done.files(2).rank(), 1);
+  EXPECT_EQ(done.files(2).name(), "memory.json");
+  EXPECT_GT(done.ended_unix_ms(), 0);
+  EXPECT_EQ(done.requested_by(), "the user");
+  // Once it ended, it takes no more.
+  EXPECT_EQ(Answer(workers[1], "job", 1, "prof-1", {}, "late").code(),
+            absl::StatusCode::kOk);  // rank 1 answered already: a resend
+  EXPECT_EQ(scheduler_->CheckProfileWriter("job", 1, 1, "prof-1", workers[1]).code(),
+            absl::StatusCode::kFailedPrecondition);
+
+  // The next capture of one rank gets the next id; the capture survives a restart.
+  asked = Profile("job", 1, false, 5);
+  ASSERT_TRUE(asked.ok()) << asked.status();
+  EXPECT_EQ(asked->capture().capture_id(), "prof-2");
+  EXPECT_THAT(asked->capture().ranks(), ::testing::ElementsAre(1));
+  EXPECT_EQ(Beat(workers[0]).profiles_size(), 0);
+  EXPECT_EQ(Beat(workers[1]).profiles_size(), 1);
+  scheduler_ = *Scheduler::Create(store_.get(), &clock_, {});
+  absl::StatusOr<std::pair<int64_t, v1::ProfileCapture>> found =
+      scheduler_->FindProfile("job", "prof-1");
+  ASSERT_TRUE(found.ok()) << found.status();
+  EXPECT_EQ(found->first, 1);
+  EXPECT_EQ(found->second.files_size(), 3);
+  EXPECT_EQ(scheduler_->FindProfile("job", "prof-9").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ProfileTest, BadRequestsAreRefusedWithOneLine) {
+  Add("queued");
+  EXPECT_THAT(Profile("queued", 0).status().message(),
+              HasSubstr("job queued is queued, not running"));
+  EXPECT_EQ(Profile("queued", 0).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Profile("nope", 0).status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(scheduler_->CancelJob("queued", "").ok());  // it would take a slot
+  EXPECT_THAT(Profile("queued", 0).status().message(), HasSubstr("is cancelled, not running"));
+  RunTwoRanks("job");
+  EXPECT_EQ(Profile("job", 0, false, 101).status().message(), "steps: must be in 1..100, got 101");
+  EXPECT_EQ(Profile("job", 0, false, -1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Profile("job", 2).status().message(),
+            "rank: attempt 1 of job job has ranks 0 to 1, not 2");
+  EXPECT_EQ(Profile("job", -1).status().code(), absl::StatusCode::kInvalidArgument);
+  // Another client's job is not there for it.
+  EXPECT_EQ(
+      Profile("job", 0, false, 0, Requester{"mallory", false, "mallory (client)"}).status().code(),
+      absl::StatusCode::kNotFound);
+  ASSERT_TRUE(Profile("job", 0, false, 100).ok());
+  absl::Status again = Profile("job", 1).status();
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(again.message(), HasSubstr("capture prof-1 is still pending"));
+  EXPECT_TRUE(Job("job").attempts(0).profiles_size() == 1);  // nothing recorded
+}
+
+TEST_F(ProfileTest, OnlyTheRanksWorkerAnswersAndAFailedRankFailsTheCapture) {
+  const std::vector<std::string> workers = RunTwoRanks("job");
+  ASSERT_TRUE(Profile("job", 0, true).ok());
+  const std::string other = workers[0] == "w1" ? "w2" : "w1";
+  EXPECT_EQ(Answer(other, "job", 0, "prof-1", {}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Answer(workers[0], "job", 0, "prof-7", {}).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Answer(workers[0], "job", 0, "prof-1", {}, "", 2).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Answer(workers[0], "nope", 0, "prof-1", {}).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(Answer(workers[1], "job", 1, "prof-1", {}, "the profiler could not start").ok());
+  const v1::ProfileCapture failed = Job("job").attempts(0).profiles(0);
+  EXPECT_EQ(failed.state(), v1::PROFILE_STATE_FAILED);
+  EXPECT_EQ(failed.error(), "rank 1: the profiler could not start");
+  // Rank 0's late answer finds it ended; the next capture may start.
+  EXPECT_EQ(Answer(workers[0], "job", 0, "prof-1", {"trace.json"}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Profile("job", 0).ok());
+}
+
+TEST_F(ProfileTest, APendingCaptureFailsWhenItsAttemptEnds) {
+  Register("w1");
+  Add("job");
+  Beat("w1");
+  ASSERT_TRUE(Profile("job", 0).ok());
+  ASSERT_TRUE(Report("w1", "job", 1, 0, v1::RANK_EVENT_FAILED, "killed by signal 9").ok());
+  const v1::ProfileCapture failed = Job("job").attempts(0).profiles(0);
+  EXPECT_EQ(failed.state(), v1::PROFILE_STATE_FAILED);
+  EXPECT_THAT(failed.error(), HasSubstr("attempt 1 ended before every rank answered"));
+  EXPECT_EQ(Answer("w1", "job", 0, "prof-1", {"trace.json"}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Profile("job", 0).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // Cancelling the job ends a pending capture the same way.
+  Add("other");
+  Beat("w1");
+  ASSERT_TRUE(Profile("other", 0).ok());
+  ASSERT_TRUE(scheduler_->CancelJob("other", "").ok());
+  EXPECT_EQ(Job("other").attempts(0).profiles(0).state(), v1::PROFILE_STATE_FAILED);
+}
+
 TEST_F(SchedulerTest, CancellingAQueuedJobNeverPlacesIt) {
   Add("job");
   ASSERT_EQ(scheduler_->CancelJob("job", "")->state(), v1::JOB_STATE_CANCELLED);
