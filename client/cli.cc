@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <system_error>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
@@ -341,6 +343,150 @@ int RunCancel(const Invocation& inv) {
   return kExitOk;
 }
 
+// A flag that does not fit the others: one line, exit status 2.
+int BadArguments(const Invocation& inv, absl::string_view message) {
+  *inv.err << "lathe: " << message << "\n";
+  return kExitUsage;
+}
+
+// `lathe profile --fetch ID DIR [--capture C]`: the capture's files into DIR/<capture>/rank-<r>/.
+int FetchProfile(const Invocation& inv) {
+  const std::string& id = inv.positional[0];
+  const std::string& dir = inv.positional[1];
+  absl::StatusOr<v1::JobStatus> job = inv.client->GetJob(id);
+  if (!job.ok()) return FailForJob(inv, job.status(), id);
+  const std::string wanted = inv.flags.Get("capture");
+  const v1::ProfileCapture* capture = nullptr;
+  for (const v1::Attempt& attempt : job->attempts()) {
+    for (const v1::ProfileCapture& c : attempt.profiles()) {
+      if (wanted.empty() || c.capture_id() == wanted) capture = &c;  // the newest by default
+    }
+  }
+  if (capture == nullptr) {
+    return Fail(inv, absl::NotFoundError(
+                         wanted.empty() ? absl::StrCat("job ", id, " has no profile captures")
+                                        : absl::StrCat("job ", id, " has no capture ", wanted)));
+  }
+  const std::string& capture_id = capture->capture_id();
+  if (capture->state() == v1::PROFILE_STATE_PENDING) {
+    return Fail(inv, absl::FailedPreconditionError(absl::StrCat(
+                         "capture ", capture_id, " of job ", id,
+                         " is still pending; fetch it once it is done (lathe status ", id, ")")));
+  }
+  if (capture->files().empty()) {
+    return Fail(inv, absl::NotFoundError(
+                         absl::StrCat("capture ", capture_id, " of job ", id, " has no files",
+                                      capture->error().empty() ? "" : ": ", capture->error())));
+  }
+  // Every target is checked before anything is written: nothing is overwritten, and a name
+  // from the coordinator never leaves DIR.
+  const std::filesystem::path root = std::filesystem::path(dir) / capture_id;
+  std::vector<std::pair<const v1::ProfileFile*, std::filesystem::path>> targets;
+  for (const v1::ProfileFile& file : capture->files()) {
+    const std::filesystem::path name(file.name());
+    if (file.name().empty() || name.has_parent_path() || file.name() == "." ||
+        file.name() == "..") {
+      return Fail(inv, absl::InvalidArgumentError(absl::StrCat(
+                           "capture ", capture_id, ": \"", file.name(), "\" is not a file name")));
+    }
+    std::filesystem::path target = root / absl::StrCat("rank-", file.rank()) / name;
+    std::error_code error;
+    if (std::filesystem::exists(std::filesystem::symlink_status(target, error))) {
+      return Fail(
+          inv, absl::AlreadyExistsError(absl::StrCat(target.string(), " exists; not overwritten")));
+    }
+    targets.emplace_back(&file, std::move(target));
+  }
+  uint64_t total = 0;
+  for (const auto& [file, target] : targets) {
+    std::error_code error;
+    std::filesystem::create_directories(target.parent_path(), error);
+    if (error) {
+      return Fail(inv, absl::InternalError(absl::StrCat("creating ", target.parent_path().string(),
+                                                        ": ", error.message())));
+    }
+    const std::string part = target.string() + ".part";
+    std::ofstream out(part, std::ios::binary | std::ios::trunc);
+    int64_t offset = 0;
+    while (true) {
+      absl::StatusOr<v1::GetProfileFileResponse> chunk =
+          inv.client->GetProfileFile(id, capture_id, file->rank(), file->name(), offset);
+      if (!chunk.ok()) return FailForJob(inv, chunk.status(), id);
+      out.write(chunk->data().data(), static_cast<std::streamsize>(chunk->data().size()));
+      offset += static_cast<int64_t>(chunk->data().size());
+      if (chunk->data().empty() || offset >= chunk->size()) break;
+    }
+    out.close();
+    if (!out || std::filesystem::exists(target)) {
+      std::filesystem::remove(part, error);
+      return Fail(inv, absl::InternalError(absl::StrCat("writing ", target.string())));
+    }
+    std::filesystem::rename(part, target, error);
+    if (error) {
+      return Fail(inv, absl::InternalError(
+                           absl::StrCat("writing ", target.string(), ": ", error.message())));
+    }
+    total += static_cast<uint64_t>(offset);
+    if (!inv.json)
+      *inv.out << target.string() << "  " << FormatBytes(static_cast<uint64_t>(offset)) << "\n";
+  }
+  if (inv.json) {
+    nlohmann::ordered_json json = ProfileJson(*capture);
+    json["directory"] = root.string();
+    *inv.out << JsonLine(json) << "\n";
+  } else {
+    *inv.out << "capture " << capture_id << ": " << targets.size() << " file(s), "
+             << FormatBytes(total) << " in " << root.string() << "\n";
+  }
+  return kExitOk;
+}
+
+int RunProfile(const Invocation& inv) {
+  const bool fetch = inv.flags.Has("fetch");
+  const bool all_ranks = inv.flags.Has("all-ranks");
+  if (fetch) {
+    for (const char* flag : {"steps", "rank", "all-ranks", "memory"}) {
+      if (inv.flags.Has(flag))
+        return BadArguments(inv, absl::StrCat("--", flag, ": not with --fetch"));
+    }
+    return FetchProfile(inv);
+  }
+  if (inv.flags.Has("capture")) return BadArguments(inv, "--capture: only with --fetch");
+  if (all_ranks && inv.flags.Has("rank")) {
+    return BadArguments(inv, "--rank and --all-ranks: choose one");
+  }
+  absl::StatusOr<int64_t> steps = inv.flags.GetInt("steps", 3);
+  if (!steps.ok()) return BadArguments(inv, steps.status().message());
+  if (*steps < 1 || *steps > 100) {
+    return BadArguments(inv, absl::StrCat("--steps: must be in 1..100, got ", *steps));
+  }
+  absl::StatusOr<int64_t> rank = inv.flags.GetInt("rank", 0);
+  if (!rank.ok()) return BadArguments(inv, rank.status().message());
+  if (*rank < 0) return BadArguments(inv, absl::StrCat("--rank: must be >= 0, got ", *rank));
+  const std::string& id = inv.positional[0];
+  v1::ProfileJobRequest request;
+  request.set_job_id(id);
+  request.set_steps(*steps);
+  request.set_rank(*rank);
+  request.set_all_ranks(all_ranks);
+  request.set_memory(inv.flags.Has("memory"));
+  absl::StatusOr<v1::ProfileJobResponse> asked = inv.client->ProfileJob(request);
+  if (!asked.ok()) return FailForJob(inv, asked.status(), id);
+  const v1::ProfileCapture& capture = asked->capture();
+  if (inv.json) {
+    *inv.out << JsonLine(ProfileJson(capture)) << "\n";
+  } else {
+    *inv.out << "capture " << capture.capture_id() << " of job " << id << " (attempt "
+             << asked->generation() << "): the next " << capture.steps()
+             << (capture.steps() == 1 ? " step" : " steps") << " of rank"
+             << (capture.ranks_size() == 1 ? " " : "s ") << absl::StrJoin(capture.ranks(), ",")
+             << (capture.memory() ? ", with memory" : "") << "\n"
+             << "follow it with `lathe status " << id << "`; once DONE: `lathe profile --fetch "
+             << id << " DIR`\n";
+  }
+  return kExitOk;
+}
+
 int RunWorkers(const Invocation& inv) {
   if (!inv.positional.empty()) {  // drain ID | remove ID (admin)
     const std::string& action = inv.positional[0];
@@ -441,6 +587,21 @@ const std::vector<Command>& Commands() {
        {{"reason", true, "recorded as the job's reason"}},
        1,
        RunCancel},
+      {"profile",
+       "ID [--steps N] [--rank R | --all-ranks] [--memory] | --fetch ID DIR [--capture C]",
+       "Profile the next steps of a running job, without a restart: its trainers record where "
+       "the time (and with --memory, the memory) goes, and the coordinator keeps the files "
+       "with the attempt (`lathe status` lists them). With --fetch: download a capture's files "
+       "into DIR/<capture>/rank-<r>/, never overwriting a file. Bounds and states: "
+       "docs/observability.md, \"Profiling\".",
+       {{"steps", true, "how many optimizer steps, from the next one (1..100, default 3)"},
+        {"rank", true, "which rank (default 0)"},
+        {"all-ranks", false, "every rank of the attempt"},
+        {"memory", false, "also the memory timeline and its peak summary"},
+        {"fetch", false, "download a capture: ID DIR"},
+        {"capture", true, "with --fetch: which capture (default: the newest)"}},
+       1,
+       RunProfile},
       {"workers",
        "[drain ID | remove ID]",
        "List the registered workers; with an admin token, drain one (no new ranks; its "
@@ -566,9 +727,11 @@ int RunCli(const std::vector<std::string>& args, std::ostream& out, std::ostream
     return UsageError(err, absl::StrCat("--output: expected table or json, got \"", output, "\""),
                       usage);
   }
-  // `plan --history` takes no FILE; `workers` takes nothing or an action and an id.
+  // `plan --history` takes no FILE; `workers` takes nothing or an action and an id;
+  // `profile --fetch` an id and a directory.
   size_t positional = command->name == "plan" && flags->Has("history") ? 0 : command->positional;
   if (command->name == "workers" && !flags->positional().empty()) positional = 2;
+  if (command->name == "profile" && flags->Has("fetch")) positional = 2;
   if (flags->positional().size() != positional) {
     std::string message =
         flags->positional().size() < positional

@@ -186,6 +186,34 @@ absl::StatusOr<v1::GetLogsResponse> JobClient::GetLogs(absl::string_view job_id,
   return response;
 }
 
+absl::StatusOr<v1::ProfileJobResponse> JobClient::ProfileJob(
+    const v1::ProfileJobRequest& request) const {
+  v1::ProfileJobResponse response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->ProfileJob(c, request, &response); },
+           /*idempotent=*/false);
+  if (!status.ok()) return status;
+  return response;
+}
+
+absl::StatusOr<v1::GetProfileFileResponse> JobClient::GetProfileFile(absl::string_view job_id,
+                                                                     absl::string_view capture_id,
+                                                                     int64_t rank,
+                                                                     absl::string_view name,
+                                                                     int64_t offset) const {
+  v1::GetProfileFileRequest request;
+  request.set_job_id(std::string(job_id));
+  request.set_capture_id(std::string(capture_id));
+  request.set_rank(rank);
+  request.set_name(std::string(name));
+  request.set_offset(offset);
+  v1::GetProfileFileResponse response;
+  absl::Status status =
+      Call([&](grpc::ClientContext* c) { return jobs_->GetProfileFile(c, request, &response); });
+  if (!status.ok()) return status;
+  return response;
+}
+
 absl::Status JobClient::WatchJob(absl::string_view job_id,
                                  const std::function<bool(const v1::JobStatus&)>& on_update) const {
   v1::WatchJobRequest request;

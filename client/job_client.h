@@ -108,6 +108,16 @@ class JobClient {
   absl::StatusOr<v1::GetLogsResponse> GetLogs(absl::string_view job_id, int64_t attempt,
                                               int64_t rank, int64_t offset) const;
 
+  // JobService.ProfileJob: a capture of the job's next steps (not retried: a second try
+  // would find the first capture pending).
+  absl::StatusOr<v1::ProfileJobResponse> ProfileJob(const v1::ProfileJobRequest& request) const;
+
+  // JobService.GetProfileFile: a capture's file from `offset`, at most 1 MiB of it.
+  absl::StatusOr<v1::GetProfileFileResponse> GetProfileFile(absl::string_view job_id,
+                                                            absl::string_view capture_id,
+                                                            int64_t rank, absl::string_view name,
+                                                            int64_t offset) const;
+
   // JobService.WatchJob: calls `on_update` with the current status and then once per change,
   // on the calling thread, until the coordinator ends the stream (the job ended) or
   // `on_update` returns false. OK then; otherwise the stream's error (NOT_FOUND for an

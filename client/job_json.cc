@@ -84,7 +84,40 @@ Json PlanJson(const v1::Plan& plan) {
               {"explanation", plan.explanation()}};
 }
 
+}  // namespace
+
+Json ProfileJson(const v1::ProfileCapture& capture) {
+  Json files = Json::array();
+  for (const v1::ProfileFile& f : capture.files()) {
+    files.push_back(Json{{"rank", f.rank()}, {"name", f.name()}, {"size", f.size()}});
+  }
+  Json results = Json::array();
+  for (const v1::ProfileRankResult& r : capture.results()) {
+    results.push_back(Json{{"rank", r.rank()},
+                           {"first_step", r.first_step()},
+                           {"last_step", r.last_step()},
+                           {"error", r.error()}});
+  }
+  return Json{{"capture_id", capture.capture_id()},
+              {"state", EnumWord(v1::ProfileState_Name(capture.state()), "PROFILE_STATE_")},
+              {"ranks", Json(std::vector<int64_t>(capture.ranks().begin(), capture.ranks().end()))},
+              {"steps", capture.steps()},
+              {"memory", capture.memory()},
+              {"error", capture.error()},
+              {"requested_unix_ms", capture.requested_unix_ms()},
+              {"ended_unix_ms", capture.ended_unix_ms()},
+              {"requested_by", capture.requested_by()},
+              {"results", std::move(results)},
+              {"files", std::move(files)}};
+}
+
+namespace {
+
 Json AttemptJson(const v1::Attempt& attempt) {
+  Json profiles = Json::array();
+  for (const v1::ProfileCapture& capture : attempt.profiles()) {
+    profiles.push_back(ProfileJson(capture));
+  }
   Json placements = Json::array();
   for (const v1::RankPlacement& p : attempt.placements()) {
     placements.push_back(
@@ -102,7 +135,8 @@ Json AttemptJson(const v1::Attempt& attempt) {
               {"failure", attempt.failure() == v1::FAILURE_KIND_UNSPECIFIED
                               ? ""
                               : EnumWord(v1::FailureKind_Name(attempt.failure()), "FAILURE_KIND_")},
-              {"resumed_from_step", attempt.resumed_from_step()}};
+              {"resumed_from_step", attempt.resumed_from_step()},
+              {"profiles", std::move(profiles)}};
 }
 
 // The spec in its own schema, or null when the proto does not convert to a valid spec.

@@ -29,6 +29,9 @@ nlohmann::ordered_json JobJson(const v1::JobStatus& status);
 // The worker object of `lathe workers`.
 nlohmann::ordered_json WorkerJson(const v1::WorkerStatus& worker);
 
+// A profile capture (`lathe profile`, and each attempt's "profiles" in JobJson).
+nlohmann::ordered_json ProfileJson(const v1::ProfileCapture& capture);
+
 // The progress object (one rank's latest report) and the memory object (bytes per rank), as
 // they appear inside a job object.
 nlohmann::ordered_json ProgressJson(const v1::Progress& progress);

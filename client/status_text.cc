@@ -167,6 +167,35 @@ std::string PercentText(double fraction) { return absl::StrFormat("%+.1f%%", 100
 
 }  // namespace
 
+std::string ProfileStateName(v1::ProfileState state) {
+  return EnumSuffix(v1::ProfileState_Name(state), "PROFILE_STATE_");
+}
+
+std::string ProfileText(const v1::ProfileCapture& capture, const v1::Attempt& attempt) {
+  std::string text =
+      absl::StrCat(capture.capture_id(), " ", ProfileStateName(capture.state()), "  attempt #",
+                   attempt.generation(), "  rank", capture.ranks_size() == 1 ? " " : "s ",
+                   absl::StrJoin(capture.ranks(), ","), "  ", capture.steps(),
+                   capture.steps() == 1 ? " step" : " steps", capture.memory() ? " + memory" : "");
+  int64_t first = 0, last = 0;
+  for (const v1::ProfileRankResult& r : capture.results()) {
+    if (r.first_step() > 0 && (first == 0 || r.first_step() < first)) first = r.first_step();
+    last = std::max(last, r.last_step());
+  }
+  if (first > 0) absl::StrAppend(&text, " (", first, "-", last, ")");
+  if (capture.requested_unix_ms() > 0) {
+    absl::StrAppend(&text, "  asked ", FormatTimestamp(capture.requested_unix_ms()));
+  }
+  absl::StrAppend(&text, "\n");
+  for (const v1::ProfileFile& f : capture.files()) {
+    absl::StrAppend(&text, "  rank ", f.rank(), "  ", f.name(), "  ", FormatBytes(f.size()), "\n");
+  }
+  if (!capture.error().empty()) {
+    absl::StrAppend(&text, "  error: ", Truncate(capture.error(), 300), "\n");
+  }
+  return text;
+}
+
 std::string JobStateName(v1::JobState state) {
   return EnumSuffix(v1::JobState_Name(state), "JOB_STATE_");
 }
@@ -320,6 +349,11 @@ std::string JobDetails(const v1::JobStatus& status, absl::Time now) {
     }
     AppendField(&out, "attempts", attempts);
   }
+  std::string profiles;
+  for (const v1::Attempt& a : status.attempts()) {
+    for (const v1::ProfileCapture& c : a.profiles()) absl::StrAppend(&profiles, ProfileText(c, a));
+  }
+  if (!profiles.empty()) AppendField(&out, "profiles", profiles);
   const v1::Progress* p = LatestProgress(status);
   if (p != nullptr) AppendField(&out, "progress", ProgressText(status, *p, now));
   // Measured: the latest attempt's largest peak over its ranks, else rank 0's progress.

@@ -29,6 +29,11 @@ namespace lathe {
 // unrecognised value.
 std::string JobStateName(v1::JobState state);
 std::string AttemptStateName(v1::AttemptState state);
+std::string ProfileStateName(v1::ProfileState state);
+
+// One capture in `lathe status`: its id, state, attempt, ranks, steps (the steps profiled
+// once known), when it was asked; then a line per file (rank, name, size) and the error.
+std::string ProfileText(const v1::ProfileCapture& capture, const v1::Attempt& attempt);
 
 // Parses a state as a user types it: "running", "RUNNING" or "JOB_STATE_RUNNING".
 // INVALID_ARGUMENT listing the accepted names otherwise.
@@ -66,8 +71,8 @@ std::string Truncate(absl::string_view text, size_t max_chars);
 // `jobs` is empty.
 std::string JobTable(const std::vector<v1::JobStatus>& jobs, absl::Time now);
 
-// The `lathe status` view: state, reason, plan, attempts, latest progress, memory (predicted
-// next to measured), final loss, result paths. Ends with a newline.
+// The `lathe status` view: state, reason, plan, attempts, profile captures, latest progress, memory
+// (predicted next to measured), final loss, result paths. Ends with a newline.
 std::string JobDetails(const v1::JobStatus& status, absl::Time now);
 
 // The `lathe workers` table: ID, STATE, DEVICE, SLOTS, LAST HEARTBEAT, RUNNING.

@@ -26,6 +26,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/job_client.h"
+#include "common/file_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
@@ -121,6 +122,41 @@ class FakeJobService final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ProfileJob(grpc::ServerContext*, const v1::ProfileJobRequest* request,
+                          v1::ProfileJobResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    profile_requests_.push_back(*request);
+    if (!profile_error_.ok()) return profile_error_;
+    response->set_generation(1);
+    v1::ProfileCapture* capture = response->mutable_capture();
+    capture->set_capture_id("prof-1");
+    capture->set_state(v1::PROFILE_STATE_PENDING);
+    capture->set_steps(request->steps());
+    capture->set_memory(request->memory());
+    if (request->all_ranks()) {
+      capture->add_ranks(0);
+      capture->add_ranks(1);
+    } else {
+      capture->add_ranks(request->rank());
+    }
+    return grpc::Status::OK;
+  }
+
+  // Serves the files set with SetProfileFile, at most 4 bytes a call (so that the CLI must
+  // ask again).
+  grpc::Status GetProfileFile(grpc::ServerContext*, const v1::GetProfileFileRequest* request,
+                              v1::GetProfileFileResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    auto it = profile_files_.find(absl::StrCat(request->job_id(), "/", request->capture_id(), "/",
+                                               request->rank(), "/", request->name()));
+    if (it == profile_files_.end()) return grpc::Status(grpc::StatusCode::NOT_FOUND, "no file");
+    response->set_size(static_cast<int64_t>(it->second.size()));
+    if (request->offset() < static_cast<int64_t>(it->second.size())) {
+      response->set_data(it->second.substr(static_cast<size_t>(request->offset()), 4));
+    }
+    return grpc::Status::OK;
+  }
+
   grpc::Status PlanJob(grpc::ServerContext*, const v1::PlanJobRequest* request,
                        v1::PlanJobResponse* response) override {
     absl::MutexLock lock(&mu_);
@@ -138,6 +174,19 @@ class FakeJobService final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  void SetProfileError(grpc::Status status) {
+    absl::MutexLock lock(&mu_);
+    profile_error_ = std::move(status);
+  }
+  std::vector<v1::ProfileJobRequest> profile_requests() {
+    absl::MutexLock lock(&mu_);
+    return profile_requests_;
+  }
+  void SetProfileFile(const std::string& job, const std::string& capture, int64_t rank,
+                      const std::string& name, const std::string& data) {
+    absl::MutexLock lock(&mu_);
+    profile_files_[absl::StrCat(job, "/", capture, "/", rank, "/", name)] = data;
+  }
   void SetJob(const v1::JobStatus& job) {
     absl::MutexLock lock(&mu_);
     jobs_[job.job_id()] = job;
@@ -220,6 +269,9 @@ class FakeJobService final : public v1::JobService::Service {
   std::vector<v1::PlanJobRequest> plan_requests_ ABSL_GUARDED_BY(mu_);
   v1::GetPlanHistoryResponse history_ ABSL_GUARDED_BY(mu_);
   std::vector<int32_t> history_limits_ ABSL_GUARDED_BY(mu_);
+  grpc::Status profile_error_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ProfileJobRequest> profile_requests_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> profile_files_ ABSL_GUARDED_BY(mu_);
 };
 
 class FakeWorkerService final : public v1::WorkerService::Service {
@@ -917,10 +969,18 @@ constexpr char kJsonSchema[] = R"({
       "placements": [{"rank": "integer", "worker_id": "string", "slot": "integer"}],
       "started_unix_ms": "integer", "ended_unix_ms": "integer", "error": "string",
       "progress": "$progress", "predicted_memory": "$memory", "peak_memory": "$memory",
-      "failure": "string", "resumed_from_step": "integer"
+      "failure": "string", "resumed_from_step": "integer", "profiles": ["$profile"]
     }],
     "progress": "$progress|null", "eta_seconds": "number|null", "final_loss": "number|null",
     "adapter_path": "string", "model_path": "string"
+  },
+  "profile": {
+    "capture_id": "string", "state": "string", "ranks": ["integer"], "steps": "integer",
+    "memory": "boolean", "error": "string", "requested_unix_ms": "integer",
+    "ended_unix_ms": "integer", "requested_by": "string",
+    "results": [{"rank": "integer", "first_step": "integer", "last_step": "integer",
+                 "error": "string"}],
+    "files": [{"rank": "integer", "name": "string", "size": "integer"}]
   },
   "plan_report": {
     "plan": "object", "tokens_per_second": "number", "memory_per_rank": "integer",
@@ -1013,6 +1073,156 @@ SchemaCheck CheckAgainst(const nlohmann::json& value, const std::string& definit
   return check;
 }
 
+// --- `lathe profile` (issue #33) ---
+
+// A running job of two ranks whose attempt has the given captures.
+v1::JobStatus ProfiledJob(const std::string& id, const std::vector<v1::ProfileCapture>& captures) {
+  v1::JobStatus job = RunningJob(id, 10, 1'700'000'100'000);
+  for (const v1::ProfileCapture& c : captures) *job.mutable_attempts(0)->add_profiles() = c;
+  return job;
+}
+
+v1::ProfileCapture Capture(const std::string& id, v1::ProfileState state,
+                           const std::vector<std::pair<int64_t, std::string>>& files) {
+  v1::ProfileCapture capture;
+  capture.set_capture_id(id);
+  capture.set_state(state);
+  capture.add_ranks(0);
+  capture.add_ranks(1);
+  capture.set_steps(3);
+  for (const auto& [rank, name] : files) {
+    v1::ProfileFile* file = capture.add_files();
+    file->set_rank(rank);
+    file->set_name(name);
+    file->set_size(10);
+  }
+  return capture;
+}
+
+TEST_F(CliTest, ProfileAsksTheCoordinatorAndSaysWhatComesNext) {
+  CliResult result = Run({"profile", "job-1"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  result = Run({"profile", "job-1", "--steps", "5", "--all-ranks", "--memory"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(result.out,
+            "capture prof-1 of job job-1 (attempt 1): the next 5 steps of ranks 0,1, with memory\n"
+            "follow it with `lathe status job-1`; once DONE: `lathe profile --fetch job-1 DIR`\n");
+  result = Run({"profile", "job-1", "--rank", "1", "--output", "json"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  SchemaCheck check = CheckAgainst(nlohmann::json::parse(result.out), "profile");
+  EXPECT_THAT(check.errors, IsEmpty()) << result.out;
+
+  const std::vector<v1::ProfileJobRequest> sent = jobs_.profile_requests();
+  ASSERT_EQ(sent.size(), 3u);
+  EXPECT_EQ(sent[0].job_id(), "job-1");
+  EXPECT_EQ(sent[0].steps(), 3);
+  EXPECT_EQ(sent[0].rank(), 0);
+  EXPECT_FALSE(sent[0].all_ranks());
+  EXPECT_FALSE(sent[0].memory());
+  EXPECT_EQ(sent[1].steps(), 5);
+  EXPECT_TRUE(sent[1].all_ranks());
+  EXPECT_TRUE(sent[1].memory());
+  EXPECT_EQ(sent[2].rank(), 1);
+
+  // The coordinator's refusal, on one line.
+  jobs_.SetProfileError(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                                     "job job-1 is queued, not running: only a running job can "
+                                     "be profiled"));
+  result = Run({"profile", "job-1"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err,
+            "lathe: job job-1 is queued, not running: only a running job can be profiled\n");
+  jobs_.SetProfileError(grpc::Status(grpc::StatusCode::NOT_FOUND, "no job"));
+  EXPECT_EQ(Run({"profile", "nope"}).err, "lathe: job nope not found\n");
+}
+
+TEST_F(CliTest, ProfileArgumentsThatDoNotFitAreRefusedWithOneLine) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"profile", "job-1", "--steps", "0"}, "lathe: --steps: must be in 1..100, got 0\n"},
+      {{"profile", "job-1", "--steps", "101"}, "lathe: --steps: must be in 1..100, got 101\n"},
+      {{"profile", "job-1", "--rank", "-1"}, "lathe: --rank: must be >= 0, got -1\n"},
+      {{"profile", "job-1", "--rank", "1", "--all-ranks"},
+       "lathe: --rank and --all-ranks: choose one\n"},
+      {{"profile", "job-1", "--capture", "prof-1"}, "lathe: --capture: only with --fetch\n"},
+      {{"profile", "--fetch", "job-1", "dir", "--steps", "3"},
+       "lathe: --steps: not with --fetch\n"},
+  };
+  for (const auto& [args, err] : cases) {
+    CliResult result = Run(args);
+    EXPECT_EQ(result.code, 2) << absl::StrJoin(args, " ");
+    EXPECT_EQ(result.err, err);
+    EXPECT_EQ(result.out, "");
+  }
+  EXPECT_THAT(Run({"profile", "job-1", "--steps", "many"}).err, StartsWith("lathe: --steps"));
+  CliResult missing = Run({"profile", "--fetch", "job-1"});
+  EXPECT_EQ(missing.code, 2);
+  EXPECT_THAT(missing.err, HasSubstr("missing argument: profile"));
+  EXPECT_THAT(Run({"profile"}).err, HasSubstr("missing argument: profile"));
+  EXPECT_THAT(jobs_.profile_requests(), IsEmpty()) << "nothing was sent";
+}
+
+TEST_F(CliTest, ProfileFetchDownloadsACaptureAndNeverOverwrites) {
+  jobs_.SetJob(ProfiledJob(
+      "job-1", {Capture("prof-1", v1::PROFILE_STATE_DONE, {{0, "trace.json"}, {1, "trace.json"}}),
+                Capture("prof-2", v1::PROFILE_STATE_PENDING, {})}));
+  jobs_.SetProfileFile("job-1", "prof-1", 0, "trace.json", "rank zero's trace");
+  jobs_.SetProfileFile("job-1", "prof-1", 1, "trace.json", "rank one");
+  const std::string out = dir_.Path("profiles");
+
+  // The newest capture is still pending.
+  CliResult result = Run({"profile", "--fetch", "job-1", out});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err,
+            "lathe: capture prof-2 of job job-1 is still pending; fetch it once it is done "
+            "(lathe status job-1)\n");
+
+  result = Run({"profile", "--fetch", "job-1", out, "--capture", "prof-1"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_EQ(*ReadFile(out + "/prof-1/rank-0/trace.json"), "rank zero's trace");
+  EXPECT_EQ(*ReadFile(out + "/prof-1/rank-1/trace.json"), "rank one");
+  EXPECT_THAT(result.out, HasSubstr("capture prof-1: 2 file(s)"));
+  EXPECT_FALSE(std::filesystem::exists(out + "/prof-1/rank-0/trace.json.part"));
+
+  // Again: nothing is overwritten.
+  jobs_.SetProfileFile("job-1", "prof-1", 0, "trace.json", "changed");
+  result = Run({"profile", "--fetch", "job-1", out, "--capture", "prof-1"});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_EQ(result.err,
+            absl::StrCat("lathe: ", out, "/prof-1/rank-0/trace.json exists; not overwritten\n"));
+  EXPECT_EQ(*ReadFile(out + "/prof-1/rank-0/trace.json"), "rank zero's trace");
+
+  EXPECT_EQ(Run({"profile", "--fetch", "job-1", out, "--capture", "prof-9"}).err,
+            "lathe: job job-1 has no capture prof-9\n");
+  // A name that is not a file name never leaves DIR.
+  jobs_.SetJob(
+      ProfiledJob("job-2", {Capture("prof-1", v1::PROFILE_STATE_DONE, {{0, "../../escape"}})}));
+  result = Run({"profile", "--fetch", "job-2", out});
+  EXPECT_EQ(result.code, 1);
+  EXPECT_THAT(result.err, HasSubstr("is not a file name"));
+  jobs_.SetJob(ProfiledJob("job-3", {}));
+  EXPECT_EQ(Run({"profile", "--fetch", "job-3", out}).err,
+            "lathe: job job-3 has no profile captures\n");
+}
+
+TEST_F(CliTest, StatusListsTheCaptures) {
+  v1::ProfileCapture failed = Capture("prof-1", v1::PROFILE_STATE_FAILED, {{0, "trace.json"}});
+  failed.set_error("rank 1: the profiler could not start");
+  v1::ProfileCapture done = Capture("prof-2", v1::PROFILE_STATE_DONE, {{0, "trace.json"}});
+  done.set_memory(true);
+  v1::ProfileRankResult* r = done.add_results();
+  r->set_rank(0);
+  r->set_first_step(11);
+  r->set_last_step(13);
+  jobs_.SetJob(ProfiledJob("job-1", {failed, done}));
+  CliResult result = Run({"status", "job-1"});
+  ASSERT_EQ(result.code, 0) << result.err;
+  EXPECT_THAT(result.out, HasSubstr("prof-1 FAILED  attempt #1  ranks 0,1  3 steps\n"));
+  EXPECT_THAT(result.out, HasSubstr("  error: rank 1: the profiler could not start\n"));
+  EXPECT_THAT(result.out,
+              HasSubstr("prof-2 DONE  attempt #1  ranks 0,1  3 steps + memory (11-13)"));
+  EXPECT_THAT(result.out, HasSubstr("  rank 0  trace.json  "));
+}
+
 // A job with every field of the API set, nested messages and repeated fields included
 // (final_loss too, although a running job has none yet, to pin its type).
 v1::JobStatus FullJob(const std::string& id) {
@@ -1088,6 +1298,23 @@ v1::JobStatus FullJob(const std::string& id) {
   *p->mutable_memory() = *predicted;
   *attempt->mutable_predicted_memory() = *predicted;
   *attempt->mutable_peak_memory() = *predicted;
+  v1::ProfileCapture* capture = attempt->add_profiles();
+  capture->set_capture_id("prof-1");
+  capture->set_state(v1::PROFILE_STATE_DONE);
+  capture->add_ranks(0);
+  capture->set_steps(3);
+  capture->set_memory(true);
+  capture->set_requested_unix_ms(1'700'000'001'500);
+  capture->set_ended_unix_ms(1'700'000'001'900);
+  capture->set_requested_by("alice (client)");
+  v1::ProfileRankResult* answered = capture->add_results();
+  answered->set_rank(0);
+  answered->set_first_step(21);
+  answered->set_last_step(23);
+  v1::ProfileFile* file = capture->add_files();
+  file->set_rank(0);
+  file->set_name("trace.json");
+  file->set_size(2048);
   v1::Attempt second = *attempt;
   second.set_generation(2);
   second.set_state(v1::ATTEMPT_STATE_RUNNING);
