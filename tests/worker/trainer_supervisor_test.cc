@@ -14,6 +14,7 @@
 #include "common/file_util.h"
 #include "common/proto/trainer_io.h"
 #include "gmock/gmock.h"
+#include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "tests/worker/agent_test_util.h"
@@ -307,6 +308,51 @@ TEST_F(TrainerSupervisorFakeTest, LaunchesTheTrainerCommand) {
               ElementsAre(std::make_pair(std::string("CUDA_VISIBLE_DEVICES"), std::string("1"))));
   EXPECT_THAT(events_.kinds(), ElementsAre(v1::RANK_EVENT_STARTED));
   child->Exit(ExitStatus::Exited(0));
+}
+
+// `lathe profile`: the request goes to the running trainer as a file in its rank directory;
+// its "profile" answer comes back as a report of its own, with where its files must be.
+TEST_F(TrainerSupervisorFakeTest, AProfileRequestIsAFileAndItsAnswerAReport) {
+  TrainerSupervisor& supervisor = Make(absl::Seconds(5));
+  v1::ProfileRequest request;
+  request.set_capture_id("prof-2");
+  request.set_steps(4);
+  request.set_memory(true);
+  EXPECT_EQ(supervisor.RequestProfile(request).code(), absl::StatusCode::kFailedPrecondition)
+      << "not started";
+  ASSERT_TRUE(supervisor.Start().ok());
+  std::shared_ptr<FakeProcess> child = launcher_.process(0);
+  ASSERT_TRUE(supervisor.RequestProfile(request).ok());
+  const std::string path = supervisor.run_dir() + "/profile/request.json";
+  absl::StatusOr<std::string> text = ReadFile(path);
+  ASSERT_TRUE(text.ok()) << text.status();
+  v1::ProfileRequest written;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(*text, &written).ok()) << *text;
+  EXPECT_EQ(written.capture_id(), "prof-2");
+  EXPECT_EQ(written.steps(), 4);
+  EXPECT_TRUE(written.memory());
+  EXPECT_THAT(*text, HasSubstr("\"capture_id\""));  // the proto's field names
+  v1::ProfileRequest bad = request;
+  bad.set_capture_id("../x");
+  EXPECT_EQ(supervisor.RequestProfile(bad).code(), absl::StatusCode::kInvalidArgument);
+
+  v1::TrainerEvent answer;
+  answer.mutable_profile()->set_capture_id("prof-2");
+  answer.mutable_profile()->set_first_step(7);
+  answer.mutable_profile()->set_last_step(10);
+  answer.mutable_profile()->add_files(supervisor.run_dir() + "/profile/prof-2/trace.json");
+  child->EmitStdout(TrainerEventLine(answer));
+  child->EmitStdout(DoneLine(10, "1.0", "/runs/demo/adapter"));
+  child->Exit(ExitStatus::Exited(0));
+  EXPECT_EQ(events_.WaitForEnd().kind, v1::RANK_EVENT_SUCCEEDED);
+  const std::vector<RankReport> events = events_.events();
+  ASSERT_EQ(events.size(), 3u);  // STARTED, the answer, SUCCEEDED
+  ASSERT_TRUE(events[1].profile.has_value());
+  EXPECT_EQ(events[1].kind, v1::RANK_EVENT_UNSPECIFIED);
+  EXPECT_EQ(events[1].profile->last_step(), 10);
+  EXPECT_EQ(events[1].profile_dir, supervisor.run_dir() + "/profile/prof-2");
+  EXPECT_EQ(supervisor.RequestProfile(request).code(), absl::StatusCode::kFailedPrecondition)
+      << "exited";
 }
 
 TEST_F(TrainerSupervisorFakeTest, DoneThenCrashIsAFailure) {

@@ -6,10 +6,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -84,6 +86,8 @@ class FakeWorkerService final : public v1::WorkerService::Service {
         assignments_.clear();
         for (v1::Cancellation& c : cancellations_) *response.add_cancellations() = std::move(c);
         cancellations_.clear();
+        for (v1::ProfileOrder& o : profile_orders_) *response.add_profiles() = std::move(o);
+        profile_orders_.clear();
       }
       if (!stream->Write(response)) break;
     }
@@ -98,6 +102,28 @@ class FakeWorkerService final : public v1::WorkerService::Service {
       return grpc::Status(report_failure_, "report refused");
     }
     reports_.push_back(*request);
+    calls_.push_back(absl::StrCat("progress ", v1::RankEvent_Name(request->event())));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status UploadProfile(grpc::ServerContext*, const v1::UploadProfileRequest* request,
+                             v1::UploadProfileResponse* response) override {
+    absl::MutexLock lock(&mu_);
+    uploads_.push_back(*request);
+    std::string& file = uploaded_[request->name()];
+    if (request->offset() != static_cast<int64_t>(file.size())) {
+      return grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "not contiguous");
+    }
+    file += request->data();
+    response->set_size(static_cast<int64_t>(file.size()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReportProfile(grpc::ServerContext*, const v1::ReportProfileRequest* request,
+                             v1::ReportProfileResponse*) override {
+    absl::MutexLock lock(&mu_);
+    profile_reports_.push_back(*request);
+    calls_.push_back("profile");
     return grpc::Status::OK;
   }
 
@@ -113,6 +139,30 @@ class FakeWorkerService final : public v1::WorkerService::Service {
     c.set_job_id(job_id);
     c.set_generation(generation);
     c.set_reason("cancelled by the test");
+  }
+  void Profile(v1::ProfileOrder order) {
+    absl::MutexLock lock(&mu_);
+    profile_orders_.push_back(std::move(order));
+  }
+  std::vector<v1::UploadProfileRequest> Uploads() {
+    absl::MutexLock lock(&mu_);
+    return uploads_;
+  }
+  std::map<std::string, std::string> Uploaded() {
+    absl::MutexLock lock(&mu_);
+    return uploaded_;
+  }
+  std::vector<v1::ReportProfileRequest> ProfileReports() {
+    absl::MutexLock lock(&mu_);
+    return profile_reports_;
+  }
+  // "profile" and "progress <event>", in the order they arrived.
+  std::vector<std::string> Calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  size_t profile_report_count() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return profile_reports_.size();
   }
   // As if the coordinator restarted: the current session is unknown from now on.
   void ForgetSessions() {
@@ -190,6 +240,11 @@ class FakeWorkerService final : public v1::WorkerService::Service {
   std::vector<v1::ReportProgressRequest> reports_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::Assignment> assignments_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::Cancellation> cancellations_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::ProfileOrder> profile_orders_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::UploadProfileRequest> uploads_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> uploaded_ ABSL_GUARDED_BY(mu_);  // name -> bytes
+  std::vector<v1::ReportProfileRequest> profile_reports_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
 };
 
 // True when `reports` hold an event of `kind`.
@@ -231,7 +286,7 @@ constexpr char kTrainerScript[] = R"sh(
 # The run directory <job>-g<generation>-r<rank> holds the task.
 job=""
 while [ $# -gt 0 ]; do
-  case "$1" in --task) job=$(basename "$(dirname "$2")"); shift;; esac
+  case "$1" in --task) job=$(basename "$(dirname "$2")"); run=$(dirname "$2"); shift;; esac
   shift
 done
 echo 'START'
@@ -240,6 +295,18 @@ case "$job" in
     echo 'STEP1'
     echo 'STEP2'
     echo 'DONE'
+    exit 0;;
+  profile*)
+    # As the real trainer does: waits for the request, writes the capture where it is told,
+    # removes the request and answers with a "profile" event.
+    while [ ! -f "$run/profile/request.json" ]; do sleep 0.05; done
+    id=$(sed -n 's/.*"capture_id": *"\([^"]*\)".*/\1/p' "$run/profile/request.json")
+    mkdir -p "$run/profile/$id"
+    printf 'trace of %s' "$id" > "$run/profile/$id/trace.json"
+    head -c 2500000 /dev/zero > "$run/profile/$id/big.bin"
+    rm "$run/profile/request.json"
+    echo "{\"profile\": {\"capture_id\": \"$id\", \"first_step\": 3, \"last_step\": 5, \"files\": [\"$run/profile/$id/trace.json\", \"$run/profile/$id/big.bin\"]}}"
+    echo 'PROFILED_END'
     exit 0;;
   killed*)
     echo 'about to be killed' >&2
@@ -258,6 +325,7 @@ std::string TrainerScriptBody() {
   replace("STEP1", StepLine(1, 2, "2.5"));
   replace("STEP2", StepLine(2, 2, "2.3"));
   replace("DONE", DoneLine(2, "2.25", "/runs/out/adapter"));
+  replace("PROFILED_END", DoneLine(2, "2.25", "/runs/out/adapter"));
   return body;
 }
 
@@ -412,6 +480,85 @@ TEST_F(WorkerAgentTest, HeartbeatsShowTheRunningRankAndCancellationStopsIt) {
   EXPECT_THAT(end.error(), HasSubstr("cancelled by the test"));
   size_t seen = service_.HeartbeatCount();
   ASSERT_TRUE(service_.WaitUntil(HeartbeatShows(0, "", seen)));
+  EXPECT_TRUE(StopAgent().ok());
+}
+
+v1::ProfileOrder MakeOrder(const std::string& job_id, int64_t generation, int64_t rank,
+                           const std::string& capture_id) {
+  v1::ProfileOrder order;
+  order.set_job_id(job_id);
+  order.set_generation(generation);
+  order.set_rank(rank);
+  order.set_capture_id(capture_id);
+  order.set_steps(3);
+  return order;
+}
+
+// `lathe profile` at the agent (issue #33): the order becomes the trainer's request file, the
+// trainer's answer an upload of its files in chunks of at most 1 MiB and then the answer, all
+// before the rank's end is reported.
+TEST_F(WorkerAgentTest, AProfileOrderReachesTheTrainerAndItsFilesTheCoordinator) {
+  StartAgent(Options());
+  service_.Assign(MakeAssignment("profile-1", 2, 0, 0));
+  ASSERT_TRUE(service_.WaitUntil(Reported("profile-1", v1::RANK_EVENT_STARTED)));
+  service_.Profile(MakeOrder("profile-1", 2, 0, "prof-1"));
+  ASSERT_TRUE(service_.WaitUntil(Reported("profile-1", v1::RANK_EVENT_SUCCEEDED)));
+
+  const std::vector<v1::ReportProfileRequest> answers = service_.ProfileReports();
+  ASSERT_EQ(answers.size(), 1u);
+  const v1::ReportProfileRequest& answer = answers[0];
+  EXPECT_EQ(answer.worker_id(), "host-cpu");
+  EXPECT_EQ(answer.job_id(), "profile-1");
+  EXPECT_EQ(answer.generation(), 2);
+  EXPECT_EQ(answer.capture_id(), "prof-1");
+  EXPECT_EQ(answer.first_step(), 3);
+  EXPECT_EQ(answer.last_step(), 5);
+  EXPECT_EQ(answer.error(), "");
+  ASSERT_EQ(answer.files_size(), 2);
+  EXPECT_EQ(answer.files(0).name(), "trace.json");
+  EXPECT_EQ(answer.files(0).size(), 15u);
+  EXPECT_EQ(answer.files(1).name(), "big.bin");
+  EXPECT_EQ(answer.files(1).size(), 2500000u);
+  const std::map<std::string, std::string> uploaded = service_.Uploaded();
+  EXPECT_EQ(uploaded.at("trace.json"), "trace of prof-1");
+  EXPECT_EQ(uploaded.at("big.bin"), std::string(2500000, '\0'));
+  int big_chunks = 0;
+  for (const v1::UploadProfileRequest& chunk : service_.Uploads()) {
+    EXPECT_LE(chunk.data().size(), size_t{1} << 20);
+    EXPECT_EQ(chunk.capture_id(), "prof-1");
+    EXPECT_EQ(chunk.rank(), 0);
+    big_chunks += chunk.name() == "big.bin";
+  }
+  EXPECT_EQ(big_chunks, 3);
+  // The answer went before the rank's end.
+  const std::vector<std::string> calls = service_.Calls();
+  auto at = [&](const std::string& call) {
+    return std::find(calls.begin(), calls.end(), call) - calls.begin();
+  };
+  EXPECT_LT(at("profile"), at("progress RANK_EVENT_SUCCEEDED"));
+  EXPECT_TRUE(StopAgent().ok());
+}
+
+TEST_F(WorkerAgentTest, AProfileOrderForARankNotHereOrPastTheBoundsIsAnsweredWithAnError) {
+  WorkerAgentOptions options = Options();
+  options.profiles.max_file_bytes = 1 << 20;
+  StartAgent(options);
+  service_.Profile(MakeOrder("absent", 1, 0, "prof-1"));
+  ASSERT_TRUE(service_.WaitUntil([](const FakeWorkerService& s) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return s.profile_report_count() == 1;
+  }));
+  EXPECT_EQ(service_.ProfileReports()[0].error(),
+            "rank 0 of attempt 1 does not run on worker host-cpu");
+
+  service_.Assign(MakeAssignment("profile-2", 1, 0, 0));
+  ASSERT_TRUE(service_.WaitUntil(Reported("profile-2", v1::RANK_EVENT_STARTED)));
+  service_.Profile(MakeOrder("profile-2", 1, 0, "prof-1"));
+  ASSERT_TRUE(service_.WaitUntil(Reported("profile-2", v1::RANK_EVENT_SUCCEEDED)));
+  const std::vector<v1::ReportProfileRequest> answers = service_.ProfileReports();
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_EQ(answers[1].error(), "file big.bin is 2500000 bytes, past the bound of 1 MiB a file");
+  EXPECT_EQ(answers[1].files_size(), 0);
+  EXPECT_TRUE(service_.Uploads().empty()) << "nothing is uploaded";
   EXPECT_TRUE(StopAgent().ok());
 }
 

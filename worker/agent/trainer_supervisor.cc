@@ -15,6 +15,7 @@
 #include "common/file_util.h"
 #include "common/proto/trainer_io.h"
 #include "common/status_macros.h"
+#include "google/protobuf/util/json_util.h"
 #include "spdlog/spdlog.h"
 
 namespace lathe {
@@ -175,6 +176,38 @@ absl::Status TrainerSupervisor::Launch() {
   return absl::OkStatus();
 }
 
+absl::Status TrainerSupervisor::RequestProfile(const v1::ProfileRequest& request) {
+  const std::string& id = request.capture_id();
+  const bool plain =
+      !id.empty() && id.size() <= 64 && std::all_of(id.begin(), id.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-';
+      });
+  if (!plain) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("capture_id: \"", id.substr(0, 64), "\" is not [A-Za-z0-9_-]{1,64}"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    if (child_ == nullptr || exited_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", assignment_.rank(), " of job ", assignment_.job_id(), " attempt ",
+                       assignment_.generation(), ": the trainer is not running"));
+    }
+  }
+  const std::string dir = run_dir_ + "/profile";
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return absl::InternalError(absl::StrCat("creating ", dir, ": ", error.message()));
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(request, &json, options).ok()) {
+    return absl::InternalError("the profile request cannot be written as JSON");
+  }
+  return WriteFileAtomically(dir + "/request.json", json);
+}
+
 void TrainerSupervisor::Cancel(absl::string_view reason) {
   {
     absl::MutexLock lock(&mu_);
@@ -231,6 +264,13 @@ void TrainerSupervisor::OnStdoutLine(absl::string_view line) {
   }
   events_file_ << line << '\n';
   events_file_.flush();
+  if (event->event_case() == v1::TrainerEvent::kProfile) {
+    RankReport answer;
+    answer.profile = event->profile();
+    answer.profile_dir = absl::StrCat(run_dir_, "/profile/", event->profile().capture_id());
+    Emit(answer);
+    return;
+  }
   RankReport progress;
   progress.kind = v1::RANK_EVENT_PROGRESS;
   v1::Progress& p = progress.progress;

@@ -10,8 +10,9 @@
 // in its own process group. The trainer prints one TrainerEvent per line on stdout
 // (common/proto/trainer_io.h); they are kept in `<dir>/events.jsonl` as they come, and become
 // reports: "start" and each "step" a PROGRESS, "done" the result of a SUCCEEDED, "error" the
-// reason of a FAILED. The child's stderr goes to `<dir>/trainer.log`; the last lines of it
-// (and of stdout that is not an event) are kept as the log tail for error messages.
+// reason of a FAILED, "profile" a report with RankReport::profile set (RequestProfile). The child's
+// stderr goes to `<dir>/trainer.log`; the last lines of it (and of stdout that is not an event) are
+// kept as the log tail for error messages.
 //
 // Reports, in order: STARTED (from Start, once the child runs), PROGRESS*, then exactly one
 // terminal report when the child has exited:
@@ -47,6 +48,7 @@
 #include "common/clock.h"
 #include "lathe/v1/coordinator.pb.h"
 #include "lathe/v1/job.pb.h"
+#include "lathe/v1/trainer.pb.h"
 #include "worker/agent/process_launcher.h"
 
 namespace lathe {
@@ -92,6 +94,10 @@ struct RankReport {
   v1::FailureKind failure = v1::FAILURE_KIND_UNSPECIFIED;
   // PROGRESS for "start": the checkpoint step the trainer resumed from; 0: fresh.
   int64_t resumed_from_step = 0;
+  // Set (kind UNSPECIFIED, no other field) for a "profile" event: the trainer's answer to a
+  // RequestProfile, and the directory its files must lie in (<run dir>/profile/<capture_id>).
+  std::optional<v1::TrainerProfile> profile;
+  std::string profile_dir;
 };
 
 class TrainerSupervisor {
@@ -119,6 +125,14 @@ class TrainerSupervisor {
   // if it is still running. Returns at once; the CANCELLED event follows when it exits.
   // Later calls, and calls after the exit, do nothing.
   void Cancel(absl::string_view reason);
+
+  // Asks the running trainer to profile its next steps: writes `request` to
+  // <run dir>/profile/request.json (a temp file renamed, so that the trainer never reads half
+  // of one); the trainer answers with a "profile" event, reported with RankReport::profile.
+  // FAILED_PRECONDITION when the trainer is not running (not started, or exited);
+  // INVALID_ARGUMENT for a capture id that is not [A-Za-z0-9_-]{1,64}; INTERNAL when the file
+  // cannot be written.
+  absl::Status RequestProfile(const v1::ProfileRequest& request);
 
   // True once the terminal event has been reported, or Start failed.
   bool finished() const;

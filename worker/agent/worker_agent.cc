@@ -42,6 +42,12 @@ ProgressReporterOptions ReporterOptions(const WorkerAgentOptions& options) {
   return reporter;
 }
 
+ProfileUploaderOptions UploaderOptions(const WorkerAgentOptions& options) {
+  ProfileUploaderOptions uploader = options.profiles;
+  uploader.token = options.token;
+  return uploader;
+}
+
 LogShipperOptions ShipperOptions(const WorkerAgentOptions& options) {
   LogShipperOptions shipper;
   shipper.token = options.token;
@@ -58,6 +64,7 @@ WorkerAgent::WorkerAgent(WorkerAgentOptions options, v1::WorkerService::StubInte
       clock_(clock),
       reporter_(stub, ReporterOptions(options_)),
       shipper_(stub, ShipperOptions(options_)),
+      uploader_(stub, UploaderOptions(options_)),
       pruner_(options_.trainer.work_dir, options_.keep_attempt_dirs, clock) {
   absl::MutexLock lock(&mu_);
   worker_id_ = options_.worker_id;
@@ -287,6 +294,46 @@ void WorkerAgent::HandleResponse(const v1::HeartbeatResponse& response) {
     HandleCancellation(cancellation);
   }
   for (const v1::Assignment& assignment : response.assignments()) HandleAssignment(assignment);
+  for (const v1::ProfileOrder& order : response.profiles()) HandleProfileOrder(order);
+}
+
+void WorkerAgent::HandleProfileOrder(const v1::ProfileOrder& order) {
+  std::shared_ptr<TrainerSupervisor> trainer;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Slot& slot : slots_) {
+      if (slot.trainer != nullptr && slot.trainer->assignment().job_id() == order.job_id() &&
+          slot.trainer->assignment().generation() == order.generation() &&
+          slot.trainer->assignment().rank() == order.rank()) {
+        trainer = slot.trainer;
+      }
+    }
+  }
+  ProfileAnswer failed;
+  failed.worker_id = worker_id();
+  failed.job_id = order.job_id();
+  failed.generation = order.generation();
+  failed.rank = order.rank();
+  failed.capture_id = order.capture_id();
+  failed.profile.set_capture_id(order.capture_id());
+  if (trainer == nullptr) {
+    failed.profile.set_error(absl::StrCat("rank ", order.rank(), " of attempt ", order.generation(),
+                                          " does not run on worker ", worker_id()));
+    uploader_.Submit(std::move(failed));
+    return;
+  }
+  v1::ProfileRequest request;
+  request.set_capture_id(order.capture_id());
+  request.set_steps(order.steps());
+  request.set_memory(order.memory());
+  absl::Status asked = trainer->RequestProfile(request);
+  spdlog::info("worker={} job={} attempt={} rank={} capture {} of {} step(s) asked: {}",
+               worker_id(), order.job_id(), order.generation(), order.rank(), order.capture_id(),
+               order.steps(), asked.ToString());
+  if (!asked.ok()) {
+    failed.profile.set_error(std::string(asked.message()));
+    uploader_.Submit(std::move(failed));
+  }
 }
 
 void WorkerAgent::HandleAssignment(const v1::Assignment& assignment) {
@@ -381,7 +428,24 @@ bool WorkerAgent::Connected() const {
 }
 
 void WorkerAgent::OnTrainerEvent(const v1::Assignment& assignment, const RankReport& event) {
+  if (event.profile) {
+    ProfileAnswer answer;
+    answer.worker_id = worker_id();
+    answer.job_id = assignment.job_id();
+    answer.generation = assignment.generation();
+    answer.rank = assignment.rank();
+    answer.capture_id = event.profile->capture_id();
+    answer.capture_dir = event.profile_dir;
+    answer.profile = *event.profile;
+    uploader_.Submit(std::move(answer));
+    return;
+  }
   if (options_.on_event) options_.on_event(assignment, event);
+  // The rank's captures go first: its end may end the attempt, and with it any capture the
+  // coordinator has not been answered.
+  if (IsTerminal(event.kind)) {
+    uploader_.WaitFor(assignment.job_id(), assignment.generation(), assignment.rank());
+  }
   v1::ReportProgressRequest request;
   request.set_worker_id(worker_id());
   request.set_job_id(assignment.job_id());
@@ -447,6 +511,9 @@ void WorkerAgent::ReleaseSlot(const v1::Assignment& assignment) {
 }
 
 void WorkerAgent::StopTrainers() {
+  // Promptly: captures still on the way are dropped (the coordinator fails them with their
+  // attempt), and no rank's end waits for one.
+  uploader_.Stop();
   std::vector<std::shared_ptr<TrainerSupervisor>> running;
   {
     absl::MutexLock lock(&mu_);

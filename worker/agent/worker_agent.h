@@ -10,6 +10,12 @@
 // SUCCEEDED / FAILED / CANCELLED at the end, with the generation, rank, error and result
 // paths.
 //
+// Profiling (`lathe profile`): each ProfileOrder in a HeartbeatResponse becomes the rank's
+// profile request file (TrainerSupervisor::RequestProfile); the trainer's "profile" event
+// goes to the ProfileUploader, which uploads the capture's files and answers the order. A
+// rank's end is reported only after its captures were sent, so that the coordinator does not
+// end the attempt while they are on the way.
+//
 // Slots: a slot stays busy in heartbeats from the assignment until the coordinator has been
 // told how the rank ended (or has refused to hear it), so "idle" in a heartbeat always means
 // "the end was reported". An assignment for a busy slot means the coordinator considers
@@ -60,6 +66,7 @@
 #include "worker/agent/attempt_dir_pruner.h"
 #include "worker/agent/log_shipper.h"
 #include "worker/agent/process_launcher.h"
+#include "worker/agent/profile_uploader.h"
 #include "worker/agent/progress_reporter.h"
 #include "worker/agent/trainer_supervisor.h"
 
@@ -96,6 +103,8 @@ struct WorkerAgentOptions {
   // trainer.environment.
   std::string token;
   ProgressReporterOptions reporter;
+  // Profile captures' uploads (token: the one above).
+  ProfileUploaderOptions profiles;
   // Told of every trainer event (and of a rank that could not start), before it is
   // reported: the agent's metrics. Called on trainers' threads; may be null.
   std::function<void(const v1::Assignment&, const RankReport&)> on_event;
@@ -147,6 +156,9 @@ class WorkerAgent {
   void HandleResponse(const v1::HeartbeatResponse& response);
   void HandleAssignment(const v1::Assignment& assignment);
   void HandleCancellation(const v1::Cancellation& cancellation);
+  // Hands the order to its rank's trainer; answers it with an error when the rank does not
+  // run here or the request cannot be written.
+  void HandleProfileOrder(const v1::ProfileOrder& order);
   std::shared_ptr<TrainerSupervisor> MakeSupervisor(const v1::Assignment& assignment)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Starts a supervisor placed in `slot`; reports FAILED (and frees the slot) when it cannot.
@@ -175,6 +187,8 @@ class WorkerAgent {
   ProgressReporter reporter_;
   // The trainers' output for the coordinator (`lathe logs`); before the slots too.
   LogShipper shipper_;
+  // The trainers' profile captures (`lathe profile`); before the slots too.
+  ProfileUploader uploader_;
   // Finished attempts' folders; used by the Run thread only (and the destructor).
   AttemptDirPruner pruner_;
 
