@@ -834,8 +834,10 @@ void Scheduler::EndAttempt(JobState& job, v1::AttemptState state, v1::JobState j
     if (capture.state() != v1::PROFILE_STATE_PENDING) continue;
     capture.set_state(v1::PROFILE_STATE_FAILED);
     capture.set_ended_unix_ms(NowMs());
-    capture.set_error(absl::StrCat("attempt ", attempt->generation(),
-                                   " ended before every rank answered: ", reason.substr(0, 512)));
+    capture.set_error(absl::StrCat("attempt ", attempt->generation(), " ended (",
+                                   absl::AsciiStrToLower(v1::AttemptState_Name(state).substr(14)),
+                                   ") before every rank answered", reason.empty() ? "" : ": ",
+                                   reason.substr(0, 512)));
   }
   job.status.set_reason(reason);
   SetJobState(job, job_state);

@@ -909,7 +909,7 @@ TEST_F(ProfileTest, APendingCaptureFailsWhenItsAttemptEnds) {
   ASSERT_TRUE(Report("w1", "job", 1, 0, v1::RANK_EVENT_FAILED, "killed by signal 9").ok());
   const v1::ProfileCapture failed = Job("job").attempts(0).profiles(0);
   EXPECT_EQ(failed.state(), v1::PROFILE_STATE_FAILED);
-  EXPECT_THAT(failed.error(), HasSubstr("attempt 1 ended before every rank answered"));
+  EXPECT_THAT(failed.error(), HasSubstr("attempt 1 ended (failed) before every rank answered: "));
   EXPECT_EQ(Answer("w1", "job", 0, "prof-1", {"trace.json"}).code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(Profile("job", 0).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -920,6 +920,8 @@ TEST_F(ProfileTest, APendingCaptureFailsWhenItsAttemptEnds) {
   ASSERT_TRUE(Profile("other", 0).ok());
   ASSERT_TRUE(scheduler_->CancelJob("other", "").ok());
   EXPECT_EQ(Job("other").attempts(0).profiles(0).state(), v1::PROFILE_STATE_FAILED);
+  EXPECT_THAT(Job("other").attempts(0).profiles(0).error(),
+              HasSubstr("attempt 1 ended (cancelled) before every rank answered"));
 }
 
 TEST_F(SchedulerTest, CancellingAQueuedJobNeverPlacesIt) {
