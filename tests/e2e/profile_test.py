@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""End to end, `lathe profile` (issue #33): a coordinator and two agents as real processes on
+127.0.0.1, whose trainer is a stand-in script that does what the trainer's side of the
+hand-off does (proto/lathe/v1/trainer.proto: it reads <rank dir>/profile/request.json, writes
+the capture's files in <rank dir>/profile/<capture>/ and answers with a "profile" event). A
+two-rank job is profiled on both ranks through the CLI, the capture is listed by `lathe
+status` and fetched with `lathe profile --fetch`; a capture the trainers never answer fails
+when the job is cancelled."""
+import json
+import os
+import stat
+import time
+import unittest
+
+from services_test import TIMEOUT, ClusterTest
+
+# Steps every 0.1 s until stopped; answers a profile request at its next step, unless it asks
+# for 100 steps (a trainer that never answers).
+FAKE_TRAINER = r"""#!/bin/sh
+task=""
+while [ $# -gt 0 ]; do
+  case "$1" in --task) task="$2"; shift;; esac
+  shift
+done
+run=$(dirname "$task")
+rank=${run##*-r}
+echo '{"start": {"total_steps": 100000}}'
+step=0
+while :; do
+  step=$((step + 1))
+  echo "{\"step\": {\"progress\": {\"step\": $step, \"total_steps\": 100000, \"loss\": 2.5}, \"tokens\": 64, \"seconds\": 0.1}}"
+  request="$run/profile/request.json"
+  if [ -f "$request" ] && ! grep -q '"steps": *"100"' "$request"; then
+    id=$(sed -n 's/.*"capture_id": *"\([^"]*\)".*/\1/p' "$request")
+    mkdir -p "$run/profile/$id"
+    printf 'trace of %s on rank %s' "$id" "$rank" > "$run/profile/$id/trace.json"
+    rm -f "$request"
+    echo "{\"profile\": {\"capture_id\": \"$id\", \"first_step\": $((step + 1)), \"last_step\": $((step + 3)), \"files\": [\"$run/profile/$id/trace.json\"]}}"
+  fi
+  sleep 0.1
+done
+"""
+
+
+class ProfileTest(ClusterTest):
+    PREFIX = "lathe-e2e-profile-"
+
+    @classmethod
+    def configure(cls, cluster):
+        trainer = os.path.join(cluster.root, "fake-trainer.sh")
+        with open(trainer, "w") as f:
+            f.write(FAKE_TRAINER)
+        os.chmod(trainer, stat.S_IRWXU)
+        cluster.worker_args += ["--trainer-binary", trainer]
+
+    def capture(self, job_id, index):
+        return self.status(job_id)["attempts"][-1]["profiles"][index]
+
+    def wait_capture(self, job_id, index, state):
+        deadline = time.time() + TIMEOUT
+        while True:
+            capture = self.capture(job_id, index)
+            if capture["state"] == state:
+                return capture
+            self.assertLess(time.time(), deadline, capture)
+            time.sleep(0.2)
+
+    def test_a_capture_of_both_ranks_is_kept_listed_and_fetched(self):
+        job_id = self.submit("profiled", steps=100000, ranks=2)
+        self.wait_running(job_id)
+        result = self.cluster.lathe("profile", job_id, "--all-ranks", "--steps", "3")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("capture prof-1 of job", result.stdout)
+
+        capture = self.wait_capture(job_id, 0, "done")
+        self.assertEqual(capture["ranks"], [0, 1])
+        self.assertEqual(sorted((f["rank"], f["name"], f["size"]) for f in capture["files"]),
+                         [(0, "trace.json", 25), (1, "trace.json", 25)])
+        self.assertEqual(capture["requested_by"], "e2e-client (client)")
+        text = self.cluster.lathe("status", job_id)
+        self.assertIn("prof-1 DONE  attempt #1  ranks 0,1  3 steps", text.stdout)
+        stored = os.path.join(self.root, "lathe.db.logs", job_id, "attempt-1", "profile",
+                              "prof-1", "rank-1", "trace.json")
+        self.assertTrue(os.path.isfile(stored), stored)
+
+        out = os.path.join(self.root, "fetched")
+        result = self.cluster.lathe("profile", "--fetch", job_id, out)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        for rank in (0, 1):
+            with open(os.path.join(out, "prof-1", f"rank-{rank}", "trace.json")) as f:
+                self.assertEqual(f.read(), f"trace of prof-1 on rank {rank}")
+        again = self.cluster.lathe("profile", "--fetch", job_id, out)
+        self.assertEqual(again.returncode, 1)
+        self.assertIn("exists; not overwritten", again.stderr)
+
+        refused = self.cluster.lathe("profile", job_id, "--rank", "5")
+        self.assertEqual(refused.returncode, 1)
+        self.assertEqual(refused.stderr.strip(),
+                         f"lathe: rank: attempt 1 of job {job_id} has ranks 0 to 1, not 5")
+        # A worker's token may not ask for one.
+        as_worker = self.cluster.lathe("profile", job_id, role="worker")
+        self.assertEqual(as_worker.returncode, 1)
+
+        # A capture the trainers never answer fails with its attempt, not pending forever.
+        result = self.cluster.lathe("profile", job_id, "--steps", "100")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(self.capture(job_id, 1)["state"], "pending")
+        busy = self.cluster.lathe("profile", job_id)
+        self.assertEqual(busy.returncode, 1)
+        self.assertIn("capture prof-2 is still pending", busy.stderr)
+        self.assertEqual(self.cluster.lathe("cancel", job_id).returncode, 0)
+        self.cluster.lathe("watch", job_id)
+        failed = self.capture(job_id, 1)
+        self.assertEqual(failed["state"], "failed", failed)
+        self.assertIn("attempt 1 ended (cancelled) before every rank answered", failed["error"])
+        late = self.cluster.lathe("profile", job_id)
+        self.assertEqual(late.returncode, 1)
+        self.assertIn("is cancelled, not running", late.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
