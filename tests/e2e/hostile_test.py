@@ -31,9 +31,10 @@ RSS_BOUND_MIB = 256  # the coordinator's resident memory after the barrage
 CLIENT, WORKER, ADMIN = "client", "worker", "admin"
 ROLES = {  # method -> roles allowed (common/rpc/auth.h)
     **{m: {CLIENT, ADMIN} for m in ("SubmitJob", "GetJob", "ListJobs", "CancelJob", "WatchJob",
-                                    "PlanJob", "GetPlanHistory", "GetLogs", "ListWorkers")},
+                                    "PlanJob", "GetPlanHistory", "GetLogs", "ListWorkers",
+                                    "ProfileJob", "GetProfileFile")},
     **{m: {WORKER} for m in ("RegisterWorker", "Heartbeat", "ReportProgress", "AppendLogs",
-                             "Set", "Get", "Wait", "Add")},
+                             "UploadProfile", "ReportProfile", "Set", "Get", "Wait", "Add")},
     **{m: {ADMIN} for m in ("DrainWorker", "RemoveWorker")},
 }
 # What a caller with the right token may be answered: the request's own fault, or that what
