@@ -191,6 +191,28 @@ TEST_F(WorkerRegistryTest, AnUndeliveredAssignmentIsWithdrawnADeliveredOneCancel
   EXPECT_EQ(registry_.TakeMail("w1", sessions_["w1"], 1).assignments_size(), 0);
 }
 
+// `lathe profile`'s orders travel like cancellations: deliverable at once (whatever is
+// durable), sent once, the worker waits for a push, and a lost worker's are dropped.
+TEST_F(WorkerRegistryTest, AProfileOrderIsDeliveredOnceAndDroppedWithALostWorker) {
+  Open("w1");
+  v1::ProfileOrder order;
+  order.set_job_id("job");
+  order.set_generation(1);
+  order.set_capture_id("prof-1");
+  registry_.PostProfile("w1", order);
+  EXPECT_THAT(registry_.TakeWaiting(), ElementsAre("w1"));
+  absl::StatusOr<v1::HeartbeatResponse> answer = Beat("w1", {}, /*durable=*/0);
+  ASSERT_EQ(answer->profiles_size(), 1);
+  EXPECT_EQ(answer->profiles(0).capture_id(), "prof-1");
+  EXPECT_EQ(Beat("w1", {}, 0)->profiles_size(), 0) << "an order is sent once";
+  registry_.PostProfile("w1", order);
+  EXPECT_EQ(registry_.TakeMail("w1", sessions_["w1"], 0).profiles_size(), 1) << "pushed";
+  registry_.PostProfile("w1", order);
+  registry_.Lose("w1");
+  Open("w1");
+  EXPECT_EQ(registry_.TakeMail("w1", sessions_["w1"], 0).profiles_size(), 0);
+}
+
 TEST_F(WorkerRegistryTest, AHeartbeatReportsChangesTheFirstOfASessionAndNowAndThen) {
   Open("w1");
   bool reported = false;
