@@ -5,6 +5,7 @@ reference (tests/reference/lathe_reference.py) on the same LoRA job.
   .venv/bin/python bench/train_bench.py [--bin-dir build/bin] [--steps 20] [--threads 2]
                                         [--size tiny|small|medium] [--keep DIR]
                                         [--roofline F32,BF16] [--preload LIB]
+                                        [--profile-steps N [--profile-memory]]
 
 Generates a model and a data set with lathe-synth, writes one LoRA job (rank 16, all seven
 projections) per configuration (fp32 and bf16, each with and without activation
@@ -23,6 +24,10 @@ type (FLOPs and seconds): their rate is stated against the roofline, the best GF
 bench/roofline_bench --quick on the same threads (run first unless --roofline gives them).
 Prints markdown tables, with the C++ trainer's memory by component, and warns when the losses
 disagree. --preload LIB runs the C++ trainer with LD_PRELOAD=LIB (an allocator, say).
+--profile-steps N runs the C++ trainer a second time per configuration, profiling its first
+N steps (`lathe-worker train --profile-steps`, docs/observability.md, "Profiling"; with
+--profile-memory the memory timeline too), and prints its tokens/s over steps 2..N against
+the unprofiled run's over the same steps: the cost of a capture while it runs.
 Run it with the project venv's Python (torch 2.11, the eager loop users run).
 """
 
@@ -172,6 +177,8 @@ def measure(name, cmd, env):
             "mfu": sum(mfus) / len(mfus) if mfus else None,
             "peak_rss": usage.ru_maxrss * 1024, "final_loss": done.get("final_loss"),
             "losses": [s["loss"] for s in steps], "products": products,
+            "per_step": [(s["tokens"], s["tokens"] / s["tokens_per_s"] if s["tokens_per_s"] > 0
+                          else 0.0) for s in steps],
             "wall": wall, "steps": len(steps), "phases": phases, "memory": memory}
 
 
@@ -220,9 +227,15 @@ def main():
     ap.add_argument("--roofline", help="F32,BF16: the roofline in GFLOP/s (default: measure it "
                     "with roofline_bench --quick)")
     ap.add_argument("--preload", help="LD_PRELOAD for the C++ trainer (e.g. an allocator)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also run the C++ trainer profiling its first N steps (2..20)")
+    ap.add_argument("--profile-memory", action="store_true",
+                    help="with --profile-steps: record the memory timeline too")
     args = ap.parse_args()
     if args.steps < 2:
         sys.exit("train_bench: --steps must be >= 2 (step 1 is warm-up)")
+    if args.profile_steps and not 2 <= args.profile_steps <= min(args.steps, 20):
+        sys.exit("train_bench: --profile-steps must be in 2..min(--steps, 20)")
     for config in args.configs.split(","):
         if config not in CONFIGS:
             sys.exit(f"train_bench: --configs: unknown {config!r} (known: {', '.join(CONFIGS)})")
@@ -248,6 +261,7 @@ def main():
         cpp_env = dict(env, LD_PRELOAD=args.preload) if args.preload else env
         best = roofline(args.bin_dir, args.threads, args.roofline)
         results = {}
+        profiled = {}  # config -> (unprofiled run, profiled run, profile dir) with its sizes
         for config in args.configs.split(","):
             precision, checkpointing = CONFIGS[config]
             out_dir = os.path.join(work, "out")
@@ -272,8 +286,21 @@ def main():
             spec_path = os.path.join(work, f"job-{config}.json")
             with open(spec_path, "w") as f:
                 json.dump(spec, f, indent=2)
-            cpp = measure(f"{config} C++", [worker, "train", "--spec", spec_path, "--output",
-                                              "json", "--threads", str(args.threads)], cpp_env)
+            cpp_cmd = [worker, "train", "--spec", spec_path, "--output", "json", "--threads",
+                       str(args.threads)]
+            cpp = measure(f"{config} C++", cpp_cmd, cpp_env)
+            if args.profile_steps:
+                shutil.rmtree(out_dir, ignore_errors=True)
+                profile_dir = os.path.join(work, f"profile-{config}")
+                shutil.rmtree(profile_dir, ignore_errors=True)
+                flags = ["--profile-steps", str(args.profile_steps), "--profile-dir", profile_dir]
+                if args.profile_memory:
+                    flags.append("--profile-memory")
+                run = measure(f"{config} C++ profiled", cpp_cmd + flags, cpp_env)
+                files = [os.path.join(d, f) for d, _, names in os.walk(profile_dir)
+                         for f in names]
+                profiled[config] = (cpp, run, {os.path.basename(f): os.path.getsize(f)
+                                               for f in files})
 
             def reference(products):
                 shutil.rmtree(out_dir, ignore_errors=True)
@@ -363,6 +390,21 @@ def main():
         m = cpp["memory"] or {}
         cells = [f"{m.get(c, 0) / mib:.1f}" for c in COMPONENTS + ("total",)]
         print(f"| {config} | " + " | ".join(cells) + " |")
+    if profiled:
+        n = args.profile_steps
+        print(f"\nProfiling cost: the C++ trainer with its first {n} steps profiled "
+              f"(--profile-steps{' --profile-memory' if args.profile_memory else ''}) against "
+              f"the run without, tokens/s over steps 2..{n} of each; the capture's files:\n")
+        print("| config | tokens/s off | tokens/s profiling | ratio | files (KiB) |")
+        print("| --- | ---: | ---: | ---: | --- |")
+        for config, (off, on, sizes) in profiled.items():
+            def rate(run):
+                tokens = sum(t for t, _ in run["per_step"][1:n])
+                seconds = sum(sec for _, sec in run["per_step"][1:n])
+                return tokens / seconds if seconds > 0 else float("nan")
+            files = ", ".join(f"{name} {size / 1024:.0f}" for name, size in sorted(sizes.items()))
+            print(f"| {config} | {rate(off):.1f} | {rate(on):.1f} | {rate(on) / rate(off):.2f}x "
+                  f"| {files} |")
     if mismatched:
         print(f"\nWARNING: the losses disagree in {mismatched} (fp32: final losses more than "
               f"{LOSS_TOL} apart; bf16: a step more than {100 * BF16_STEP_TOL:.0f}% from the "

@@ -16,6 +16,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -27,6 +28,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/allowed_roots.h"
 #include "common/command_line.h"
 #include "common/file_util.h"
@@ -103,6 +106,13 @@ const std::vector<FlagSpec> kTrainFlags = {
     {"peak-flops", true,
      "the device's peak FLOP/s for MFU (default: the task's, else looked up (CUDA) or measured "
      "(CPU))"},
+    {"profile-dir", true,
+     "with --spec: look for profile requests at DIR/request.json between steps and write "
+     "captures to DIR/<capture_id>/ (a task's is <its directory>/profile)"},
+    {"profile-steps", true,
+     "profile the first N steps (a request with capture_id local-<time>); captures go to "
+     "--profile-dir, else <output>/profile"},
+    {"profile-memory", false, "with --profile-steps: also record the memory timeline"},
 };
 
 // What `train` runs, from --spec or --task.
@@ -113,7 +123,9 @@ struct TrainJob {
   std::string rendezvous_address;
   std::string rendezvous_dir;                             // --spec with several ranks
   absl::Duration collective_timeout = absl::Seconds(60);  // the task's, else gloo's default
-  bool nccl = false;  // several ranks on cuda: NCCL, else gloo (staged on cuda)
+  bool nccl = false;                      // several ranks on cuda: NCCL, else gloo (staged on cuda)
+  std::string profile_dir;                // empty: no profiling on request
+  std::optional<ProfileRequest> profile;  // --profile-steps
 };
 
 // The spec's paths this process opened below the allowed roots, and what they stand for.
@@ -210,8 +222,31 @@ absl::StatusOr<TrainJob> LoadTrainJob(const ParsedFlags& flags) {
       LATHE_RETURN_IF_ERROR(
           PinSpecPaths({task.allowed_roots().begin(), task.allowed_roots().end()}, &job.spec));
     }
+    // The agent drops profile requests into the rank's directory (trainer.proto).
+    job.profile_dir =
+        (std::filesystem::absolute(path).parent_path() / "profile").lexically_normal().string();
   }
 #endif
+  if (flags.Has("profile-dir")) {
+    if (!flags.Has("spec")) return absl::InvalidArgumentError("--profile-dir goes with --spec");
+    job.profile_dir = flags.Get("profile-dir");
+    if (job.profile_dir.empty()) return absl::InvalidArgumentError("--profile-dir: empty");
+  }
+  if (flags.Has("profile-steps")) {
+    ProfileRequest request;
+    LATHE_ASSIGN_OR_RETURN(request.steps, flags.GetInt("profile-steps", 0));
+    request.capture_id = absl::StrCat("local-", absl::ToUnixSeconds(absl::Now()));
+    request.memory = flags.Has("profile-memory");
+    if (absl::Status valid = CheckProfileRequest(request); !valid.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--profile-", valid.message()));
+    }
+    job.profile = request;
+    if (job.profile_dir.empty()) {
+      job.profile_dir = (std::filesystem::path(job.spec.output) / "profile").string();
+    }
+  } else if (flags.Has("profile-memory")) {
+    return absl::InvalidArgumentError("--profile-memory goes with --profile-steps");
+  }
   LATHE_ASSIGN_OR_RETURN(int64_t threads, flags.GetInt("threads", 0));
   job.options.threads = static_cast<int>(threads);
   LATHE_ASSIGN_OR_RETURN(double peak, flags.GetDouble("peak-flops", 0));
@@ -332,6 +367,17 @@ v1::TrainerEvent DoneEvent(const TrainResult& result) {
   return event;
 }
 
+v1::TrainerEvent ProfileEvent(const ProfileOutcome& outcome) {
+  v1::TrainerEvent event;
+  v1::TrainerProfile* profile = event.mutable_profile();
+  profile->set_capture_id(outcome.capture_id);
+  profile->set_first_step(outcome.first_step);
+  profile->set_last_step(outcome.last_step);
+  for (const std::string& file : outcome.files) profile->add_files(file);
+  profile->set_error(outcome.error);
+  return event;
+}
+
 v1::TrainerEvent ErrorEvent(const absl::Status& status) {
   v1::TrainerEvent event;
   event.mutable_error()->set_code(absl::StatusCodeToString(status.code()));
@@ -395,6 +441,30 @@ absl::Status Train(const ParsedFlags& flags, bool json) {
     comm = *std::move(connected);
     job.options.comm = comm.get();
   }
+  job.options.profile.dir = job.profile_dir;
+  job.options.profile.initial = job.profile;
+#ifdef LATHE_WITH_AGENT
+  job.options.profile.parse =
+      [dir = job.profile_dir](const std::string& text) -> absl::StatusOr<ProfileRequest> {
+    LATHE_ASSIGN_OR_RETURN(
+        v1::ProfileRequest parsed,
+        ParseProfileRequest(text, (std::filesystem::path(dir) / "request.json").string()));
+    return ProfileRequest{parsed.capture_id(), parsed.steps(), parsed.memory()};
+  };
+#endif
+  job.options.profile.on_profile = [json](const ProfileOutcome& outcome) {
+#ifdef LATHE_WITH_AGENT
+    if (json) PrintEvent(ProfileEvent(outcome));
+#endif
+    std::ostream& text = json ? std::cerr : std::cout;
+    text << "profile " << (outcome.capture_id.empty() ? "(no capture_id)" : outcome.capture_id);
+    if (outcome.first_step > 0) {
+      text << ": steps " << outcome.first_step << "-" << outcome.last_step;
+    }
+    for (const std::string& file : outcome.files) text << "\n  " << file;
+    if (!outcome.error.empty()) text << (outcome.files.empty() ? ": " : "\n  ") << outcome.error;
+    text << std::endl;
+  };
   LATHE_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer,
                          Trainer::Create(spec, job.plan, job.options));
   for (const std::string& skipped : trainer->skipped_checkpoints()) {

@@ -58,4 +58,15 @@ absl::StatusOr<v1::TrainerEvent> ParseTrainerEventLine(absl::string_view line) {
   return event;
 }
 
+absl::StatusOr<v1::ProfileRequest> ParseProfileRequest(absl::string_view text,
+                                                       absl::string_view path) {
+  v1::ProfileRequest request;
+  const auto status = google::protobuf::util::JsonStringToMessage(std::string(text), &request);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a profile request: ", std::string(status.message())));
+  }
+  return request;
+}
+
 }  // namespace lathe

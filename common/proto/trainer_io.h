@@ -32,6 +32,12 @@ std::string TrainerEventLine(const v1::TrainerEvent& event);
 // trainer, or an event with none of start, step, checkpoint, done, error set).
 absl::StatusOr<v1::TrainerEvent> ParseTrainerEventLine(absl::string_view line);
 
+// The ProfileRequest in `text`, the content of `path` (<rank dir>/profile/request.json, which
+// the agent writes); INVALID_ARGUMENT "<path>: ..." when it is not one (unknown fields
+// included). Its values are checked by the trainer (worker/train/profiler.h).
+absl::StatusOr<v1::ProfileRequest> ParseProfileRequest(absl::string_view text,
+                                                       absl::string_view path);
+
 }  // namespace lathe
 
 #endif  // LATHE_COMMON_PROTO_TRAINER_IO_H_

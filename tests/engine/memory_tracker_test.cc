@@ -1,5 +1,6 @@
 #include "worker/engine/memory_tracker.h"
 
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -283,6 +284,110 @@ TEST_F(MemoryTrackerTest, AutogradStepReturnsToTheStartingBytes) {
   for (int i = 0; i < kNumMemoryComponents; ++i) {
     EXPECT_EQ(end.components[i].current_bytes, start.components[i].current_bytes) << i;
   }
+}
+
+// Nested ProfileScopes: the innermost names the thread's allocations; none outside.
+TEST(ProfileScopeTest, CurrentIsTheInnermostScope) {
+  EXPECT_TRUE(ProfileScope::Current().empty());
+  {
+    ProfileScope outer("forward");
+    EXPECT_EQ(ProfileScope::Current().ToString(), "forward");
+    {
+      ProfileScope inner("forward/block", 3);
+      EXPECT_EQ(ProfileScope::Current().ToString(), "forward/block.3");
+      // Another thread's scopes are its own.
+      std::thread([] { EXPECT_TRUE(ProfileScope::Current().empty()); }).join();
+    }
+    EXPECT_EQ(ProfileScope::Current().ToString(), "forward");
+  }
+  EXPECT_TRUE(ProfileScope::Current().empty());
+}
+
+// A recording keeps each allocation and free with its block, component and scope, the peak
+// with what it was made of, each step's peak, and the largest blocks live at the peak.
+TEST_F(MemoryTrackerTest, RecordingKeepsEventsScopesAndThePeak) {
+  at::Tensor before = at::empty({1000}, at::kFloat);  // 4000 B, live from the start
+  tracker_->StartRecording(1000);
+  tracker_->MarkStep(7);
+  const int64_t start = tracker_->Snapshot().total.current_bytes;
+  {
+    MemoryScope memory(C::kActivations);
+    ProfileScope scope("forward/block", 1);
+    at::Tensor a = at::empty({3000}, at::kFloat);  // 12000 B
+    {
+      MemoryScope logits(C::kLogits);
+      ProfileScope loss("loss");
+      at::Tensor b = at::empty({500}, at::kFloat);  // 2000 B: the peak
+    }
+    at::Tensor c = at::empty({100}, at::kFloat);  // under the peak
+  }
+  tracker_->MarkStep(8);
+  at::Tensor d = at::empty({10}, at::kFloat);
+  std::optional<MemoryRecord> record = tracker_->StopRecording();
+  ASSERT_TRUE(record.has_value());
+  EXPECT_FALSE(tracker_->StopRecording().has_value());
+  EXPECT_EQ(record->start_total_bytes, start);
+  EXPECT_FALSE(record->truncated());
+  // a, b, free b, c, free c, free a (the order of the last two frees), d.
+  ASSERT_EQ(record->events.size(), 7u);
+  const MemoryEvent& a = record->events[0];
+  EXPECT_EQ(a.bytes, 12000);
+  EXPECT_EQ(a.component, C::kActivations);
+  EXPECT_EQ(a.scope.ToString(), "forward/block.1");
+  EXPECT_EQ(a.total_bytes, start + 12000);
+  const MemoryEvent& b = record->events[1];
+  EXPECT_EQ(b.scope.ToString(), "loss");
+  EXPECT_EQ(b.component, C::kLogits);
+  const MemoryEvent& free_b = record->events[2];
+  EXPECT_EQ(free_b.bytes, -2000);
+  EXPECT_EQ(free_b.block, b.block);
+  EXPECT_EQ(free_b.scope.ToString(), "loss");  // where the block was allocated
+  EXPECT_GE(b.time_ns, a.time_ns);
+
+  EXPECT_EQ(record->peak_bytes, start + 14000);
+  EXPECT_EQ(record->peak_event, 1);
+  EXPECT_EQ(record->peak_scope.ToString(), "loss");
+  int64_t sum = 0;
+  for (int64_t bytes : record->at_peak) sum += bytes;
+  EXPECT_EQ(sum, record->peak_bytes);
+  EXPECT_EQ(record->at_peak[static_cast<int>(C::kLogits)] -
+                tracker_->Snapshot().of(C::kLogits).current_bytes,
+            2000);
+
+  ASSERT_EQ(record->steps.size(), 2u);
+  EXPECT_EQ(record->steps[0].step, 7);
+  EXPECT_EQ(record->steps[0].peak_bytes, start + 14000);
+  EXPECT_EQ(record->steps[1].step, 8);
+  EXPECT_EQ(record->steps[1].first_event, 6);
+  EXPECT_EQ(record->steps[1].peak_bytes, start + 40);
+
+  std::optional<std::vector<RecordedBlock>> top = record->TopBlocksAtPeak(2);
+  ASSERT_TRUE(top.has_value());
+  ASSERT_EQ(top->size(), 2u);
+  EXPECT_EQ((*top)[0].bytes, 12000);
+  EXPECT_EQ((*top)[0].scope.ToString(), "forward/block.1");
+  // `before` is the largest block from before the recording, unless others are larger.
+  EXPECT_GE((*top)[1].bytes, 4000);
+}
+
+// Past the bound, events are dropped but the peak is still exact; the blocks at a peak that
+// came after the bound cannot be replayed.
+TEST_F(MemoryTrackerTest, RecordingIsBounded) {
+  tracker_->StartRecording(2);
+  const int64_t start = tracker_->Snapshot().total.current_bytes;
+  {
+    at::Tensor a = at::empty({10}, at::kFloat);
+    at::Tensor b = at::empty({20}, at::kFloat);
+    at::Tensor c = at::empty({30}, at::kFloat);
+  }
+  std::optional<MemoryRecord> record = tracker_->StopRecording();
+  ASSERT_TRUE(record.has_value());
+  EXPECT_EQ(record->events.size(), 2u);
+  EXPECT_TRUE(record->truncated());
+  EXPECT_EQ(record->dropped_events, 4);
+  EXPECT_EQ(record->peak_bytes, start + 240);
+  EXPECT_EQ(record->peak_event, 2);
+  EXPECT_FALSE(record->TopBlocksAtPeak(10).has_value());
 }
 
 }  // namespace

@@ -8,7 +8,7 @@ protobuf JSON) per line, and flattens each into the dict the Python reference pr
   {"event": "done", "steps", "final_loss", "eval_loss", "adapter", "model", "seconds",
    "tokens_per_s", "peak_rss_bytes", "peak_bytes"}
 
-plus "start", "checkpoint" and "error" as they come. Protobuf JSON writes 64-bit integers as
+plus "start", "checkpoint", "error" and "profile" as they come. Protobuf JSON writes 64-bit integers as
 strings and non-finite doubles as "NaN"/"Infinity"; both are turned back into numbers, and a
 non-finite number into None as the reference prints it."""
 import json
@@ -62,7 +62,7 @@ def flatten(event):
                 "tokens_per_s": _number(d.get("tokens_per_second", 0.0)),
                 "peak_rss_bytes": _int(d.get("peak_rss_bytes", 0)),
                 "peak_bytes": _int(d.get("peak_bytes", 0))}
-    for kind in ("start", "checkpoint", "error"):
+    for kind in ("start", "checkpoint", "error", "profile"):
         if kind in event:
             return {"event": kind, **event[kind]}
     raise ValueError(f"not a trainer event: {event}")

@@ -1,7 +1,10 @@
 // The engine's numerical tests on CUDA (label gpu). They skip where libtorch has no CUDA or
 // sees no GPU, as on CI; docs/training.md says what to run on a GPU machine.
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
 
+#include "common/file_util.h"
 #include "gtest/gtest.h"
 #include "tests/testing/default_plan.h"
 #include "tests/testing/temp_dir.h"
@@ -93,6 +96,60 @@ TEST_F(TrainerGpuTest, PagedOptimizerStateTrainsAsOnTheDevice) {
       EXPECT_EQ(paged[i].memory_at_peak[static_cast<int>(MemoryComponent::kOptimizer)], 0);
     }
   }
+}
+
+// Profiling a CUDA step (worker/train/profiler.h): the trace holds the engine's scopes and
+// the GPU's kernels; the memory timeline, from the caching allocator's history, peaks at the
+// step's reported peak.
+TEST_F(TrainerGpuTest, ProfilesCudaStepsWithTheAllocatorsHistory) {
+  JobSpec spec = spec_;
+  spec.resources.device = DeviceKind::kCuda;
+  spec.train.precision = Precision::kBf16;
+  spec.output = dir_.Path("profiled");
+  TrainerOptions options;
+  options.threads = 1;
+  options.profile.dir = dir_.Path("profile");
+  options.profile.initial = ProfileRequest{"gpu", 2, true};
+  std::vector<ProfileOutcome> outcomes;
+  options.profile.on_profile = [&](const ProfileOutcome& o) { outcomes.push_back(o); };
+  absl::StatusOr<std::unique_ptr<Trainer>> trainer =
+      Trainer::Create(spec, testing::DefaultPlan(spec), options);
+  ASSERT_TRUE(trainer.ok()) << trainer.status();
+  std::vector<StepReport> reports;
+  absl::Status run = (*trainer)->Run([&](const StepReport& r) { reports.push_back(r); }).status();
+  ASSERT_TRUE(run.ok()) << run;
+  ASSERT_EQ(outcomes.size(), 1u);
+  EXPECT_EQ(outcomes[0].error, "");
+  EXPECT_EQ(outcomes[0].first_step, 1);
+  EXPECT_EQ(outcomes[0].last_step, 2);
+  ASSERT_EQ(outcomes[0].files.size(), 2u);
+
+  absl::StatusOr<std::string> text = ReadFile(dir_.Path("profile/gpu/rank-0.trace.json"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const nlohmann::json trace = nlohmann::json::parse(*text, nullptr, false);
+  ASSERT_TRUE(trace.is_object() && trace["traceEvents"].is_array());
+  std::set<std::string> names;
+  bool kernels = false;
+  for (const nlohmann::json& event : trace["traceEvents"]) {
+    names.insert(event.value("name", ""));
+    kernels = kernels || event.value("cat", "") == "kernel";
+  }
+  for (const char* scope :
+       {"step.1", "step.2", "forward/block.0", "loss", "backward", "optimizer"}) {
+    EXPECT_EQ(names.count(scope), 1u) << "no slice named " << scope;
+  }
+  EXPECT_TRUE(kernels) << "no CUDA kernel in the trace";
+
+  text = ReadFile(dir_.Path("profile/gpu/rank-0.memory.json"));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const nlohmann::json memory = nlohmann::json::parse(*text, nullptr, false);
+  ASSERT_TRUE(memory.is_object());
+  EXPECT_EQ(memory["source"], "CUDA caching allocator history");
+  ASSERT_GE(reports.size(), 2u);
+  const int64_t reported = std::max(reports[0].peak_bytes, reports[1].peak_bytes);
+  EXPECT_NEAR(memory["peak"]["bytes"].get<double>(), static_cast<double>(reported),
+              0.01 * reported);
+  EXPECT_GT(memory["events"].size(), 0u);
 }
 
 }  // namespace

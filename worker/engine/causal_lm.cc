@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <optional>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -21,6 +22,7 @@
 #include "kernels/ops/swiglu.h"
 #include "kernels/ops/unfused.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/profile_scope.h"
 #include "worker/engine/weights.h"
 
 namespace lathe {
@@ -485,6 +487,8 @@ at::Tensor CausalLm::Attention(const DecoderLayer& layer, const at::Tensor& x,
 
 at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::Tensor& cos,
                            const at::Tensor& sin, const at::Tensor& mask) const {
+  // Also around its recomputation in backward (activation checkpointing).
+  ProfileScope scope("forward/block", layer_index);
   const DecoderLayer& layer = layers_[layer_index];
   const bool fused = options_.fused_kernels;
   if (IsGemma(config_)) {
@@ -522,6 +526,8 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   // Gemma's pad_token_id row gets no gradient from the lookup (transformers' padding_idx);
   // the other families' pad_token_id is only written back (ModelConfig).
   const int64_t padding_idx = IsGemma(config_) ? config_.pad_token_id.value_or(-1) : -1;
+  std::optional<ProfileScope> embeddings_scope;
+  embeddings_scope.emplace("forward/embeddings");
   at::Tensor x =
       at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids, padding_idx)
           .to(type);
@@ -536,6 +542,7 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
     x = x * normalizer;
   }
   if (hooks_) x = hooks_->Leave(0, x);
+  embeddings_scope.reset();
   auto [cos, sin] = RopeTables(seq, inv_freq_);
   at::Tensor local_cos = cos, local_sin = sin;
   if (local_inv_freq_.defined()) std::tie(local_cos, local_sin) = RopeTables(seq, local_inv_freq_);

@@ -2,11 +2,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/status_macros.h"
 #include "worker/engine/memory_tracker.h"
+#include "worker/engine/profile_scope.h"
 
 namespace lathe {
 namespace {
@@ -252,6 +254,7 @@ absl::Status ShardedModel::Init() {
 }
 
 void ShardedModel::SumOverRanks(at::Tensor& t) {
+  ProfileScope profile_scope("comm/all_reduce/optimizer_stats");
   // The communicator's buffers live on the model's device (NCCL reads device memory).
   at::Tensor buffer = t.device() == device() ? t : t.to(device());
   Check(Annotate(Timed([&] {
@@ -290,6 +293,7 @@ std::vector<at::Tensor> ShardedModel::TrainableViews(int64_t unit) const {
 void ShardedModel::StartGather(int64_t unit) {
   Unit& u = units_[unit];
   if (u.gathered || !u.gathers.empty()) return;
+  ProfileScope profile_scope("comm/all_gather/unit", unit);  // starting it
   MemoryScope scope(MemoryComponent::kCommBuffers);
   for (auto [slice, whole] :
        {std::pair{&u.frozen_slice, &u.frozen_whole},
@@ -312,6 +316,7 @@ void ShardedModel::Acquire(int64_t unit) {
   Unit& u = units_[unit];
   if (u.refs++ > 0 || options_.strategy.zero_stage != 3) return;
   StartGather(unit);
+  ProfileScope profile_scope("comm/all_gather/unit", unit);  // waiting for it
   for (auto& work : u.gathers) {
     absl::Status status = Timed([&] { return work->Wait(); });
     if (!status.ok()) Fail(Annotate(status, absl::StrCat("gathering unit ", unit)));
@@ -444,6 +449,7 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
     }
     return;
   }
+  ProfileScope profile_scope("comm/reduce_scatter/unit", unit);  // starting it
   PendingReduce reduce{unit, whole, at::Tensor(), nullptr};
   {
     MemoryScope scope(MemoryComponent::kCommBuffers);
@@ -459,6 +465,7 @@ void ShardedModel::UnitGradients(int64_t unit, const std::vector<at::Tensor>& gr
 void ShardedModel::DrainOneReduce() {
   PendingReduce reduce = std::move(reduces_.front());
   reduces_.pop_front();
+  ProfileScope profile_scope("comm/reduce_scatter/unit", reduce.unit);  // waiting for it
   Check(Annotate(Timed([&] { return reduce.work->Wait(); }),
                  absl::StrCat("reducing the gradients of unit ", reduce.unit)));
   Unit& u = units_[reduce.unit];
@@ -477,6 +484,7 @@ absl::Status ShardedModel::FinishBackward() {
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
       if (!u.grad_whole.defined()) continue;
+      ProfileScope profile_scope("comm/reduce_scatter/unit", index);  // stage 1: the step's one
       MemoryScope scope(MemoryComponent::kGradients);
       u.grad_slice = at::empty({u.trainable_shard}, u.grad_whole.options());
       LATHE_RETURN_IF_ERROR(Annotate(Timed([&] {
@@ -492,6 +500,9 @@ absl::Status ShardedModel::FinishBackward() {
     while (!uses_.empty()) ReleaseUse(uses_.begin()->first);
     for (int64_t index = 0; index < num_units(); ++index) {
       Unit& u = units_[index];
+      // Prefetches left over.
+      std::optional<ProfileScope> profile_scope;
+      if (!u.gathers.empty()) profile_scope.emplace("comm/all_gather/unit", index);
       for (auto& work : u.gathers) {
         LATHE_RETURN_IF_ERROR(
             Annotate(Timed([&] { return work->Wait(); }), absl::StrCat("gathering unit ", index)));
@@ -528,6 +539,7 @@ absl::StatusOr<double> ShardedModel::GradNorm() {
                                ? at::zeros({1}, at::TensorOptions(at::kDouble).device(device()))
                                : at::stack(norms).norm(2).to(at::kDouble).reshape({1});
   const at::Tensor sum_squares = local * local;
+  ProfileScope profile_scope("comm/all_reduce/grad_norm");
   LATHE_RETURN_IF_ERROR(Annotate(
       Timed([&] { return comm_->AllReduceSum(sum_squares.data_ptr(), 1, CommDType::kFloat64); }),
       "summing the gradient norm across ranks"));
@@ -584,6 +596,7 @@ absl::Status ShardedModel::Step(double lr) {
       if (offloaded) u.param_slice.copy_(u.master, /*non_blocking=*/true);
       if (options_.strategy.zero_stage < 3) {
         // Every rank's updated slice into every rank's whole parameters (in place).
+        ProfileScope profile_scope("comm/all_gather/params", index);
         const size_t bytes = static_cast<size_t>(u.trainable_shard) * sizeof(float);
         LATHE_RETURN_IF_ERROR(
             Annotate(Timed([&] {

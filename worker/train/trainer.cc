@@ -28,6 +28,7 @@
 #include "worker/engine/memory_tracker.h"
 #include "worker/engine/optimizer.h"
 #include "worker/engine/peak_flops.h"
+#include "worker/engine/profile_scope.h"
 #include "worker/engine/text_record_encoder.h"
 #include "worker/shard/sharded_model.h"
 #include "worker/train/mezo.h"
@@ -495,18 +496,27 @@ absl::StatusOr<TrainResult> Trainer::Run(
   const auto start = std::chrono::steady_clock::now();
   const at::Device device = model_->options().device;
   const int cuda_device = device.has_index() ? device.index() : 0;
+  // Closes a capture still open when Run returns early (an error, a stop).
+  StepProfiler profiler(options_.profile, options_.rank, device, mapped_weight_bytes_, tracker);
   for (int64_t step = first_step; step < plan_.total_steps; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
     tracker->ResetPeaks();
     if (device.is_cuda()) ResetCudaPeak(cuda_device);
+    profiler.BeforeStep(step + 1);
+    // Until the step and its checkpoint are done (reset before profiler.AfterStep).
+    std::optional<ProfileScope> step_scope;
+    step_scope.emplace("step", step + 1);
     StepReport report;
     report.step = step + 1;
     report.steps = plan_.total_steps;
     report.lr = LearningRate(train.schedule, train.lr, step, plan_.total_steps);
     std::vector<Sequence> batch;
-    for (int64_t i = 0; i < train.global_batch; ++i) {
-      batch.push_back(sampler.Next());
-      report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
+    {
+      ProfileScope scope("data/batch");
+      for (int64_t i = 0; i < train.global_batch; ++i) {
+        batch.push_back(sampler.Next());
+        report.tokens += static_cast<int64_t>(batch.back().input_ids.size());
+      }
     }
     try {
       LATHE_RETURN_IF_ERROR(mezo ? TrainZerothOrder(batch, mezo_params, report)
@@ -548,6 +558,7 @@ absl::StatusOr<TrainResult> Trainer::Run(
     }
     result.peak_bytes = std::max(result.peak_bytes, report.peak_bytes);
     if (eval_data_ && train.eval_every > 0 && (step + 1) % train.eval_every == 0 && Evaluates()) {
+      ProfileScope scope("eval");
       model_->set_training(false);
       LATHE_ASSIGN_OR_RETURN(Evaluation eval,
                              Evaluate(*model_, *eval_data_, spec_.data.seq_len, false));
@@ -576,12 +587,15 @@ absl::StatusOr<TrainResult> Trainer::Run(
           SaveCheckpoint(step + 1, replicated, sampler, scaler, nonfinite, result.final_loss));
       if (on_checkpoint) on_checkpoint(step + 1, checkpoints_->StepDir(step + 1));
     }
+    step_scope.reset();
+    profiler.AfterStep(step + 1);
     if (stop) {
       return absl::CancelledError(absl::StrCat("stopped after step ", step + 1,
                                                "; started again, the run resumes from ",
                                                checkpoints_->dir()));
     }
   }
+  profiler.Finish(plan_.total_steps, "training finished");
   model_->set_training(false);
   result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   result.tokens_per_second = timed_seconds > 0 ? timed_tokens / timed_seconds : 0.0;
@@ -678,6 +692,7 @@ bool Trainer::Evaluates() const {
 
 absl::Status Trainer::SumAcrossRanks(double* value, absl::string_view what) {
   if (options_.world_size == 1) return absl::OkStatus();
+  ProfileScope scope("comm/all_reduce/scalars");
   if (options_.comm->memory() == CommMemory::kHost) {
     return Annotate(options_.comm->AllReduceSum(value, 1, CommDType::kFloat64), what);
   }
@@ -690,6 +705,7 @@ absl::Status Trainer::SumAcrossRanks(double* value, absl::string_view what) {
 
 absl::Status Trainer::SumAcrossRanks(const at::Tensor& values, absl::string_view what) {
   if (options_.world_size == 1) return absl::OkStatus();
+  ProfileScope scope("comm/all_reduce/scalars");
   return Annotate(options_.comm->AllReduceSum(
                       values.data_ptr(), static_cast<size_t>(values.numel()), CommDType::kFloat64),
                   what);
@@ -727,8 +743,17 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
     for (int64_t m = begin; m < begin + per_rank; m += plan_.strategy.micro_batch) {
       std::vector<Sequence> micro(batch.begin() + m,
                                   batch.begin() + m + plan_.strategy.micro_batch);
-      auto [ids, labels] = Collate(micro);
-      at::Tensor hidden = model_->Hidden(ids.to(device));
+      at::Tensor ids, labels;
+      {
+        ProfileScope collate_scope("data/collate");
+        std::tie(ids, labels) = Collate(micro);
+      }
+      at::Tensor hidden;
+      {
+        ProfileScope forward_scope("forward");
+        hidden = model_->Hidden(ids.to(device));
+      }
+      ProfileScope loss_scope("loss");
       sum += model_->SumLossOfHidden(hidden, labels.to(device)).item<double>();
     }
     phases.forward += lap(ProductPhase::kForward);
@@ -739,6 +764,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
   const uint64_t seed = MezoSeed(train.seed, report.step);
   const double eps = spec_.mezo.eps;
   auto perturb = [&](double scale) {
+    ProfileScope profile_scope("optimizer");
     MemoryScope scope(MemoryComponent::kOptimizer);
     MezoPerturb(params, seed, scale);
     phases.optimizer += lap(ProductPhase::kOptimizer);
@@ -755,6 +781,7 @@ absl::Status Trainer::TrainZerothOrder(const std::vector<Sequence>& batch,
     report.skipped = true;
     return absl::OkStatus();
   }
+  ProfileScope profile_scope("optimizer");
   MemoryScope scope(MemoryComponent::kOptimizer);
   MezoUpdate(params, seed, projected, report.lr, train.weight_decay);
   phases.optimizer += lap(ProductPhase::kOptimizer);
@@ -777,19 +804,29 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
   auto lap = Laps(report.phase_products);
   for (int64_t m = begin; m < begin + per_rank; m += plan_.strategy.micro_batch) {
     std::vector<Sequence> micro(batch.begin() + m, batch.begin() + m + plan_.strategy.micro_batch);
-    auto [ids, labels] = Collate(micro);
+    at::Tensor ids, labels;
+    {
+      ProfileScope scope("data/collate");
+      std::tie(ids, labels) = Collate(micro);
+    }
     lap();  // collating is not one of the phases
     at::Tensor loss;
     {
       MemoryScope scope(MemoryComponent::kActivations);
-      at::Tensor hidden = model_->Hidden(ids.to(device));
+      at::Tensor hidden;
+      {
+        ProfileScope forward_scope("forward");
+        hidden = model_->Hidden(ids.to(device));
+      }
       phases.forward += lap(ProductPhase::kForward);
+      ProfileScope loss_scope("loss");
       // A copy, counted as activations: the loss kernel's scalar is allocated under the
       // logits' scope, and kept through backward it showed at a checkpointed step's peak as
       // "logits 4 B" (issue #32). Nothing saves the original, so it goes at once.
       loss = model_->SumLossOfHidden(hidden, labels.to(device)).clone();
       phases.loss += lap(ProductPhase::kLoss);
     }
+    ProfileScope backward_scope("backward");
     MemoryScope scope(MemoryComponent::kGradients);
     // Normalised over the whole step's targets, so that accumulation does not change the
     // update; multiplied by the loss scale (1 unless fp16).
@@ -811,6 +848,7 @@ absl::Status Trainer::TrainOn(const std::vector<Sequence>& batch, Optimizer* opt
     // and backward (and so inside those phases too) included; the optimizer's come below.
     phases.comm += (sharded_ ? sharded_->TakeCommSeconds() : reduce_seconds) + lap();
   }
+  ProfileScope optimizer_scope("optimizer");  // unscaling, norm, clipping, the update
   auto scale_grads = [&](double factor) {
     sharded_ ? sharded_->ScaleGrads(factor) : optimizer->ScaleGrads(factor);
   };
@@ -881,6 +919,7 @@ int64_t Trainer::resume_step() const { return resume_ ? resume_->state.step : 0;
 absl::Status Trainer::SaveCheckpoint(int64_t step, const Optimizer* optimizer,
                                      const SequenceSampler& sampler, const LossScaler& scaler,
                                      const NonFiniteSteps& nonfinite, std::optional<double> loss) {
+  ProfileScope scope("checkpoint/save");
   TrainingState state;
   state.step = step;
   state.optimizer_steps = sharded_ ? sharded_->optimizer_steps() : optimizer->steps();
@@ -922,6 +961,7 @@ absl::Status Trainer::SaveCheckpoint(int64_t step, const Optimizer* optimizer,
 }
 
 absl::Status Trainer::AllReduceGradients(Optimizer& optimizer) {
+  ProfileScope scope("comm/all_reduce/gradients");
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> grads;
   for (const NamedParameter& p : optimizer.params()) {

@@ -34,6 +34,7 @@
 #include "common/plan.h"
 #include "worker/engine/checkpoint.h"
 #include "worker/engine/token_dataset.h"
+#include "worker/train/profiler.h"
 
 namespace lathe {
 
@@ -66,6 +67,9 @@ struct TrainerOptions {
   // (common/allowed_roots.h: pinned below the allowed roots): a checkpoint's fingerprint and
   // the adapter's base model name its paths. Null: the spec given.
   std::shared_ptr<const JobSpec> submitted_spec{};
+  // Profiling on request (profiler.h): where requests are looked for between steps, and
+  // where their outcomes go. Default: off.
+  ProfileOptions profile{};
 };
 
 // Wall time of a step's phases, summed over its micro-batches. On CUDA these are host times
