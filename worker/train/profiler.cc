@@ -498,9 +498,9 @@ void StepProfiler::Finish(int64_t last_step, const std::string& why) {
   finished_ = true;
   if (capture_ != nullptr) {
     const int64_t wanted = capture_->first_step + capture_->request.steps - 1;
-    Close(last_step, absl::StrCat(why, " after step ", last_step, ", before step ", wanted,
-                                  ": the capture holds steps ", capture_->first_step, " to ",
-                                  last_step));
+    Close(last_step,
+          absl::StrCat(why, " after step ", last_step, ", before step ", wanted,
+                       ": the capture holds steps ", capture_->first_step, " to ", last_step));
   }
   // A request that came too late (or during the capture just closed) is still answered.
   if (std::optional<absl::StatusOr<ProfileRequest>> request = TakeRequest()) {
@@ -526,8 +526,18 @@ void StepProfiler::Close(int64_t last_step, std::string error) {
       std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
       const std::string raw = path + ".kineto";
       result->save(raw);
-      absl::Status named = NameProcesses(raw, rank_);
       std::error_code rename_error;
+      const uintmax_t bytes = fs::file_size(raw, rename_error);
+      // Renaming parses the whole trace (several times its size in memory): past the bound
+      // the trace is kept as Kineto wrote it, its process named after the executable.
+      absl::Status named = absl::OkStatus();
+      if (!rename_error && bytes <= kMaxRenamedTraceBytes) {
+        named = NameProcesses(raw, rank_);
+      } else {
+        problems.push_back(absl::StrCat("the trace (", bytes >> 20, " MiB) is larger than ",
+                                        kMaxRenamedTraceBytes >> 20,
+                                        " MiB: its process is not named after the rank"));
+      }
       if (named.ok()) fs::rename(raw, path, rename_error);
       if (!named.ok()) {
         problems.push_back(absl::StrCat("no trace: ", named.message()));

@@ -34,6 +34,8 @@ class MemoryTracker;
 
 // Bounds of one capture (documented in docs/observability.md).
 inline constexpr int64_t kMaxProfileSteps = 20;
+// The largest trace whose process is renamed after the rank (the rename parses it whole).
+inline constexpr uintmax_t kMaxRenamedTraceBytes = uintmax_t{256} << 20;
 // Memory events kept per capture; later ones are dropped (the file says "truncated") but
 // still count towards the peak.
 inline constexpr int64_t kMaxMemoryEvents = 200000;
