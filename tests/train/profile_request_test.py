@@ -118,6 +118,43 @@ output: {os.path.join(self.root, name)}
         self.assertIn("steps: 0", profiles[0]["error"])
         self.assertIn("done", events[-1])
 
+    def test_each_rank_names_its_process_and_its_gradient_sum(self):
+        spec = os.path.join(self.root, "two.yaml")
+        with open(spec, "w") as f:
+            f.write(f"""name: two
+model: {{path: {self.model}}}
+data: {{train: {self.data}, seq_len: 32}}
+method: lora
+lora: {{rank: 4, alpha: 8}}
+train: {{steps: 3, global_batch: 2, lr: 1.0e-3}}
+resources: {{ranks: 2}}
+strategy: {{zero_stage: 0}}
+output: {os.path.join(self.root, "two")}
+""")
+        meet = os.path.join(self.root, "two-rendezvous")
+        os.makedirs(meet)
+        ranks = [subprocess.Popen(
+            [os.path.join(BIN, "lathe-worker"), "train", "--spec", spec, "--output", "json",
+             "--threads", "1", "--peak-flops", "1e10", "--rank", str(rank), "--world-size", "2",
+             "--rendezvous-dir", meet, "--profile-steps", "1",
+             "--profile-dir", os.path.join(self.root, f"two-profile-{rank}")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        for rank, proc in enumerate(ranks):
+            out, err = proc.communicate(timeout=240)
+            self.assertEqual(proc.returncode, 0, err)
+            events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+            profile = next(e["profile"] for e in events if "profile" in e)
+            self.assertEqual(profile["error"], "")
+            self.assertTrue(profile["files"][0].endswith(f"/rank-{rank}.trace.json"))
+            with open(profile["files"][0]) as f:
+                trace = json.load(f)["traceEvents"]
+            names = {e.get("name") for e in trace if e.get("ph") == "X"}
+            self.assertIn("comm/all_reduce/gradients", names)
+            self.assertIn("comm/all_reduce/scalars", names)
+            process_names = [e["args"]["name"] for e in trace
+                             if e.get("ph") == "M" and e.get("name") == "process_name"]
+            self.assertIn(f"lathe rank {rank}", process_names)
+
     def test_profile_steps_profiles_the_first_steps(self):
         events, profile_dir = self.train("local", None, ("--profile-steps", "1"))
         profiles = [e["profile"] for e in events if "profile" in e]

@@ -208,10 +208,10 @@ TEST_F(ProfilerTest, MemoryPeakIsTheStepsReportedPeak) {
 }
 
 TEST_F(ProfilerTest, BadRequestsAreAnsweredAndTrainingGoesOn) {
-  spec_.train.steps = 5;
-  int step_of_request = 0;
+  spec_.train.steps = 6;
+  std::filesystem::create_directories(dir_.Path("profile/taken"));
+  dir_.Write("profile/taken/rank-0.trace.json", "{}");
   absl::StatusOr<TrainResult> result = Train(spec_, std::nullopt, [&](const StepReport& r) {
-    step_of_request = static_cast<int>(r.step);
     switch (r.step) {
       case 1:
         Request("garbage");
@@ -225,15 +225,19 @@ TEST_F(ProfilerTest, BadRequestsAreAnsweredAndTrainingGoesOn) {
       case 4:
         Request("many 1000 0");
         break;
+      case 5:
+        Request("taken 1 0");  // this rank's files are there already
+        break;
     }
   });
   ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(reports_.size(), 5u);
-  ASSERT_EQ(outcomes_.size(), 4u);
+  EXPECT_EQ(reports_.size(), 6u);
+  ASSERT_EQ(outcomes_.size(), 5u);
   EXPECT_THAT(outcomes_[0].error, HasSubstr("not a profile request"));
   EXPECT_THAT(outcomes_[1].error, HasSubstr("capture_id"));
   EXPECT_THAT(outcomes_[2].error, HasSubstr("steps: 0"));
   EXPECT_THAT(outcomes_[3].error, HasSubstr("steps: 1000"));
+  EXPECT_THAT(outcomes_[4].error, HasSubstr("rank-0.trace.json exists already"));
   for (const ProfileOutcome& o : outcomes_) {
     EXPECT_TRUE(o.files.empty());
     EXPECT_EQ(o.first_step, 0);

@@ -439,10 +439,14 @@ void StepProfiler::Start(const ProfileRequest& request, int64_t step) {
   refused.capture_id = request.capture_id;
   const std::string dir = (fs::path(options_.dir) / request.capture_id).string();
   std::error_code error;
-  if (fs::exists(dir, error)) {
-    refused.error = absl::StrCat("capture_id: ", dir, " exists already");
-    Answer(refused);
-    return;
+  // Ranks may share the directory (`--spec` ranks on one host); each writes its own files.
+  for (const char* suffix : {".trace.json", ".memory.json"}) {
+    const std::string file = (fs::path(dir) / absl::StrCat("rank-", rank_, suffix)).string();
+    if (fs::exists(file, error)) {
+      refused.error = absl::StrCat("capture_id: ", file, " exists already");
+      Answer(refused);
+      return;
+    }
   }
   fs::create_directories(dir, error);
   if (error) {
