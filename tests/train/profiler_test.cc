@@ -191,6 +191,29 @@ TEST_F(ProfilerTest, MemoryPeakIsTheStepsReportedPeak) {
   for (size_t i = 1; i < top.size(); ++i) {
     EXPECT_GE(top[i - 1]["bytes"].get<int64_t>(), top[i]["bytes"].get<int64_t>());
   }
+  // The same record as the trace's counter track, within the trace's time span.
+  const nlohmann::json trace = ReadJson(dir_.Path("profile/mem/rank-0.trace.json"));
+  ASSERT_TRUE(trace.is_object());
+  double first = 1e300, last = -1e300;
+  int64_t counted_peak = 0;
+  int64_t samples = 0;
+  for (const nlohmann::json& event : trace["traceEvents"]) {
+    if (event.value("ph", "") == "X" && event.value("name", "").rfind("step.", 0) == 0) {
+      first = std::min(first, event["ts"].get<double>());
+      last = std::max(last, event["ts"].get<double>() + event["dur"].get<double>());
+    }
+  }
+  for (const nlohmann::json& event : trace["traceEvents"]) {
+    if (event.value("ph", "") != "C" || event.value("name", "") != "memory (bytes)") continue;
+    ++samples;
+    int64_t sampled = 0;
+    for (const auto& [component, bytes] : event["args"].items()) sampled += bytes.get<int64_t>();
+    counted_peak = std::max(counted_peak, sampled);
+    EXPECT_GE(event["ts"].get<double>(), first - 10000) << "10 ms before step 2";
+    EXPECT_LE(event["ts"].get<double>(), last + 10000) << "10 ms after step 3";
+  }
+  EXPECT_GT(samples, 10);
+  EXPECT_EQ(counted_peak, peak);
   // Every allocation and free of the two steps.
   const nlohmann::json& events = memory["events"];
   ASSERT_GT(events.size(), 10u);

@@ -100,6 +100,9 @@ void MemoryTracker::StartRecording(int64_t max_events) {
   absl::MutexLock lock(&mu_);
   recording->start = std::chrono::steady_clock::now();
   MemoryRecord& record = recording->record;
+  record.start_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
   record.max_events = std::max<int64_t>(0, max_events);
   record.events.reserve(static_cast<size_t>(std::min<int64_t>(record.max_events, 1 << 16)));
   record.start_total_bytes = total_.current_bytes;

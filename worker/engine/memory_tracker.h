@@ -110,7 +110,8 @@ struct MemoryEvent {
 
 // What one recording saw.
 struct MemoryRecord {
-  int64_t max_events = 0;  // the bound it was started with
+  int64_t max_events = 0;     // the bound it was started with
+  int64_t start_unix_ns = 0;  // when it started, wall clock (events' times are since then)
   int64_t start_total_bytes = 0;
   std::vector<RecordedBlock> live_at_start;  // ids 1..n, in no particular order
   std::vector<MemoryEvent> events;           // the first max_events events

@@ -9,6 +9,7 @@
 #include <c10/util/ApproximateClock.h>
 #endif
 
+#include <array>
 #include <chrono>
 #include <filesystem>
 #include <set>
@@ -44,11 +45,75 @@ bool ValidCaptureId(const std::string& id) {
 
 std::string HostProcessName(int64_t rank) { return absl::StrCat("lathe rank ", rank); }
 
+// What the memory file says beyond the record.
+struct MemoryFileInfo {
+  int64_t rank = 0;
+  std::string device;
+  std::string source;
+  std::string capture_id;
+  int64_t first_step = 0;
+  int64_t last_step = 0;
+  int64_t mapped_weight_bytes = 0;
+  // CUDA: blocks live before the capture carry no component (the history has no tag for
+  // them); they count as "untagged".
+  bool untagged_start = false;
+};
+
+// Samples of the memory by component for the trace's counter track "memory (bytes)": one per
+// event, or, past kMaxMemoryCounterSamples, the highest of each run of consecutive events (so
+// that the peak survives). Timestamps as Kineto writes them: microseconds since the trace's
+// baseTimeNanoseconds.
+void AddMemoryCounters(const MemoryRecord& record, const MemoryFileInfo& info, int64_t pid,
+                       int64_t base_ns, nlohmann::json& events) {
+  constexpr size_t kMaxMemoryCounterSamples = 20000;
+  const int64_t start_blocks = static_cast<int64_t>(record.live_at_start.size());
+  std::array<int64_t, kNumMemoryComponents> current{};
+  int64_t untagged = 0;
+  for (const RecordedBlock& block : record.live_at_start) {
+    (info.untagged_start ? untagged : current[static_cast<int>(block.component)]) += block.bytes;
+  }
+  current[static_cast<int>(MemoryComponent::kWeights)] += info.mapped_weight_bytes;
+  auto sample = [&](int64_t time_ns) {
+    nlohmann::json args = nlohmann::json::object();
+    for (MemoryComponent c : kMemoryComponents) {
+      args[std::string(MemoryComponentName(c))] = current[static_cast<int>(c)];
+    }
+    if (info.untagged_start) args["untagged"] = untagged;
+    return nlohmann::json{
+        {"name", "memory (bytes)"},
+        {"ph", "C"},
+        {"pid", pid},
+        {"tid", 0},
+        {"ts", static_cast<double>(record.start_unix_ns + time_ns - base_ns) / 1e3},
+        {"args", std::move(args)}};
+  };
+  events.push_back(sample(0));
+  const size_t run = record.events.size() / kMaxMemoryCounterSamples + 1;
+  nlohmann::json best;
+  int64_t best_total = -1;
+  for (size_t i = 0; i < record.events.size(); ++i) {
+    const MemoryEvent& e = record.events[i];
+    (info.untagged_start && e.block <= start_blocks ? untagged
+                                                    : current[static_cast<int>(e.component)]) +=
+        e.bytes;
+    if (e.total_bytes > best_total) {
+      best = sample(e.time_ns);
+      best_total = e.total_bytes;
+    }
+    if ((i + 1) % run == 0 || i + 1 == record.events.size()) {
+      events.push_back(std::move(best));
+      best_total = -1;
+    }
+  }
+}
+
 // Names the trace's processes after the rank, so that the traces of several ranks, merged,
-// tell apart: this process (Kineto names it after the executable) becomes "lathe rank <R>",
-// labelled "rank <R>" and sorted by rank; every other process of the trace (a GPU, in
-// Kineto's traces) "lathe rank <R>: <its name>".
-absl::Status NameProcesses(const std::string& path, int64_t rank) {
+// tell apart, and adds the memory record, when there is one, as a counter track: this process
+// (Kineto names it after the executable) becomes "lathe rank <R>", labelled "rank <R>" and sorted
+// by rank; every other process of the trace (a GPU, in Kineto's traces) "lathe rank <R>: <its
+// name>".
+absl::Status NameProcesses(const std::string& path, int64_t rank, const MemoryRecord* record,
+                           const MemoryFileInfo& info) {
   LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   nlohmann::json trace = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (trace.is_discarded() || !trace.is_object() || !trace.contains("traceEvents") ||
@@ -99,24 +164,14 @@ absl::Status NameProcesses(const std::string& path, int64_t rank) {
   if (present.count({host_pid, "process_sort_index"}) == 0) {
     events.push_back(metadata(host_pid, "process_sort_index", {{"sort_index", rank}}));
   }
+  if (record != nullptr && trace.contains("baseTimeNanoseconds") &&
+      trace["baseTimeNanoseconds"].is_number_integer()) {
+    AddMemoryCounters(*record, info, host_pid, trace["baseTimeNanoseconds"].get<int64_t>(), events);
+  }
   // Invalid UTF-8 in a name (an operator's, say) is replaced rather than thrown on.
   return WriteFileAtomically(path,
                              trace.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
-
-// What the memory file says beyond the record.
-struct MemoryFileInfo {
-  int64_t rank = 0;
-  std::string device;
-  std::string source;
-  std::string capture_id;
-  int64_t first_step = 0;
-  int64_t last_step = 0;
-  int64_t mapped_weight_bytes = 0;
-  // CUDA: blocks live before the capture carry no component (the history has no tag for
-  // them); they count as "untagged".
-  bool untagged_start = false;
-};
 
 nlohmann::ordered_json BlockJson(const RecordedBlock& block, bool untagged) {
   return {{"block", block.id},
@@ -261,6 +316,7 @@ class CudaHistory {
     MemoryRecord record;
     record.max_events = max_events_;
     record.start_total_bytes = start_bytes_;
+    record.start_unix_ns = to_unix_ns(start_ns_);
     record.live_at_start = live_at_start_;
     record.peak_bytes = start_bytes_;
     int64_t total = start_bytes_;
@@ -523,38 +579,7 @@ void StepProfiler::Close(int64_t last_step, std::string error) {
   outcome.last_step = std::max(last_step, capture->first_step - 1);
   if (outcome.last_step < outcome.first_step) outcome.first_step = outcome.last_step = 0;
   std::vector<std::string> problems = std::move(capture->problems);
-  if (capture->kineto) {
-    const std::string path =
-        (fs::path(capture->dir) / absl::StrCat("rank-", rank_, ".trace.json")).string();
-    try {
-      std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
-      const std::string raw = path + ".kineto";
-      result->save(raw);
-      std::error_code rename_error;
-      const uintmax_t bytes = fs::file_size(raw, rename_error);
-      // Renaming parses the whole trace (several times its size in memory): past the bound
-      // the trace is kept as Kineto wrote it, its process named after the executable.
-      absl::Status named = absl::OkStatus();
-      if (!rename_error && bytes <= kMaxRenamedTraceBytes) {
-        named = NameProcesses(raw, rank_);
-      } else {
-        problems.push_back(absl::StrCat("the trace (", bytes >> 20, " MiB) is larger than ",
-                                        kMaxRenamedTraceBytes >> 20,
-                                        " MiB: its process is not named after the rank"));
-      }
-      if (named.ok()) fs::rename(raw, path, rename_error);
-      if (!named.ok()) {
-        problems.push_back(absl::StrCat("no trace: ", named.message()));
-      } else if (rename_error) {
-        problems.push_back(absl::StrCat("no trace: ", path, ": ", rename_error.message()));
-      } else {
-        outcome.files.push_back(path);
-      }
-      fs::remove(raw, rename_error);
-    } catch (const std::exception& e) {
-      problems.push_back(absl::StrCat("no trace: libtorch's profiler: ", e.what()));
-    }
-  }
+  // The memory record first: what follows (saving the trace) is not part of the steps.
   std::optional<MemoryRecord> record;
   MemoryFileInfo info;
   info.rank = rank_;
@@ -573,6 +598,38 @@ void StepProfiler::Close(int64_t last_step, std::string error) {
       info.untagged_start = true;
     } catch (const std::exception& e) {
       problems.push_back(absl::StrCat("no memory timeline: ", e.what()));
+    }
+  }
+  if (capture->kineto) {
+    const std::string path =
+        (fs::path(capture->dir) / absl::StrCat("rank-", rank_, ".trace.json")).string();
+    try {
+      std::unique_ptr<kineto::ProfilerResult> result = kineto::disableProfiler();
+      const std::string raw = path + ".kineto";
+      result->save(raw);
+      std::error_code rename_error;
+      const uintmax_t bytes = fs::file_size(raw, rename_error);
+      // Renaming parses the whole trace (several times its size in memory): past the bound
+      // the trace is kept as Kineto wrote it, its process named after the executable.
+      absl::Status named = absl::OkStatus();
+      if (!rename_error && bytes <= kMaxRenamedTraceBytes) {
+        named = NameProcesses(raw, rank_, record ? &*record : nullptr, info);
+      } else {
+        problems.push_back(absl::StrCat("the trace (", bytes >> 20, " MiB) is larger than ",
+                                        kMaxRenamedTraceBytes >> 20,
+                                        " MiB: its process is not named after the rank"));
+      }
+      if (named.ok()) fs::rename(raw, path, rename_error);
+      if (!named.ok()) {
+        problems.push_back(absl::StrCat("no trace: ", named.message()));
+      } else if (rename_error) {
+        problems.push_back(absl::StrCat("no trace: ", path, ": ", rename_error.message()));
+      } else {
+        outcome.files.push_back(path);
+      }
+      fs::remove(raw, rename_error);
+    } catch (const std::exception& e) {
+      problems.push_back(absl::StrCat("no trace: libtorch's profiler: ", e.what()));
     }
   }
   if (record) {
