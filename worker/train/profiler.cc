@@ -11,6 +11,7 @@
 
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <set>
 #include <system_error>
@@ -458,9 +459,13 @@ std::optional<absl::StatusOr<ProfileRequest>> StepProfiler::TakeRequest() {
   }
   struct stat info;
   if (stat(request_path_.c_str(), &info) != 0) return std::nullopt;  // the common case
-  absl::StatusOr<std::string> text = ReadFile(request_path_);
+  // Claimed by a rename, so that a request renamed into place while this one is read is not
+  // removed with it; removed once read, so that a bad request is answered once.
+  const std::string taken = request_path_ + ".taken";
+  if (std::rename(request_path_.c_str(), taken.c_str()) != 0) return std::nullopt;
+  absl::StatusOr<std::string> text = ReadFile(taken);
   std::error_code ignored;
-  fs::remove(request_path_, ignored);  // a bad request is answered once, not every step
+  fs::remove(taken, ignored);
   if (!text.ok()) return text.status();
   if (!options_.parse) {
     return absl::UnimplementedError(
