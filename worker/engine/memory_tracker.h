@@ -115,7 +115,8 @@ struct MemoryRecord {
   int64_t start_total_bytes = 0;
   std::vector<RecordedBlock> live_at_start;  // ids 1..n, in no particular order
   std::vector<MemoryEvent> events;           // the first max_events events
-  int64_t dropped_events = 0;                // events past the bound (truncated when > 0)
+  // Events past the bound (truncated when not 0); -1: an unknown number (the CUDA history).
+  int64_t dropped_events = 0;
 
   // The highest total during the recording (start_total_bytes when it never rose above it),
   // each component's bytes at that moment (sums to peak_bytes), when, and the allocation that
@@ -134,7 +135,7 @@ struct MemoryRecord {
   };
   std::vector<StepPeak> steps;
 
-  bool truncated() const { return dropped_events > 0; }
+  bool truncated() const { return dropped_events != 0; }
   // The `n` largest blocks live at the peak, largest first (ties: the older block first),
   // by replaying the events onto live_at_start. nullopt when the peak came after the bound.
   std::optional<std::vector<RecordedBlock>> TopBlocksAtPeak(int n) const;

@@ -113,8 +113,8 @@ void AddMemoryCounters(const MemoryRecord& record, const MemoryFileInfo& info, i
 // (Kineto names it after the executable) becomes "lathe rank <R>", labelled "rank <R>" and sorted
 // by rank; every other process of the trace (a GPU, in Kineto's traces) "lathe rank <R>: <its
 // name>".
-absl::Status NameProcesses(const std::string& path, int64_t rank, const MemoryRecord* record,
-                           const MemoryFileInfo& info) {
+absl::Status PostProcessTrace(const std::string& path, int64_t rank, const MemoryRecord* record,
+                              const MemoryFileInfo& info) {
   LATHE_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   nlohmann::json trace = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (trace.is_discarded() || !trace.is_object() || !trace.contains("traceEvents") ||
@@ -196,7 +196,14 @@ absl::Status WriteMemoryFile(const std::string& path, const MemoryRecord& record
   out["last_step"] = info.last_step;
   out["max_events"] = record.max_events;
   out["truncated"] = record.truncated();
-  out["dropped_events"] = record.dropped_events;
+  if (record.dropped_events >= 0) {
+    out["dropped_events"] = record.dropped_events;
+  } else {
+    out["dropped_events"] = nullptr;
+    out["truncated_note"] =
+        "the CUDA allocator's history kept only its last entries: the capture's first events "
+        "are lost and the totals, peak and blocks replayed from the start are not exact";
+  }
   out["mapped_weight_bytes"] = info.mapped_weight_bytes;
   out["start"] = {{"allocated_bytes", record.start_total_bytes}, {"live_blocks", start_blocks}};
 
@@ -329,6 +336,9 @@ class CudaHistory {
                             ? snapshot.device_traces[device_]
                             : none;
     const int64_t start_unix = to_unix_ns(start_ns_);
+    // The history is a ring of the last max_events entries: a full one lost the capture's
+    // first events, and the totals replayed from the start are off by what they held.
+    if (static_cast<int64_t>(trace.size()) >= max_events_) record.dropped_events = -1;
     for (const auto& entry : trace) {
       using Action = c10::CachingDeviceAllocator::TraceEntry::Action;
       if (entry.action_ != Action::ALLOC && entry.action_ != Action::FREE_COMPLETED) continue;
@@ -618,7 +628,7 @@ void StepProfiler::Close(int64_t last_step, std::string error) {
       // the trace is kept as Kineto wrote it, its process named after the executable.
       absl::Status named = absl::OkStatus();
       if (!rename_error && bytes <= kMaxRenamedTraceBytes) {
-        named = NameProcesses(raw, rank_, record ? &*record : nullptr, info);
+        named = PostProcessTrace(raw, rank_, record ? &*record : nullptr, info);
       } else {
         problems.push_back(absl::StrCat("the trace (", bytes >> 20, " MiB) is larger than ",
                                         kMaxRenamedTraceBytes >> 20,
