@@ -108,6 +108,8 @@ TEST_F(ProfilerTest, TraceHoldsEveryEngineScope) {
   spec_.strategy.zero_stage = 3;
   spec_.train.checkpoint_every = 1;
   spec_.train.steps = 4;
+  spec_.data.eval = spec_.data.train;
+  spec_.train.eval_every = 2;  // inside the capture, at step 2
   Request("trace-1 2 0");
   absl::StatusOr<TrainResult> result = Train(spec_);
   ASSERT_TRUE(result.ok()) << result.status();
@@ -130,7 +132,8 @@ TEST_F(ProfilerTest, TraceHoldsEveryEngineScope) {
   for (const char* scope :
        {"step.1", "step.2", "data/batch", "data/collate", "forward", "forward/embeddings",
         "forward/block.0", "forward/block.1", "loss", "backward", "optimizer", "checkpoint/save",
-        "comm/all_gather/unit.1", "comm/reduce_scatter/unit.1", "comm/all_reduce/grad_norm"}) {
+        "eval", "comm/all_gather/unit.1", "comm/reduce_scatter/unit.1",
+        "comm/all_reduce/grad_norm"}) {
     EXPECT_EQ(names.count(scope), 1u) << "no slice named " << scope;
   }
   EXPECT_EQ(names.count("step.3"), 0u) << "step 3 was not asked for";
@@ -146,6 +149,23 @@ TEST_F(ProfilerTest, TraceHoldsEveryEngineScope) {
     }
   }
   EXPECT_TRUE(named);
+}
+
+// ZeRO-2: the reduce-scatter per unit during backward, then the updated slices gathered.
+TEST_F(ProfilerTest, TraceHoldsTheShardedStepsCollectives) {
+  spec_.strategy.zero_stage = 2;
+  absl::StatusOr<TrainResult> result = Train(spec_, ProfileRequest{"zero2", 1, false});
+  ASSERT_TRUE(result.ok()) << result.status();
+  ASSERT_EQ(outcomes_.size(), 1u);
+  EXPECT_EQ(outcomes_[0].error, "");
+  const nlohmann::json trace = ReadJson(dir_.Path("profile/zero2/rank-0.trace.json"));
+  ASSERT_TRUE(trace.is_object());
+  const std::set<std::string> names = SliceNames(trace);
+  for (const char* scope :
+       {"comm/reduce_scatter/unit.1", "comm/all_gather/params.1", "comm/all_reduce/grad_norm"}) {
+    EXPECT_EQ(names.count(scope), 1u) << "no slice named " << scope;
+  }
+  EXPECT_EQ(names.count("comm/all_gather/unit.1"), 0u) << "ZeRO-2 keeps the whole parameters";
 }
 
 TEST_F(ProfilerTest, MemoryPeakIsTheStepsReportedPeak) {
