@@ -25,6 +25,7 @@
 #include "client/watch_printer.h"
 #include "common/command_line.h"
 #include "common/job_spec.h"
+#include "common/profile_limits.h"
 #include "common/proto/job_spec_proto.h"
 #include "common/rpc/auth.h"
 #include "common/rpc/tls.h"
@@ -457,8 +458,9 @@ int RunProfile(const Invocation& inv) {
   }
   absl::StatusOr<int64_t> steps = inv.flags.GetInt("steps", 3);
   if (!steps.ok()) return BadArguments(inv, steps.status().message());
-  if (*steps < 1 || *steps > 100) {
-    return BadArguments(inv, absl::StrCat("--steps: must be in 1..100, got ", *steps));
+  if (*steps < 1 || *steps > kMaxProfileSteps) {
+    return BadArguments(
+        inv, absl::StrCat("--steps: must be in 1..", kMaxProfileSteps, ", got ", *steps));
   }
   absl::StatusOr<int64_t> rank = inv.flags.GetInt("rank", 0);
   if (!rank.ok()) return BadArguments(inv, rank.status().message());
@@ -594,7 +596,7 @@ const std::vector<Command>& Commands() {
        "with the attempt (`lathe status` lists them). With --fetch: download a capture's files "
        "into DIR/<capture>/rank-<r>/, never overwriting a file. Bounds and states: "
        "docs/observability.md, \"Profiling\".",
-       {{"steps", true, "how many optimizer steps, from the next one (1..100, default 3)"},
+       {{"steps", true, "how many optimizer steps, from the next one (1..20, default 3)"},
         {"rank", true, "which rank (default 0)"},
         {"all-ranks", false, "every rank of the attempt"},
         {"memory", false, "also the memory timeline and its peak summary"},

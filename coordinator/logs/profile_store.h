@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "common/profile_limits.h"
 
 namespace lathe {
 
@@ -27,16 +28,6 @@ struct ProfileFileKey {
   int64_t rank = 0;
   std::string name;  // a base name (CheckProfileFileName)
 };
-
-// The bounds docs/observability.md ("Profiling") states.
-inline constexpr int64_t kMaxProfileFileBytes = int64_t{64} << 20;
-inline constexpr int64_t kMaxProfileCaptureBytes = int64_t{256} << 20;
-
-// INVALID_ARGUMENT naming `what` unless `name` is [A-Za-z0-9._-]{1,128} and not "." or "..":
-// a file name, never a path.
-absl::Status CheckProfileFileName(absl::string_view name, absl::string_view what = "name");
-// INVALID_ARGUMENT unless `capture_id` is [A-Za-z0-9_-]{1,64} (trainer.proto's ProfileRequest).
-absl::Status CheckCaptureId(absl::string_view capture_id);
 
 class ProfileStore {
  public:

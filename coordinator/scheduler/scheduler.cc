@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/job_spec.h"
+#include "common/profile_limits.h"
 #include "common/proto/job_state.h"
 #include "common/proto/memory_breakdown.h"
 #include "common/status_macros.h"

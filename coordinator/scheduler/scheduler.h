@@ -294,7 +294,6 @@ class Scheduler {
   // --- profiling (`lathe profile`, docs/observability.md "Profiling") -----------------
 
   static constexpr int64_t kDefaultProfileSteps = 3;
-  static constexpr int64_t kMaxProfileSteps = 100;
   // Captures one attempt may have: with the bounds on a capture's files (services.h), what
   // the coordinator keeps of an attempt's profiles stays bounded.
   static constexpr int kMaxProfilesPerAttempt = 16;

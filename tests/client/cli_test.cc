@@ -1138,8 +1138,8 @@ TEST_F(CliTest, ProfileAsksTheCoordinatorAndSaysWhatComesNext) {
 
 TEST_F(CliTest, ProfileArgumentsThatDoNotFitAreRefusedWithOneLine) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"profile", "job-1", "--steps", "0"}, "lathe: --steps: must be in 1..100, got 0\n"},
-      {{"profile", "job-1", "--steps", "101"}, "lathe: --steps: must be in 1..100, got 101\n"},
+      {{"profile", "job-1", "--steps", "0"}, "lathe: --steps: must be in 1..20, got 0\n"},
+      {{"profile", "job-1", "--steps", "21"}, "lathe: --steps: must be in 1..20, got 21\n"},
       {{"profile", "job-1", "--rank", "-1"}, "lathe: --rank: must be >= 0, got -1\n"},
       {{"profile", "job-1", "--rank", "1", "--all-ranks"},
        "lathe: --rank and --all-ranks: choose one\n"},

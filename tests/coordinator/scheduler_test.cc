@@ -867,7 +867,7 @@ TEST_F(ProfileTest, BadRequestsAreRefusedWithOneLine) {
   ASSERT_TRUE(scheduler_->CancelJob("queued", "").ok());  // it would take a slot
   EXPECT_THAT(Profile("queued", 0).status().message(), HasSubstr("is cancelled, not running"));
   RunTwoRanks("job");
-  EXPECT_EQ(Profile("job", 0, false, 101).status().message(), "steps: must be in 1..100, got 101");
+  EXPECT_EQ(Profile("job", 0, false, 21).status().message(), "steps: must be in 1..20, got 21");
   EXPECT_EQ(Profile("job", 0, false, -1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Profile("job", 2).status().message(),
             "rank: attempt 1 of job job has ranks 0 to 1, not 2");
@@ -876,7 +876,7 @@ TEST_F(ProfileTest, BadRequestsAreRefusedWithOneLine) {
   EXPECT_EQ(
       Profile("job", 0, false, 0, Requester{"mallory", false, "mallory (client)"}).status().code(),
       absl::StatusCode::kNotFound);
-  ASSERT_TRUE(Profile("job", 0, false, 100).ok());
+  ASSERT_TRUE(Profile("job", 0, false, 20).ok());
   absl::Status again = Profile("job", 1).status();
   EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(again.message(), HasSubstr("capture prof-1 is still pending"));

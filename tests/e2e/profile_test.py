@@ -5,7 +5,9 @@ hand-off does (proto/lathe/v1/trainer.proto: it reads <rank dir>/profile/request
 the capture's files in <rank dir>/profile/<capture>/ and answers with a "profile" event). A
 two-rank job is profiled on both ranks through the CLI, the capture is listed by `lathe
 status` and fetched with `lathe profile --fetch`; a capture the trainers never answer fails
-when the job is cancelled."""
+when the job is cancelled. Then the same with the real trainer (`lathe-worker train`): what a
+user fetches opens in Perfetto (Chrome trace JSON, one process per rank, the engine's scopes)
+and holds the memory timeline."""
 import json
 import os
 import stat
@@ -15,7 +17,7 @@ import unittest
 from services_test import TIMEOUT, ClusterTest
 
 # Steps every 0.1 s until stopped; answers a profile request at its next step, unless it asks
-# for 100 steps (a trainer that never answers).
+# for 20 steps (a trainer that never answers).
 FAKE_TRAINER = r"""#!/bin/sh
 task=""
 while [ $# -gt 0 ]; do
@@ -30,7 +32,7 @@ while :; do
   step=$((step + 1))
   echo "{\"step\": {\"progress\": {\"step\": $step, \"total_steps\": 100000, \"loss\": 2.5}, \"tokens\": 64, \"seconds\": 0.1}}"
   request="$run/profile/request.json"
-  if [ -f "$request" ] && ! grep -q '"steps": *"100"' "$request"; then
+  if [ -f "$request" ] && ! grep -q '"steps": *"20"' "$request"; then
     id=$(sed -n 's/.*"capture_id": *"\([^"]*\)".*/\1/p' "$request")
     mkdir -p "$run/profile/$id"
     printf 'trace of %s on rank %s' "$id" "$rank" > "$run/profile/$id/trace.json"
@@ -102,7 +104,7 @@ class ProfileTest(ClusterTest):
         self.assertEqual(as_worker.returncode, 1)
 
         # A capture the trainers never answer fails with its attempt, not pending forever.
-        result = self.cluster.lathe("profile", job_id, "--steps", "100")
+        result = self.cluster.lathe("profile", job_id, "--steps", "20")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(self.capture(job_id, 1)["state"], "pending")
         busy = self.cluster.lathe("profile", job_id)
@@ -116,6 +118,58 @@ class ProfileTest(ClusterTest):
         late = self.cluster.lathe("profile", job_id)
         self.assertEqual(late.returncode, 1)
         self.assertIn("is cancelled, not running", late.stderr)
+
+
+
+class RealTrainerProfileTest(ClusterTest):
+    """The real trainer's capture, fetched as a user would (docs/observability.md)."""
+    PREFIX = "lathe-e2e-profile-real-"
+
+    def test_a_running_jobs_capture_opens_in_perfetto(self):
+        job_id = self.submit("traced", steps=100000, ranks=2)
+        self.addCleanup(lambda: (self.cluster.lathe("cancel", job_id),
+                                 self.cluster.lathe("watch", job_id)))
+        self.wait_running(job_id)
+        result = self.cluster.lathe("profile", job_id, "--all-ranks", "--steps", "2", "--memory")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        deadline = time.time() + TIMEOUT
+        while True:
+            capture = self.status(job_id)["attempts"][-1]["profiles"][0]
+            if capture["state"] != "pending":
+                break
+            self.assertLess(time.time(), deadline, capture)
+            time.sleep(0.2)
+        self.assertEqual(capture["state"], "done", capture)
+        self.assertEqual(sorted((f["rank"], f["name"]) for f in capture["files"]),
+                         [(0, "rank-0.memory.json"), (0, "rank-0.trace.json"),
+                          (1, "rank-1.memory.json"), (1, "rank-1.trace.json")])
+        for result in capture["results"]:
+            self.assertEqual(result["last_step"] - result["first_step"], 1, result)
+            self.assertEqual(result["error"], "", result)
+
+        out = os.path.join(self.root, "fetched")
+        fetched = self.cluster.lathe("profile", "--fetch", job_id, out)
+        self.assertEqual(fetched.returncode, 0, fetched.stderr)
+        for rank in (0, 1):
+            directory = os.path.join(out, "prof-1", f"rank-{rank}")
+            with open(os.path.join(directory, f"rank-{rank}.trace.json")) as f:
+                events = json.load(f)["traceEvents"]
+            processes = {e["args"]["name"] for e in events
+                         if e.get("ph") == "M" and e.get("name") == "process_name"}
+            self.assertIn(f"lathe rank {rank}", processes)
+            names = {e.get("name", "") for e in events if e.get("ph") == "X"}
+            for scope in ("data/batch", "forward", "forward/block.0", "loss", "backward",
+                          "optimizer"):
+                self.assertIn(scope, names, f"rank {rank}")
+            self.assertTrue(any(n.startswith("step.") for n in names), f"rank {rank}")
+            self.assertTrue(any(n.startswith("comm/") for n in names), f"rank {rank}")
+            with open(os.path.join(directory, f"rank-{rank}.memory.json")) as f:
+                memory = json.load(f)
+            self.assertEqual(memory["rank"], rank)
+            self.assertGreater(len(memory["events"]), 0)
+            self.assertEqual(memory["peak"]["bytes"],
+                             max(s["peak_bytes"] for s in memory["steps"]))
+            self.assertLessEqual(len(memory["peak"]["top_blocks"]), 10)
 
 
 if __name__ == "__main__":

@@ -8,23 +8,16 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/rpc/auth.h"
 #include "common/rpc/grpc_status.h"
+#include "common/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "spdlog/spdlog.h"
 
 namespace lathe {
 namespace {
-
-bool IsPlainName(const std::string& name) {
-  if (name.empty() || name.size() > 128 || name == "." || name == "..") return false;
-  return std::all_of(name.begin(), name.end(), [](char c) {
-    return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
-  });
-}
 
 std::string MiB(int64_t bytes) { return absl::StrCat(bytes >> 20, " MiB"); }
 
@@ -40,19 +33,14 @@ absl::StatusOr<std::vector<CheckedFile>> CheckFiles(const ProfileAnswer& answer,
                                                     const ProfileUploaderOptions& options) {
   // The id names the capture's directory: a trainer's answer must not point it elsewhere.
   const std::string& id = answer.capture_id;
-  const bool plain_id =
-      !id.empty() && id.size() <= 64 && id.find('.') == std::string::npos && IsPlainName(id);
-  if (!plain_id && !answer.profile.files().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("capture_id: \"", id.substr(0, 64), "\" is not [A-Za-z0-9_-]{1,64}"));
-  }
+  if (!answer.profile.files().empty()) LATHE_RETURN_IF_ERROR(CheckCaptureId(id));
   const std::filesystem::path dir = std::filesystem::path(answer.capture_dir).lexically_normal();
   std::vector<CheckedFile> files;
   int64_t total = 0;
   for (const std::string& listed : answer.profile.files()) {
     const std::filesystem::path path = std::filesystem::path(listed).lexically_normal();
     CheckedFile file{path.string(), path.filename().string(), 0};
-    if (!path.is_absolute() || path.parent_path() != dir || !IsPlainName(file.name)) {
+    if (!path.is_absolute() || path.parent_path() != dir || !CheckProfileFileName(file.name).ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat("file ", listed, ": not a plain file name directly in ", dir.string()));
     }

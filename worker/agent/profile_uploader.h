@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "common/profile_limits.h"
 #include "common/rpc/retry_policy.h"
 #include "lathe/v1/coordinator.grpc.pb.h"
 #include "lathe/v1/coordinator.pb.h"
@@ -41,8 +42,8 @@ struct ProfileUploaderOptions {
   RetryOptions retry;  // max_attempts is not used: retried until Stop
   std::string token;   // bearer token sent with every call; none when empty
   // The bounds docs/observability.md ("Profiling") states; the coordinator's are the same.
-  int64_t max_file_bytes = int64_t{64} << 20;
-  int64_t max_capture_bytes = int64_t{256} << 20;
+  int64_t max_file_bytes = kMaxProfileFileBytes;
+  int64_t max_capture_bytes = kMaxProfileCaptureBytes;
   int64_t chunk_bytes = int64_t{1} << 20;  // per UploadProfile; at most 1 MiB
 };
 

@@ -18,7 +18,6 @@
 #include <unordered_map>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
 #include "common/memory_components.h"
@@ -35,14 +34,6 @@ namespace kineto = torch::autograd::profiler;
 using torch::profiler::impl::ActivityType;
 using torch::profiler::impl::ProfilerConfig;
 using torch::profiler::impl::ProfilerState;
-
-bool ValidCaptureId(const std::string& id) {
-  if (id.empty() || id.size() > 64) return false;
-  for (char c : id) {
-    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' && c != '-') return false;
-  }
-  return true;
-}
 
 std::string HostProcessName(int64_t rank) { return absl::StrCat("lathe rank ", rank); }
 
@@ -422,10 +413,7 @@ class CudaHistory {
 }  // namespace profiler_internal
 
 absl::Status CheckProfileRequest(const ProfileRequest& request) {
-  if (!ValidCaptureId(request.capture_id)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("capture_id: \"", request.capture_id, "\" is not 1 to 64 of [A-Za-z0-9_-]"));
-  }
+  LATHE_RETURN_IF_ERROR(CheckCaptureId(request.capture_id));
   if (request.steps < 1 || request.steps > kMaxProfileSteps) {
     return absl::InvalidArgumentError(
         absl::StrCat("steps: ", request.steps, " is not in 1..", kMaxProfileSteps));

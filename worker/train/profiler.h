@@ -26,14 +26,15 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "common/profile_limits.h"
 #include "kernels/ops/torch_compat.h"
 
 namespace lathe {
 
 class MemoryTracker;
 
-// Bounds of one capture (documented in docs/observability.md).
-inline constexpr int64_t kMaxProfileSteps = 20;
+// Bounds of one capture beyond common/profile_limits.h's (documented in
+// docs/observability.md).
 // The largest trace whose process is renamed after the rank (the rename parses it whole).
 inline constexpr uintmax_t kMaxRenamedTraceBytes = uintmax_t{256} << 20;
 // Memory events kept per capture; later ones are dropped (the file says "truncated") but
