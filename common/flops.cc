@@ -46,6 +46,10 @@ double TrainingFlopsPerToken(const ModelConfig& config, const JobSpec& spec, int
     const double frozen = layers * 2 * layer_weights + head_forward;
     const double trained = layers * (2 * layer_adapters + attention);
     total = 2 * frozen + 3 * trained;
+    // A trained copy of the LM head (lora.modules_to_save) adds its weight gradient; the
+    // embeddings' copy only gathers rows.
+    const absl::StatusOr<SavedModules> saved = ResolveModulesToSave(spec.lora.modules_to_save);
+    if (saved.ok() && saved->lm_head) total += head_forward;
   }
   if (recompute) total += blocks_forward;
   return total;

@@ -825,13 +825,17 @@ absl::Status Validate(const SpecReader& r, const JobSpec& spec) {
   if (absl::Status keys = CheckLoraPatternKeys(lora); !keys.ok()) {
     return r.Error("", keys.message());
   }
-  // Parsed and carried (proto, JSON form) so that a spec naming it is refused in words, but
-  // the engine does not train whole modules beside the adapters yet.
   if (!lora.modules_to_save.empty()) {
-    return r.Error(
-        "lora.modules_to_save",
-        absl::StrCat("PEFT's modules_to_save (", absl::StrJoin(lora.modules_to_save, ", "),
-                     ") is not supported by Lathe yet: only LoRA adapters are trained"));
+    // Every supported family has model.embed_tokens and lm_head, and no other module PEFT
+    // could save whole here; LoRA targets are projections only, so no module is both.
+    if (absl::StatusOr<SavedModules> saved = ResolveModulesToSave(lora.modules_to_save);
+        !saved.ok()) {
+      return r.Error("lora.modules_to_save", saved.status().message());
+    }
+    if (spec.method != Method::kLora && spec.method != Method::kQLora) {
+      return r.Error("lora.modules_to_save",
+                     absl::StrCat("only with method lora or qlora, not ", MethodName(spec.method)));
+    }
   }
 
   const TrainSpec& train = spec.train;
@@ -1102,6 +1106,10 @@ std::string JobSpecToJson(const JobSpec& spec) {
   };
   // init_from is a path or nothing; the schema has no empty spelling for it.
   if (!spec.lora.init_from.empty()) out["lora"]["init_from"] = spec.lora.init_from;
+  // Only when given: the JSON form of every other spec stays as it was.
+  if (!spec.lora.modules_to_save.empty()) {
+    out["lora"]["modules_to_save"] = spec.lora.modules_to_save;
+  }
   if (spec.method == Method::kMezo) {
     out["mezo"] = {{"trainable", name(MethodName(spec.mezo.trainable))}, {"eps", spec.mezo.eps}};
   }

@@ -63,8 +63,9 @@ struct LoraSpec {
   std::vector<std::pair<std::string, int64_t>> rank_pattern;
   std::vector<std::pair<std::string, double>> alpha_pattern;
   bool use_rslora = false;  // scaling alpha/sqrt(rank) instead of alpha/rank
-  // PEFT's modules_to_save (whole modules trained beside the adapters): parsed so that a spec
-  // naming it is refused in words; ValidateJobSpec refuses any, the engine trains none yet.
+  // PEFT's modules_to_save: whole modules trained beside the adapters as float32 copies, the
+  // base frozen (ResolveModulesToSave: embed_tokens / model.embed_tokens, lm_head), in the
+  // spec's order, as adapter_config.json writes them. Methods lora and qlora only.
   std::vector<std::string> modules_to_save;
   // Optional PEFT adapter directory to start from instead of the random/zero init.
   std::string init_from;

@@ -286,4 +286,21 @@ void SetSpecTargets(const PeftAdapterConfig& config, LoraSpec* lora) {
   lora->targets_pattern = config.target_modules_pattern;
 }
 
+absl::StatusOr<SavedModules> ResolveModulesToSave(absl::Span<const std::string> names) {
+  SavedModules saved;
+  for (const std::string& name : names) {
+    if (name == "embed_tokens" || name == "model.embed_tokens") {
+      saved.embed_tokens = true;
+    } else if (name == "lm_head") {
+      saved.lm_head = true;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("\"", name,
+                       "\" is not a module Lathe trains whole (embed_tokens, model.embed_tokens or "
+                       "lm_head)"));
+    }
+  }
+  return saved;
+}
+
 }  // namespace lathe

@@ -87,6 +87,27 @@ void SetPeftTargetModules(const LoraSpec& lora, absl::Span<const LoraTarget> mat
 // `targets_pattern`.
 void SetSpecTargets(const PeftAdapterConfig& config, LoraSpec* lora);
 
+// The modules PEFT's modules_to_save names, among the two that every supported family has
+// (model.embed_tokens and lm_head): each is trained as a full float32 copy beside the
+// adapters, the base module frozen (docs/training.md, "Modules to save").
+struct SavedModules {
+  bool embed_tokens = false;
+  bool lm_head = false;
+  bool any() const { return embed_tokens || lm_head; }
+};
+
+// Resolves modules_to_save entries as PEFT matches them (a module whose full name ends with
+// the entry), restricted to whole name components: "embed_tokens" and "model.embed_tokens"
+// name the embedding, "lm_head" the head; two entries may name the same module. Any other
+// entry (a projection, "head", "norm") is INVALID_ARGUMENT "\"<entry>\" is not a module Lathe
+// trains whole (...)", without a field name: callers add theirs.
+absl::StatusOr<SavedModules> ResolveModulesToSave(absl::Span<const std::string> names);
+
+// PEFT's adapter_model.safetensors key of a saved module's weight
+// ("base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight").
+inline constexpr char kPeftSavedEmbedTokens[] = "base_model.model.model.embed_tokens.weight";
+inline constexpr char kPeftSavedLmHead[] = "base_model.model.lm_head.weight";
+
 }  // namespace lathe
 
 #endif  // LATHE_COMMON_LORA_TARGETS_H_

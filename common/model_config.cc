@@ -607,8 +607,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view json_text,
   LATHE_ASSIGN_OR_RETURN(config.eos_token_ids,
                          ParseTokenIds(fields, "eos_token_id", config.vocab_size));
   if (!IsGemma(config)) {  // Gemma's is read with its other settings (ParseGemma)
-    // Lathe computes nothing from the other families' pad_token_id: a value that is not a
-    // token id (LLaMA 1's -1) is dropped rather than refused.
+    // A value that is not a token id (LLaMA 1's -1, which nn.Embedding would read as the last
+    // row) is dropped rather than refused: no row is then kept from training.
     if (absl::StatusOr<std::vector<int64_t>> pad =
             ParseTokenIds(fields, "pad_token_id", config.vocab_size);
         pad.ok() && !pad->empty()) {

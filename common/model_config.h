@@ -89,10 +89,10 @@ struct ModelConfig {
   // Gemma 3: the RoPE base of the sliding layers, which ignore rope_scaling; 0 means every
   // layer uses rope_theta and rope_scaling.
   double rope_local_base_freq = 0.0;
-  // Gemma: pad_token_id (transformers' default 0; null: none), the embedding row that the
-  // lookup never trains (nn.Embedding's padding_idx). The other families: unused by the engine
-  // but written back (Phi3Config would otherwise assume 32000, which may lie outside a smaller
-  // vocabulary); a value that is not a token id is dropped.
+  // The embedding row that the lookup never trains (every family's nn.Embedding padding_idx).
+  // Gemma: transformers' default 0 when absent; null: none. The other families: as written,
+  // also written back (Phi3Config would otherwise assume 32000, which may lie outside a smaller
+  // vocabulary); a value that is not a token id (LLaMA 1's -1) is dropped.
   std::optional<int64_t> pad_token_id;
   std::string torch_dtype;  // as written in the file ("bfloat16", ...); may be empty
   // Special tokens, when config.json names them (null or absent: unknown). A list of

@@ -46,10 +46,16 @@ absl::Status CheckLoraInitFrom(const std::string& dir, const ModelConfig& config
   LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter,
                          ParsePeftAdapterConfig(config_text, config_path));
-  if (!adapter.modules_to_save.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(config_path, ": modules_to_save (",
-                                                   absl::StrJoin(adapter.modules_to_save, ", "),
-                                                   ") is not supported by Lathe"));
+  absl::StatusOr<SavedModules> has = ResolveModulesToSave(adapter.modules_to_save);
+  if (!has.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(config_path, ": modules_to_save: ", has.status().message()));
+  }
+  LATHE_ASSIGN_OR_RETURN(SavedModules wants, ResolveModulesToSave(lora.modules_to_save));
+  if (has->embed_tokens != wants.embed_tokens || has->lm_head != wants.lm_head) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        config_path, ": modules_to_save is [", absl::StrJoin(adapter.modules_to_save, ", "),
+        "] but lora.modules_to_save is [", absl::StrJoin(lora.modules_to_save, ", "), "]"));
   }
   if (adapter.r != lora.rank) {
     return absl::InvalidArgumentError(
@@ -75,6 +81,21 @@ absl::Status CheckLoraInitFrom(const std::string& dir, const ModelConfig& config
                                                        "\": shape ", ShapeText(view->shape), " vs ",
                                                        ShapeText(want), " expected"));
       }
+    }
+  }
+  const std::vector<int64_t> module_shape = {config.vocab_size, config.hidden_size};
+  for (const auto& [saved, name] : {std::pair{wants.embed_tokens, kPeftSavedEmbedTokens},
+                                    std::pair{wants.lm_head, kPeftSavedLmHead}}) {
+    if (!saved) continue;
+    const TensorView* view = file->Find(name);
+    if (view == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(weights_path, ": tensor \"", name, "\" is missing"));
+    }
+    if (view->shape != module_shape) {
+      return absl::InvalidArgumentError(absl::StrCat(weights_path, ": tensor \"", name,
+                                                     "\": shape ", ShapeText(view->shape), " vs ",
+                                                     ShapeText(module_shape), " expected"));
     }
   }
   return absl::OkStatus();

@@ -142,6 +142,9 @@ int64_t LargestTrainableTensor(const JobShape& job, bool with_embeddings = true)
     return largest;
   }
   int64_t largest = 0;
+  if ((with_embeddings && job.saved.embed_tokens) || job.saved.lm_head) {
+    largest = m.vocab_size * m.hidden_size;  // a saved module's copy
+  }
   for (const std::string& t : job.lora_targets) {
     const absl::StatusOr<ProjectionShape> p = ProjectionOf(m, t);
     if (p.ok()) {
@@ -204,7 +207,7 @@ absl::StatusOr<RankStates> RankStatesOf(const JobShape& job, const Strategy& p,
   }
   if (job.optimizer.kind != OptimizerKind::kAdamW) {
     absl::StatusOr<std::vector<TrainableShape>> shapes =
-        TrainableShapes(job.model, job.method, job.lora_rank, job.lora_targets);
+        TrainableShapes(job.model, job.method, job.lora_rank, job.lora_targets, job.saved);
     if (!shapes.ok()) return shapes.status();
     const int64_t state =
         OptimizerStateBytes(*shapes, job.optimizer, p.zero_stage > 0 ? job.ranks : 1);
@@ -471,6 +474,10 @@ JobShape JobShapeOf(const JobSpec& spec, const ModelShape& model) {
     job.lora_rank = 0;
     for (const LoraTarget& target : *targets) job.lora_rank = std::max(job.lora_rank, target.rank);
   }
+  if (job.method != Method::kFull) {
+    // Validated with the spec (ValidateJobSpec): only the names PEFT's suffix match accepts.
+    job.saved = ResolveModulesToSave(spec.lora.modules_to_save).value_or(SavedModules());
+  }
   job.seq_len = spec.data.seq_len;
   job.global_batch = spec.train.global_batch;
   job.ranks = spec.resources.ranks;
@@ -502,7 +509,7 @@ const MemoryPhase* MemoryEstimate::Phase(absl::string_view name) const {
 absl::StatusOr<MemoryEstimate> EstimateMemory(const JobShape& job, const Strategy& p) {
   const Widths w = WidthsOf(job);
   absl::StatusOr<std::vector<UnitElements>> units =
-      UnitsOf(job.model, job.method, job.lora_rank, job.lora_targets);
+      UnitsOf(job.model, job.method, job.lora_rank, job.lora_targets, job.saved);
   if (!units.ok()) return units.status();
   absl::StatusOr<RankStates> states = RankStatesOf(job, p, *units, w);
   if (!states.ok()) return states.status();

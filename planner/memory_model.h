@@ -30,6 +30,7 @@ struct JobShape {
   Method method = Method::kLora;
   int64_t lora_rank = 0;
   std::vector<std::string> lora_targets;
+  SavedModules saved;  // lora.modules_to_save (methods lora and qlora)
   int64_t seq_len = 0;
   int64_t global_batch = 0;  // sequences per step over all ranks; 0: one micro-batch per step
   int64_t ranks = 1;

@@ -42,7 +42,8 @@ absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank
 
 absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Method method,
                                                   int64_t lora_rank,
-                                                  const std::vector<std::string>& targets) {
+                                                  const std::vector<std::string>& targets,
+                                                  SavedModules saved) {
   const bool full = method == Method::kFull;
   auto unit = [full](int64_t base, int64_t adapters) {
     return full ? UnitElements{0, base} : UnitElements{base, adapters};
@@ -53,15 +54,18 @@ absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Metho
     if (!lora.ok()) return lora.status();
     adapters = *lora;
   }
-  std::vector<UnitElements> units = {unit(shape.embeddings, 0)};
+  // A saved module's copy is a float32 trainable tensor of its unit, beside the frozen base.
+  const int64_t copy = shape.config.vocab_size * shape.config.hidden_size;
+  std::vector<UnitElements> units = {unit(shape.embeddings, saved.embed_tokens ? copy : 0)};
   units.insert(units.end(), shape.config.num_hidden_layers, unit(shape.block.total(), adapters));
-  units.push_back(unit(shape.final_norm + shape.lm_head, 0));
+  units.push_back(unit(shape.final_norm + shape.lm_head, saved.lm_head ? copy : 0));
   return units;
 }
 
-absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
-    const ModelShape& shape, Method method, int64_t lora_rank,
-    const std::vector<std::string>& targets) {
+absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(const ModelShape& shape, Method method,
+                                                            int64_t lora_rank,
+                                                            const std::vector<std::string>& targets,
+                                                            SavedModules saved) {
   std::vector<TrainableShape> shapes;
   if (method != Method::kFull) {
     for (const std::string& target : LoraTargetsOn(shape, targets)) {
@@ -72,6 +76,9 @@ absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
         shapes.push_back({{p->out_features, lora_rank}});
       }
     }
+    const int64_t h = shape.config.hidden_size, v = shape.config.vocab_size;
+    if (saved.embed_tokens) shapes.push_back({{v, h}, /*embeddings=*/true});
+    if (saved.lm_head) shapes.push_back({{v, h}});
     return shapes;
   }
   const int64_t h = shape.config.hidden_size, v = shape.config.vocab_size;

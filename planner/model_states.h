@@ -13,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "common/job_spec.h"
+#include "common/lora_targets.h"
 #include "common/strategy.h"
 #include "planner/model_shape.h"
 
@@ -44,11 +45,13 @@ absl::StatusOr<int64_t> LoraParamsPerBlock(const ModelShape& shape, int64_t rank
                                            const std::vector<std::string>& targets);
 
 // The units in the engine's order: the embeddings, each block, the head (final norm and LM
-// head; with tied embeddings the final norm alone). LoRA: frozen base, trainable adapters;
-// full fine-tuning: everything trainable.
+// head; with tied embeddings the final norm alone). LoRA: frozen base, trainable adapters,
+// and `saved`'s copies (lora.modules_to_save: the embeddings' in unit 0, the LM head's in the
+// head unit, vocab x hidden each, tied or not); full fine-tuning: everything trainable.
 absl::StatusOr<std::vector<UnitElements>> UnitsOf(const ModelShape& shape, Method method,
                                                   int64_t lora_rank,
-                                                  const std::vector<std::string>& targets);
+                                                  const std::vector<std::string>& targets,
+                                                  SavedModules saved = {});
 
 // One trainable tensor's shape.
 struct TrainableShape {
@@ -57,11 +60,13 @@ struct TrainableShape {
 };
 
 // The shapes of the trainable tensors, in no particular order: LoRA's A [rank, in] and
-// B [out, rank] per block and target; with full fine-tuning every weight ([rows, cols]) and
-// every bias and norm weight ([n]). INVALID_ARGUMENT as UnitsOf.
-absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(
-    const ModelShape& shape, Method method, int64_t lora_rank,
-    const std::vector<std::string>& targets);
+// B [out, rank] per block and target, and [vocab, hidden] per copy of `saved`; with full
+// fine-tuning every weight ([rows, cols]) and every bias and norm weight ([n]).
+// INVALID_ARGUMENT as UnitsOf.
+absl::StatusOr<std::vector<TrainableShape>> TrainableShapes(const ModelShape& shape, Method method,
+                                                            int64_t lora_rank,
+                                                            const std::vector<std::string>& targets,
+                                                            SavedModules saved = {});
 
 // The optimizer and what decides the size of its state.
 struct OptimizerChoice {

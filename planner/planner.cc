@@ -121,7 +121,7 @@ absl::StatusOr<PlanResult> PlanAsGiven(const JobSpec& spec, const ModelShape& sh
   }
   const JobShape job = JobShapeOf(spec, shape);
   absl::StatusOr<std::vector<UnitElements>> units =
-      UnitsOf(shape, job.method, job.lora_rank, job.lora_targets);
+      UnitsOf(shape, job.method, job.lora_rank, job.lora_targets, job.saved);
   if (!units.ok()) return units.status();
   const Totals totals = TotalsOf(*units);
   const double flops = TrainingFlopsPerToken(shape.config, spec, spec.data.seq_len, false);

@@ -571,6 +571,7 @@ absl::Status LoadAdapter(const std::string& adapter_dir, CausalLm* model) {
   SetSpecTargets(adapter, &lora);
   lora.rank_pattern = adapter.rank_pattern;
   lora.alpha_pattern = adapter.alpha_pattern;
+  lora.modules_to_save = adapter.modules_to_save;  // its trained copies replace the modules
   if (absl::StatusOr<std::vector<LoraTarget>> targets = MatchLoraTargets(lora, model->config());
       !targets.ok()) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -282,6 +282,18 @@ TEST(JobSpecTest, ParsesRankAndAlphaPatterns) {
   EXPECT_EQ(again.lora.alpha_pattern, spec.lora.alpha_pattern);
 }
 
+// modules_to_save keeps the spec's names and order (adapter_config.json writes them as given),
+// through the JSON form too; "model.embed_tokens" names the embeddings as PEFT's suffix does.
+TEST(JobSpecTest, ParsesModulesToSave) {
+  const JobSpec spec =
+      MustParse(std::string(kMinimalPrefix) +
+                "lora: {modules_to_save: [lm_head, model.embed_tokens]}\ntrain: {steps: 1}\n");
+  EXPECT_THAT(spec.lora.modules_to_save, ElementsAre("lm_head", "model.embed_tokens"));
+  const std::string json = JobSpecToJson(spec);
+  EXPECT_THAT(json, HasSubstr(R"("modules_to_save":["lm_head","model.embed_tokens"])"));
+  EXPECT_EQ(MustParse(json).lora.modules_to_save, spec.lora.modules_to_save);
+}
+
 // PEFT's options that Lathe lacks, written at their defaults, say what Lathe does anyway.
 TEST(JobSpecTest, AcceptsUnsupportedPeftOptionsLeftOff) {
   const JobSpec spec = MustParse(
@@ -583,9 +595,13 @@ TEST(JobSpecTest, RejectsBadFields) {
       {{{"lora", "{init_from: ''}"}}, "job.yaml: lora.init_from: must not be empty"},
       {{{"lora", "{modules_to_save: lm_head}"}},
        "job.yaml: lora.modules_to_save: expected a list, got \"lm_head\""},
-      {{{"lora", "{modules_to_save: [lm_head]}"}},
-       "job.yaml: lora.modules_to_save: PEFT's modules_to_save (lm_head) is not supported by "
-       "Lathe yet"},
+      {{{"lora", "{modules_to_save: [lm_head, q_proj]}"}},
+       "job.yaml: lora.modules_to_save: \"q_proj\" is not a module Lathe trains whole "
+       "(embed_tokens, model.embed_tokens or lm_head)"},
+      {{{"lora", "{modules_to_save: [head]}"}},
+       "job.yaml: lora.modules_to_save: \"head\" is not a module Lathe trains whole"},
+      {{{"method", "full"}, {"lora", "{modules_to_save: [lm_head]}"}},
+       "job.yaml: lora.modules_to_save: only with method lora or qlora, not full"},
       {{{"lora", "{rank_pattern: [q_proj]}"}},
        "job.yaml: lora.rank_pattern: expected a map, got a list"},
       {{{"lora", "{rank_pattern: {q_proj: 2.5}}"}},

@@ -218,7 +218,8 @@ TEST_F(WeightsCheckTest, AnInitAdapterWithPatternsOrUnsupportedOptions) {
   lora.targets_pattern = "nothing";
   EXPECT_THAT(CheckLoraInitFrom(dir_.Path("a"), config_, lora),
               StatusIs(absl::StatusCode::kInvalidArgument, "lora.targets: \"nothing\" selects"));
-  // An adapter that uses DoRA or saves whole modules is refused naming the file and the key.
+  // An adapter that uses DoRA, saves a module Lathe cannot, or saves other modules than the
+  // spec's lora.modules_to_save is refused naming the file and the key.
   lora.targets_pattern.clear();
   lora.targets = {"q_proj", "v_proj"};
   const std::string config_path = dir_.Path("a") + "/adapter_config.json";
@@ -228,7 +229,9 @@ TEST_F(WeightsCheckTest, AnInitAdapterWithPatternsOrUnsupportedOptions) {
        std::vector<std::tuple<std::string, std::string, std::string>>{
            {"\"use_dora\": false", "\"use_dora\": true", ": use_dora is true: not supported"},
            {"\"modules_to_save\": null", "\"modules_to_save\": [\"lm_head\"]",
-            ": modules_to_save (lm_head) is not supported by Lathe"}}) {
+            ": modules_to_save is [lm_head] but lora.modules_to_save is []"},
+           {"\"modules_to_save\": null", "\"modules_to_save\": [\"score\"]",
+            ": modules_to_save: \"score\" is not a module Lathe trains whole"}}) {
     std::string edited = *text;
     ASSERT_NE(edited.find(key), std::string::npos) << key;
     edited.replace(edited.find(key), key.size(), value);
@@ -236,6 +239,16 @@ TEST_F(WeightsCheckTest, AnInitAdapterWithPatternsOrUnsupportedOptions) {
     EXPECT_THAT(CheckLoraInitFrom(dir_.Path("a"), config_, lora),
                 StatusIs(absl::StatusCode::kInvalidArgument, config_path + message));
   }
+  // Both name lm_head, but the adapter's file lacks the copy's tensor.
+  std::string edited = *text;
+  const std::string key = "\"modules_to_save\": null";
+  edited.replace(edited.find(key), key.size(), "\"modules_to_save\": [\"lm_head\"]");
+  ASSERT_TRUE(WriteFileAtomically(config_path, edited).ok());
+  lora.modules_to_save = {"lm_head"};
+  EXPECT_THAT(CheckLoraInitFrom(dir_.Path("a"), config_, lora),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "adapter_model.safetensors: tensor \"base_model.model.lm_head.weight\" is "
+                       "missing"));
 }
 
 }  // namespace

@@ -458,23 +458,28 @@ TEST(CausalLm, Gemma2SoftCapsTheLogitsAndTheScores) {
   }
 }
 
-// Gemma's pad_token_id row of the embeddings gets no gradient from the lookup (transformers'
-// nn.Embedding padding_idx), the other rows do; without a pad_token_id it does too.
-TEST(CausalLm, GemmaPadTokenRowLearnsNothingFromTheLookup) {
-  for (const bool pad : {true, false}) {
-    SCOPED_TRACE(pad ? "pad_token_id 0" : "no pad_token_id");
-    TempDir dir;
-    ModelConfig config = TinyConfig("gemma2");  // untied: the head's gradient is apart
-    if (!pad) config.pad_token_id.reset();
-    auto model = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
-    at::Tensor ids = Ids(2, 10, config.vocab_size, 4);
-    ids[0][3] = 0;
-    ids[1][5] = 0;
-    LossAndGrads grads = Backward(*model, ids, 0);
-    std::vector<NamedParameter> params = model->TrainableParameters();
-    ASSERT_EQ(params[0].name, "model.embed_tokens.weight");
-    EXPECT_EQ(grads.grads[0][0].abs().max().item<float>() == 0.0f, pad);
-    EXPECT_GT(grads.grads[0][ids[0][0].item<int64_t>()].abs().max().item<float>(), 0.0f);
+// The pad_token_id row of the embeddings gets no gradient from the lookup, in every family
+// (transformers' nn.Embedding(vocab, hidden, padding_idx=config.pad_token_id)); the other rows
+// do; without a pad_token_id it does too.
+TEST(CausalLm, PadTokenRowLearnsNothingFromTheLookup) {
+  for (const std::string type : {"llama", "qwen2", "phi3", "gemma2"}) {
+    for (const bool pad : {true, false}) {
+      SCOPED_TRACE(absl::StrCat(type, pad ? " pad_token_id 0" : " no pad_token_id"));
+      TempDir dir;
+      ModelConfig config = TinyConfig(type);
+      config.tie_word_embeddings = false;  // the head's gradient apart
+      config.pad_token_id = 0;
+      if (!pad) config.pad_token_id.reset();
+      auto model = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+      at::Tensor ids = Ids(2, 10, config.vocab_size, 4);
+      ids[0][3] = 0;
+      ids[1][5] = 0;
+      LossAndGrads grads = Backward(*model, ids, 0);
+      std::vector<NamedParameter> params = model->TrainableParameters();
+      ASSERT_EQ(params[0].name, "model.embed_tokens.weight");
+      EXPECT_EQ(grads.grads[0][0].abs().max().item<float>() == 0.0f, pad);
+      EXPECT_GT(grads.grads[0][ids[0][0].item<int64_t>()].abs().max().item<float>(), 0.0f);
+    }
   }
 }
 
@@ -765,6 +770,133 @@ TEST(CausalLm, PerModuleRankAndAlpha) {
   absl::Status status = wrong->LoadLora(lora, dir.Path("adapter"));
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("layers.0.mlp.down_proj.lora_A.weight\": shape [2, "));
+}
+
+// lora.modules_to_save (PEFT's ModulesToSaveWrapper): a float32 copy of embed_tokens and of
+// lm_head trains beside the adapters; it starts as the base (the logits unchanged), its
+// gradient is the one full fine-tuning gives that weight (a fresh adapter adds nothing), and
+// the frozen base weights stay as loaded. Exported under PEFT's keys, read back by LoadLora.
+TEST(CausalLm, ModulesToSaveTrainCopiesOfEmbeddingsAndHead) {
+  TempDir dir;
+  ModelConfig config = TinyConfig();
+  config.pad_token_id = 0;
+  auto model = LoadModel(dir, config);
+  auto full = LoadModel(dir, config, DType::kF32, /*trainable=*/true);
+  at::Tensor ids = Ids(2, 10, config.vocab_size, 6);
+  ids[1][4] = 0;  // the pad row: no gradient, in the copy as in the base
+  const at::Tensor before = model->Logits(ids);
+  const std::vector<std::pair<std::string, at::Tensor>> base = model->NamedBaseWeights();
+  LoraSpec lora;
+  lora.rank = 2;
+  lora.targets = {"q_proj"};
+  lora.modules_to_save = {"lm_head", "model.embed_tokens"};
+  model->InitLora(lora, 3);
+  EXPECT_TRUE(at::equal(before, model->Logits(ids)));
+  std::vector<NamedParameter> params = model->TrainableParameters();
+  ASSERT_EQ(params.size(), 2u * 2 + 2);
+  EXPECT_EQ(params[4].name, "base_model.model.model.embed_tokens.weight");
+  EXPECT_EQ(params[5].name, "base_model.model.lm_head.weight");
+  EXPECT_TRUE(params[4].weight_decay && params[5].weight_decay);
+
+  LossAndGrads copies = Backward(*model, ids, 0);
+  LossAndGrads reference = Backward(*full, ids, 0);
+  std::vector<NamedParameter> full_params = full->TrainableParameters();
+  for (const auto& [copy, name] :
+       {std::pair{4, "model.embed_tokens.weight"}, std::pair{5, "lm_head.weight"}}) {
+    SCOPED_TRACE(name);
+    size_t i = 0;
+    while (i < full_params.size() && full_params[i].name != name) ++i;
+    ASSERT_LT(i, full_params.size());
+    EXPECT_TRUE(at::allclose(copies.grads[copy], reference.grads[i], 1e-5, 1e-7));
+    EXPECT_GT(copies.grads[copy].abs().max().item<float>(), 0.0f);
+  }
+  EXPECT_EQ(copies.grads[4][0].abs().max().item<float>(), 0.0f);
+  {
+    at::NoGradGuard no_grad;  // a step: the copies move, the base does not
+    params[4].tensor.add_(copies.grads[4], -10.0);
+    params[5].tensor.add_(copies.grads[5], -10.0);
+  }
+  const at::Tensor trained = model->Logits(ids);
+  EXPECT_FALSE(at::allclose(before, trained));
+  const std::vector<std::pair<std::string, at::Tensor>> after = model->NamedBaseWeights();
+  ASSERT_EQ(after.size(), base.size());
+  for (size_t i = 0; i < base.size(); ++i) {
+    EXPECT_TRUE(at::equal(after[i].second, base[i].second)) << base[i].first;
+    EXPECT_FALSE(after[i].second.requires_grad()) << base[i].first;
+  }
+
+  PeftAdapterConfig adapter;
+  adapter.r = 2;
+  adapter.lora_alpha = lora.alpha;
+  adapter.target_modules = {"q_proj"};
+  adapter.modules_to_save = lora.modules_to_save;
+  ASSERT_TRUE(model->ExportAdapter(dir.Path("adapter"), adapter).ok());
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> file =
+      SafetensorsFile::Open(dir.Path("adapter/adapter_model.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (const char* key :
+       {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"}) {
+    const TensorView* view = (*file)->Find(key);
+    ASSERT_NE(view, nullptr) << key;
+    EXPECT_EQ(view->shape, (std::vector<int64_t>{config.vocab_size, config.hidden_size})) << key;
+  }
+  auto loaded = LoadModel(dir, config);
+  ASSERT_TRUE(loaded->LoadLora(lora, dir.Path("adapter")).ok());
+  EXPECT_TRUE(at::equal(trained, loaded->Logits(ids)));
+  // The spec must name the adapter's saved modules: dropping them would lose trained weights.
+  auto other = LoadModel(dir, config);
+  LoraSpec without = lora;
+  without.modules_to_save = {"lm_head"};
+  absl::Status refused = other->LoadLora(without, dir.Path("adapter"));
+  EXPECT_THAT(refused.message(),
+              HasSubstr("adapter_config.json: modules_to_save is [lm_head, model.embed_tokens] "
+                        "but lora.modules_to_save is [lm_head]"));
+
+  // Merged, the copies replace the base weights: the same logits without adapters.
+  ASSERT_TRUE(loaded->MergeLora().ok());
+  EXPECT_TRUE(at::allclose(trained, loaded->Logits(ids), 1e-4, 1e-5));
+  EXPECT_TRUE(loaded->TrainableParameters().empty());
+}
+
+// Tied embeddings, as PEFT 0.21 wraps them without ensure_weight_tying: a saved lm_head is a
+// copy the head's product uses while the lookup keeps the frozen tied weight; a saved
+// embed_tokens the other way round. Merging either would untie the model: refused.
+TEST(CausalLm, ModulesToSaveOnTiedEmbeddingsReplaceOneUse) {
+  TempDir dir;
+  ModelConfig config = TinyConfig("qwen2");
+  config.tie_word_embeddings = true;
+  at::Tensor ids = Ids(2, 9, config.vocab_size, 7);
+  at::Tensor embed;
+  for (const std::string module : {"lm_head", "embed_tokens"}) {
+    SCOPED_TRACE(module);
+    auto model = LoadModel(dir, config);
+    for (const auto& [name, t] : model->NamedBaseWeights()) {
+      if (name == "model.embed_tokens.weight") embed = t;
+    }
+    ASSERT_TRUE(embed.defined());
+    const at::Tensor hidden = model->Hidden(ids);
+    LoraSpec lora;
+    lora.rank = 2;
+    lora.modules_to_save = {module};
+    model->InitLora(lora, 1);
+    std::vector<NamedParameter> params = model->TrainableParameters();
+    ASSERT_FALSE(params.empty());
+    EXPECT_TRUE(at::equal(params.back().tensor, embed));  // both copies start as the tied one
+    {
+      at::NoGradGuard no_grad;
+      params.back().tensor.zero_();
+    }
+    at::NoGradGuard no_grad;
+    if (module == "lm_head") {
+      EXPECT_TRUE(at::equal(model->Hidden(ids), hidden));             // the lookup: the base
+      EXPECT_EQ(model->Logits(ids).abs().max().item<float>(), 0.0f);  // the head: the copy
+    } else {
+      const at::Tensor moved = model->Hidden(ids);
+      EXPECT_FALSE(at::allclose(moved, hidden));
+      EXPECT_TRUE(at::allclose(model->Logits(ids), at::matmul(moved, embed.t()), 1e-5, 1e-6));
+    }
+    EXPECT_EQ(model->MergeLora().code(), absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 }  // namespace

@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/file_util.h"
+#include "common/flat_layout.h"
+#include "common/flops.h"
 #include "gtest/gtest.h"
 #include "tests/planner/config_shapes.h"
 #include "tests/testing/source_path.h"
@@ -116,6 +118,79 @@ TEST(MemoryTimelineTest, OnlyTheLossHoldsLogitsAndOnlyBackwardItsTransients) {
   EXPECT_EQ(Bytes(m.Phase(kPhaseForward), MemoryComponent::kGradients), 0u);
   EXPECT_GT(Bytes(m.Phase(kPhaseBackward), MemoryComponent::kGradients), 0u);
   EXPECT_EQ(Bytes(m.Phase(kPhaseOptimizer), MemoryComponent::kActivations), 0u);
+}
+
+// lora.modules_to_save: each copy is vocab x hidden trainable float32 elements of its unit
+// (the embeddings' of unit 0, the LM head's of the head unit), with its gradient and AdamW's
+// two moments, sharded as the stage shards any unit's trainable slice; the frozen base is
+// unchanged. A trained head adds its weight gradient's FLOPs.
+TEST(MemoryTimelineTest, ModulesToSaveAddTheirCopiesStatesAsTheStageShardsThem) {
+  const JobShape without = GpuJob();
+  JobShape with = without;
+  with.saved.embed_tokens = with.saved.lm_head = true;
+  const ModelShape& m = with.model;
+  const int64_t copy = m.vocab_size * m.hidden_size;
+  absl::StatusOr<std::vector<UnitElements>> plain =
+      UnitsOf(m, without.method, without.lora_rank, without.lora_targets);
+  absl::StatusOr<std::vector<UnitElements>> saved =
+      UnitsOf(m, with.method, with.lora_rank, with.lora_targets, with.saved);
+  ASSERT_TRUE(plain.ok() && saved.ok());
+  EXPECT_EQ(saved->front().trainable, plain->front().trainable + copy);
+  EXPECT_EQ(saved->back().trainable, plain->back().trainable + copy);
+  EXPECT_EQ(saved->front().frozen, plain->front().frozen);
+  EXPECT_EQ(saved->back().frozen, plain->back().frozen);
+  for (int64_t stage = 0; stage <= 3; ++stage) {
+    SCOPED_TRACE(stage);
+    Strategy p;
+    p.zero_stage = stage;
+    const MemoryEstimate estimate_a = Estimate(without, p);
+    const MemoryEstimate estimate_b = Estimate(with, p);
+    // Backward holds the states alone; the optimizer step adds its temporaries, now of the
+    // largest trainable tensor, a copy (or the largest unit slice it steps).
+    const MemoryPhase* a = estimate_a.Phase(kPhaseBackward);
+    const MemoryPhase* b = estimate_b.Phase(kPhaseBackward);
+    EXPECT_GT(Bytes(estimate_b.Phase(kPhaseOptimizer), MemoryComponent::kOptimizer) -
+                  Bytes(estimate_a.Phase(kPhaseOptimizer), MemoryComponent::kOptimizer),
+              Bytes(b, MemoryComponent::kOptimizer) - Bytes(a, MemoryComponent::kOptimizer));
+    // The elements of one rank's slices: whole at stage 0, 1/8 of each unit's otherwise.
+    int64_t added = 2 * copy;
+    if (stage > 0) {
+      added = 0;
+      for (size_t u : {size_t{0}, plain->size() - 1}) {
+        added += ShardNumel((*saved)[u].trainable, with.ranks) -
+                 ShardNumel((*plain)[u].trainable, with.ranks);
+      }
+    }
+    EXPECT_EQ(Bytes(b, MemoryComponent::kOptimizer) - Bytes(a, MemoryComponent::kOptimizer),
+              static_cast<uint64_t>(8 * added));
+    EXPECT_EQ(Bytes(b, MemoryComponent::kWeights), Bytes(a, MemoryComponent::kWeights));
+    // Masters: whole at stage 0, whole but padded to the shards at 1-2, a slice at 3.
+    const int64_t masters = stage == 0 ? added : stage == 3 ? added : with.ranks * added;
+    EXPECT_EQ(Bytes(b, MemoryComponent::kTrainable) - Bytes(a, MemoryComponent::kTrainable),
+              static_cast<uint64_t>(4 * masters));
+  }
+  // The spec's names, through JobShapeOf.
+  JobSpec spec;
+  spec.lora.modules_to_save = {"model.embed_tokens"};
+  const JobShape of = JobShapeOf(spec, m);
+  EXPECT_TRUE(of.saved.embed_tokens);
+  EXPECT_FALSE(of.saved.lm_head);
+  // FLOPs per token: the head's weight gradient, 2 x vocab x hidden, for a trained LM head.
+  ModelConfig config;
+  config.model_type = "llama";
+  config.vocab_size = 100;
+  config.hidden_size = 16;
+  config.intermediate_size = 32;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = 2;
+  config.num_key_value_heads = 2;
+  config.head_dim = 8;
+  JobSpec lora;
+  const double base = TrainingFlopsPerToken(config, lora, 64, false);
+  lora.lora.modules_to_save = {"embed_tokens"};
+  EXPECT_EQ(TrainingFlopsPerToken(config, lora, 64, false), base);
+  lora.lora.modules_to_save = {"lm_head"};
+  EXPECT_EQ(TrainingFlopsPerToken(config, lora, 64, false), base + 2.0 * 100 * 16);
 }
 
 // ZeRO-3 holds the block running backward and prefetches the one below: two blocks gathered

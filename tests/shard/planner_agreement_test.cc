@@ -37,14 +37,23 @@ TEST(PlannerAgreementTest, ModelStatesMatchTheEnginesShardsByteForByte) {
     lora.rank = 5;
     lora.targets = type == "phi3" ? std::vector<std::string>{"qkv_proj", "down_proj"}
                                   : std::vector<std::string>{"q_proj", "v_proj", "down_proj"};
-    for (Method method : {Method::kLora, Method::kFull}) {
+    // LoRA alone, LoRA with both modules_to_save copies (trainable tensors of unit 0 and of the
+    // head unit, tied or not), and full fine-tuning.
+    for (const auto& [method, saving] :
+         {std::pair{Method::kLora, false}, std::pair{Method::kLora, true},
+          std::pair{Method::kFull, false}}) {
+      SavedModules saved;
+      saved.embed_tokens = saved.lm_head = saving;
+      lora.modules_to_save =
+          saving ? std::vector<std::string>{"embed_tokens", "lm_head"} : std::vector<std::string>{};
       absl::StatusOr<std::vector<UnitElements>> units =
-          UnitsOf(shape, method, lora.rank, lora.targets);
+          UnitsOf(shape, method, lora.rank, lora.targets, saved);
       ASSERT_TRUE(units.ok()) << units.status();
       for (int64_t stage : {1, 2, 3}) {
         for (int world : {1, 2, 3, 4}) {
-          const std::string what = absl::StrCat(config.model_type, " ", MethodName(method),
-                                                " stage ", stage, " ranks ", world);
+          const std::string what =
+              absl::StrCat(config.model_type, " ", MethodName(method), saving ? " saving" : "",
+                           " stage ", stage, " ranks ", world);
           std::vector<std::unique_ptr<Communicator>> group = MakeFakeGroup(world);
           for (int rank = 0; rank < world; ++rank) {
             ModelOptions options;

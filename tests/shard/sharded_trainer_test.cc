@@ -121,23 +121,32 @@ class ShardedTrainerTest : public ::testing::Test {
 
   // On `config`'s tiny model (FullFineTuning's job): full fine-tuning with weight decay 0.01
   // and, unless `full_only`, LoRA and QLoRA (lr 1e-2, the spec's targets), each on 3 ranks at
-  // ZeRO 1, 2 and 3 against the single process within 1e-5 relative.
-  void ExpectEveryStage(const ModelConfig& config, const std::string& tag, bool full_only = false) {
+  // ZeRO 1, 2 and 3 against the single process within 1e-5 relative. With `modules_to_save`,
+  // LoRA and QLoRA alone, training those copies too, whose exported adapters (the copies
+  // gathered from their units' shards) equal the single process's within 1e-5.
+  void ExpectEveryStage(const ModelConfig& config, const std::string& tag, bool full_only = false,
+                        const std::vector<std::string>& modules_to_save = {}) {
     FullFineTuning(config);
     JobSpec full = spec_;
     full.train.weight_decay = 0.01;
     JobSpec lora = spec_;
     lora.method = Method::kLora;
     lora.train.lr = 1e-2;
+    lora.lora.modules_to_save = modules_to_save;
     JobSpec qlora = lora;
     qlora.method = Method::kQLora;
     for (const auto& [name, spec] :
          {std::pair{"full", full}, std::pair{"lora", lora}, std::pair{"qlora", qlora}}) {
       if (full_only && std::string(name) != "full") continue;
+      if (!modules_to_save.empty() && std::string(name) == "full") continue;
       const std::string run = absl::StrCat(tag, name);
       const std::vector<double> want = Reference(spec, run + "-single");
       for (int64_t stage : {1, 2, 3}) {
-        ExpectMatches(Sharded(spec, 3, stage, absl::StrCat(run, "-s", stage)), want, 1e-5);
+        const std::string sharded = absl::StrCat(run, "-s", stage);
+        ExpectMatches(Sharded(spec, 3, stage, sharded), want, 1e-5);
+        if (modules_to_save.empty()) continue;
+        ExpectSameTensors(dir_.Path(run + "-single") + "/adapter/adapter_model.safetensors",
+                          dir_.Path(sharded) + "/adapter/adapter_model.safetensors", 1e-5);
       }
     }
   }
@@ -458,6 +467,17 @@ TEST_F(ShardedTrainerTest, Phi3OnEveryStage) {
   config.rope_scaling.long_factor = {2.0, 4.0};
   config.rope_scaling.attention_factor = 1.2;
   ExpectEveryStage(config, "");
+}
+
+TEST_F(ShardedTrainerTest, ModulesToSaveOnEveryStage) {
+  // The copies are trainable tensors of unit 0 (embed_tokens) and of the head unit (lm_head):
+  // sharded, reduced and stepped like any. Tied (Qwen2), the head unit also gathers unit 0's
+  // frozen tied weight, which the lookup (lm_head saved) or the head (embed_tokens saved) uses.
+  ExpectEveryStage(testing::TinyModelConfig(), "mts-", false, {"embed_tokens", "lm_head"});
+  ModelConfig tied = testing::TinyModelConfig("qwen2");
+  tied.tie_word_embeddings = true;
+  ExpectEveryStage(tied, "mts-tied-head-", false, {"lm_head"});
+  ExpectEveryStage(tied, "mts-tied-embed-", false, {"embed_tokens"});
 }
 
 TEST_F(ShardedTrainerTest, AStageZeroRunRefusesASharedCheckpointClearly) {

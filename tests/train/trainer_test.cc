@@ -1,6 +1,7 @@
 #include "worker/train/trainer.h"
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -356,6 +357,62 @@ TEST_F(TrainerTest, PerModuleRanksResumeAndExport) {
   absl::Status status = CreateStatus(spec);
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("lora.targets: \"q_proj\" selects no module"));
+}
+
+// lora.modules_to_save through the trainer: the copies of embed_tokens and lm_head train
+// (AdamW, clipping, weight decay) and resume bit for bit with the adapters (their checkpoint
+// holds them and their optimizer state), count as trainable memory (weights, then gradients
+// and AdamW's moments), and export under PEFT's keys with adapter_config.json's
+// modules_to_save as the spec gave it. The base model's files are untouched.
+TEST_F(TrainerTest, ModulesToSaveTrainResumeAndExport) {
+  JobSpec spec = spec_;
+  spec.train.steps = 20;
+  spec.lora.dropout = 0.1;
+  spec.lora.targets = {"q_proj", "v_proj"};
+  spec.lora.modules_to_save = {"lm_head", "embed_tokens"};
+  spec.train.weight_decay = 0.01;
+  spec.train.max_grad_norm = 0.5;
+  std::vector<StepReport> straight;
+  ExpectBitIdenticalResume(spec, dir_.Path("saved-resumed"), &straight);
+  const int64_t copies = 2 * config_.vocab_size * config_.hidden_size * 4;
+  int64_t lora = 0;
+  for (const std::string& module : spec.lora.targets) {
+    ProjectionShape shape = ProjectionShapeOf(config_, module);
+    lora += 4 * (shape.in_features + shape.out_features) * 4 * config_.num_hidden_layers;
+  }
+  for (const StepReport& r : straight) {
+    const auto& at_peak = r.memory_at_peak;
+    EXPECT_EQ(at_peak[static_cast<int>(MemoryComponent::kTrainable)], lora + copies) << r.step;
+    EXPECT_GE(at_peak[static_cast<int>(MemoryComponent::kOptimizer)], 2 * (lora + copies))
+        << r.step;
+  }
+  const std::string adapter = dir_.Path("saved-resumed") + "/adapter";
+  absl::StatusOr<std::string> text = ReadFile(adapter + "/adapter_config.json");
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_EQ(nlohmann::json::parse(*text)["modules_to_save"],
+            nlohmann::json({"lm_head", "embed_tokens"}));
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> file =
+      SafetensorsFile::Open(adapter + "/adapter_model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  absl::StatusOr<std::shared_ptr<const SafetensorsFile>> base =
+      SafetensorsFile::Open(spec.model.path + "/model.safetensors");
+  ASSERT_TRUE(base.ok()) << base.status();
+  for (const auto& [key, base_key] :
+       {std::pair{"base_model.model.lm_head.weight", "lm_head.weight"},
+        std::pair{"base_model.model.model.embed_tokens.weight", "model.embed_tokens.weight"}}) {
+    const TensorView* trained = (*file)->Find(key);
+    const TensorView* frozen = (*base)->Find(base_key);
+    ASSERT_NE(trained, nullptr) << key;
+    ASSERT_NE(frozen, nullptr) << base_key;
+    EXPECT_EQ(trained->shape, frozen->shape) << key;
+    ASSERT_EQ(trained->nbytes, frozen->nbytes) << key;
+    EXPECT_NE(std::memcmp(trained->data, frozen->data, trained->nbytes), 0) << key << " trained";
+  }
+  // A spec naming another module is refused before anything is written.
+  spec.output = dir_.Path("nothing");
+  spec.lora.modules_to_save = {"norm"};
+  EXPECT_THAT(Trainer::Create(spec, testing::DefaultPlan(spec), {1}).status().message(),
+              HasSubstr("\"norm\" is not a module Lathe trains whole"));
 }
 
 // Each optimizer trains the tiny LoRA job and resumes it bit for bit (its state survives

@@ -307,6 +307,18 @@ void CausalLm::InitLora(const LoraSpec& spec, uint64_t seed) {
                    .set_requires_grad(true);
     p.lora_scale = target.Scale(spec.use_rslora);
   }
+  absl::StatusOr<SavedModules> saved = ResolveModulesToSave(spec.modules_to_save);
+  TORCH_CHECK(saved.ok(), "InitLora: lora.modules_to_save: ", saved.status().ToString());
+  saved_ = *saved;
+  // PEFT deep-copies the module: the copy starts as the base weight, in float32 here (the
+  // trainable masters' type; the base may be bfloat16), and trains while the base stays
+  // frozen. Tied embeddings: both copies start from the one tied weight.
+  auto copy = [this](const at::Tensor& base) {
+    return base.to(options_.device, at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+        .set_requires_grad(true);
+  };
+  if (saved_.embed_tokens) saved_embed_tokens_ = copy(embed_tokens_);
+  if (saved_.lm_head) saved_lm_head_ = copy(config_.tie_word_embeddings ? embed_tokens_ : lm_head_);
 }
 
 int64_t CausalLm::QuantizeProjections() {
@@ -330,10 +342,22 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
   LATHE_ASSIGN_OR_RETURN(std::string config_text, ReadFile(config_path));
   LATHE_ASSIGN_OR_RETURN(PeftAdapterConfig adapter,
                          ParsePeftAdapterConfig(config_text, config_path));
-  if (!adapter.modules_to_save.empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("lora.init_from: ", config_path, ": modules_to_save (",
-                     absl::StrJoin(adapter.modules_to_save, ", "), ") is not supported by Lathe"));
+  {
+    // The spec decides what trains; an adapter whose saved modules differ would either lose
+    // trained weights or start a copy from nothing, so both must name the same modules.
+    absl::StatusOr<SavedModules> has = ResolveModulesToSave(adapter.modules_to_save);
+    if (!has.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lora.init_from: ", config_path, ": modules_to_save: ", has.status().message()));
+    }
+    absl::StatusOr<SavedModules> wants = ResolveModulesToSave(spec.modules_to_save);
+    LATHE_RETURN_IF_ERROR(wants.status());
+    if (has->embed_tokens != wants->embed_tokens || has->lm_head != wants->lm_head) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lora.init_from: ", config_path, ": modules_to_save is [",
+          absl::StrJoin(adapter.modules_to_save, ", "), "] but lora.modules_to_save is [",
+          absl::StrJoin(spec.modules_to_save, ", "), "]"));
+    }
   }
   if (adapter.r != spec.rank) {
     return absl::InvalidArgumentError(absl::StrCat("lora.init_from: ", config_path, ": r is ",
@@ -368,11 +392,34 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
       *tensor = loaded.to(options_.device).set_requires_grad(true);
     }
   }
+  for (auto [name, tensor] : {std::pair{kPeftSavedEmbedTokens, &saved_embed_tokens_},
+                              std::pair{kPeftSavedLmHead, &saved_lm_head_}}) {
+    if (!tensor->defined()) continue;
+    const std::vector<int64_t> want = {config_.vocab_size, config_.hidden_size};
+    const TensorView* view = file->Find(name);
+    if (view == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\" is missing"));
+    }
+    if (view->shape != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\": shape ",
+                       ShapeText(view->shape), " vs ", ShapeText(want), " expected"));
+    }
+    LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
+                           TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
+    *tensor = loaded.to(options_.device).set_requires_grad(true);
+  }
   return absl::OkStatus();
 }
 
 const at::Tensor& CausalLm::lm_head() const {
+  if (saved_.lm_head) return saved_lm_head_;
   return config_.tie_word_embeddings ? embed_tokens_ : lm_head_;
+}
+
+const at::Tensor& CausalLm::embedding() const {
+  return saved_.embed_tokens ? saved_embed_tokens_ : embed_tokens_;
 }
 
 std::pair<at::Tensor, at::Tensor> CausalLm::RopeTables(int64_t seq,
@@ -523,20 +570,23 @@ at::Tensor CausalLm::Block(int64_t layer_index, const at::Tensor& x, const at::T
 at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   const int64_t seq = input_ids.size(1);
   const at::ScalarType type = options_.compute_dtype;
-  // Gemma's pad_token_id row gets no gradient from the lookup (transformers' padding_idx);
-  // the other families' pad_token_id is only written back (ModelConfig).
-  const int64_t padding_idx = IsGemma(config_) ? config_.pad_token_id.value_or(-1) : -1;
+  // The pad_token_id row gets no gradient from the lookup: every family's transformers
+  // module is nn.Embedding(vocab, hidden, padding_idx=config.pad_token_id). It matters where
+  // the embeddings train (full fine-tuning, modules_to_save) and pad_token_id occurs in the
+  // data (often it is the EOS token).
+  const int64_t padding_idx = config_.pad_token_id.value_or(-1);
   std::optional<ProfileScope> embeddings_scope;
   embeddings_scope.emplace("forward/embeddings");
-  at::Tensor x =
-      at::embedding(embed_tokens_, hooks_ ? hooks_->Enter(0, input_ids) : input_ids, padding_idx)
-          .to(type);
+  // Entered first: under ZeRO-3 the unit's slots hold its weights only once entered.
+  const at::Tensor ids = hooks_ ? hooks_->Enter(0, input_ids) : input_ids;
+  const at::Tensor& table = embedding();
+  at::Tensor x = at::embedding(table, ids, padding_idx).to(type);
   if (IsGemma(config_)) {
     // Gemma scales the embeddings by sqrt(hidden_size), rounded as transformers rounds it: to
     // the embeddings' dtype (and here to the compute dtype too): 55.5, not 55.43, in bfloat16.
     const double normalizer =
         at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::kDouble)
-            .to(embed_tokens_.scalar_type())
+            .to(table.scalar_type())
             .to(type)
             .item<double>();
     x = x * normalizer;
@@ -655,6 +705,10 @@ std::vector<UnitTensor> CausalLm::UnitTensors(int64_t unit) {
                                 : absl::StartsWith(name, block_prefix);
     if (mine) tensors.push_back({name, slot, trainable_base_, DecaysWeight(name)});
   }
+  if (unit == 0 && saved_.embed_tokens) {
+    tensors.push_back({kPeftSavedEmbedTokens, &saved_embed_tokens_, true, true});
+  }
+  if (head && saved_.lm_head) tensors.push_back({kPeftSavedLmHead, &saved_lm_head_, true, true});
   if (unit == 0 || head) return tensors;
   for (const std::string& module : ProjectionModules(config_)) {
     Projection& p = layers_[unit - 1].projection(module);
@@ -689,6 +743,9 @@ std::vector<NamedParameter> CausalLm::TrainableParameters() {
         params.push_back({PeftLoraTensorName(l, module, "B"), p.lora_b, true});
       }
     }
+    // AdamW decays them, as transformers' Trainer does (not a bias, not a norm).
+    if (saved_.embed_tokens) params.push_back({kPeftSavedEmbedTokens, saved_embed_tokens_, true});
+    if (saved_.lm_head) params.push_back({kPeftSavedLmHead, saved_lm_head_, true});
     return params;
   }
   for (auto& [name, slot] : BaseWeights()) {
@@ -710,6 +767,9 @@ absl::Status CausalLm::ExportAdapter(const std::string& dir,
         tensors.Add(PeftLoraTensorName(l, module, "B"), p.lora_b);
       }
     }
+    // PEFT saves a ModulesToSaveWrapper's copy under the wrapped module's own name.
+    if (saved_.embed_tokens) tensors.Add(kPeftSavedEmbedTokens, saved_embed_tokens_);
+    if (saved_.lm_head) tensors.Add(kPeftSavedLmHead, saved_lm_head_);
   } catch (const c10::Error& e) {
     return StatusFromTorchError(e, "exporting the adapter");
   }
@@ -740,6 +800,13 @@ absl::Status CausalLm::ExportModel(const std::string& dir) const {
 }
 
 absl::Status CausalLm::MergeLora() {
+  if (config_.tie_word_embeddings && saved_.any()) {
+    // A copy replaces one use of the tied weight (or two copies trained apart): the merged
+    // model would need untied embed_tokens and lm_head, which its config cannot say here.
+    return absl::FailedPreconditionError(
+        "merging modules_to_save copies of tied embeddings: the merged model would need untied "
+        "embed_tokens and lm_head");
+  }
   try {
     at::NoGradGuard no_grad;
     for (DecoderLayer& layer : layers_) {
@@ -757,6 +824,15 @@ absl::Status CausalLm::MergeLora() {
         p.lora_scale = 0.0;
       }
     }
+    if (saved_.embed_tokens) {
+      embed_tokens_ = saved_embed_tokens_.detach().to(embed_tokens_.scalar_type());
+      saved_embed_tokens_ = at::Tensor();
+    }
+    if (saved_.lm_head) {
+      lm_head_ = saved_lm_head_.detach().to(lm_head_.scalar_type());
+      saved_lm_head_ = at::Tensor();
+    }
+    saved_ = SavedModules();
   } catch (const c10::Error& e) {
     return StatusFromTorchError(e, "merging the adapter");
   }

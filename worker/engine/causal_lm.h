@@ -129,14 +129,21 @@ class CausalLm {
   // Adds fresh LoRA adapters per `spec` on the projections its targets select
   // (MatchLoraTargets over the model's ProjectionModules; none named: every projection):
   // A uniform in +-1/sqrt(in), B zero, from a generator seeded with `seed`, in model order.
+  // With spec.modules_to_save, also a trainable float32 copy of each module it names (the
+  // base weight's values; the base stays frozen): the copy replaces the module in the
+  // forward pass, as PEFT's ModulesToSaveWrapper does. With tied embeddings each copy
+  // replaces only its own use (lm_head: the head's product; embed_tokens: the lookup), the
+  // other use keeping the frozen tied weight, as PEFT 0.21 does without ensure_weight_tying.
   // REQUIRES: the targets select a projection (MatchLoraTargets succeeds; the trainer checks
   // it where it opens the model).
   void InitLora(const LoraSpec& spec, uint64_t seed);
 
   // Adds LoRA adapters from PEFT adapter directory `dir`, for `spec`'s targets and rank
-  // (scaling from `spec`). INVALID_ARGUMENT naming "lora.init_from", the tensor and the
-  // file when the adapter lacks a targeted tensor or has another rank or shape; as
-  // MatchLoraTargets when the targets select nothing.
+  // (scaling from `spec`), and the copies of spec.modules_to_save from its saved modules.
+  // INVALID_ARGUMENT naming "lora.init_from", the tensor and the file when the adapter lacks
+  // a targeted tensor or a saved module's, or has another rank or shape, or its config's
+  // modules_to_save names other modules than the spec's (one the spec would drop, or one the
+  // adapter does not have); as MatchLoraTargets when the targets select nothing.
   absl::Status LoadLora(const LoraSpec& spec, const std::string& dir);
 
   // Replaces every projection's frozen weight with its NF4 form (method qlora; docs/kernels.md
@@ -155,17 +162,21 @@ class CausalLm {
   // The same from Hidden(input_ids): the LM head and the cross-entropy alone.
   at::Tensor SumLossOfHidden(const at::Tensor& hidden, const at::Tensor& labels) const;
 
-  // Tensors that receive gradients: the LoRA A/B matrices (PEFT names) or, with a
-  // trainable base, every weight (HF names; biases and norms without weight decay).
+  // Tensors that receive gradients: the LoRA A/B matrices then the saved modules' copies
+  // (embed_tokens, lm_head; PEFT's adapter keys), or, with a trainable base, every weight
+  // (HF names; biases and norms without weight decay).
   std::vector<NamedParameter> TrainableParameters();
 
-  // Writes the LoRA adapters as a PEFT adapter directory. REQUIRES: LoRA was added.
+  // Writes the LoRA adapters and the saved modules' copies as a PEFT adapter directory.
+  // REQUIRES: LoRA was added.
   absl::Status ExportAdapter(const std::string& dir, const PeftAdapterConfig& config) const;
   // Writes config.json and model.safetensors (float32) to `dir`.
   absl::Status ExportModel(const std::string& dir) const;
   // Folds every LoRA adapter into its frozen weight (W + scale * B A, computed in float32,
-  // stored in the weight's type) and drops the adapters: the model then computes what base
-  // and adapter did together. FAILED_PRECONDITION for NF4 weights (method qlora).
+  // stored in the weight's type) and drops the adapters; a saved module's copy replaces its
+  // base weight (in the weight's type): the model then computes what base and adapter did
+  // together. FAILED_PRECONDITION for NF4 weights (method qlora), and for copies of tied
+  // embeddings (the merged model would need them untied).
   absl::Status MergeLora();
   // The base weights (LoRA excluded) by Hugging Face name, in ExpectedWeights' order.
   std::vector<std::pair<std::string, at::Tensor>> NamedBaseWeights() const;
@@ -174,8 +185,10 @@ class CausalLm {
   absl::Status WriteExportedConfig(const std::string& dir) const;
 
   // The units (see UnitHooks) and the tensors of each, in a fixed order: frozen base weights
-  // and, for LoRA, the unit's adapters (trainable); with a trainable base every weight is
-  // trainable. The head unit of a model with tied embeddings has only the final norm.
+  // and, for LoRA, the unit's adapters (trainable) and saved module copy (unit 0: the
+  // embeddings', the head unit: the LM head's); with a trainable base every weight is
+  // trainable. The head unit of a model with tied embeddings has only the final norm (and a
+  // saved lm_head copy).
   int64_t num_units() const { return config_.num_hidden_layers + 2; }
   std::vector<UnitTensor> UnitTensors(int64_t unit);
   // The NF4 weights of `unit`'s projections (method qlora, after QuantizeProjections), by
@@ -199,7 +212,10 @@ class CausalLm {
 
   // Every base weight with its HF name, in ExpectedWeights order.
   std::vector<std::pair<std::string, at::Tensor*>> BaseWeights();
+  // The weights the head's product and the embedding lookup use: a saved module's copy,
+  // else the base weight (tied: the embeddings).
   const at::Tensor& lm_head() const;
+  const at::Tensor& embedding() const;
   // The hooks' Leave of the head unit, when there are hooks.
   at::Tensor LeaveHead(const at::Tensor& output) const;
   at::Tensor Norm(const at::Tensor& x, const at::Tensor& weight) const;
@@ -225,8 +241,11 @@ class CausalLm {
   ModelOptions options_;
   at::Tensor embed_tokens_;  // [vocab, hidden]
   std::vector<DecoderLayer> layers_;
-  at::Tensor norm_;           // [hidden]
-  at::Tensor lm_head_;        // [vocab, hidden]; undefined when tied
+  at::Tensor norm_;     // [hidden]
+  at::Tensor lm_head_;  // [vocab, hidden]; undefined when tied
+  // PEFT's modules_to_save: trainable float32 copies [vocab, hidden]; undefined when unsaved.
+  at::Tensor saved_embed_tokens_, saved_lm_head_;
+  SavedModules saved_;        // which copies exist (their slots may be released under ZeRO-3)
   at::Tensor inv_freq_;       // [RotaryDim / 2]
   at::Tensor long_inv_freq_;  // LongRoPE's for sequences beyond its original length
   // Gemma 3's sliding layers (rope_local_base_freq); undefined otherwise.

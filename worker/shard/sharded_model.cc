@@ -147,6 +147,11 @@ absl::Status ShardedModel::Init() {
     }
     u.frozen_shard = ShardNumel(u.frozen.numel, world_);
     u.trainable_shard = ShardNumel(u.trainable.numel, world_);
+    if (index == 0 && tied_) {
+      for (const FlatEntry& e : u.trainable.entries) {
+        head_trains_embeddings_ |= e.name == "model.embed_tokens.weight";
+      }
+    }
     if (stage3) {
       // Copy only this rank's part of each tensor into its slices; the rest of the mapped
       // file is never touched. The model's slots are cleared (unmapping the file).
@@ -353,7 +358,7 @@ void ShardedModel::BindNf4(Unit& u) {
   }
 }
 
-void ShardedModel::Bind(int64_t unit, int64_t use) {
+void ShardedModel::Bind(int64_t unit, int64_t use, bool trainables) {
   Unit& u = units_[unit];
   if (options_.strategy.zero_stage ==
       3) {  // below, the frozen weights stay where the model loaded them
@@ -361,7 +366,7 @@ void ShardedModel::Bind(int64_t unit, int64_t use) {
       *u.frozen_slots[i] = Flat(u.frozen_whole, u.frozen.entries[i]);
     }
   }
-  if (u.trainable.entries.empty()) return;
+  if (u.trainable.entries.empty() || !trainables) return;
   std::vector<at::Tensor> views;
   if (use >= 0) {
     views = UnitParams::apply(anchor_, this, unit, use);
@@ -381,7 +386,7 @@ at::Tensor ShardedModel::Enter(int64_t unit, const at::Tensor& input) {
   for (int64_t v : use.units) Acquire(v);
   if (options_.strategy.zero_stage == 3 && options_.prefetch && unit + 1 < num_units())
     StartGather(unit + 1);
-  for (int64_t v : use.units) Bind(v, grad ? id : -1);
+  for (int64_t v : use.units) Bind(v, grad ? id : -1, v == unit || head_trains_embeddings_);
   current_use_[unit] = id;
   if (grad && input.requires_grad()) {
     ++uses_[id].pending;

@@ -194,7 +194,9 @@ class ShardedModel final : public UnitHooks {
   void BindNf4(Unit& u);
   void Acquire(int64_t unit);
   void Release(int64_t unit);
-  void Bind(int64_t unit, int64_t use);
+  // Points the unit's slots at its gathered buffers; its trainable ones (views through a
+  // UnitParams node of `use`, or plain views for -1) unless `trainables` is false.
+  void Bind(int64_t unit, int64_t use, bool trainables = true);
   void DrainOneReduce();
   void ReleaseUse(int64_t use);
   at::Device device() const { return model_->options().device; }
@@ -209,6 +211,11 @@ class ShardedModel final : public UnitHooks {
   int64_t rank_ = 0, world_ = 1;
   std::vector<Unit> units_;
   bool tied_ = false;
+  // Tied and the tied weight trains (full fine-tuning): the head's use of unit 0 binds its
+  // trainable tensors too. Otherwise (LoRA, a modules_to_save copy of embed_tokens) the head
+  // reads only unit 0's frozen weight, and a UnitParams node it never differentiates would
+  // keep the use, and unit 0 gathered, until the step's end.
+  bool head_trains_embeddings_ = false;
   at::Tensor anchor_;  // an empty leaf that requires grad: the input of UnitParams nodes
   std::map<int64_t, Use> uses_;
   int64_t next_use_ = 0;

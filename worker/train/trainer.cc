@@ -270,6 +270,7 @@ PeftAdapterConfig AdapterConfigOf(const JobSpec& spec, const std::vector<LoraTar
   adapter.alpha_pattern = spec.lora.alpha_pattern;
   adapter.lora_dropout = spec.lora.dropout;
   adapter.use_rslora = spec.lora.use_rslora;
+  adapter.modules_to_save = spec.lora.modules_to_save;  // as given, as PEFT writes it
   SetPeftTargetModules(spec.lora, targets, &adapter);
   return adapter;
 }
@@ -375,6 +376,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const JobSpec& given, c
   if (TrainsLora(spec)) {
     // The model's own projections: the spec's default (none named) is every one of them.
     LATHE_RETURN_IF_ERROR(MatchLoraTargets(spec.lora, *config).status());
+    LATHE_RETURN_IF_ERROR(
+        Annotate(ResolveModulesToSave(spec.lora.modules_to_save).status(), "lora.modules_to_save"));
     if (spec.lora.init_from.empty()) {
       trainer->model_->InitLora(spec.lora, train.seed);
     } else {
