@@ -45,7 +45,11 @@ LoRA under ZeRO-3 are Qwen3's case already). A Phi-4-mini-like Phi-3 (#31: fused
 gate_up_proj, partial rotary, LongRoPE, tied) runs the LoRA, QLoRA and full jobs, each also
 under ZeRO-3 (LoRA and full) on 2 ranks, its LoRA job on the spec's default targets (every
 projection of the model: the four fused ones, as the exported adapter_config.json says and
-PEFT loads).
+PEFT loads). PEFT's modules_to_save (#31): the Llama LoRA job with a trained copy of its LM
+head (also under ZeRO-3 on 2 ranks), and the tied Qwen2's rsLoRA job with copies of
+embed_tokens and lm_head, which PEFT 0.21 trains apart (each replaces one use of the tied
+weight); their adapters (the copies under PEFT's keys) load in PEFT, and PEFT's own trained
+one in `lathe-worker score`.
 
 What is held (float32 on both sides):
   - each step's loss (computed before its update), relative STEP_LOSS_REL_TOL; its gradient
@@ -309,6 +313,15 @@ for _name, _like in (("lora_phi3", "lora_llama"), ("qlora_phi3", "qlora_llama"),
     if "lora" in JOBS[_name]:
         JOBS[_name]["lora"] = dict(JOBS[_name]["lora"], targets=PHI3_TARGETS)
 JOBS["lora_phi3"]["spec_default_targets"] = True
+# PEFT's modules_to_save (#31): lora_llama with a trained copy of the untied LM head; the
+# packed rsLoRA job of the tied Qwen2 with copies of both uses of its one tied weight, which
+# PEFT 0.21 (no ensure_weight_tying) trains apart: the lookup by the embed_tokens copy, the
+# head's product by the lm_head copy, each starting as the tied weight.
+JOBS["lora_llama_mts"] = dict(JOBS["lora_llama"],
+                              lora=dict(JOBS["lora_llama"]["lora"], modules_to_save=["lm_head"]))
+JOBS["lora_qwen2_mts"] = dict(JOBS["lora_qwen2"],
+                              lora=dict(JOBS["lora_qwen2"]["lora"],
+                                        modules_to_save=["embed_tokens", "lm_head"]))
 # The ZeRO-3 runs: the same jobs on 2 ranks (a rank's half of the global batch, in
 # micro-batches of 1 for LoRA, of 2 for full), so the HF loop's result is the same.
 ZERO3_JOBS = {
@@ -321,6 +334,8 @@ ZERO3_JOBS = {
     "full_gemma2_zero3": ("full_gemma2", dict(micro_batch=2)),
     "lora_phi3_zero3": ("lora_phi3", dict(micro_batch=1)),
     "full_phi3_zero3": ("full_phi3", dict(micro_batch=2)),
+    # The LM head's copy sharded in the head unit (#31).
+    "lora_llama_mts_zero3": ("lora_llama_mts", dict(micro_batch=1)),
 }
 
 # Helpers --------------------------------------------------------------------------------------
@@ -426,12 +441,14 @@ def lora_config(job):
                       lora_dropout=0.0, use_rslora=lora["use_rslora"], init_lora_weights=False,
                       rank_pattern=lora.get("rank_pattern", {}),
                       alpha_pattern=lora.get("alpha_pattern", {}),
+                      modules_to_save=lora.get("modules_to_save"),
                       bias="none", task_type="CAUSAL_LM")
 
 
 def peft_name(name):
-    """PEFT's parameter name (…lora_A.default.weight) as saved (…lora_A.weight)."""
-    return name.replace(".default.", ".")
+    """PEFT's parameter name (…lora_A.default.weight, …lm_head.modules_to_save.default.weight)
+    as saved (…lora_A.weight, …lm_head.weight)."""
+    return name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
 
 
 def hf_train(model, job, records, plant=None):
@@ -515,7 +532,7 @@ def job_spec(job, model_dir, data, output, init_from=None, ranks=1, **train_chan
         spec["lora"] = {"rank": lora["rank"], "alpha": lora["alpha"], "dropout": 0.0,
                         "targets": lora["targets"], "use_rslora": lora["use_rslora"],
                         "init_from": init_from}
-        for key in ("rank_pattern", "alpha_pattern"):
+        for key in ("rank_pattern", "alpha_pattern", "modules_to_save"):
             if key in lora:
                 spec["lora"][key] = lora[key]
         if job.get("spec_default_targets"):
@@ -576,16 +593,23 @@ def lathe_score(model_dir, adapter, data, logits_out):
     return [tensors[f"logits.{i}"] for i in range(len(tensors))], json.loads(lines[-1])
 
 
+# PEFT's warning for modules_to_save on a tied model without ensure_weight_tying: what it
+# does then (each copy replaces one use of the tied weight) is what Lathe does.
+TIED_MODULES_WARNING = "Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"
+
+
 def load_peft_strictly(test, base, adapter_dir):
     """PeftModel.from_pretrained(base, adapter_dir), checking that every key matched: no
-    warning from from_pretrained, load_adapter's load_result without missing or unexpected
-    keys, and PEFT's adapter state dict exactly the file's tensors (names and values)."""
+    warning from from_pretrained (but TIED_MODULES_WARNING), load_adapter's load_result
+    without missing or unexpected keys, and PEFT's adapter state dict exactly the file's
+    tensors (names and values)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = PeftModel.from_pretrained(base, adapter_dir)
     # Any warning of PEFT's own, or naming keys (missing, unexpected, mismatched).
     adapter_warnings = [str(w.message) for w in caught
-                        if f"{os.sep}peft{os.sep}" in w.filename or "keys" in str(w.message)]
+                        if (f"{os.sep}peft{os.sep}" in w.filename or "keys" in str(w.message))
+                        and not str(w.message).startswith(TIED_MODULES_WARNING)]
     test.assertEqual(adapter_warnings, [], f"{adapter_dir}: PEFT warned while loading")
     # load_adapter returns what set_peft_model_state_dict's load_state_dict reported.
     result = model.load_adapter(adapter_dir, adapter_name="strict_check")
@@ -869,6 +893,21 @@ class LoraTrainingTest(TrainingCase):
     def test_lora_phi3_default_targets(self):
         self.check_job("lora_phi3", lathe_result("lora_phi3"))
 
+    def test_lora_llama_modules_to_save(self):
+        # The LM head's copy trains beside the adapters (its first gradient and trained values
+        # held like theirs); the base's lm_head stays as it was.
+        lathe = lathe_result("lora_llama_mts")
+        self.assertIn("base_model.model.lm_head.weight", lathe["trained"])
+        self.check_job("lora_llama_mts", lathe)
+
+    def test_lora_qwen2_tied_modules_to_save(self):
+        # Both copies of the one tied weight, trained apart, each from its own use's gradient.
+        lathe = lathe_result("lora_qwen2_mts")
+        embed = lathe["trained"]["base_model.model.model.embed_tokens.weight"]
+        head = lathe["trained"]["base_model.model.lm_head.weight"]
+        self.assertFalse(torch.equal(embed, head))
+        self.check_job("lora_qwen2_mts", lathe)
+
 
 class FullTrainingTest(TrainingCase):
     """method full against the bare transformers model in the HF loop; the exported model
@@ -951,6 +990,11 @@ class Zero3TrainingTest(TrainingCase):
         lathe = lathe_result("full_gemma2_zero3")
         self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
         self.check_job("full_gemma2_zero3", lathe)
+
+    def test_lora_llama_modules_to_save_two_ranks(self):
+        lathe = lathe_result("lora_llama_mts_zero3")
+        self.assertEqual((lathe["plan"]["ranks"], lathe["plan"]["strategy"]["zero_stage"]), ("2", "3"))
+        self.check_job("lora_llama_mts_zero3", lathe)
 
     def test_phi3_two_ranks(self):
         for job_name in ("lora_phi3_zero3", "full_phi3_zero3"):
@@ -1053,11 +1097,12 @@ class AdapterRoundTripTest(TrainingCase):
                 config = model.peft_config["default"]
                 self.assertEqual((config.r, config.lora_alpha, config.use_rslora,
                                   sorted(config.target_modules), config.rank_pattern,
-                                  config.alpha_pattern),
+                                  config.alpha_pattern, config.modules_to_save),
                                  (job["lora"]["rank"], job["lora"]["alpha"],
                                   job["lora"]["use_rslora"], sorted(job["lora"]["targets"]),
                                   job["lora"].get("rank_pattern", {}),
-                                  job["lora"].get("alpha_pattern", {})))
+                                  job["lora"].get("alpha_pattern", {}),
+                                  job["lora"].get("modules_to_save")))
                 losses.append(self.compare_scores(model, base_dir, adapter, b,
                                                   f"{job_name} on {os.path.basename(base_dir)}"))
         return losses
@@ -1087,6 +1132,31 @@ class AdapterRoundTripTest(TrainingCase):
 
     def test_lathe_zero3_adapter_loads_in_peft(self):
         self.check_lathe_adapter("lora_llama_zero3")
+
+    def test_lathe_modules_to_save_adapters_load_in_peft(self):
+        # PEFT reads the copies under its keys into its ModulesToSaveWrapper (every key
+        # matched), and its forward with them scores as `lathe-worker score --adapter` does:
+        # untied, single process and ZeRO-3, and on the tied Qwen2 (each copy one use).
+        for job_name in ("lora_llama_mts", "lora_llama_mts_zero3", "lora_qwen2_mts"):
+            self.check_lathe_adapter(job_name)
+        # The copy matters: the same adapters with the base's LM head score otherwise.
+        lathe = lathe_result("lora_llama_mts")
+        b = base("llama")
+        tensors = load_file(os.path.join(lathe["done"]["adapter"], "adapter_model.safetensors"))
+        path = os.path.join(b.dir, "mts-without-head")
+        shutil.copytree(lathe["done"]["adapter"], path, dirs_exist_ok=True)
+        save_file({k: v for k, v in tensors.items() if k != "base_model.model.lm_head.weight"},
+                  os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(path, "adapter_config.json")) as f:
+            config = json.load(f)
+        config["modules_to_save"] = None
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        _, without = lathe_score(b.model_dir, path, b.eval, os.path.join(b.dir, "mts-wo.st"))
+        _, with_head = lathe_score(b.model_dir, lathe["done"]["adapter"], b.eval,
+                                   os.path.join(b.dir, "mts-w.st"))
+        self.assertGreater(abs(without["loss"] - with_head["loss"]) / with_head["loss"],
+                           100 * SCORE_LOSS_REL_TOL)
 
     def test_lathe_qlora_adapter_loads_in_peft(self):
         need(self, "lathe-nf4-quantize")
@@ -1140,6 +1210,19 @@ class AdapterRoundTripTest(TrainingCase):
             hf_train(model, job, b.records)
             model.save_pretrained(path)
         self.check_peft_adapter(b, path, "PEFT trained adapter (qwen2, rslora)")
+
+    def test_peft_modules_to_save_adapter_scores_in_lathe(self):
+        # The HF loop's tied Qwen2 job with both copies, saved by PEFT: `lathe-worker score
+        # --adapter` reads the copies (each for its own use) and scores as PeftModel does.
+        job = JOBS["lora_qwen2_mts"]
+        b = base("qwen2")
+        path = os.path.join(b.dir, "peft-trained-mts")
+        if not os.path.isdir(path):
+            model = PeftModel.from_pretrained(b.load(), b.init_adapter("lora_qwen2_mts", job),
+                                              is_trainable=True)
+            hf_train(model, job, b.records)
+            model.save_pretrained(path)
+        self.check_peft_adapter(b, path, "PEFT trained adapter with modules_to_save (tied qwen2)")
 
 
 if __name__ == "__main__":
