@@ -584,9 +584,11 @@ at::Tensor CausalLm::Hidden(const at::Tensor& input_ids) const {
   if (IsGemma(config_)) {
     // Gemma scales the embeddings by sqrt(hidden_size), rounded as transformers rounds it: to
     // the embeddings' dtype (and here to the compute dtype too): 55.5, not 55.43, in bfloat16.
+    // The base's dtype also for a modules_to_save copy, float32 here but the model's own
+    // dtype in PEFT.
     const double normalizer =
         at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::kDouble)
-            .to(table.scalar_type())
+            .to(embed_tokens_.scalar_type())
             .to(type)
             .item<double>();
     x = x * normalizer;
