@@ -1211,6 +1211,37 @@ class AdapterRoundTripTest(TrainingCase):
             model.save_pretrained(path)
         self.check_peft_adapter(b, path, "PEFT trained adapter (qwen2, rslora)")
 
+    def test_lathe_modules_to_save_adapter_merges_as_peft(self):
+        # `lathe-worker merge` writes the trained lm_head copy as the merged model's lm_head:
+        # transformers' model from it computes PEFT's base + adapter (merge_and_unload's
+        # logits). A tied model's copies would need untied weights: refused.
+        lathe = lathe_result("lora_llama_mts")
+        b = base("llama")
+        adapter = lathe["done"]["adapter"]
+        out = os.path.join(b.dir, "merged-mts")
+        shutil.rmtree(out, ignore_errors=True)
+        run([os.path.join(BIN_DIR, "lathe-worker"), "merge", "--model", b.model_dir, "--adapter",
+             adapter, "--out", out], "lathe-worker merge")
+        merged, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                            output_loading_info=True)
+        self.assertEqual({k: v for k, v in info.items() if v}, {}, "keys not matched")
+        trained = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+        self.assertTrue(torch.equal(merged.lm_head.weight.detach(),
+                                    trained["base_model.model.lm_head.weight"]))
+        peft = load_peft_strictly(self, b.load(), adapter).merge_and_unload()
+        merged_logits, merged_loss, _ = arch.hf_score(merged.eval(), b.eval_records)
+        peft_logits, peft_loss, _ = arch.hf_score(peft.eval(), b.eval_records)
+        logit_err, record = arch.max_rel_error(merged_logits, peft_logits)
+        self.assertLessEqual(logit_err, LOGIT_REL_TOL, f"merged logits (record {record})")
+        self.assertLessEqual(abs(merged_loss - peft_loss) / peft_loss, SCORE_LOSS_REL_TOL)
+        tied = lathe_result("lora_qwen2_mts")["done"]["adapter"]
+        proc = subprocess.run([os.path.join(BIN_DIR, "lathe-worker"), "merge", "--model",
+                               base("qwen2").model_dir, "--adapter", tied, "--out",
+                               os.path.join(b.dir, "merged-mts-tied")],
+                              capture_output=True, text=True)
+        self.assertNotEqual(proc.returncode, 0)
+        self.assertIn("untied embed_tokens and lm_head", proc.stderr)
+
     def test_peft_modules_to_save_adapter_scores_in_lathe(self):
         # The HF loop's tied Qwen2 job with both copies, saved by PEFT: `lathe-worker score
         # --adapter` reads the copies (each for its own use) and scores as PeftModel does.
