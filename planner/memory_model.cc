@@ -143,7 +143,7 @@ int64_t LargestTrainableTensor(const JobShape& job, bool with_embeddings = true)
   }
   int64_t largest = 0;
   if ((with_embeddings && job.saved.embed_tokens) || job.saved.lm_head) {
-    largest = m.vocab_size * m.hidden_size;  // a saved module's copy
+    largest = m.embeddings;  // a saved module's copy (vocab x hidden)
   }
   for (const std::string& t : job.lora_targets) {
     const absl::StatusOr<ProjectionShape> p = ProjectionOf(m, t);

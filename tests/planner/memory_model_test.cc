@@ -129,7 +129,7 @@ TEST(MemoryTimelineTest, ModulesToSaveAddTheirCopiesStatesAsTheStageShardsThem) 
   JobShape with = without;
   with.saved.embed_tokens = with.saved.lm_head = true;
   const ModelShape& m = with.model;
-  const int64_t copy = m.vocab_size * m.hidden_size;
+  const int64_t copy = m.config.vocab_size * m.config.hidden_size;
   absl::StatusOr<std::vector<UnitElements>> plain =
       UnitsOf(m, without.method, without.lora_rank, without.lora_targets);
   absl::StatusOr<std::vector<UnitElements>> saved =
