@@ -3,7 +3,9 @@
 (LATHE_BIN_DIR), so that a change to flags, the CLI's output or the daemons that breaks the
 quick start fails CI. Checks that it exits 0, that the job succeeded with its progress and
 MFU shown, that the adapter is where it says, and that the adapter lowers the eval loss; and
-that --prometheus starts a Prometheus on the demo's daemons."""
+that --prometheus starts a Prometheus on the demo's daemons and --profile captures 3 steps of
+the running job and fetches a trace that Perfetto opens."""
+import json
 import os
 import re
 import shutil
@@ -46,13 +48,14 @@ class DemoTest(unittest.TestCase):
             if os.environ.get("LATHE_KEEP_E2E") is None:
                 shutil.rmtree(work, ignore_errors=True)
 
-    def test_demo_with_prometheus(self):
-        """--prometheus: a Prometheus scraping the demo's daemons, with the alert rules."""
+    def test_demo_with_prometheus_and_profile(self):
+        """--prometheus: a Prometheus scraping the demo's daemons, with the alert rules;
+        --profile: `lathe profile` on the running job, and the capture fetched."""
         work = tempfile.mkdtemp(prefix="lathe-demo-e2e-")
         try:
             result = subprocess.run([os.path.join(SOURCE, "scripts", "demo"), "--prometheus",
-                                     work], input="\n", capture_output=True, text=True,
-                                    timeout=300)
+                                     "--profile", work], input="\n", capture_output=True,
+                                    text=True, timeout=300)
             out = result.stdout
             self.assertEqual(result.returncode, 0, out[-3000:] + result.stderr[-3000:])
             self.assertIn("SUCCEEDED", out)
@@ -61,6 +64,18 @@ class DemoTest(unittest.TestCase):
                 log = f.read()
             self.assertIn("Server is ready to receive web requests", log)
             self.assertIn("Completed loading of configuration file", log)
+
+            self.assertRegex(out, r"capture prof-1 of job demo-lora-\w+")
+            self.assertRegex(out, r"prof-1 DONE +attempt #1 +rank 0 +3 steps \+ memory")
+            trace = os.path.join(work, "profile", "prof-1", "rank-0", "rank-0.trace.json")
+            self.assertIn(f"Open {trace} in https://ui.perfetto.dev", out)
+            with open(trace) as f:
+                events = json.load(f)["traceEvents"]
+            self.assertIn("lathe rank 0", {e["args"]["name"] for e in events
+                                           if e.get("name") == "process_name"})
+            self.assertIn("forward/block.3", {e.get("name") for e in events})
+            with open(os.path.join(os.path.dirname(trace), "rank-0.memory.json")) as f:
+                self.assertGreater(json.load(f)["peak"]["bytes"], 0)
         finally:
             if os.environ.get("LATHE_KEEP_E2E") is None:
                 shutil.rmtree(work, ignore_errors=True)
