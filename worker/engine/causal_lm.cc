@@ -368,34 +368,9 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
                          SafetensorsFile::Open(weights_path));
   LATHE_RETURN_IF_ERROR(MatchLoraTargets(spec, config_).status());
   InitLora(spec, /*seed=*/0);  // shapes and flags; values replaced below
-  for (const LoraTarget& target : lora_targets_) {
-    const int64_t l = target.layer;
-    const std::string& module = target.module;
-    ProjectionShape shape = ProjectionShapeOf(config_, module);
-    Projection& p = layers_[l].projection(module);
-    for (auto [which, tensor, want] :
-         {std::tuple{"A", &p.lora_a, std::vector<int64_t>{target.rank, shape.in_features}},
-          std::tuple{"B", &p.lora_b, std::vector<int64_t>{shape.out_features, target.rank}}}) {
-      std::string name = PeftLoraTensorName(l, module, which);
-      const TensorView* view = file->Find(name);
-      if (view == nullptr) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\" is missing"));
-      }
-      if (view->shape != want) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("lora.init_from: ", weights_path, ": tensor \"", name, "\": shape ",
-                         ShapeText(view->shape), " vs ", ShapeText(want), " expected"));
-      }
-      LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
-                             TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
-      *tensor = loaded.to(options_.device).set_requires_grad(true);
-    }
-  }
-  for (auto [name, tensor] : {std::pair{kPeftSavedEmbedTokens, &saved_embed_tokens_},
-                              std::pair{kPeftSavedLmHead, &saved_lm_head_}}) {
-    if (!tensor->defined()) continue;
-    const std::vector<int64_t> want = {config_.vocab_size, config_.hidden_size};
+  // Reads tensor `name` of shape `want` into `tensor`, trainable.
+  auto load = [&](const std::string& name, const std::vector<int64_t>& want,
+                  at::Tensor* tensor) -> absl::Status {
     const TensorView* view = file->Find(name);
     if (view == nullptr) {
       return absl::InvalidArgumentError(
@@ -409,6 +384,23 @@ absl::Status CausalLm::LoadLora(const LoraSpec& spec, const std::string& dir) {
     LATHE_ASSIGN_OR_RETURN(at::Tensor loaded,
                            TensorFromFile({view, file}, at::kFloat, /*writable=*/true));
     *tensor = loaded.to(options_.device).set_requires_grad(true);
+    return absl::OkStatus();
+  };
+  for (const LoraTarget& target : lora_targets_) {
+    const int64_t l = target.layer;
+    const std::string& module = target.module;
+    ProjectionShape shape = ProjectionShapeOf(config_, module);
+    Projection& p = layers_[l].projection(module);
+    LATHE_RETURN_IF_ERROR(
+        load(PeftLoraTensorName(l, module, "A"), {target.rank, shape.in_features}, &p.lora_a));
+    LATHE_RETURN_IF_ERROR(
+        load(PeftLoraTensorName(l, module, "B"), {shape.out_features, target.rank}, &p.lora_b));
+  }
+  for (auto [name, tensor] : {std::pair{kPeftSavedEmbedTokens, &saved_embed_tokens_},
+                              std::pair{kPeftSavedLmHead, &saved_lm_head_}}) {
+    if (tensor->defined()) {
+      LATHE_RETURN_IF_ERROR(load(name, {config_.vocab_size, config_.hidden_size}, tensor));
+    }
   }
   return absl::OkStatus();
 }
