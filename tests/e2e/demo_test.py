@@ -5,6 +5,7 @@ quick start fails CI. Checks that it exits 0, that the job succeeded with its pr
 MFU shown, that the adapter is where it says, and that the adapter lowers the eval loss; and
 that --prometheus starts a Prometheus on the demo's daemons and --profile captures 3 steps of
 the running job and fetches a trace that Perfetto opens."""
+import gzip
 import json
 import os
 import re
@@ -67,14 +68,15 @@ class DemoTest(unittest.TestCase):
 
             self.assertRegex(out, r"capture prof-1 of job demo-lora-\w+")
             self.assertRegex(out, r"prof-1 DONE +attempt #1 +rank 0 +3 steps \+ memory")
-            trace = os.path.join(work, "profile", "prof-1", "rank-0", "rank-0.trace.json")
+            trace = os.path.join(work, "profile", "prof-1", "rank-0", "rank-0.trace.json.gz")
             self.assertIn(f"Open {trace} in https://ui.perfetto.dev", out)
-            with open(trace) as f:
+            with gzip.open(trace, "rt") as f:
                 events = json.load(f)["traceEvents"]
             self.assertIn("lathe rank 0", {e["args"]["name"] for e in events
                                            if e.get("name") == "process_name"})
             self.assertIn("forward/block.3", {e.get("name") for e in events})
-            with open(os.path.join(os.path.dirname(trace), "rank-0.memory.json")) as f:
+            with gzip.open(os.path.join(os.path.dirname(trace), "rank-0.memory.json.gz"),
+                           "rt") as f:
                 self.assertGreater(json.load(f)["peak"]["bytes"], 0)
         finally:
             if os.environ.get("LATHE_KEEP_E2E") is None:

@@ -8,6 +8,7 @@ status` and fetched with `lathe profile --fetch`; a capture the trainers never a
 when the job is cancelled. Then the same with the real trainer (`lathe-worker train`): what a
 user fetches opens in Perfetto (Chrome trace JSON, one process per rank, the engine's scopes)
 and holds the memory timeline."""
+import gzip
 import json
 import os
 import stat
@@ -76,21 +77,25 @@ class ProfileTest(ClusterTest):
 
         capture = self.wait_capture(job_id, 0, "done")
         self.assertEqual(capture["ranks"], [0, 1])
-        self.assertEqual(sorted((f["rank"], f["name"], f["size"]) for f in capture["files"]),
-                         [(0, "trace.json", 25), (1, "trace.json", 25)])
+        # The agent sends each file gzip-compressed, as <name>.gz.
+        self.assertEqual(sorted((f["rank"], f["name"]) for f in capture["files"]),
+                         [(0, "trace.json.gz"), (1, "trace.json.gz")])
         self.assertEqual(capture["requested_by"], "e2e-client (client)")
         text = self.cluster.lathe("status", job_id)
         self.assertIn("prof-1 DONE  attempt #1  ranks 0,1  3 steps", text.stdout)
         stored = os.path.join(self.root, "lathe.db.logs", job_id, "attempt-1", "profile",
-                              "prof-1", "rank-1", "trace.json")
+                              "prof-1", "rank-1", "trace.json.gz")
         self.assertTrue(os.path.isfile(stored), stored)
 
         out = os.path.join(self.root, "fetched")
         result = self.cluster.lathe("profile", "--fetch", job_id, out)
         self.assertEqual(result.returncode, 0, result.stderr)
         for rank in (0, 1):
-            with open(os.path.join(out, "prof-1", f"rank-{rank}", "trace.json")) as f:
+            path = os.path.join(out, "prof-1", f"rank-{rank}", "trace.json.gz")
+            with gzip.open(path, "rt") as f:
                 self.assertEqual(f.read(), f"trace of prof-1 on rank {rank}")
+            sizes = {f["rank"]: f["size"] for f in capture["files"]}
+            self.assertEqual(os.path.getsize(path), sizes[rank])
         again = self.cluster.lathe("profile", "--fetch", job_id, out)
         self.assertEqual(again.returncode, 1)
         self.assertIn("exists; not overwritten", again.stderr)
@@ -141,8 +146,8 @@ class RealTrainerProfileTest(ClusterTest):
             time.sleep(0.2)
         self.assertEqual(capture["state"], "done", capture)
         self.assertEqual(sorted((f["rank"], f["name"]) for f in capture["files"]),
-                         [(0, "rank-0.memory.json"), (0, "rank-0.trace.json"),
-                          (1, "rank-1.memory.json"), (1, "rank-1.trace.json")])
+                         [(0, "rank-0.memory.json.gz"), (0, "rank-0.trace.json.gz"),
+                          (1, "rank-1.memory.json.gz"), (1, "rank-1.trace.json.gz")])
         for result in capture["results"]:
             self.assertEqual(result["last_step"] - result["first_step"], 1, result)
             self.assertEqual(result["error"], "", result)
@@ -152,7 +157,8 @@ class RealTrainerProfileTest(ClusterTest):
         self.assertEqual(fetched.returncode, 0, fetched.stderr)
         for rank in (0, 1):
             directory = os.path.join(out, "prof-1", f"rank-{rank}")
-            with open(os.path.join(directory, f"rank-{rank}.trace.json")) as f:
+            # Perfetto opens the .json.gz as it is.
+            with gzip.open(os.path.join(directory, f"rank-{rank}.trace.json.gz"), "rt") as f:
                 events = json.load(f)["traceEvents"]
             processes = {e["args"]["name"] for e in events
                          if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -163,7 +169,7 @@ class RealTrainerProfileTest(ClusterTest):
                 self.assertIn(scope, names, f"rank {rank}")
             self.assertTrue(any(n.startswith("step.") for n in names), f"rank {rank}")
             self.assertTrue(any(n.startswith("comm/") for n in names), f"rank {rank}")
-            with open(os.path.join(directory, f"rank-{rank}.memory.json")) as f:
+            with gzip.open(os.path.join(directory, f"rank-{rank}.memory.json.gz"), "rt") as f:
                 memory = json.load(f)
             self.assertEqual(memory["rank"], rank)
             self.assertGreater(len(memory["events"]), 0)

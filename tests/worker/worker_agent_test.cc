@@ -36,6 +36,7 @@
 #include "tests/worker/agent_test_util.h"
 #include "worker/agent/agent_main.h"
 #include "worker/agent/process_launcher.h"
+#include "zlib.h"
 
 namespace lathe {
 namespace {
@@ -303,7 +304,7 @@ case "$job" in
     id=$(sed -n 's/.*"capture_id": *"\([^"]*\)".*/\1/p' "$run/profile/request.json")
     mkdir -p "$run/profile/$id"
     printf 'trace of %s' "$id" > "$run/profile/$id/trace.json"
-    head -c 2500000 /dev/zero > "$run/profile/$id/big.bin"
+    head -c 2500000 /dev/urandom > "$run/profile/$id/big.bin"
     rm "$run/profile/request.json"
     echo "{\"profile\": {\"capture_id\": \"$id\", \"first_step\": 3, \"last_step\": 5, \"files\": [\"$run/profile/$id/trace.json\", \"$run/profile/$id/big.bin\"]}}"
     echo 'PROFILED_END'
@@ -494,6 +495,25 @@ v1::ProfileOrder MakeOrder(const std::string& job_id, int64_t generation, int64_
   return order;
 }
 
+// `gz`, gzip's format, decompressed; empty when it is not.
+std::string Gunzip(const std::string& gz) {
+  z_stream z{};
+  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) return "";
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(gz.data()));
+  z.avail_in = static_cast<uInt>(gz.size());
+  std::string out;
+  char buffer[1 << 16];
+  int status = Z_OK;
+  while (status == Z_OK) {
+    z.next_out = reinterpret_cast<Bytef*>(buffer);
+    z.avail_out = sizeof(buffer);
+    status = inflate(&z, Z_NO_FLUSH);
+    out.append(buffer, sizeof(buffer) - z.avail_out);
+  }
+  inflateEnd(&z);
+  return status == Z_STREAM_END ? out : "";
+}
+
 // `lathe profile` at the agent (issue #33): the order becomes the trainer's request file, the
 // trainer's answer an upload of its files in chunks of at most 1 MiB and then the answer, all
 // before the rank's end is reported.
@@ -514,20 +534,22 @@ TEST_F(WorkerAgentTest, AProfileOrderReachesTheTrainerAndItsFilesTheCoordinator)
   EXPECT_EQ(answer.first_step(), 3);
   EXPECT_EQ(answer.last_step(), 5);
   EXPECT_EQ(answer.error(), "");
+  // Each file goes compressed, as <name>.gz: random bytes grow a little, text shrinks.
   ASSERT_EQ(answer.files_size(), 2);
-  EXPECT_EQ(answer.files(0).name(), "trace.json");
-  EXPECT_EQ(answer.files(0).size(), 15u);
-  EXPECT_EQ(answer.files(1).name(), "big.bin");
-  EXPECT_EQ(answer.files(1).size(), 2500000u);
   const std::map<std::string, std::string> uploaded = service_.Uploaded();
-  EXPECT_EQ(uploaded.at("trace.json"), "trace of prof-1");
-  EXPECT_EQ(uploaded.at("big.bin"), std::string(2500000, '\0'));
+  EXPECT_EQ(answer.files(0).name(), "trace.json.gz");
+  EXPECT_EQ(answer.files(0).size(), uploaded.at("trace.json.gz").size());
+  EXPECT_EQ(Gunzip(uploaded.at("trace.json.gz")), "trace of prof-1");
+  EXPECT_EQ(answer.files(1).name(), "big.bin.gz");
+  EXPECT_EQ(answer.files(1).size(), uploaded.at("big.bin.gz").size());
+  EXPECT_GT(answer.files(1).size(), 2500000u);
+  EXPECT_EQ(Gunzip(uploaded.at("big.bin.gz")).size(), 2500000u);
   int big_chunks = 0;
   for (const v1::UploadProfileRequest& chunk : service_.Uploads()) {
     EXPECT_LE(chunk.data().size(), size_t{1} << 20);
     EXPECT_EQ(chunk.capture_id(), "prof-1");
     EXPECT_EQ(chunk.rank(), 0);
-    big_chunks += chunk.name() == "big.bin";
+    big_chunks += chunk.name() == "big.bin.gz";
   }
   EXPECT_EQ(big_chunks, 3);
   // The answer went before the rank's end.
@@ -556,7 +578,9 @@ TEST_F(WorkerAgentTest, AProfileOrderForARankNotHereOrPastTheBoundsIsAnsweredWit
   ASSERT_TRUE(service_.WaitUntil(Reported("profile-2", v1::RANK_EVENT_SUCCEEDED)));
   const std::vector<v1::ReportProfileRequest> answers = service_.ProfileReports();
   ASSERT_EQ(answers.size(), 2u);
-  EXPECT_EQ(answers[1].error(), "file big.bin is 2500000 bytes, past the bound of 1 MiB a file");
+  EXPECT_THAT(answers[1].error(),
+              ::testing::MatchesRegex("file big\\.bin\\.gz is 25[0-9]{5} bytes, "
+                                      "past the bound of 1 MiB a file"));
   EXPECT_EQ(answers[1].files_size(), 0);
   EXPECT_TRUE(service_.Uploads().empty()) << "nothing is uploaded";
   EXPECT_TRUE(StopAgent().ok());

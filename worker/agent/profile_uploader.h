@@ -6,10 +6,12 @@
 //
 // What is uploaded is checked first: every file must be a regular file directly inside the
 // capture's directory (<rank dir>/profile/<capture_id>/, where the trainer was told to write)
-// with a plain name, at most max_file_bytes, and the rank's files together at most
-// max_capture_bytes; otherwise nothing is uploaded and the answer is an error naming the file
-// and its size. The coordinator bounds the capture over all its ranks too
-// (coordinator/logs/profile_store.h).
+// with a plain name. Each is then compressed with gzip beside itself, as <name>.gz (a name
+// ending in .gz is sent as it is), which is what is uploaded: Perfetto opens a .json.gz trace
+// as it is, and a trace shrinks about tenfold. Each compressed file must be at most
+// max_file_bytes, and the rank's files together at most max_capture_bytes; otherwise nothing
+// is uploaded and the answer is an error naming the file and its size. The coordinator
+// bounds the capture over all its ranks too (coordinator/logs/profile_store.h).
 //
 // Delivery: UNAVAILABLE and DEADLINE_EXCEEDED are retried under the retry policy until Stop;
 // any other refusal (the capture ended, a bound at the coordinator) ends the upload, and the
